@@ -1,0 +1,149 @@
+"""The compressed cache on the tiny model: exactness, modes, byte accounting."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tqbench.engine.cache import CACHE_MODES, TQCache
+from tqbench.engine.estimate import KVGeometry, estimate_kv
+from tqbench.engine.policy import PRESETS, parse_policy
+
+PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 2
+
+
+def _ids(engine, text=PROMPT):
+    return engine.encode_prompt(text, chat=False)
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_dense_policy_matches_dynamic_cache_in_generate(tiny_engine, mode):
+    model, ids = tiny_engine.model, _ids(tiny_engine)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tiny_engine.tokenizer.pad_token_id)
+    ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
+    out = model.generate(ids, cache=tiny_engine.make_cache("fp16", mode), **kw)
+    assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_dense_policy_matches_dynamic_cache_in_manual_loop(tiny_engine, mode):
+    ref = tiny_engine.generate(_ids(tiny_engine), None, max_new_tokens=16, stop_at_eos=False)
+    got = tiny_engine.generate(_ids(tiny_engine), "fp16", mode, max_new_tokens=16, stop_at_eos=False)
+    assert got.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_dense_policy_matches_dynamic_cache_in_left_padded_batch(tiny_engine, mode):
+    tok, model = tiny_engine.tokenizer, tiny_engine.model
+    tok.padding_side = "left"
+    batch = tok([PROMPT, "a short one", "mid length prompt here ok"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    ref = model.generate(**batch, cache=DynamicCache(config=model.config), **kw)
+    out = model.generate(**batch, cache=tiny_engine.make_cache("fp16", mode), **kw)
+    assert out.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("policy", ["turbo4", "q8k-int4v", "k=turbo3.5,v=turbo2-qjl,sink=2,recent=4"])
+def test_fused_and_compressed_and_simulate_agree_exactly_in_float64(tiny_engine64, policy):
+    runs = {
+        m: tiny_engine64.generate(_ids(tiny_engine64), policy, m, max_new_tokens=20, stop_at_eos=False).token_ids
+        for m in ("simulate", "compressed", "fused")
+    }
+    assert runs["fused"] == runs["compressed"] == runs["simulate"]
+
+
+def test_left_padded_batch_compressed_matches_fused_float64(tiny_engine64):
+    tok, model = tiny_engine64.tokenizer, tiny_engine64.model
+    tok.padding_side = "left"
+    batch = tok([PROMPT, "a short one"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    a = model.generate(**batch, cache=tiny_engine64.make_cache("turbo4", "compressed"), **kw)
+    b = model.generate(**batch, cache=tiny_engine64.make_cache("turbo4", "fused"), **kw)
+    assert a.tolist() == b.tolist()
+
+
+def test_lossy_policy_changes_what_attention_reads(tiny_engine):
+    """turbo1 K/V with no window must perturb the logits (the cache is not silently dense)."""
+    ids = _ids(tiny_engine)
+    model = tiny_engine.model
+    with torch.inference_mode():
+        ref_cache = DynamicCache(config=model.config)
+        model(ids, cache=ref_cache)
+        ref = model(torch.tensor([[5]]), cache=ref_cache).logits
+        for mode, should_differ in (("dense-shadow", False), ("simulate", True), ("compressed", True), ("fused", True)):
+            cache = tiny_engine.make_cache("k=turbo1,v=turbo1", mode)
+            model(ids, cache=cache)
+            got = model(torch.tensor([[5]]), cache=cache).logits
+            assert (not torch.allclose(got, ref, atol=1e-4)) == should_differ, mode
+
+
+@pytest.mark.parametrize("policy", [p for p in PRESETS] + ["k=turbo4,v=int2,sink=3,recent=5,kblock=16,group=8"])
+@pytest.mark.parametrize("tokens", [1, 7, 40, 77])
+def test_report_bytes_match_config_only_estimate_to_the_byte(tiny_engine, policy, tokens):
+    model = tiny_engine.model
+    cache = TQCache(policy, model.config, mode="compressed")
+    ids = torch.randint(3, 200, (1, tokens))
+    with torch.inference_mode():
+        model(ids[:, : max(tokens - 3, 1)], cache=cache)  # prefill, then single-token steps
+        for t in range(max(tokens - 3, 1), tokens):
+            model(ids[:, t : t + 1], cache=cache)
+    rep = cache.report()
+    est = estimate_kv(policy, KVGeometry.from_config(model.config), tokens)
+    assert rep.compressed_storage_bytes == est.total_bytes
+    assert [r.total_bytes for r in rep.layers] == est.layer_bytes
+    assert rep.dense_fp16_bytes == est.dense_fp16_bytes
+    assert sum(r.total_bytes for r in rep.layers) + rep.shared_bytes == rep.compressed_storage_bytes
+
+
+def test_hand_computed_bytes_for_turbo4_window_policy(tiny_engine):
+    """4 layers, 2 KV heads, head_dim 16, 100 tokens, turbo4 K (centered) and V, sink 4, recent 32."""
+    model = tiny_engine.model
+    cache = TQCache("k=turbo4,v=turbo4,sink=4,recent=32", model.config, mode="compressed")
+    with torch.inference_mode():
+        model(torch.randint(3, 200, (1, 100)), cache=cache)
+    rep = cache.report()
+    heads, d = 2, 16
+    fp_rows = 4 + 32  # sinks + recent window, fp16
+    packed_rows = 100 - fp_rows
+    per_row = d * 4 // 8 + 2  # 4-bit indices + fp16 norm
+    k = fp_rows * heads * d * 2 + packed_rows * heads * per_row + heads * d * 2  # + fp16 centering mean
+    v = fp_rows * heads * d * 2 + packed_rows * heads * per_row
+    assert [r.k_bytes for r in rep.layers] == [k] * 4
+    assert [r.v_bytes for r in rep.layers] == [v] * 4
+    assert rep.dense_fp16_bytes == 4 * 2 * heads * 100 * d * 2
+    assert rep.compressed_storage_bytes == 4 * (k + v) + rep.shared_bytes
+    assert rep.shared_bytes > 0
+
+
+def test_modes_report_resident_bytes_honestly(tiny_engine):
+    model = tiny_engine.model
+    reps = {}
+    for mode in CACHE_MODES:
+        cache = TQCache("turbo4", model.config, mode=mode)
+        with torch.inference_mode():
+            model(torch.randint(3, 200, (1, 64)), cache=cache)
+        reps[mode] = cache.report()
+    storage = reps["fused"].compressed_storage_bytes
+    assert all(r.compressed_storage_bytes == storage for r in reps.values())
+    assert reps["fused"].resident_decode_bytes == storage
+    assert reps["compressed"].resident_decode_bytes > storage
+    assert reps["simulate"].resident_decode_bytes == storage + reps["simulate"].dense_fp16_bytes
+    assert reps["dense-shadow"].quality_claims is False
+    assert any("storage-only" in n for n in reps["dense-shadow"].notes)
+
+
+def test_fused_mode_reports_calls_and_dequantize_path(tiny_engine):
+    r = tiny_engine.generate(_ids(tiny_engine), "q8k-int4v", "fused", max_new_tokens=4, stop_at_eos=False)
+    assert r.cache_report.fused_calls > 0
+    assert any(k.startswith("dequantize-in-attention:int") for k in r.cache_report.fallbacks)
+    r = tiny_engine.generate(_ids(tiny_engine), "turbo4", "fused", max_new_tokens=4, stop_at_eos=False)
+    assert r.cache_report.fallbacks == {}
+
+
+def test_bad_mode_is_an_error(tiny_engine):
+    with pytest.raises(ValueError, match="unknown cache mode 'fast': valid modes are"):
+        TQCache("turbo4", tiny_engine.model.config, mode="fast")
+
+
+def test_policy_string_is_parsed_once(tiny_engine):
+    cache = TQCache(parse_policy("turbo3"), tiny_engine.model.config)
+    assert cache.policy.label == "turbo3"

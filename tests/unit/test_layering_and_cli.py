@@ -1,0 +1,82 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+
+def test_engine_does_not_import_front_ends():
+    out = _run(
+        "import sys, tqbench.engine.engine, tqbench.engine.cache, tqbench.engine.attention;"
+        "print(sorted(m for m in ('textual','rich','click','fastapi','starlette','uvicorn') if m in sys.modules))"
+    )
+    assert out.strip() == "[]"
+
+
+def test_help_does_not_import_torch():
+    out = _run(
+        "import sys; from click.testing import CliRunner; from tqbench.cli import main;"
+        "r = CliRunner().invoke(main, ['--help']); assert r.exit_code == 0, r.output;"
+        "print('torch' in sys.modules)"
+    )
+    assert out.strip() == "False"
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "tqbench.cli", *args], capture_output=True, text=True)
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0 and "0.1.0" in r.stdout
+
+
+def test_bench_json_on_tiny_model():
+    r = cli("--headless", "bench", "--model", "tiny", "--kv-policy", "turbo4", "--max-new-tokens", "5",
+            "--prompt", "hello there", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for key in ("input_tokens", "output_tokens", "kv_policy", "elapsed_seconds", "tokens_per_second"):
+        assert key in d
+    rep = d["cache_report"]
+    for key in ("compressed_storage_bytes", "dense_fp16_bytes", "memory_saved_pct", "compressed_at_rest_saved_pct",
+                "active_decode_memory_saved_pct", "cache_mode", "bits_per_element"):
+        assert key in rep
+    assert d["output_tokens"] == 5
+    assert sum(layer["total_bytes"] for layer in rep["layers"]) + rep["shared_bytes"] == rep["compressed_storage_bytes"]
+
+
+def test_policies_json_lists_every_preset():
+    from tqbench.engine.policy import PRESETS
+
+    r = cli("--headless", "policies", "--json")
+    rows = json.loads(r.stdout)
+    assert [row["name"] for row in rows] == list(PRESETS)
+    fp16 = rows[0]
+    assert fp16["bits_per_element"] == 16 and fp16["saved_pct"] == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-policy", "turbo9"], "unknown policy preset 'turbo9'"),
+    (["--kv-policy", "k=turbo9"], "unknown K codec 'turbo9'"),
+    (["--max-new-tokens", "0"], "ask for at least 1 token"),
+    (["--max-new-tokens", "-3"], "ask for at least 1 token"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
+    (["--prompt", "a", "--prompt-file", "x.txt"], "not both"),
+    (["--cache-mode", "warp"], "'warp' is not one of"),
+    (["--kv-policy", "kv=int8,protect=99"], "layer index 99 is out of range"),
+])
+def test_bench_bad_input_is_one_line_exit_2(args, needle):
+    r = cli("--headless", "bench", "--model", "tiny", "--max-new-tokens", "2", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_local_model_is_clear():
+    r = cli("--headless", "bench", "--model", "./no/such/folder", "--max-new-tokens", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -1,0 +1,29 @@
+"""tqbench: a workbench for KV-cache compression policies on Hugging Face decoder models.
+
+``from tqbench import Engine, Policy, CompressedDynamicCache`` loads torch lazily, so ``tqbench --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": ("tqbench.engine.engine", "Engine"),
+    "Policy": ("tqbench.engine.policy", "Policy"),
+    "parse_policy": ("tqbench.engine.policy", "parse_policy"),
+    "TQCache": ("tqbench.engine.cache", "TQCache"),
+    "CompressedDynamicCache": ("tqbench.engine.compat", "CompressedDynamicCache"),
+    "Sampling": ("tqbench.engine.generate", "Sampling"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'tqbench' has no attribute {name!r}")

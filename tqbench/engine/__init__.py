@@ -1,0 +1,1 @@
+"""The engine: codecs, policies, the compressed cache, generation. Imports torch and transformers only."""

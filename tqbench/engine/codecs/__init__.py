@@ -1,0 +1,123 @@
+"""Codec registry: ``codec_from_spec("turbo4", role="k", center=True)`` and the list of valid specs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .affine import AffineChannelCodec, AffineTokenCodec
+from .base import Codec, Encoded, compute_dtype
+from .dense import DenseCodec
+from .rotation import ROTATIONS
+from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
+
+__all__ = [
+    "ALIASES",
+    "CODEC_OPTS",
+    "CODEC_SPECS",
+    "ROLES",
+    "AffineChannelCodec",
+    "AffineTokenCodec",
+    "Codec",
+    "DenseCodec",
+    "Encoded",
+    "TurboCodec",
+    "TurboProdCodec",
+    "TurboSplitCodec",
+    "canonical_spec",
+    "codec_from_spec",
+    "compute_dtype",
+    "is_valid_spec",
+]
+
+CODEC_SPECS: tuple[str, ...] = (
+    "fp16",
+    "bf16",
+    "fp32",
+    "int8",
+    "int4",
+    "int2",
+    "turbo1",
+    "turbo2",
+    "turbo3",
+    "turbo4",
+    "turbo1.5",
+    "turbo2.5",
+    "turbo3.5",
+    "turbo2-qjl",
+    "turbo3-qjl",
+    "turbo4-qjl",
+)
+ALIASES: dict[str, str] = {"q8": "int8", "q4": "int4", "q2": "int2"}
+ROLES = ("k", "v")
+#: option name -> default
+CODEC_OPTS: dict[str, Any] = {
+    "rotation": "qr",
+    "center": False,
+    "norm_correction": True,
+    "group": 32,
+    "kblock": 32,
+    "seed": 0,
+}
+
+
+def canonical_spec(spec: str) -> str:
+    """The canonical name of ``spec`` (aliases resolved, case and spaces ignored); ValueError if unknown."""
+    name = spec.strip().lower() if isinstance(spec, str) else spec
+    name = ALIASES.get(name, name)
+    if name not in CODEC_SPECS:
+        valid = ", ".join(CODEC_SPECS + tuple(ALIASES))
+        raise ValueError(f"unknown codec {spec!r}: valid codecs are {valid}")
+    return name
+
+
+def is_valid_spec(spec: str) -> bool:
+    """True if ``spec`` names a codec (aliases included)."""
+    try:
+        canonical_spec(spec)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_opts(opts: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(opts) - set(CODEC_OPTS))
+    if unknown:
+        raise ValueError(
+            f"unknown codec option(s) {', '.join(unknown)}: valid options are {', '.join(CODEC_OPTS)}"
+        )
+    o = {**CODEC_OPTS, **opts}
+    if o["rotation"] not in ROTATIONS:
+        raise ValueError(f"unknown rotation {o['rotation']!r}: valid rotations are {', '.join(ROTATIONS)}")
+    for name in ("center", "norm_correction"):
+        if not isinstance(o[name], bool):
+            raise ValueError(f"{name} must be True or False, got {o[name]!r}")
+    for name in ("group", "kblock"):
+        if isinstance(o[name], bool) or not isinstance(o[name], int) or o[name] < 1:
+            raise ValueError(f"{name} must be a positive integer, got {o[name]!r}")
+    if isinstance(o["seed"], bool) or not isinstance(o["seed"], int):
+        raise ValueError(f"seed must be an integer, got {o['seed']!r}")
+    return o
+
+
+def codec_from_spec(spec: str, role: str = "v", **opts: Any) -> Codec:
+    """Build the codec named ``spec`` for keys (``role="k"``) or values (``role="v"``).
+
+    Options (ignored by codecs they do not apply to): ``rotation`` ("qr" | "hadamard"), ``center``,
+    ``norm_correction``, ``group`` (V/per-token affine group), ``kblock`` (K per-channel affine token
+    block), ``seed``.
+    """
+    name = canonical_spec(spec)
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}: valid roles are {', '.join(ROLES)}")
+    o = _check_opts(opts)
+    if name in ("fp16", "bf16", "fp32"):
+        return DenseCodec(name)
+    if name.startswith("int"):
+        bits = int(name[3:])
+        return AffineChannelCodec(bits, o["kblock"]) if role == "k" else AffineTokenCodec(bits, o["group"])
+    turbo = {k: o[k] for k in ("rotation", "center", "norm_correction", "seed")}
+    if name.endswith("-qjl"):
+        return TurboProdCodec(int(name[5:-4]), **turbo)
+    if "." in name:
+        return TurboSplitCodec(float(name[5:]), **turbo)
+    return TurboCodec(int(name[5:]), **turbo)

@@ -1,0 +1,87 @@
+"""The codec contract: what a KV row becomes and what it costs.
+
+A codec turns rows ``x`` of shape ``[batch, kv_heads, tokens, head_dim]`` into a dict of packed tensors
+(``Encoded``) and back. Every packed tensor has the layout ``[batch, kv_heads, units, ...]``: dim 2 counts
+*units*, and a unit is ``tokens_per_unit`` consecutive tokens (1 for per-token codecs; the token block
+size for per-channel codecs such as KIVI-style affine keys). The cache appends encoded chunks along dim 2,
+so a codec never sees its own history.
+
+Byte accounting is exact: ``unit_bytes(head_dim)`` is the number of bytes one unit of one (batch, head)
+occupies in the packed dict (indices + every norm, scale and zero), ``state_bytes`` counts per-layer
+calibration tensors (key centering means, ...), and ``shared_bytes`` counts objects shared by every
+layer with the same head_dim (rotations, codebooks), which a cache counts once per ``shared_key``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+Encoded = dict[str, torch.Tensor]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Quantize in at least fp32, and in fp64 when the model runs in fp64 (exactness across paths)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class Codec(ABC):
+    """Base class of every codec. Subclasses are small frozen-ish objects built by ``codec_from_spec``."""
+
+    #: canonical spec string, e.g. ``"turbo4"``, ``"int8"``, ``"fp16"``
+    spec: str = ""
+    #: consecutive tokens per storage unit (encode needs a multiple of it)
+    tokens_per_unit: int = 1
+    #: True for codecs that store rows unchanged (dense)
+    lossless: bool = False
+
+    # -- calibration -------------------------------------------------------------------------
+    def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-layer state computed once from the first rows the layer quantizes (its prefill).
+
+        Returned tensors are stored as-is and their nbytes are counted by ``state_bytes``.
+        Default: no state.
+        """
+        return {}
+
+    def state_bytes(self, state: dict[str, torch.Tensor]) -> int:
+        return int(sum(t.numel() * t.element_size() for t in state.values()))
+
+    # -- encode / decode ---------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
+        """``x``: ``[B, H, T, D]`` with ``T % tokens_per_unit == 0``. Returns packed tensors ``[B, H, T/tpu, ...]``."""
+
+    @abstractmethod
+    def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of ``encode``: ``[B, H, T, D]`` in ``dtype``."""
+
+    # -- bytes -------------------------------------------------------------------------------
+    @abstractmethod
+    def unit_bytes(self, head_dim: int) -> int:
+        """Exact bytes of one unit of one (batch, head), all per-unit metadata included."""
+
+    def shared_key(self, head_dim: int) -> str | None:
+        """Identity of objects shared across layers (rotation, codebook); ``None`` if nothing is shared."""
+        return None
+
+    def shared_bytes(self, head_dim: int) -> int:
+        return 0
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Packed bits per K or V element, per-unit metadata included (state/shared objects excluded)."""
+        return self.unit_bytes(head_dim) * 8 / (self.tokens_per_unit * head_dim)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 4:
+            raise ValueError(
+                f"{self.spec}: expected KV rows shaped [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}"
+            )
+        if x.shape[2] % self.tokens_per_unit:
+            raise ValueError(
+                f"{self.spec}: {x.shape[2]} tokens is not a multiple of the codec's block of {self.tokens_per_unit}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"

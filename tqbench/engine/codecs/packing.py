@@ -1,0 +1,103 @@
+"""Dense bit packing of small unsigned indices along the last dimension.
+
+Layout: an LSB-first bit stream. Value ``i`` of a row occupies stream bits ``[i*bits, (i+1)*bits)`` and
+stream bit ``k`` is bit ``k % 8`` of byte ``k // 8``. So 4-bit packs ``v0 | v1 << 4``, 2-bit packs
+``v0 | v1 << 2 | v2 << 4 | v3 << 6``, and 3-bit packs 8 values into 3 bytes. Trailing pad bits are zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["max_values", "pack_bits", "packed_nbytes", "unpack_bits"]
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that ``n`` values of ``bits`` bits occupy when packed: ``ceil(n * bits / 8)``."""
+    _check_bits(bits)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return (n * bits + 7) // 8
+
+
+def max_values(nbytes: int, bits: int) -> int:
+    """Largest ``n`` whose packing fits ``nbytes`` (decoders bound ``n`` with it when only bytes are known)."""
+    _check_bits(bits)
+    return nbytes * 8 // bits
+
+
+def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the last dimension of ``x`` to ``size``."""
+    extra = size - x.shape[-1]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], extra)], dim=-1)
+
+
+def pack_bits(idx: torch.Tensor, bits: int, *, check: bool = True) -> torch.Tensor:
+    """Pack ``uint8`` values ``[..., n]`` (each ``< 2**bits``) into ``uint8 [..., ceil(n*bits/8)]``.
+
+    ``check=False`` skips the range check (a device sync); codecs use it for indices valid by construction.
+    """
+    _check_bits(bits)
+    if idx.dtype != torch.uint8:
+        raise TypeError(f"pack_bits expects a uint8 tensor, got {idx.dtype}")
+    if idx.dim() == 0:
+        raise ValueError("pack_bits expects at least one dimension (the values to pack)")
+    n = idx.shape[-1]
+    if check and bits < 8 and idx.numel() and int(idx.max()) >= (1 << bits):
+        raise ValueError(f"pack_bits: value {int(idx.max())} does not fit in {bits} bits")
+    nbytes = packed_nbytes(n, bits)
+    if bits == 8:
+        return idx.clone()
+    if 8 % bits == 0:  # 1, 2, 4: whole values per byte, shifts in uint8
+        per = 8 // bits
+        v = _pad_last(idx, nbytes * per).reshape(*idx.shape[:-1], nbytes, per)
+        out = v[..., 0].clone()
+        for k in range(1, per):
+            out |= v[..., k] << (k * bits)
+        return out
+    # 3, 5, 6, 7: 8 values -> `bits` bytes through one int64 word per group of 8
+    groups = (n + 7) // 8
+    v = _pad_last(idx, groups * 8).reshape(*idx.shape[:-1], groups, 8).to(torch.int64)
+    word = v[..., 0].clone()
+    for k in range(1, 8):
+        word |= v[..., k] << (k * bits)
+    shifts = torch.arange(0, 8 * bits, 8, device=idx.device, dtype=torch.int64)
+    out = ((word.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8)
+    return out.reshape(*idx.shape[:-1], groups * bits)[..., :nbytes].contiguous()
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``uint8 [..., ceil(n*bits/8)]`` -> ``uint8 [..., n]``."""
+    _check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_bits expects a uint8 tensor, got {packed.dtype}")
+    if packed.dim() == 0:
+        raise ValueError("unpack_bits expects at least one dimension (the packed bytes)")
+    nbytes = packed_nbytes(n, bits)
+    if packed.shape[-1] != nbytes:
+        raise ValueError(
+            f"unpack_bits: {n} values of {bits} bits need {nbytes} bytes, got {packed.shape[-1]}"
+        )
+    lead = packed.shape[:-1]
+    if bits == 8:
+        return packed.clone()
+    if 8 % bits == 0:
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        parts = [(packed >> (k * bits)) & mask for k in range(per)]
+        return torch.stack(parts, dim=-1).reshape(*lead, nbytes * per)[..., :n].contiguous()
+    groups = (n + 7) // 8
+    b = _pad_last(packed, groups * bits).reshape(*lead, groups, bits).to(torch.int64)
+    word = b[..., 0].clone()
+    for j in range(1, bits):
+        word |= b[..., j] << (8 * j)
+    shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=torch.int64)
+    vals = ((word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
+    return vals.reshape(*lead, groups * 8)[..., :n].contiguous()

@@ -1,0 +1,164 @@
+"""``Engine``: load a model once, generate many times under any KV policy and cache mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers import DynamicCache
+
+from tqbench.engine.cache import TQCache, check_mode
+from tqbench.engine.events import GenerationFinished
+from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, lockstep, stream_tokens
+from tqbench.engine.model import LoadedModel, load_model
+from tqbench.engine.policy import Policy, parse_policy
+
+Prompt = str | list[dict]
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class Engine:
+    """One loaded model; every front end (CLI, TUI, server) drives it through these methods."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = self.model.config
+        self._fused_ready = False
+
+    @classmethod
+    def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
+             threads: int | None = None, on_progress: Callable[[str], None] | None = None) -> Engine:
+        return cls(load_model(model, device=device, dtype=dtype, threads=threads, on_progress=on_progress))
+
+    @classmethod
+    def tiny(cls, **kwargs) -> Engine:
+        from tqbench.engine.tiny import tiny_model
+
+        return cls(tiny_model(**kwargs))
+
+    # -- info -------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # -- prompts ------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0) -> torch.Tensor:
+        """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template."""
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ValueError("the prompt is empty: give some text with --prompt or --prompt-file")
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if chat and has_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+            ids = enc["input_ids"] if not isinstance(enc, torch.Tensor) else enc
+        else:
+            if not isinstance(prompt, str):
+                prompt = "\n".join(m.get("content", "") for m in prompt)
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        limit = self.max_context
+        if limit and ids.shape[1] + max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"the prompt has {ids.shape[1]} tokens and {max_new_tokens} new tokens were asked for, but "
+                f"{self.name} has a context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+            )
+        return ids
+
+    # -- caches -------------------------------------------------------------------------------------
+    def make_cache(self, policy: Policy | str | None, cache_mode: str = "compressed"):
+        """A plain ``DynamicCache`` for ``None``; a ``TQCache`` otherwise (fused mode wires the attention)."""
+        if policy is None:
+            return DynamicCache(config=self.config)
+        check_mode(cache_mode)
+        if cache_mode == "fused":
+            self.enable_fused()
+        return TQCache(parse_policy(policy), self.config, mode=cache_mode)
+
+    def enable_fused(self) -> None:
+        if not self._fused_ready:
+            from tqbench.engine.attention import install_fused_attention
+
+            install_fused_attention(self.model)
+            self._fused_ready = True
+
+    # -- generation ---------------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt | torch.Tensor,
+        policy: Policy | str | None = "fp16",
+        cache_mode: str = "compressed",
+        *,
+        max_new_tokens: int = 64,
+        chat: bool = True,
+        sampling: Sampling = GREEDY,
+        stop_at_eos: bool = True,
+        stop: list[str] | None = None,
+        collect_logits: bool = False,
+        cancel: Callable[[], bool] | None = None,
+        run: str = "candidate",
+    ) -> Iterator[object]:
+        """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``."""
+        pol = parse_policy(policy) if policy is not None else None
+        ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
+        cache = self.make_cache(pol, cache_mode)
+        label = pol.label if pol is not None else "dynamic-cache"
+        mode = cache_mode if pol is not None else "dynamic"
+        return stream_tokens(
+            self.model, self.tokenizer, ids, cache, run=run, kv_policy=label, cache_mode=mode,
+            max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
+            stop=stop, collect_logits=collect_logits, cancel=cancel,
+            report=cache.report if isinstance(cache, TQCache) else None,
+        )
+
+    def generate(self, prompt: Prompt | torch.Tensor, policy: Policy | str | None = "fp16",
+                 cache_mode: str = "compressed", **kwargs) -> GenerationResult:
+        result = None
+        for ev in self.stream(prompt, policy, cache_mode, **kwargs):
+            if isinstance(ev, GenerationFinished):
+                result = ev.result
+        assert result is not None
+        return result
+
+    def lockstep(
+        self,
+        prompt: Prompt,
+        baseline: Policy | str | None = "fp16",
+        candidate: Policy | str = "turbo4",
+        *,
+        baseline_mode: str = "compressed",
+        candidate_mode: str = "compressed",
+        chat: bool = True,
+        max_new_tokens: int = 64,
+        sampling: Sampling = GREEDY,
+        collect_logits: bool = True,
+        cancel: Callable[[], bool] | None = None,
+    ) -> Iterator[object]:
+        """Baseline and candidate generate side by side; yields both streams' events and ``PairStep``s."""
+        ids = self.encode_prompt(prompt, chat, max_new_tokens)
+        common = dict(max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
+                      cancel=cancel)
+        return lockstep(
+            self.stream(ids, baseline, baseline_mode, run="baseline", **common),
+            self.stream(ids, candidate, candidate_mode, run="candidate", **common),
+        )

@@ -1,0 +1,60 @@
+"""Plain dataclasses the engine yields. Front ends (CLI, TUI, server) render them; none re-implements a loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerationStarted:
+    run: str  # "baseline", "candidate" or a free label
+    kv_policy: str
+    cache_mode: str
+    input_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    run: str
+    input_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TokenGenerated:
+    run: str
+    step: int  # 0-based index of the generated token
+    token_id: int
+    text_delta: str  # new complete characters (a partial multi-byte character is held back)
+    step_seconds: float  # wall time of the forward call that produced this token
+    top1_id: int  # argmax of the logits that produced this token (== token_id when greedy)
+    logits: Any = field(default=None, repr=False)  # float32 vector when collect_logits=True
+
+
+@dataclass(frozen=True)
+class GenerationFinished:
+    run: str
+    result: Any  # GenerationResult
+
+
+@dataclass(frozen=True)
+class PairStep:
+    """One lockstep step of a baseline and a candidate run (either may have finished: None)."""
+
+    step: int
+    baseline: TokenGenerated | None
+    candidate: TokenGenerated | None
+    same_token: bool
+    same_top1: bool
+    kl: float | None  # KL(baseline || candidate) of this step's distributions, when logits were collected
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Generic progress for long work (model load, conversion, benchmarks)."""
+
+    task: str
+    done: float
+    total: float | None = None
+    message: str = ""

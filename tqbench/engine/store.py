@@ -1,0 +1,159 @@
+"""Per-layer storage of K (or V) rows: full-precision sinks, packed history, full-precision recent tail.
+
+Token order inside a store is ``[sink rows][packed rows][tail rows]``. New rows go to the sinks until
+``sink`` rows are held, then to the tail; whenever the tail holds more than ``recent`` rows, its oldest
+rows are encoded into the packed history, in multiples of the codec's ``tokens_per_unit`` (so a
+per-channel codec keeps a partial block in full precision until it fills). The byte cost is therefore a
+pure function of the token count, which ``estimate.py`` reproduces exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqbench.engine.codecs.base import Codec
+
+#: full-precision rows (sinks, recent window, partial blocks) are counted as fp16, the deployment dtype
+FP_BYTES = 2
+
+
+class GrowBuffer:
+    """A tensor that grows along dim 2 with amortised doubling."""
+
+    __slots__ = ("data", "n")
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.n = 0
+
+    def append(self, x: torch.Tensor) -> None:
+        t = x.shape[2]
+        if t == 0:
+            return
+        if self.data is None:
+            shape = list(x.shape)
+            shape[2] = max(t, 16)
+            self.data = x.new_empty(shape)
+        elif self.n + t > self.data.shape[2]:
+            shape = list(self.data.shape)
+            shape[2] = max(self.n + t, 2 * shape[2])
+            grown = self.data.new_empty(shape)
+            grown[:, :, : self.n] = self.data[:, :, : self.n]
+            self.data = grown
+        self.data[:, :, self.n : self.n + t] = x
+        self.n += t
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.data is None else self.data[:, :, : self.n]
+
+    def drop_front(self, t: int) -> None:
+        if t <= 0:
+            return
+        rest = self.data[:, :, t : self.n].clone()
+        self.data, self.n = None, 0
+        self.append(rest)
+
+    def nbytes(self) -> int:
+        if self.data is None:
+            return 0
+        per_unit = self.data[:, :, :1].numel() * self.data.element_size()
+        return per_unit * self.n
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        if self.data is not None:
+            self.data = self.data.index_select(0, index.to(self.data.device))
+
+
+class KVStore:
+    """The K or the V rows of one layer under one codec."""
+
+    def __init__(self, codec: Codec, sink: int, recent: int) -> None:
+        self.codec = codec
+        self.sink = 0 if codec.lossless else sink
+        self.recent = recent
+        self.head = GrowBuffer()
+        self.tail = GrowBuffer()
+        self.packed: dict[str, GrowBuffer] = {}
+        self.n_packed = 0
+        self.state: dict[str, torch.Tensor] | None = None
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        return self.head.n + self.n_packed + self.tail.n
+
+    @property
+    def n_full_precision(self) -> int:
+        return self.head.n + self.tail.n
+
+    # -- writes -------------------------------------------------------------------------------
+    def append(self, x: torch.Tensor) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Add rows; returns ``(start_token, encoded)`` for each chunk packed by this call."""
+        free = self.sink - self.head.n
+        if free > 0:
+            self.head.append(x[:, :, :free])
+            x = x[:, :, free:]
+        self.tail.append(x)
+        return self._flush()
+
+    def _flush(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        if self.codec.lossless:
+            return []
+        tpu = self.codec.tokens_per_unit
+        n = ((self.tail.n - self.recent) // tpu) * tpu
+        if n <= 0:
+            return []
+        if self.state is None:
+            # calibrate (key centering mean, outlier channels) on every full-precision row seen so far
+            seen = [t for t in (self.head.view(), self.tail.view()) if t is not None and t.shape[2]]
+            self.state = self.codec.calibrate(torch.cat(seen, dim=2))
+        rows = self.tail.view()[:, :, :n]
+        enc = self.codec.encode(rows, self.state)
+        for name, t in enc.items():
+            self.packed.setdefault(name, GrowBuffer()).append(t)
+        start = self.head.n + self.n_packed
+        self.n_packed += n
+        self.tail.drop_front(n)
+        return [(start, enc)]
+
+    # -- reads --------------------------------------------------------------------------------
+    def packed_view(self) -> dict[str, torch.Tensor]:
+        return {name: buf.view() for name, buf in self.packed.items()}
+
+    def decode_packed(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if not self.n_packed:
+            return None
+        return self.codec.decode(self.packed_view(), self.state, dtype)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Everything the store holds as one dense tensor (dequantized where packed)."""
+        parts = [self.head.view(), self.decode_packed(dtype), self.tail.view()]
+        parts = [p if p.dtype == dtype else p.to(dtype) for p in parts if p is not None and p.shape[2]]
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    # -- bytes --------------------------------------------------------------------------------
+    def bytes_breakdown(self) -> dict[str, int]:
+        """Exact bytes: full-precision rows (fp16 basis), packed tensors, per-layer codec state."""
+        if self.codec.lossless:
+            ref = self.tail.view()
+            rows = 0 if ref is None else ref.shape[0] * ref.shape[1] * self.tail.n
+            d = 0 if ref is None else ref.shape[3]
+            return {"full_precision": rows * self.codec.unit_bytes(d) if rows else 0, "packed": 0, "state": 0}
+        fp = 0
+        for buf in (self.head, self.tail):
+            if buf.data is not None:
+                fp += buf.data[:, :, :1].numel() * FP_BYTES * buf.n
+        packed = sum(buf.nbytes() for buf in self.packed.values())
+        state = self.codec.state_bytes(self.state) if self.state else 0
+        return {"full_precision": fp, "packed": packed, "state": state}
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        for buf in (self.head, self.tail, *self.packed.values()):
+            buf.select_batch(index)
+        if self.state:
+            self.state = {
+                k: (t.index_select(0, index.to(t.device)) if t.dim() >= 1 and t.shape[0] > 1 else t)
+                for k, t in self.state.items()
+            }
