@@ -20,3 +20,17 @@ def tiny_engine64():
     from tqbench.engine.engine import Engine
 
     return Engine.tiny(dtype=torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_unit_tests(request):
+    """Tiny-model tests are dispatch bound: one thread avoids OpenMP oversubscription on a busy machine."""
+    import torch
+
+    if "integration" in str(request.node.fspath):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,6 +9,8 @@ from rich.table import Table
 
 err = Console(stderr=True)
 out = Console()
+if not out.is_terminal:  # pipes and files get full-width tables instead of 80 columns
+    out = Console(width=160)
 
 #: SmolLM2-135M-Instruct's KV geometry (30 layers, 3 KV heads, head_dim 64), for policy listings
 DEFAULT_GEOMETRY = (30, 3, 64)
@@ -106,7 +108,7 @@ def print_bench(p: dict, per_layer: bool = False) -> None:
 
 def print_layers(rep: dict) -> None:
     t = Table(title="per-layer bytes")
-    for col in ("layer", "K", "V", "tokens", "K packed", "V packed", "K bytes", "V bytes", "fp16 bytes", "bits/el"):
+    for col in ("layer", "K", "V", "tokens", "K pk", "V pk", "K bytes", "V bytes", "fp16 bytes", "bits"):
         t.add_column(col, justify="right")
     for r in rep["layers"]:
         el = r["dense_fp16_bytes"] // 2

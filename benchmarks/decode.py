@@ -1,0 +1,166 @@
+"""Decode tokens/s of every cache mode, as ratios against a dense ``DynamicCache`` run in the same process.
+
+``python benchmarks/decode.py [--policies turbo4,q8k-int4v] [--threads N] [--quick]`` (see ``--help``). Runs are interleaved (per repeat: the baseline, then every policy x mode) and the median decode tok/s is
+reported (``GenerationResult.decode_tokens_per_second``: decode steps only, the prefill token excluded).
+Every configuration is warmed up once on a short prompt first, so one-time costs (codebooks, rotations,
+the fused attention switch, which also reroutes the baseline's attention) are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CORPUS = ROOT / "tqbench" / "data" / "corpus"
+MODES = ("dense-shadow", "simulate", "compressed", "fused")
+REPORT_KEYS = ("resident_decode_bytes", "active_decode_memory_saved_pct", "compressed_storage_bytes",
+               "dense_fp16_bytes", "memory_saved_pct", "bits_per_element", "fused_calls")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens (from tqbench/data/corpus)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--policies", default="turbo4", help="comma-separated presets or compact policies")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quick", action="store_true", help="context 256, 8 new tokens, 1 repeat (smoke test)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.context, a.new_tokens, a.repeats = 256, 8, 1
+    a.policies = split_policies(a.policies)
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = sorted(set(a.modes) - set(MODES))
+    if bad or a.context < 1 or a.new_tokens < 2 or a.repeats < 1:
+        p.error(f"bad --modes {bad}" if bad else "need --context >= 1, --new-tokens >= 2, --repeats >= 1")
+    return a
+
+
+def split_policies(text: str) -> list[str]:
+    """``turbo4,k=int8,v=int4,q8k-int4v`` -> ``[turbo4,k=int8,v=int4]``, ``[q8k-int4v]``: key=value parts
+    continue the policy before them (a compact policy holds commas)."""
+    out: list[str] = []
+    for part in (s.strip() for s in text.split(",")):
+        if part and "=" in part and out:
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def corpus_ids(engine, n: int):
+    """Exactly ``n`` token ids ``[1, n]`` of the corpus texts, concatenated (repeated if short)."""
+    text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(CORPUS.glob("*.txt")))
+    while len(text) < 16 * n:
+        text += "\n\n" + text
+    chars = 2 * n
+    while (ids := engine.encode_prompt(text[:chars], chat=False)).shape[1] < n:  # a prefix: stay in context
+        chars *= 2
+    return ids[:, :n].contiguous()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    import torch
+    import transformers
+    from rich.console import Console
+    from rich.table import Table
+
+    from tqbench.engine.engine import Engine
+
+    console = Console() if sys.stdout.isatty() else Console(width=120)  # no wrapped cells in logs
+    engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads)
+    if engine.max_context and args.context + args.new_tokens > engine.max_context:
+        raise SystemExit(f"--context + --new-tokens exceeds {engine.name}'s context of {engine.max_context}")
+    ids = corpus_ids(engine, args.context)
+    configs = [(None, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
+
+    def run(policy, mode, prompt, n):
+        if policy is None:
+            return engine.generate(prompt, None, max_new_tokens=n, stop_at_eos=False)
+        return engine.generate(prompt, policy, mode, max_new_tokens=n, stop_at_eos=False)
+
+    with console.status("warming up ..."):
+        for policy, mode in configs:
+            run(policy, mode, ids[:, : min(64, args.context)], 3)
+    results: dict[tuple, list] = {c: [] for c in configs}
+    with console.status("measuring ...") as status:
+        for r in range(args.repeats):
+            for i, (policy, mode) in enumerate(configs):
+                status.update(f"repeat {r + 1}/{args.repeats}: {policy or 'dynamic-cache'} {mode} "
+                              f"({i + 1}/{len(configs)})")
+                results[(policy, mode)].append(run(policy, mode, ids, args.new_tokens))
+    load_after = os.getloadavg()
+
+    def median_tps(runs):
+        return statistics.median(x.decode_tokens_per_second for x in runs)
+
+    base_tps = median_tps(results[configs[0]])
+    rows = []
+    for (policy, mode), runs in results.items():
+        rep, tps = runs[-1].cache_report, median_tps(runs)
+        rows.append({
+            "policy": policy or "dynamic-cache", "mode": mode, "decode_tok_s": round(tps, 3),
+            "decode_tok_s_runs": [round(x.decode_tokens_per_second, 3) for x in runs],
+            "ratio_vs_dense": round(tps / base_tps, 4) if base_tps else None,
+            "prefill_s": round(statistics.median(x.prefill_seconds for x in runs), 4),
+        } | {k: getattr(rep, k, None) for k in REPORT_KEYS})
+    baseline, rows = rows[0], rows[1:]
+
+    table = Table(title=f"decode: {engine.name}, {args.context} ctx + {args.new_tokens} new, "
+                        f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    for col in ("policy", "mode", "decode tok/s", "vs dense", "prefill s", "resident KV", "saved", "bits/el"):
+        table.add_column(col, justify="left" if col in ("policy", "mode") else "right")
+    for row in [baseline, *rows]:
+        res = row["resident_decode_bytes"]
+        table.add_row(
+            row["policy"], row["mode"], f"{row['decode_tok_s']:.2f}", f"{row['ratio_vs_dense']:.2f}x",
+            f"{row['prefill_s']:.2f}", "-" if res is None else f"{res / 2**20:.2f} MiB",
+            "-" if res is None else f"{row['active_decode_memory_saved_pct']:.1f}%",
+            "-" if res is None else f"{row['bits_per_element']:.2f}",
+        )
+    console.print(table)
+    console.print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), {cpu_model()}")
+
+    out = {
+        "command": [sys.executable, *sys.argv] if argv is None else ["decode.py", *argv],
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": engine.name, "dtype": str(engine.loaded.dtype).replace("torch.", ""),
+        "device": str(engine.loaded.device), "context": args.context, "new_tokens": args.new_tokens,
+        "repeats": args.repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(), "cpu": cpu_model(),
+        "loadavg_before": list(load_before), "loadavg_after": list(load_after),
+        "baseline": baseline, "rows": rows,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The benchmark scripts run end to end on the tiny model (a smoke test: they are never part of a score)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = ("dense-shadow", "simulate", "compressed", "fused")
+
+
+def test_decode_benchmark_quick_on_tiny(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--model", "tiny", "--quick",
+           "--policies", "turbo4,q8k-int4v", "--threads", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert (data["context"], data["new_tokens"], data["repeats"], data["threads"]) == (256, 8, 1, 1)
+    assert data["model"] == "tiny-random" and data["command"][-1] == str(out)
+    for key in ("torch", "transformers", "cpu", "timestamp", "loadavg_before", "loadavg_after"):
+        assert data[key], key
+    assert data["baseline"]["decode_tok_s"] > 0 and data["baseline"]["ratio_vs_dense"] == 1.0
+    rows = {(r["policy"], r["mode"]): r for r in data["rows"]}
+    assert len(rows) == len(data["rows"]) == 8
+    assert set(rows) == {(p, m) for p in ("turbo4", "q8k-int4v") for m in MODES}
+    for key, row in rows.items():
+        assert row["decode_tok_s"] > 0 and len(row["decode_tok_s_runs"]) == 1, key
+        assert row["ratio_vs_dense"] > 0 and row["prefill_s"] > 0, key
+        assert row["resident_decode_bytes"] > 0 and 0 < row["bits_per_element"] < 16, key
+    assert rows["turbo4", "fused"]["resident_decode_bytes"] < rows["turbo4", "simulate"]["resident_decode_bytes"]
+    assert "vs dense" in proc.stdout and "fused" in proc.stdout
