@@ -59,10 +59,8 @@ def _scores(q: torch.Tensor, part, codec, state, dt) -> torch.Tensor:
         return torch.einsum("bhgld,bhnd->bhgln", q, payload.to(dt))
     if _is_rotated_turbo(codec):
         rot = codec.rotation_tensor(device=q.device, dtype=dt, head_dim=q.shape[-1])
-        cb = codec.codebook_tensor(device=q.device, dtype=dt, head_dim=q.shape[-1])
-        idx = codec.unpack_indices(payload, head_dim=q.shape[-1]).long()
         q_rot = q @ rot.T
-        s = torch.einsum("bhgld,bhnd->bhgln", q_rot, cb[idx]) * payload["norm"].to(dt)[..., 0][:, :, None, None, :]
+        s = torch.einsum("bhgld,bhnd->bhgln", q_rot, codec.codebook_values(payload, q.shape[-1], dt)) * payload["norm"].to(dt)[..., 0][:, :, None, None, :]
         if state and "mu" in state:
             s = s + torch.einsum("bhgld,bhd->bhgl", q, state["mu"].to(dt)[:, :, 0])[..., None]
         return s
@@ -77,10 +75,8 @@ def _values(p: torch.Tensor, part, codec, state, dt, d: int) -> torch.Tensor:
         return torch.einsum("bhgln,bhnd->bhgld", p, payload.to(dt))
     if _is_rotated_turbo(codec):
         rot = codec.rotation_tensor(device=p.device, dtype=dt, head_dim=d)
-        cb = codec.codebook_tensor(device=p.device, dtype=dt, head_dim=d)
-        idx = codec.unpack_indices(payload, head_dim=d).long()
         pw = p * payload["norm"].to(dt)[..., 0][:, :, None, None, :]
-        out = torch.einsum("bhgln,bhnd->bhgld", pw, cb[idx]) @ rot
+        out = torch.einsum("bhgln,bhnd->bhgld", pw, codec.codebook_values(payload, d, dt)) @ rot
         if state and "mu" in state:
             out = out + p.sum(-1, keepdim=True) * state["mu"].to(dt)[:, :, None]
         return out

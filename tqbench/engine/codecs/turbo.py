@@ -20,7 +20,7 @@ import torch
 
 from .base import Codec, Encoded, compute_dtype
 from .codebooks import lloyd_max_codebook
-from .packing import max_values, pack_bits, packed_nbytes, unpack_bits
+from .packing import lookup_packed, max_values, pack_bits, packed_nbytes, unpack_bits
 from .rotation import ROTATIONS, gaussian_matrix, gaussian_matrix_bytes, rotation_bytes, rotation_matrix
 
 __all__ = ["TurboCodec", "TurboProdCodec", "TurboSplitCodec"]
@@ -134,10 +134,12 @@ class TurboCodec(_Centered):
     def unpack_indices(self, enc: Encoded, head_dim: int | None = None) -> torch.Tensor:
         """Codebook indices ``uint8 [B, H, T, D]``; ``D`` defaults to the packed width's (exact for encodable D)."""
         packed = enc["idx"]
-        if head_dim is None:
-            seen = [d for d in self._dims if packed_nbytes(d, self.bits) == packed.shape[-1]]
-            head_dim = seen[0] if len(seen) == 1 else max_values(packed.shape[-1], self.bits)
-        return unpack_bits(packed, self.bits, head_dim)
+        return unpack_bits(packed, self.bits, head_dim if head_dim is not None else self._dim_of(packed))
+
+    def _dim_of(self, packed: torch.Tensor) -> int:
+        """The head_dim a packed index row encodes (exact for every head_dim ``encode`` accepts)."""
+        seen = [d for d in self._dims if packed_nbytes(d, self.bits) == packed.shape[-1]]
+        return seen[0] if len(seen) == 1 else max_values(packed.shape[-1], self.bits)
 
     # -- core (also used by the prod and split variants) ---------------------------------------
     def _quantize(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,10 +169,17 @@ class TurboCodec(_Centered):
         idx, norm = self._quantize(self._center(x, state))
         return {"idx": pack_bits(idx, self.bits, check=False), "norm": norm}
 
+    def codebook_values(self, enc: Encoded, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """``c[idx]`` ``[B, H, T, D]``: the rotated-domain unit rows, straight from the packed bytes."""
+        levels = self._tables(head_dim, enc["idx"].device, dtype)[1]
+        return lookup_packed(enc["idx"], self.bits, head_dim, levels)
+
     def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         mu = self._mu(state)
-        idx = self.unpack_indices(enc, None if mu is None else mu.shape[-1])
-        y = self._dequantize(idx, enc["norm"], compute_dtype(dtype))
+        d = mu.shape[-1] if mu is not None else self._dim_of(enc["idx"])
+        cd = compute_dtype(dtype)
+        rot = self._tables(d, enc["idx"].device, cd)[0]
+        y = (self.codebook_values(enc, d, cd) @ rot) * enc["norm"].to(cd)
         return self._uncenter(y, state).to(dtype)
 
     def unit_bytes(self, head_dim: int) -> int:
