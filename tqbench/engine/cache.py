@@ -229,9 +229,8 @@ class TQCache(Cache):
                 tokens = layer.cumulative_length
                 batch = batch or _batch_of(layer)
                 for store in (layer.k_store, layer.v_store):
-                    key = store.codec.shared_key(self.head_dim)
-                    if key is not None and store.n_packed:
-                        shared[key] = store.codec.shared_bytes(self.head_dim)
+                    if store.n_packed:
+                        shared.update(store.codec.shared_items(self.head_dim))
                 rows.append(
                     LayerBytes(
                         layer=plan.layer, k_codec=plan.k, v_codec=plan.v, tokens=tokens,

@@ -119,7 +119,7 @@ class CompressedDynamicCache:
         shared = {}
         if self._packed:
             for c in (self.k_codec, self.v_codec):
-                shared[c.shared_key(self.head_dim)] = c.shared_bytes(self.head_dim)
+                shared.update(c.shared_items(self.head_dim))
         return packed + dense + sum(shared.values())
 
     def baseline_vram_bytes(self) -> int:

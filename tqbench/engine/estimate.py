@@ -106,9 +106,8 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             codec = pol.build_codec(spec, role)
             nbytes, packed = store_bytes(codec, plan.sink, plan.recent, seq_len, batch, g.kv_heads, g.head_dim)
             total += nbytes
-            key = codec.shared_key(g.head_dim)
-            if key is not None and packed:
-                shared[key] = codec.shared_bytes(g.head_dim)
+            if packed:
+                shared.update(codec.shared_items(g.head_dim))
         per_layer.append(total)
         dense_total += 2 * batch * g.kv_heads * seq_len * g.head_dim * FP_BYTES
     sb = sum(shared.values())

@@ -108,6 +108,7 @@ class Policy:
             data = {k: v for k, v in data.items() if k != "preset"}
         else:
             base = cls()
+        data = {k: v for k, v in data.items() if not k.startswith("_")}  # "_source" and other notes
         valid = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - valid - {"kv"})
         if unknown:

@@ -69,6 +69,11 @@ class Codec(ABC):
     def shared_bytes(self, head_dim: int) -> int:
         return 0
 
+    def shared_items(self, head_dim: int) -> dict[str, int]:
+        """Shared objects by identity -> bytes; a cache counts each identity once across all codecs."""
+        key = self.shared_key(head_dim)
+        return {} if key is None else {key: self.shared_bytes(head_dim)}
+
     def bits_per_element(self, head_dim: int) -> float:
         """Packed bits per K or V element, per-unit metadata included (state/shared objects excluded)."""
         return self.unit_bytes(head_dim) * 8 / (self.tokens_per_unit * head_dim)

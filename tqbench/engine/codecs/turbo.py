@@ -191,6 +191,13 @@ class TurboCodec(_Centered):
     def shared_bytes(self, head_dim: int) -> int:
         return rotation_bytes(head_dim, self.rotation) + (1 << self.bits) * 4
 
+    def shared_items(self, head_dim: int) -> dict[str, int]:
+        """The rotation (per dim, kind, seed) and the codebook (per dim, bits) are separate objects."""
+        return {
+            f"rotation:{self.rotation}:seed{self.seed}:d{head_dim}": rotation_bytes(head_dim, self.rotation),
+            f"codebook:lloyd-max:d{head_dim}:b{self.bits}": (1 << self.bits) * 4,
+        }
+
     def __repr__(self) -> str:
         return (
             f"TurboCodec({self.spec!r}, rotation={self.rotation!r}, center={self.center}, "
@@ -269,6 +276,11 @@ class TurboProdCodec(_Centered):
 
     def shared_bytes(self, head_dim: int) -> int:
         return self.mse.shared_bytes(head_dim) + gaussian_matrix_bytes(head_dim)
+
+    def shared_items(self, head_dim: int) -> dict[str, int]:
+        items = self.mse.shared_items(head_dim)
+        items[f"qjl-gaussian:seed{self.seed}:d{head_dim}"] = gaussian_matrix_bytes(head_dim)
+        return items
 
     def __repr__(self) -> str:
         return (
@@ -361,6 +373,10 @@ class TurboSplitCodec(_Centered):
     def shared_bytes(self, head_dim: int) -> int:
         n_hi = self.n_hi(head_dim)
         return self.hi.shared_bytes(n_hi) + self.lo.shared_bytes(head_dim - n_hi)
+
+    def shared_items(self, head_dim: int) -> dict[str, int]:
+        n_hi = self.n_hi(head_dim)
+        return self.hi.shared_items(n_hi) | self.lo.shared_items(head_dim - n_hi)
 
     def __repr__(self) -> str:
         return (
