@@ -88,6 +88,7 @@ class TQLayer(CacheLayerMixin):
         self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent)
         self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent)
         self._sim_k = self._sim_v = None
+        self._sim_pending: dict[str, list] = {}
 
     @property
     def lossless(self) -> bool:
@@ -134,15 +135,19 @@ class TQLayer(CacheLayerMixin):
         return new if hist is None else torch.cat([hist, new], dim=2)
 
     def _simulate(self, new: torch.Tensor, role: str) -> torch.Tensor:
+        """Dense buffer of what attention reads. Rows packed by this call are swapped for their dequantized
+        values at the start of the next call (this call still reads them exact, as the other modes do), so
+        the buffer is never copied."""
         store = self.k_store if role == "k" else self.v_store
         buf = getattr(self, f"_sim_{role}")
-        out = new if buf is None else torch.cat([buf, new], dim=2)
-        packed = store.append(new)
-        buf = out.clone() if packed else out
-        for start, enc in packed:
+        for start, enc in self._sim_pending.pop(role, ()):
             rows = store.codec.decode(enc, store.state, new.dtype)
             buf[:, :, start : start + rows.shape[2]] = rows
-        setattr(self, f"_sim_{role}", buf)
+        out = new if buf is None else torch.cat([buf, new], dim=2)
+        packed = store.append(new)
+        if packed:
+            self._sim_pending[role] = packed
+        setattr(self, f"_sim_{role}", out)
         return out
 
     # -- transformers layer protocol ------------------------------------------------------------

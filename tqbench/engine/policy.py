@@ -278,7 +278,7 @@ def parse_policy(text: str | Policy) -> Policy:
 
 
 # ---- presets -----------------------------------------------------------------------------------
-_TURBO_TOKENS = "sink=4,recent=32"
+_TURBO_TOKENS = "sink=4,recent=16"
 
 #: name -> (compact form, meaning)
 PRESET_TEXT: dict[str, tuple[str, str]] = {
@@ -293,7 +293,7 @@ PRESET_TEXT: dict[str, tuple[str, str]] = {
     "q8k-int4v-last8-q8v": ("k=int8,v=int4,v@last8=int8", "q8k-int4v, the last 8 layers keep int8 values"),
     "fp16k-int4v-boundary-last": ("k=fp16,v=int4,protect=last2", "fp16k-int4v, the last 2 layers fp16"),
     "q8k-turbo4v": ("k=int8,v=turbo4", "int8 keys, TurboQuant 4-bit values"),
-    "turbo4": (f"k=turbo4,v=turbo4,{_TURBO_TOKENS}", "TurboQuant 4-bit K and V, centered keys, 4 sinks + 32 recent fp16"),
+    "turbo4": (f"k=turbo4,v=turbo4,{_TURBO_TOKENS}", "TurboQuant 4-bit K and V, centered keys, 4 sinks + 16 recent fp16"),
     "turbo3.5": (f"k=turbo3.5,v=turbo3.5,{_TURBO_TOKENS}", "TurboQuant 3.5-bit (outlier split 4/3 bits)"),
     "turbo3": (f"k=turbo3,v=turbo3,{_TURBO_TOKENS}", "TurboQuant 3-bit K and V"),
     "turbo2.5": (f"k=turbo2.5,v=turbo2.5,{_TURBO_TOKENS}", "TurboQuant 2.5-bit (outlier split 3/2 bits)"),
