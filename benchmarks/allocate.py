@@ -35,7 +35,7 @@ def main() -> None:
     overhead = 0.0
     while True:
         kb, vb, pred = allocate_bits(sk, sv, args.budget - overhead, d)
-        name = f"alloc-{args.budget:g}bit"
+        name = Path(args.out).stem if args.out else f"alloc-{args.budget:g}bit"
         pol = allocation_policy(kb, vb, args.sink, args.recent, name=name)
         est = estimate_kv(pol, geo, args.seq_len)
         if est.bits_per_element <= args.budget + 1e-9:

@@ -20,7 +20,13 @@ def load_engine(model: str, device: str, dtype: str, threads: int | None, quiet:
     from tqbench.engine.engine import Engine
 
     if model in ("tiny", "tiny-random"):
-        return Engine.tiny()
+        import torch
+
+        from tqbench.engine.model import resolve_dtype
+
+        if threads:
+            torch.set_num_threads(threads)
+        return Engine.tiny(dtype=resolve_dtype(dtype, "cpu"))
     with err.status(f"loading {model} ...", spinner="dots") as status:
         engine = Engine.load(model, device=device, dtype=dtype, threads=threads,
                              on_progress=lambda m: status.update(m))

@@ -124,8 +124,10 @@ def test_modes_report_resident_bytes_honestly(tiny_engine):
         reps[mode] = cache.report()
     storage = reps["fused"].compressed_storage_bytes
     assert all(r.compressed_storage_bytes == storage for r in reps.values())
-    assert reps["fused"].resident_decode_bytes == storage
     assert reps["compressed"].resident_decode_bytes > storage
+    # the torch reference of the fused path decodes one layer transiently, like compressed: it says so
+    assert reps["fused"].resident_decode_bytes == reps["compressed"].resident_decode_bytes
+    assert any("torch reference" in n for n in reps["fused"].notes)
     assert reps["simulate"].resident_decode_bytes == storage + reps["simulate"].dense_fp16_bytes
     assert reps["dense-shadow"].quality_claims is False
     assert any("storage-only" in n for n in reps["dense-shadow"].notes)

@@ -54,6 +54,7 @@ class Policy:
     bypass: str = "none"  # "global": keep full-attention layers dense in mixed sliding/full models
     rotation: str = "qr"
     center: bool = True  # center turbo keys per head (softmax ignores the shift)
+    vcenter: bool = False  # center turbo values per head (the mean is added back exactly: sum p = 1)
     normfix: bool = True  # least-squares norm correction for turbo rows
     group: int = 32  # per-token affine group (V)
     kblock: int = 32  # per-channel affine token block (K)
@@ -89,7 +90,8 @@ class Policy:
     def to_string(self) -> str:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
-        for key in ("sink", "recent", "protect", "bypass", "rotation", "center", "normfix", "group", "kblock", "seed"):
+        for key in ("sink", "recent", "protect", "bypass", "rotation", "center", "vcenter", "normfix", "group",
+                    "kblock", "seed"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")
@@ -166,7 +168,7 @@ class Policy:
         """Options passed to ``codec_from_spec`` for this policy and role."""
         return {
             "rotation": self.rotation,
-            "center": self.center and role == "k",
+            "center": self.center if role == "k" else self.vcenter,
             "norm_correction": self.normfix,
             "group": self.group,
             "kblock": self.kblock,
@@ -193,7 +195,7 @@ def _check_codec(spec: str, role: str) -> None:
 # ---- compact text ----------------------------------------------------------------------------------
 _INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
 _STR_KEYS = ("protect", "bypass", "rotation", "name")
-_BOOL_KEYS = ("center", "normfix")
+_BOOL_KEYS = ("center", "vcenter", "normfix")
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
 
 

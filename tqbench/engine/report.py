@@ -56,10 +56,8 @@ class CacheReport:
         dense = sum(r.dense_fp16_bytes for r in layers)
         if mode in ("dense-shadow", "simulate"):
             resident = storage + dense
-        elif mode == "compressed":
+        else:  # compressed, and fused on its torch reference path: one layer's rows decoded transiently
             resident = storage + transient_layer_bytes
-        else:
-            resident = storage
         elements = dense // FP_BYTES
         notes = [
             f"full-precision rows (sinks, recent window, partial blocks) and dense baselines are counted as fp16 "
@@ -71,6 +69,11 @@ class CacheReport:
             notes.append("simulate: attention read dequantized K/V from a dense buffer kept beside the store")
         if mode == "compressed":
             notes.append("compressed: one layer's K/V is dequantized transiently per step (counted in resident)")
+        if mode == "fused":
+            notes.append(
+                "fused: ran the torch reference (no Triton kernel on this device); it builds one layer's "
+                "codebook values transiently per step, counted in resident"
+            )
         if fallbacks:
             notes.append(
                 "fused fallbacks: " + ", ".join(f"{k} x{v}" for k, v in sorted(fallbacks.items()))
