@@ -149,3 +149,35 @@ def test_bad_mode_is_an_error(tiny_engine):
 def test_policy_string_is_parsed_once(tiny_engine):
     cache = TQCache(parse_policy("turbo3"), tiny_engine.model.config)
     assert cache.policy.label == "turbo3"
+
+
+def test_mixed_sliding_model_keeps_windows_and_reports_why():
+    from tqbench.engine.engine import Engine
+
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    eng = Engine.tiny(layer_types=types, sliding_window=8)
+    ids = eng.encode_prompt(PROMPT, chat=False)
+    ref = eng.generate(ids, None, max_new_tokens=10, stop_at_eos=False)
+    same = eng.generate(ids, "fp16", "compressed", max_new_tokens=10, stop_at_eos=False)
+    assert same.token_ids == ref.token_ids
+    r = eng.generate(ids, "kv=turbo4,bypass=global", "compressed", max_new_tokens=10, stop_at_eos=False)
+    notes = {b["layer"]: b["reason"] for b in r.cache_report.bypassed_layers}
+    assert "sliding-window" in notes[0] and "global" in notes[1]
+    rows = {row.layer: row for row in r.cache_report.layers}
+    assert rows[0].tokens == 7  # the sliding layer holds its window only (transformers keeps window - 1)
+    r = eng.generate(ids, "kv=turbo4", "compressed", max_new_tokens=10, stop_at_eos=False)
+    rows = {row.layer: row for row in r.cache_report.layers}
+    assert rows[1].k_packed_tokens > 0 and rows[1].reason is None
+
+
+def test_mixed_model_estimate_matches_report():
+    from tqbench.engine.engine import Engine
+
+    types = ["sliding_attention", "full_attention"] * 2
+    eng = Engine.tiny(layer_types=types, sliding_window=8)
+    cache = TQCache("kv=turbo4,sink=2,recent=4", eng.model.config)
+    with torch.inference_mode():
+        eng.model(torch.randint(3, 200, (1, 30)), cache=cache)
+        eng.model(torch.randint(3, 200, (1, 1)), cache=cache)
+    est = estimate_kv("kv=turbo4,sink=2,recent=4", KVGeometry.from_config(eng.model.config), 31)
+    assert cache.report().compressed_storage_bytes == est.total_bytes

@@ -96,7 +96,8 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
     dense_total = 0
     for plan in plans:
         if plan.dense_window:
-            held = min(seq_len, g.sliding_window or seq_len)
+            # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
+            held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
             dense = 2 * batch * g.kv_heads * held * g.head_dim * FP_BYTES
             per_layer.append(dense)
             dense_total += dense
