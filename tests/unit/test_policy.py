@@ -110,3 +110,12 @@ def test_policy_files(tmp_path):
 
 def test_preset_meanings_are_documented():
     assert all(meaning for _, meaning in PRESET_TEXT.values())
+
+
+def test_shipped_allocation_policies_load_by_name_and_fit_their_budget():
+    from tqbench.engine.estimate import KVGeometry, estimate_kv
+
+    for name, budget in (("smollm2-alloc-3.5bit", 3.5), ("smollm2-alloc-2.5bit", 2.5)):
+        pol = parse_policy(name)
+        assert pol.label == name and pol.overrides
+        assert estimate_kv(pol, KVGeometry(30, 3, 64), 1280).bits_per_element <= budget

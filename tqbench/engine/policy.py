@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_valid_spec
 from tqbench.engine.layers import select_layers, validate_selector
 
 FULL_PRECISION = "fp16"
+#: model-specific policies shipped with the package (per-layer allocations), usable by name
+SHIPPED_POLICY_DIR = Path(__file__).resolve().parents[1] / "data" / "policies"
 BYPASS_CHOICES = ("none", "global")
 ROTATION_CHOICES = ("qr", "hadamard")
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
@@ -272,6 +275,9 @@ def parse_policy(text: str | Policy) -> Policy:
     text = text.strip()
     if text in PRESETS:
         return get_preset(text)
+    shipped = SHIPPED_POLICY_DIR / f"{text}.json"
+    if "," not in text and "=" not in text and shipped.is_file():
+        return load_policy_file(str(shipped))
     if text.endswith((".json", ".toml")):
         if not os.path.exists(text):
             raise ValueError(f"policy file {text!r} does not exist")
@@ -311,7 +317,11 @@ PRESET_TEXT: dict[str, tuple[str, str]] = {
 
 def get_preset(name: str) -> Policy:
     if name not in PRESET_TEXT:
-        raise ValueError(f"unknown policy preset {name!r}: valid presets are {', '.join(PRESET_TEXT)}")
+        shipped = sorted(p.stem for p in SHIPPED_POLICY_DIR.glob("*.json"))
+        raise ValueError(
+            f"unknown policy preset {name!r}: valid presets are {', '.join(PRESET_TEXT)}"
+            + (f" (shipped policy files: {', '.join(shipped)})" if shipped else "")
+        )
     return parse_compact(PRESET_TEXT[name][0]).with_name(name)
 
 
