@@ -9,7 +9,8 @@ baseline and candidate runs alike. Calls that carry a ``FusedKV`` handle are com
 - turbo values accumulate in the rotated domain and the output is rotated back once;
 - other packed codecs (affine, QJL, outlier split) are dequantized chunk-wise inside the attention call.
 
-This module is the torch reference of the fused path (it is what runs on CPU). The report counts fused
+A prefill with no history attends exactly over the new rows through SDPA. This module is the torch
+reference of the fused path (it is what runs on CPU). The report counts fused
 calls and names each packed codec that went through the dequantize-in-attention path.
 """
 
@@ -42,6 +43,9 @@ def fused_attention_forward(module, query, key, value, attention_mask, dropout=0
                             is_causal=None, **kwargs):
     if not isinstance(key, FusedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if not key.k_parts and not key.v_parts:  # prefill with no history: exact attention on the new rows
+        return sdpa_attention_forward(module, query, key.new_k, key.new_v, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     key.layer.fused_calls += 1
     out = fused_attention(query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
