@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--recent", type=int, default=16)
     ap.add_argument("--geometry", default="30,3,64", help="layers,kv_heads,head_dim")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--model", default="mse", choices=("mse", "kl"), help="per-bit KL model (see allocate.py)")
     args = ap.parse_args()
     data = json.loads(Path(args.sensitivity).read_text())
     rows = sorted(data["rows"], key=lambda r: r["layer"])
@@ -34,7 +35,7 @@ def main() -> None:
     geo = KVGeometry(layers, heads, d)
     overhead = 0.0
     while True:
-        kb, vb, pred = allocate_bits(sk, sv, args.budget - overhead, d)
+        kb, vb, pred = allocate_bits(sk, sv, args.budget - overhead, d, model=args.model)
         name = Path(args.out).stem if args.out else f"alloc-{args.budget:g}bit"
         pol = allocation_policy(kb, vb, args.sink, args.recent, name=name)
         est = estimate_kv(pol, geo, args.seq_len)

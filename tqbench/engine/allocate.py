@@ -2,8 +2,8 @@
 
 Given, for every layer, the KL a 2-bit TurboQuant K (and V) of that layer alone costs, pick bits per
 (layer, role) in 1..4 that minimise the predicted total KL under a bits-per-element budget. The model:
-KL(layer, role, b) = s(layer, role) * f(b), with f the ratio of TurboQuant's unit-vector MSE at b bits to
-its MSE at 2 bits (0.36 / 0.117 / 0.034 / 0.0093: each bit divides the error by 3-4). Every step costs the
+KL(layer, role, b) = s(layer, role) * f(b), with f TurboQuant's unit-vector MSE at b bits over its MSE at
+2 bits (``MSE_RATIO``, the default; ``model="kl"`` uses per-bit KL ratios of uniform policies instead). Every step costs the
 same (one bit on one layer-role) and f is convex, so greedy by marginal gain is optimal for this model.
 """
 
@@ -15,6 +15,11 @@ from tqbench.engine.policy import Policy
 
 #: TurboQuant MSE on unit vectors relative to 2 bits (d=64, measured: 0.359 / 0.114 / 0.0334 / 0.0091)
 MSE_RATIO = {1: 0.359 / 0.114, 2: 1.0, 3: 0.0334 / 0.114, 4: 0.0091 / 0.114}
+#: KL falls faster than MSE: uniform turbo K/V on SmolLM2 (teacher-forced, benchmarks/quality.py) gave
+#: K2V2 0.084, K3V3 0.0148, K4V4 0.0033 (x5.7 and x4.5 per bit) and K4V1 / K4V2 0.28 / 0.028 (x10 for the
+#: last bit). ``model="kl"`` uses these; measured on held-out text it allocated worse than the MSE ratios
+#: (3.5 bits: KL 0.0106 vs 0.0096; 2.5 bits: 0.072 vs 0.058), so "mse" is the default.
+KL_RATIO = {1: 10.0, 2: 1.0, 3: 1 / 5.7, 4: 1 / (5.7 * 4.5)}
 NORM_BITS = 16  # one fp16 norm per row
 
 
@@ -24,12 +29,15 @@ def row_bits(bits: int, head_dim: int) -> float:
 
 def allocate_bits(
     sens_k: list[float], sens_v: list[float], budget: float, head_dim: int, fp_overhead: float = 0.0,
-    min_bits: int = 1, max_bits: int = 4,
+    min_bits: int = 1, max_bits: int = 4, model: str = "mse",
 ) -> tuple[list[int], list[int], float]:
     """Bits for K and V per layer whose mean packed bits/element + ``fp_overhead`` stays within ``budget``.
 
     Returns (k_bits, v_bits, predicted_kl). ``fp_overhead``: bits/element the fp16 sink/window rows add.
     """
+    if model not in ("kl", "mse"):
+        raise ValueError(f"model={model!r} is invalid: use 'kl' (measured KL ratios) or 'mse'")
+    ratio = KL_RATIO if model == "kl" else MSE_RATIO
     n = len(sens_k)
     if len(sens_v) != n or n == 0:
         raise ValueError("sens_k and sens_v need one value per layer")
@@ -45,7 +53,7 @@ def allocate_bits(
         best, gain = None, 0.0
         for key, b in bits.items():
             if b < max_bits:
-                g = sens[key] * (MSE_RATIO[b] - MSE_RATIO[b + 1])
+                g = sens[key] * (ratio[b] - ratio[b + 1])
                 if g > gain:
                     best, gain = key, g
         if best is None:
@@ -54,7 +62,7 @@ def allocate_bits(
         if mean_bits() > budget + 1e-12:
             bits[best] -= 1
             break
-    predicted = sum(sens[key] * MSE_RATIO[b] for key, b in bits.items())
+    predicted = sum(sens[key] * ratio[b] for key, b in bits.items())
     return [bits[("k", i)] for i in range(n)], [bits[("v", i)] for i in range(n)], predicted
 
 
