@@ -22,20 +22,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tqbench.engine.engine import Engine
-from tqbench.engine.quality import baseline_logprobs, teacher_forced
+from tqbench.engine.quality import baseline_logprobs, corpus_ids, teacher_forced
 
-CORPUS = Path(__file__).resolve().parents[1] / "tqbench" / "data" / "corpus"
 DEFAULT_POLICIES = ["q8k-q8v", "fp16k-int4v", "q8k-int4v", "turbo4", "turbo3.5", "turbo3", "turbo2.5", "turbo2",
                     "k4v2", "k3v2", "turbo4-qjl"]
 TARGETS = [(2.5, 0.03), (3.5, 0.01), (4.5, 0.005)]  # (bits/element budget, KL target), tightest first
-
-
-def text_ids(engine, name: str, n: int) -> torch.Tensor:
-    text = (CORPUS / f"{name}.txt").read_text()
-    ids = engine.tokenizer(text, return_tensors="pt")["input_ids"]
-    if ids.shape[1] < n:
-        raise SystemExit(f"{name}.txt has {ids.shape[1]} tokens, fewer than the {n} needed")
-    return ids[:, :n]
 
 
 def main() -> None:
@@ -51,11 +42,11 @@ def main() -> None:
     args = ap.parse_args()
     policies = args.policies.split(";") if args.policies else DEFAULT_POLICIES
     con = Console()
-    engine = Engine.tiny() if args.model == "tiny" else Engine.load(args.model, threads=args.threads)
+    engine = Engine.load(args.model, threads=args.threads)
     rows = []
     t0 = time.time()
     for name in args.texts.split(","):
-        ids = text_ids(engine, name, args.prefill + args.steps + 1)
+        ids = corpus_ids(engine.tokenizer, name, args.prefill + args.steps + 1)
         base = baseline_logprobs(engine, ids, args.prefill)
         for pol in policies:
             r = teacher_forced(engine, ids, args.prefill, pol, args.mode, baseline=base)

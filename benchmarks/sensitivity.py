@@ -18,9 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tqbench.engine.engine import Engine
-from tqbench.engine.quality import baseline_logprobs, teacher_forced
-
-CORPUS = Path(__file__).resolve().parents[1] / "tqbench" / "data" / "corpus"
+from tqbench.engine.quality import baseline_logprobs, corpus_ids, teacher_forced
 
 
 def main() -> None:
@@ -36,8 +34,7 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/sensitivity.json")
     args = ap.parse_args()
     engine = Engine.load(args.model, threads=args.threads)
-    text = (CORPUS / f"{args.text}.txt").read_text()
-    ids = engine.tokenizer(text, return_tensors="pt")["input_ids"][:, : args.prefill + args.steps + 1]
+    ids = corpus_ids(engine.tokenizer, args.text, args.prefill + args.steps + 1)
     base = baseline_logprobs(engine, ids, args.prefill)
     n = engine.config.num_hidden_layers
     rows = []

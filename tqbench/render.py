@@ -19,14 +19,6 @@ DEFAULT_GEOMETRY = (30, 3, 64)
 def load_engine(model: str, device: str, dtype: str, threads: int | None, quiet: bool = False):
     from tqbench.engine.engine import Engine
 
-    if model in ("tiny", "tiny-random"):
-        import torch
-
-        from tqbench.engine.model import resolve_dtype
-
-        if threads:
-            torch.set_num_threads(threads)
-        return Engine.tiny(dtype=resolve_dtype(dtype, "cpu"))
     with err.status(f"loading {model} ...", spinner="dots") as status:
         engine = Engine.load(model, device=device, dtype=dtype, threads=threads,
                              on_progress=lambda m: status.update(m))

@@ -119,3 +119,11 @@ def test_shipped_allocation_policies_load_by_name_and_fit_their_budget():
         pol = parse_policy(name)
         assert pol.label == name and pol.overrides
         assert estimate_kv(pol, KVGeometry(30, 3, 64), 1280).bits_per_element <= budget
+
+
+def test_corpus_texts_are_shipped_and_bad_names_are_clear(tiny_engine):
+    from tqbench.engine.quality import corpus_ids
+
+    assert corpus_ids(tiny_engine.tokenizer, "bread", 300).shape == (1, 300)
+    with pytest.raises(ValueError, match="unknown corpus text 'soup': shipped texts are bread, lighthouses, rivers"):
+        corpus_ids(tiny_engine.tokenizer, "soup", 10)

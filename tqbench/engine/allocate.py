@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tqbench.engine.policy import Policy
+from tqbench.engine.policy import Policy, parse_policy
 
 #: TurboQuant MSE on unit vectors relative to 2 bits (d=64, measured: 0.359 / 0.114 / 0.0334 / 0.0091)
 MSE_RATIO = {1: 0.359 / 0.114, 2: 1.0, 3: 0.0334 / 0.114, 4: 0.0091 / 0.114}
@@ -68,25 +68,14 @@ def allocate_bits(
 
 def allocation_policy(k_bits: list[int], v_bits: list[int], sink: int, recent: int, name: str | None = None) -> Policy:
     """A policy with per-layer overrides: the most common width is the default, the rest are overrides."""
-    parts = []
+    heads, overrides = [], []
     for role, per_layer in (("k", k_bits), ("v", v_bits)):
         common = max(set(per_layer), key=per_layer.count)
-        parts.append(f"{role}=turbo{common}")
+        heads.append(f"{role}=turbo{common}")
         groups: dict[int, list[int]] = defaultdict(list)
         for layer, b in enumerate(per_layer):
             if b != common:
                 groups[b].append(layer)
-        for b, layers in sorted(groups.items()):
-            parts.append(f"{role}@{'+'.join(map(str, layers))}=turbo{b}")
-    text = ",".join(parts[:1] + parts[1:]) + f",sink={sink},recent={recent}"
-    from tqbench.engine.policy import parse_policy
-
-    pol = parse_policy(_reorder(text))
+        overrides += [f"{role}@{'+'.join(map(str, layers))}=turbo{b}" for b, layers in sorted(groups.items())]
+    pol = parse_policy(",".join([*heads, f"sink={sink}", f"recent={recent}", *overrides]))
     return pol.with_name(name) if name else pol
-
-
-def _reorder(text: str) -> str:
-    """Put k= and v= first (overrides apply on top of them)."""
-    items = text.split(",")
-    heads = [i for i in items if i.startswith(("k=", "v="))]
-    return ",".join(heads + [i for i in items if i not in heads])

@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tqbench.engine.events import Progress
 
+CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "corpus"
 
-@dataclass
-class StepLogits:
-    """Per-step log-probabilities of one run (kept on CPU, float32)."""
 
-    logprobs: list[torch.Tensor] = field(default_factory=list)
+def corpus_ids(tokenizer, name: str, n: int) -> torch.Tensor:
+    """The first ``n`` token ids ``[1, n]`` of a shipped corpus text (``tqbench/data/corpus/<name>.txt``)."""
+    path = CORPUS_DIR / f"{name}.txt"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in CORPUS_DIR.glob("*.txt")))
+        raise ValueError(f"unknown corpus text {name!r}: shipped texts are {names}")
+    ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
+    if ids.shape[1] < n:
+        raise ValueError(f"{name}.txt has {ids.shape[1]} tokens, fewer than the {n} needed")
+    return ids[:, :n]
 
 
 @dataclass(frozen=True)

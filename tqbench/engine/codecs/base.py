@@ -8,8 +8,8 @@ so a codec never sees its own history.
 
 Byte accounting is exact: ``unit_bytes(head_dim)`` is the number of bytes one unit of one (batch, head)
 occupies in the packed dict (indices + every norm, scale and zero), ``state_bytes`` counts per-layer
-calibration tensors (key centering means, ...), and ``shared_bytes`` counts objects shared by every
-layer with the same head_dim (rotations, codebooks), which a cache counts once per ``shared_key``.
+calibration tensors (key centering means, ...), and ``shared_items`` names the objects shared by every
+layer (rotations, codebooks, QJL matrices) with their bytes, which a cache counts once per name.
 """
 
 from __future__ import annotations
@@ -62,17 +62,13 @@ class Codec(ABC):
     def unit_bytes(self, head_dim: int) -> int:
         """Exact bytes of one unit of one (batch, head), all per-unit metadata included."""
 
-    def shared_key(self, head_dim: int) -> str | None:
-        """Identity of objects shared across layers (rotation, codebook); ``None`` if nothing is shared."""
-        return None
-
-    def shared_bytes(self, head_dim: int) -> int:
-        return 0
-
     def shared_items(self, head_dim: int) -> dict[str, int]:
         """Shared objects by identity -> bytes; a cache counts each identity once across all codecs."""
-        key = self.shared_key(head_dim)
-        return {} if key is None else {key: self.shared_bytes(head_dim)}
+        return {}
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Bytes of this codec's shared objects (before de-duplication across codecs)."""
+        return sum(self.shared_items(head_dim).values())
 
     def bits_per_element(self, head_dim: int) -> float:
         """Packed bits per K or V element, per-unit metadata included (state/shared objects excluded)."""

@@ -103,20 +103,25 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return vals.reshape(*lead, groups * 8)[..., :n].contiguous()
 
 
-def lookup_packed(packed: torch.Tensor, bits: int, n: int, levels: torch.Tensor) -> torch.Tensor:
-    """``levels[unpack_bits(packed, bits, n)]`` without materialising the indices.
-
-    For 1, 2, 4 and 8 bits every byte holds whole values, so one ``index_select`` into a 256-row table of
-    value tuples decodes a byte at a time (about 3x faster than unpack + gather on CPU). Other widths
-    unpack first.
-    """
+def byte_table(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[256, 8 // bits]``: the levels every byte value decodes to (1, 2, 4 and 8 bits); else ``levels``."""
     _check_bits(bits)
     if 8 % bits:
-        idx = unpack_bits(packed, bits, n)
-        return levels.index_select(0, idx.reshape(-1).int()).view(*idx.shape)
-    per = 8 // bits
+        return levels
     byte = torch.arange(256, device=levels.device, dtype=torch.int32)
-    shifts = torch.arange(per, device=levels.device, dtype=torch.int32) * bits
-    table = levels[(byte[:, None] >> shifts) & ((1 << bits) - 1)]  # [256, per]
-    vals = table.index_select(0, packed.reshape(-1).int()).view(*packed.shape[:-1], packed.shape[-1] * per)
+    shifts = torch.arange(8 // bits, device=levels.device, dtype=torch.int32) * bits
+    return levels[(byte[:, None] >> shifts) & ((1 << bits) - 1)]
+
+
+def lookup_packed(packed: torch.Tensor, bits: int, n: int, table: torch.Tensor) -> torch.Tensor:
+    """``levels[unpack_bits(packed, bits, n)]`` without materialising the indices; ``table = byte_table(...)``.
+
+    For 1, 2, 4 and 8 bits every byte holds whole values, so one ``index_select`` into the 256-row table of
+    value tuples decodes a byte at a time (about 3x faster than unpack + gather on CPU). Other widths
+    unpack first and gather from the levels.
+    """
+    if 8 % bits:
+        idx = unpack_bits(packed, bits, n)
+        return table.index_select(0, idx.reshape(-1).int()).view(*idx.shape)
+    vals = table.index_select(0, packed.reshape(-1).int()).view(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
     return vals if vals.shape[-1] == n else vals[..., :n]

@@ -20,7 +20,7 @@ import torch
 
 from .base import Codec, Encoded, compute_dtype
 from .codebooks import lloyd_max_codebook
-from .packing import lookup_packed, max_values, pack_bits, packed_nbytes, unpack_bits
+from .packing import byte_table, lookup_packed, max_values, pack_bits, packed_nbytes, unpack_bits
 from .rotation import ROTATIONS, gaussian_matrix, gaussian_matrix_bytes, rotation_bytes, rotation_matrix
 
 __all__ = ["TurboCodec", "TurboProdCodec", "TurboSplitCodec"]
@@ -171,8 +171,10 @@ class TurboCodec(_Centered):
 
     def codebook_values(self, enc: Encoded, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         """``c[idx]`` ``[B, H, T, D]``: the rotated-domain unit rows, straight from the packed bytes."""
-        levels = self._tables(head_dim, enc["idx"].device, dtype)[1]
-        return lookup_packed(enc["idx"], self.bits, head_dim, levels)
+        key = ("bytes", head_dim, enc["idx"].device, dtype)
+        if key not in self._consts:
+            self._consts[key] = byte_table(self._tables(head_dim, enc["idx"].device, dtype)[1], self.bits)
+        return lookup_packed(enc["idx"], self.bits, head_dim, self._consts[key])
 
     def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         mu = self._mu(state)
@@ -184,12 +186,6 @@ class TurboCodec(_Centered):
 
     def unit_bytes(self, head_dim: int) -> int:
         return packed_nbytes(head_dim, self.bits) + 2
-
-    def shared_key(self, head_dim: int) -> str | None:
-        return f"turbo:b{self.bits}:{self.rotation}:seed{self.seed}:d{head_dim}"
-
-    def shared_bytes(self, head_dim: int) -> int:
-        return rotation_bytes(head_dim, self.rotation) + (1 << self.bits) * 4
 
     def shared_items(self, head_dim: int) -> dict[str, int]:
         """The rotation (per dim, kind, seed) and the codebook (per dim, bits) are separate objects."""
@@ -270,12 +266,6 @@ class TurboProdCodec(_Centered):
 
     def unit_bytes(self, head_dim: int) -> int:
         return packed_nbytes(head_dim, self.bits - 1) + 2 + packed_nbytes(head_dim, 1) + 2
-
-    def shared_key(self, head_dim: int) -> str | None:
-        return f"turbo-qjl:b{self.bits}:{self.mse.rotation}:seed{self.seed}:d{head_dim}"
-
-    def shared_bytes(self, head_dim: int) -> int:
-        return self.mse.shared_bytes(head_dim) + gaussian_matrix_bytes(head_dim)
 
     def shared_items(self, head_dim: int) -> dict[str, int]:
         items = self.mse.shared_items(head_dim)
@@ -366,13 +356,6 @@ class TurboSplitCodec(_Centered):
     def unit_bytes(self, head_dim: int) -> int:
         n_hi = self.n_hi(head_dim)
         return packed_nbytes(n_hi, self.hi.bits) + packed_nbytes(head_dim - n_hi, self.lo.bits) + 4
-
-    def shared_key(self, head_dim: int) -> str | None:
-        return f"turbo-split:b{self.bits:g}:{self.lo.rotation}:seed{self.seed}:d{head_dim}"
-
-    def shared_bytes(self, head_dim: int) -> int:
-        n_hi = self.n_hi(head_dim)
-        return self.hi.shared_bytes(n_hi) + self.lo.shared_bytes(head_dim - n_hi)
 
     def shared_items(self, head_dim: int) -> dict[str, int]:
         n_hi = self.n_hi(head_dim)
