@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from tqbench.engine.cache import TQCache, check_mode
-from tqbench.engine.events import GenerationFinished
+from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, lockstep, stream_tokens
 from tqbench.engine.model import LoadedModel, load_model
 from tqbench.engine.policy import Policy, parse_policy
@@ -117,19 +117,26 @@ class Engine:
         collect_logits: bool = False,
         cancel: Callable[[], bool] | None = None,
         run: str = "candidate",
+        track_bytes: bool = False,
     ) -> Iterator[object]:
-        """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``."""
+        """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
+
+        With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only).
+        """
         pol = parse_policy(policy) if policy is not None else None
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
         cache = self.make_cache(pol, cache_mode)
         label = pol.label if pol is not None else "dynamic-cache"
         mode = cache_mode if pol is not None else "dynamic"
-        return stream_tokens(
+        events = stream_tokens(
             self.model, self.tokenizer, ids, cache, run=run, kv_policy=label, cache_mode=mode,
             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
             stop=stop, collect_logits=collect_logits, cancel=cancel,
             report=cache.report if isinstance(cache, TQCache) else None,
         )
+        if track_bytes and isinstance(cache, TQCache):
+            return _with_cache_bytes(events, cache)
+        return events
 
     def generate(self, prompt: Prompt | torch.Tensor, policy: Policy | str | None = "fp16",
                  cache_mode: str = "compressed", **kwargs) -> GenerationResult:
@@ -153,12 +160,23 @@ class Engine:
         sampling: Sampling = GREEDY,
         collect_logits: bool = True,
         cancel: Callable[[], bool] | None = None,
+        track_bytes: bool = False,
     ) -> Iterator[object]:
         """Baseline and candidate generate side by side; yields both streams' events and ``PairStep``s."""
         ids = self.encode_prompt(prompt, chat, max_new_tokens)
         common = dict(max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
-                      cancel=cancel)
+                      cancel=cancel, track_bytes=track_bytes)
         return lockstep(
             self.stream(ids, baseline, baseline_mode, run="baseline", **common),
             self.stream(ids, candidate, candidate_mode, run="candidate", **common),
         )
+
+
+def _with_cache_bytes(events: Iterator[object], cache: TQCache) -> Iterator[object]:
+    """Pass ``events`` through; after each token, report what the cache holds (prompt + tokens fed so far)."""
+    for ev in events:
+        yield ev
+        if isinstance(ev, TokenGenerated):
+            rep = cache.report()
+            yield CacheBytes(ev.run, ev.step, rep.tokens, rep.compressed_storage_bytes, rep.resident_decode_bytes,
+                             rep.dense_fp16_bytes)

@@ -58,3 +58,15 @@ class Progress:
     done: float
     total: float | None = None
     message: str = ""
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What a run's KV cache holds after a step (``Engine.stream(..., track_bytes=True)``)."""
+
+    run: str
+    step: int
+    tokens: int
+    storage_bytes: int  # packed store + fp16 rows + shared objects
+    resident_bytes: int  # what the cache mode keeps in memory during decode
+    dense_fp16_bytes: int  # an fp16 cache for the same tokens
