@@ -61,18 +61,49 @@ def model_options(fn):
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--headless", is_flag=True, help="Run a command without the UI (for scripts and CI).")
+@click.option("--model", "wb_model", default=None, help="Workbench model (default: the session's, else 'default').")
+@click.option("--device", "wb_device", default="auto", help="Workbench device: auto, cpu, cuda, mps.")
+@click.option("--dtype", "wb_dtype", default="auto", help="Workbench dtype.")
+@click.option("--threads", "wb_threads", type=click.IntRange(min=1), default=None, help="Workbench CPU threads.")
+@click.option("--kv-policy", "wb_policy", default=None, help="Workbench candidate policy (default turbo4).")
+@click.option("--session", "wb_session", default=None, help="Open this saved session (.json) in the workbench.")
+@click.option("--session-dir", "wb_session_dir", default=None,
+              help="Where sessions are saved and listed (default $TQBENCH_DATA_DIR/sessions or the user data dir).")
 @click.version_option(__version__, "--version", prog_name="tqbench")
 @click.pass_context
-def main(ctx: click.Context, headless: bool) -> None:
-    """tqbench: how far can you compress a model's KV cache without changing what it says?"""
+def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_threads, wb_policy, wb_session,
+         wb_session_dir) -> None:
+    """tqbench: how far can you compress a model's KV cache without changing what it says?
+
+    With no command, opens the workbench (a terminal UI); `tqbench --headless <command>` runs without it.
+    """
     ctx.ensure_object(dict)
     ctx.obj["headless"] = headless
+    ctx.obj["workbench"] = dict(model=wb_model, device=wb_device, dtype=wb_dtype, threads=wb_threads,
+                                session=wb_session, session_dir=wb_session_dir, policy=wb_policy)
     if ctx.invoked_subcommand is None:
-        click.echo(ctx.get_help())
-        click.echo(
-            "\nThe interactive workbench is not part of this release yet; every command runs headless, e.g.\n"
-            "  tqbench --headless bench --kv-policy turbo4"
-        )
+        if headless:
+            click.echo(ctx.get_help())
+            return
+        open_workbench(ctx)
+
+
+def open_workbench(ctx: click.Context, screen: str = "run", run: dict | None = None) -> None:
+    """Open the Textual workbench with the group's flags (and a subcommand's, filled into its screen)."""
+    wb = dict(ctx.find_root().obj["workbench"])
+    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
+        fail("the workbench needs a terminal: run `tqbench` in one, or use `tqbench --headless <command>`")
+    if wb["session"] and not os.path.isfile(wb["session"]):
+        fail(f"session file {wb['session']!r} does not exist: give a saved session's .json path")
+    from tqbench.tui.app import RunParams, WorkbenchOptions, run_workbench
+
+    params = None
+    if run is not None or wb["policy"]:
+        r = dict(prompt=DEFAULT_PROMPT, chat=True, max_new_tokens=48, temperature=0.0, top_p=1.0, seed=0,
+                 baseline="fp16", candidate=wb["policy"] or "turbo4", cache_mode="compressed") | (run or {})
+        params = RunParams(**r)
+    run_workbench(WorkbenchOptions(model=wb["model"], device=wb["device"], dtype=wb["dtype"], threads=wb["threads"],
+                                   session=wb["session"], session_dir=wb["session_dir"], screen=screen, run=params))
 
 
 @main.command()
@@ -88,10 +119,18 @@ def main(ctx: click.Context, headless: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--per-layer", is_flag=True, help="Print the per-layer byte table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--save-session", "save_session", default=None, metavar="FILE",
+              help="Also save the run as a workbench session (FILE.json + FILE.safetensors).")
+@click.pass_context
 @friendly_errors
-def bench(model, device, dtype, threads, kv_policy, cache_mode, prompt, prompt_file, chat, max_new_tokens,
-          temperature, top_p, seed, per_layer, as_json):
+def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, prompt_file, chat, max_new_tokens,
+          temperature, top_p, seed, per_layer, as_json, save_session):
     """Generate under a KV policy; report speed and what the cache costs."""
+    if not ctx.find_root().obj.get("headless"):  # the workbench's Run screen with these flags filled in
+        ctx.find_root().obj["workbench"].update(model=model, device=device, dtype=dtype, threads=threads)
+        return open_workbench(ctx, "run", dict(
+            prompt=read_prompt(prompt, prompt_file), chat=chat, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, candidate=kv_policy, cache_mode=cache_mode))
     from tqbench import render
     from tqbench.engine.events import TokenGenerated
     from tqbench.engine.generate import GenerationFinished, Sampling
@@ -105,17 +144,39 @@ def bench(model, device, dtype, threads, kv_policy, cache_mode, prompt, prompt_f
     engine = render.load_engine(model, device, dtype, threads, quiet=as_json)
     result = None
     live = render.TokenPrinter(enabled=not as_json)
-    for ev in engine.stream(text, policy, cache_mode, max_new_tokens=max_new_tokens, chat=chat, sampling=sampling):
+    recorder = None
+    if save_session:
+        from tqbench.engine.session import RunRecorder
+
+        recorder = RunRecorder(text, chat, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed),
+                               kind="bench")
+    for ev in engine.stream(text, policy, cache_mode, max_new_tokens=max_new_tokens, chat=chat, sampling=sampling,
+                            track_bytes=recorder is not None):
+        if recorder is not None:
+            recorder(ev)
         if isinstance(ev, TokenGenerated):
             live.token(ev.text_delta)
         elif isinstance(ev, GenerationFinished):
             result = ev.result
     live.close()
     payload = render.bench_payload(engine, result, policy)
+    if recorder is not None:
+        saved = save_headless_session(save_session, engine, model, [recorder.record])
+        if not as_json:
+            render.err.print(f"session saved to {saved}")
     if as_json:
         click.echo(json.dumps(payload, indent=2))
     else:
         render.print_bench(payload, per_layer=per_layer)
+
+
+def save_headless_session(path: str, engine, model_spec: str, runs: list, **results) -> str:
+    """Write a session the workbench opens (``tqbench --session FILE``)."""
+    from tqbench.engine.session import Session, environment
+
+    session = Session(model=Session.model_info(engine, model_spec), runs=runs,
+                      environment=environment(str(engine.loaded.device)), **results)
+    return str(session.save(path))
 
 
 @main.command()

@@ -1,0 +1,261 @@
+"""The workbench app: header with the model, tabs (Run, Policies), sessions, help and the command palette."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.widgets import Footer, TabbedContent, TabPane
+
+from tqbench.tui.screens.policies import PoliciesPane
+from tqbench.tui.screens.run import RunPane, RunParams
+from tqbench.tui.widgets.model_bar import ModelBar
+
+TABS = ("run", "policies")
+
+
+@dataclass
+class WorkbenchOptions:
+    """What ``tqbench [flags]`` (or a subcommand without --headless) asked for."""
+
+    model: str | None = None  # None: the session's model, else "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    session: str | None = None
+    session_dir: str | None = None
+    screen: str = "run"
+    run: RunParams | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class WorkbenchApp(App):
+    TITLE = "tqbench"
+    CSS_PATH = "tqbench.tcss"
+    BINDINGS = [
+        Binding("ctrl+r", "run", "Run", tooltip="Generate baseline and candidate side by side", id="app.run"),
+        Binding("escape", "cancel", "Cancel", tooltip="Stop the running generation", id="app.cancel"),
+        Binding("f1", "help", "Help", tooltip="Every key binding", id="app.help"),
+        Binding("ctrl+s", "save_session", "Save", tooltip="Save the session (JSON + safetensors)", id="app.save"),
+        Binding("ctrl+o", "open_session", "Open", tooltip="Open a saved session from a list", id="app.open"),
+        Binding("ctrl+e", "rerun", "Re-run+diff", tooltip="Re-run the shown run and diff it against the saved one",
+                id="app.rerun"),
+        Binding("f2", "tab('run')", "Run tab", tooltip="Side-by-side generation", id="app.tab_run"),
+        Binding("f3", "tab('policies')", "Policies tab", tooltip="Presets and the policy builder",
+                id="app.tab_policies"),
+        Binding("ctrl+q", "quit", "Quit", tooltip="Leave the workbench", id="app.quit", priority=True),
+    ]
+
+    def __init__(self, options: WorkbenchOptions | None = None, engine=None) -> None:
+        super().__init__()
+        self.options = options or WorkbenchOptions()
+        self.engine = engine
+        self.model_spec = self.options.model or "default"
+        self.session = None
+        self.session_path: Path | None = None
+        self.saved_record = None  # the RunRecord shown from a session (for re-run and diff)
+        self._pending_session: str | None = self.options.session
+
+    # ---- layout ----------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield ModelBar(id="model-bar")
+        with TabbedContent(initial=self.options.screen if self.options.screen in TABS else "run", id="tabs"):
+            with TabPane("Run", id="run"):
+                yield RunPane(self.options.run, id="run-pane")
+            with TabPane("Policies", id="policies"):
+                yield PoliciesPane(id="policies-pane")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        from tqbench.engine.session import Session, SessionError
+
+        self.session = Session()
+        if self._pending_session and self.options.model is None:
+            from tqbench.engine.session import read_header
+
+            try:  # open on the session's model
+                self.model_spec = read_header(self._pending_session).get("model", {}).get("spec") or "default"
+            except SessionError as exc:
+                self.notify(str(exc), title="cannot open session", severity="error", timeout=10)
+                self._pending_session = None
+        if self.engine is not None:
+            self._engine_ready(self.engine)
+        else:
+            self.load_model()
+
+    @property
+    def run_pane(self) -> RunPane:
+        return self.query_one("#run-pane", RunPane)
+
+    @property
+    def policies_pane(self) -> PoliciesPane:
+        return self.query_one("#policies-pane", PoliciesPane)
+
+    # ---- model ------------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="load", exit_on_error=False)
+    def load_model(self) -> None:
+        from tqbench.engine.engine import Engine
+
+        bar = self.query_one(ModelBar)
+        self.call_from_thread(bar.loading, f"{self.model_spec} ...")
+        try:
+            engine = Engine.load(self.model_spec, device=self.options.device, dtype=self.options.dtype,
+                                 threads=self.options.threads,
+                                 on_progress=lambda m: self.call_from_thread(bar.loading, m))
+        except Exception as exc:  # shown in the header; the app keeps running
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.call_from_thread(bar.failed, msg)
+            self.call_from_thread(self.notify, msg, title="model failed to load", severity="error", timeout=15)
+            return
+        self.call_from_thread(self._engine_ready, engine)
+
+    def _engine_ready(self, engine) -> None:
+        from tqbench.engine.session import Session
+
+        self.engine = engine
+        self.query_one(ModelBar).loaded(engine)
+        self.session.model = Session.model_info(engine, self.model_spec)
+        self.policies_pane.reload_list()
+        self.policies_pane.recompute()
+        if self._pending_session:
+            path, self._pending_session = self._pending_session, None
+            self.open_session(path)
+
+    # ---- sessions ---------------------------------------------------------------------------------
+    @on(RunPane.Finished)
+    def _run_finished(self, msg: RunPane.Finished) -> None:
+        if msg.error or not msg.record.candidate.token_ids:
+            return
+        self.session.runs.append(msg.record)
+
+    def policy_kept(self, name: str, text: str) -> None:
+        self.session.policies[name] = text
+
+    def action_save_session(self) -> None:
+        from tqbench.engine.session import SessionError, default_session_path, environment
+
+        if self.engine is None:
+            self.notify("nothing to save yet: the model is still loading", severity="warning")
+            return
+        if self.run_pane.running:
+            self.notify("a run is going: wait for it or press escape, then save", severity="warning")
+            return
+        self.session.environment = environment(str(self.engine.loaded.device))
+        self.session.policies.update(self.policies_pane.kept)
+        path = self.session_path or default_session_path(self.options.session_dir, _slug(self.session))
+        try:
+            self.session_path = self.session.save(path)
+        except (OSError, SessionError, ValueError) as exc:
+            self.notify(f"could not save the session to {path}: {exc}", title="save failed", severity="error")
+            return
+        self.notify(f"saved {len(self.session.runs)} run(s) to {self.session_path}", title="session saved")
+        self.sub_title = str(self.session_path)
+
+    def action_open_session(self) -> None:
+        from tqbench.tui.screens.sessions import OpenSessionScreen
+
+        def chosen(path) -> None:
+            if path is not None:
+                self.open_session(path)
+
+        self.push_screen(OpenSessionScreen(self.options.session_dir), chosen)
+
+    def open_session(self, path) -> bool:
+        """Load a session and show its last run; errors are shown and the app keeps running."""
+        from tqbench.engine.session import Session, SessionError
+
+        if self.run_pane.running:
+            self.notify("a run is going: press escape first, then open the session", severity="warning")
+            return False
+        try:
+            session = Session.load(path)
+        except SessionError as exc:
+            self.notify(str(exc), title="cannot open session", severity="error", timeout=10)
+            return False
+        self.session, self.session_path = session, Path(path)
+        if self.engine is not None:
+            fp = session.model.get("fingerprint")
+            if fp and fp != self.engine.loaded.fingerprint:
+                self.notify(f"this session was made with {session.model.get('name')} (fingerprint {fp}); the loaded "
+                            f"model is {self.engine.name} ({self.engine.loaded.fingerprint}): re-runs will differ",
+                            title="different model", severity="warning", timeout=10)
+        self.policies_pane.set_kept(session.policies)
+        if session.runs:
+            self.saved_record = session.runs[-1]
+            self.run_pane.show_record(self.saved_record)
+            self.query_one(TabbedContent).active = "run"
+        self.notify(f"opened {Path(path).name}: {len(session.runs)} run(s)", title="session opened")
+        return True
+
+    def action_rerun(self) -> None:
+        from tqbench.engine.session import diff_runs
+
+        saved = self.saved_record or self.run_pane.record
+        if saved is None:
+            self.notify("nothing to re-run: open a session (ctrl+o) or run a prompt first", severity="warning")
+            return
+        self.run_pane.fill(saved.params())
+
+        def done(record) -> None:
+            d = diff_runs(saved, record)
+            colour = "green" if d.identical else "red"
+            self.run_pane.set_diff_note(f"[b {colour}]re-run vs saved: {d.describe()}[/]")
+            self.notify(d.describe(), title="re-run identical" if d.identical else "re-run differs",
+                        severity="information" if d.identical else "warning", timeout=10)
+
+        self.query_one(TabbedContent).active = "run"
+        self.run_pane.action_run(on_finish=done)
+
+    # ---- tabs, help, palette ---------------------------------------------------------------------
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+
+    def action_help(self) -> None:
+        from tqbench.tui.screens.help import HelpScreen
+
+        self.push_screen(HelpScreen())
+
+    def action_run(self) -> None:
+        self.query_one(TabbedContent).active = "run"
+        self.run_pane.action_run()
+
+    def action_cancel(self) -> None:
+        if not self.run_pane.action_cancel():
+            self.notify("nothing is running", severity="information", timeout=2)
+
+    @on(PoliciesPane.Chosen)
+    def _policy_chosen(self, msg: PoliciesPane.Chosen) -> None:
+        self.run_pane.set_candidate(msg.policy)
+        self.query_one(TabbedContent).active = "run"
+        self.notify(f"candidate policy: {msg.policy}", timeout=3)
+
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Run", "Generate baseline and candidate side by side (ctrl+r)", self.action_run)
+        yield SystemCommand("Cancel run", "Stop the running generation (escape)", self.action_cancel)
+        yield SystemCommand("Save session", "Save everything to the data dir (ctrl+s)", self.action_save_session)
+        yield SystemCommand("Open session", "Open a saved session from a list (ctrl+o)", self.action_open_session)
+        yield SystemCommand("Re-run and diff", "Re-run the shown run and compare with the saved tokens (ctrl+e)",
+                            self.action_rerun)
+        yield SystemCommand("Run tab", "Side-by-side generation (f2)", lambda: self.action_tab("run"))
+        yield SystemCommand("Policies tab", "Presets and the builder (f3)", lambda: self.action_tab("policies"))
+        yield SystemCommand("Use built policy", "Put the built policy into Run's candidate (ctrl+u)",
+                            self.policies_pane.action_use)
+        yield SystemCommand("Keep built policy", "Name and keep the built policy (ctrl+k)",
+                            self.policies_pane.action_keep)
+        yield SystemCommand("Help", "Every key binding (f1)", self.action_help)
+
+
+def _slug(session) -> str:
+    runs = session.runs
+    if not runs:
+        return "session"
+    cand = runs[-1].candidate.policy
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in cand)[:40] or "session"
+
+
+def run_workbench(options: WorkbenchOptions) -> None:
+    WorkbenchApp(options).run()

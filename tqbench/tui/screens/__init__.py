@@ -1,0 +1,1 @@
+"""Workbench screens and panes: Run, Policies, help, open session."""

@@ -1,0 +1,48 @@
+"""Open a saved session from a list (newest first); unreadable files are listed with their error."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Label, OptionList
+from textual.widgets.option_list import Option
+
+
+class OpenSessionScreen(ModalScreen):
+    """Dismisses with the chosen session's path, or None."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Close", id="open.close")]
+    DEFAULT_CSS = """
+    OpenSessionScreen { align: center middle; }
+    OpenSessionScreen > Vertical { width: 100; max-width: 95%; height: auto; max-height: 80%;
+        border: thick $primary; background: $surface; padding: 0 1; }
+    OpenSessionScreen OptionList { height: auto; max-height: 24; }
+    """
+
+    def __init__(self, directory: str | None = None) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def compose(self) -> ComposeResult:
+        from tqbench.engine.session import list_sessions, session_dir
+
+        self.entries = list_sessions(self.directory)
+        with Vertical():
+            yield Label(f"[b]open a session[/b] from {session_dir(self.directory)}  (enter opens, escape closes)")
+            options = []
+            for i, e in enumerate(self.entries):
+                if e.error:
+                    options.append(Option(f"[red]✗ {e.path.name}[/]: {e.error}", id=f"s{i}"))
+                else:
+                    options.append(Option(f"{e.saved:<21} {e.title:<34} {e.model} · {e.runs} run(s)", id=f"s{i}"))
+            if not options:
+                options.append(Option("no saved sessions yet: ctrl+s saves one", id="none", disabled=True))
+            yield OptionList(*options, id="session-list")
+
+    @on(OptionList.OptionSelected)
+    def _chosen(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id and event.option.id.startswith("s"):
+            self.dismiss(self.entries[int(event.option.id[1:])].path)

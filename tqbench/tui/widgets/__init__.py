@@ -1,0 +1,1 @@
+"""Textual widgets of the workbench (token diff view, throughput graph, model bar, run strip)."""
