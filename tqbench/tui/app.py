@@ -226,6 +226,11 @@ class WorkbenchApp(App):
         if not self.run_pane.action_cancel():
             self.notify("nothing is running", severity="information", timeout=2)
 
+    @on(TabbedContent.TabActivated)
+    def _tab_shown(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "policies":
+            self.policies_pane.query_one("#policy-list").focus()
+
     @on(PoliciesPane.Chosen)
     def _policy_chosen(self, msg: PoliciesPane.Chosen) -> None:
         self.run_pane.set_candidate(msg.policy)

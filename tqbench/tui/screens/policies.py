@@ -30,7 +30,7 @@ class PoliciesPane(Horizontal):
     PoliciesPane { height: 1fr; }
     PoliciesPane #policy-list { width: 44; min-width: 30; border: round $panel; height: 1fr; }
     PoliciesPane #builder { width: 1fr; border: round $panel; padding: 0 1; }
-    PoliciesPane .row { height: 1; margin-bottom: 1; }
+    PoliciesPane .row { height: 1; }
     PoliciesPane .row Label { width: 16; color: $text-muted; }
     PoliciesPane .row Select { width: 22; }
     PoliciesPane .row Input { width: 1fr; max-width: 40; }

@@ -51,7 +51,7 @@ class RunPane(Vertical):
 
     DEFAULT_CSS = """
     RunPane { height: 1fr; }
-    RunPane #prompt { height: 5; min-height: 3; border: round $panel; }
+    RunPane #prompt { height: 4; border: round $panel; }
     RunPane .controls { height: 1; margin: 0 0 0 0; }
     RunPane .controls Label { padding: 0 1; color: $text-muted; }
     RunPane #baseline { width: 16; }
@@ -62,8 +62,8 @@ class RunPane(Vertical):
     RunPane #seed { width: 7; }
     RunPane #chat { width: auto; }
     RunPane #run-button { margin-left: 1; min-width: 9; }
-    RunPane #texts { height: 2fr; min-height: 5; }
-    RunPane ThroughputGraph { height: 1fr; min-height: 7; max-height: 18; }
+    RunPane #texts { height: 3fr; min-height: 5; }
+    RunPane ThroughputGraph { height: 2fr; min-height: 8; max-height: 20; }
     """
 
     class Finished(Message):

@@ -23,7 +23,7 @@ class ThroughputGraph(Static):
         self.tps: dict[str, list[float]] = {"baseline": [], "candidate": []}
         self.kv: dict[str, list[int]] = {"baseline": [], "candidate": []}
         self.border_title = (f"throughput: [{COLORS['baseline']}]━ baseline[/] [{COLORS['candidate']}]━ candidate[/]"
-                             " · tokens/s per step │ resident KV MiB")
+                             " · left: tokens/s per step · right: resident KV MiB")
 
     def clear(self) -> None:
         for series in (self.tps, self.kv):
@@ -56,11 +56,8 @@ class ThroughputGraph(Static):
         fig.clear()
         fig.plot_size(w, h)
         fig.subplots(1, 2)
-        for col, (title, series, scale) in enumerate(
-            (("tokens/s", self.tps, 1.0), ("resident KV MiB", self.kv, 1 / 2**20)), start=1
-        ):
+        for col, (series, scale) in enumerate(((self.tps, 1.0), (self.kv, 1 / 2**20)), start=1):
             ax = fig.subplot(1, col)
-            ax.title(title)
             for run in ("baseline", "candidate"):
                 ys = [y * scale for y in series[run]]
                 if not ys:
