@@ -91,10 +91,10 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
 def open_workbench(ctx: click.Context, screen: str = "run", run: dict | None = None) -> None:
     """Open the Textual workbench with the group's flags (and a subcommand's, filled into its screen)."""
     wb = dict(ctx.find_root().obj["workbench"])
-    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
-        fail("the workbench needs a terminal: run `tqbench` in one, or use `tqbench --headless <command>`")
     if wb["session"] and not os.path.isfile(wb["session"]):
         fail(f"session file {wb['session']!r} does not exist: give a saved session's .json path")
+    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
+        fail("the workbench needs a terminal: run `tqbench` in one, or use `tqbench --headless <command>`")
     from tqbench.tui.app import RunParams, WorkbenchOptions, run_workbench
 
     params = None
@@ -163,7 +163,7 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
     if recorder is not None:
         saved = save_headless_session(save_session, engine, model, [recorder.record])
         if not as_json:
-            render.err.print(f"session saved to {saved}")
+            render.err.print(f"session saved to {saved}", soft_wrap=True, highlight=False)
     if as_json:
         click.echo(json.dumps(payload, indent=2))
     else:

@@ -158,42 +158,48 @@ def stream_tokens(
     eos_ids = eos_ids or set()
     device = next(model.parameters()).device
     ids = input_ids.to(device)
-    with torch.inference_mode():
+    # inference mode per forward call, not around the loop: a generator suspended inside a `with` block leaves
+    # the thread's grad mode to whichever interleaved stream (lockstep) exits last
+    t0 = time.perf_counter()
+    logits = _forward(model, ids, cache).logits[0, -1]
+    dt = time.perf_counter() - t0
+    result.prefill_seconds = dt
+    yield PrefillDone(run, result.input_tokens, dt)
+    for step in range(max_new_tokens):
+        if cancel is not None and cancel():
+            result.stopped_by = "cancelled"
+            break
+        logits_cpu = logits.detach().float().cpu()
+        tok = _pick(logits_cpu, sampling, gen)
+        result.token_ids.append(tok)
+        if step > 0:
+            result.step_seconds.append(dt)
+        final = tok in eos_ids or step == max_new_tokens - 1
+        delta = streamer.push(tok, final)
+        yield TokenGenerated(
+            run, step, tok, delta, dt, int(torch.argmax(logits_cpu)), logits_cpu if collect_logits else None
+        )
+        if tok in eos_ids:
+            result.stopped_by = "eos"
+            break
+        if stop and any(s in streamer.emitted for s in stop):
+            result.stopped_by = "stop"
+            break
+        if step == max_new_tokens - 1:
+            break
         t0 = time.perf_counter()
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        nxt = torch.tensor([[tok]], device=device)
+        logits = _forward(model, nxt, cache).logits[0, -1]
         dt = time.perf_counter() - t0
-        result.prefill_seconds = dt
-        yield PrefillDone(run, result.input_tokens, dt)
-        for step in range(max_new_tokens):
-            if cancel is not None and cancel():
-                result.stopped_by = "cancelled"
-                break
-            logits_cpu = logits.detach().float().cpu()
-            tok = _pick(logits_cpu, sampling, gen)
-            result.token_ids.append(tok)
-            if step > 0:
-                result.step_seconds.append(dt)
-            final = tok in eos_ids or step == max_new_tokens - 1
-            delta = streamer.push(tok, final)
-            yield TokenGenerated(
-                run, step, tok, delta, dt, int(torch.argmax(logits_cpu)), logits_cpu if collect_logits else None
-            )
-            if tok in eos_ids:
-                result.stopped_by = "eos"
-                break
-            if stop and any(s in streamer.emitted for s in stop):
-                result.stopped_by = "stop"
-                break
-            if step == max_new_tokens - 1:
-                break
-            t0 = time.perf_counter()
-            nxt = torch.tensor([[tok]], device=device)
-            logits = model(input_ids=nxt, cache=cache, use_cache=True).logits[0, -1]
-            dt = time.perf_counter() - t0
     result.text = streamer.emitted
     if report is not None:
         result.cache_report = report()
     yield GenerationFinished(run, result)
+
+
+@torch.inference_mode()
+def _forward(model, ids: torch.Tensor, cache):
+    return model(input_ids=ids, cache=cache, use_cache=True)
 
 
 def kl_divergence(base_logits: torch.Tensor, cand_logits: torch.Tensor) -> float:

@@ -186,7 +186,7 @@ class WorkbenchApp(App):
         if session.runs:
             self.saved_record = session.runs[-1]
             self.run_pane.show_record(self.saved_record)
-            self.query_one(TabbedContent).active = "run"
+            self.show_run()
         self.notify(f"opened {Path(path).name}: {len(session.runs)} run(s)", title="session opened")
         return True
 
@@ -206,10 +206,16 @@ class WorkbenchApp(App):
             self.notify(d.describe(), title="re-run identical" if d.identical else "re-run differs",
                         severity="information" if d.identical else "warning", timeout=10)
 
-        self.query_one(TabbedContent).active = "run"
+        self.show_run()
         self.run_pane.action_run(on_finish=done)
 
     # ---- tabs, help, palette ---------------------------------------------------------------------
+    def show_run(self) -> None:
+        tabs = self.query_one(TabbedContent)
+        if tabs.active != "run":
+            tabs.active = "run"
+            self.run_pane.query_one("#run-button").focus()  # focus left in a hidden tab would switch back
+
     def action_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab
 
@@ -219,7 +225,7 @@ class WorkbenchApp(App):
         self.push_screen(HelpScreen())
 
     def action_run(self) -> None:
-        self.query_one(TabbedContent).active = "run"
+        self.show_run()
         self.run_pane.action_run()
 
     def action_cancel(self) -> None:
@@ -234,7 +240,7 @@ class WorkbenchApp(App):
     @on(PoliciesPane.Chosen)
     def _policy_chosen(self, msg: PoliciesPane.Chosen) -> None:
         self.run_pane.set_candidate(msg.policy)
-        self.query_one(TabbedContent).active = "run"
+        self.show_run()
         self.notify(f"candidate policy: {msg.policy}", timeout=3)
 
     def get_system_commands(self, screen):

@@ -37,7 +37,8 @@ class OpenSessionScreen(ModalScreen):
                 if e.error:
                     options.append(Option(f"[red]✗ {e.path.name}[/]: {e.error}", id=f"s{i}"))
                 else:
-                    options.append(Option(f"{e.saved:<21} {e.title:<34} {e.model} · {e.runs} run(s)", id=f"s{i}"))
+                    options.append(Option(f"{e.path.name:<44} {e.model} · {e.runs} run(s) · saved {e.saved}",
+                                          id=f"s{i}"))
             if not options:
                 options.append(Option("no saved sessions yet: ctrl+s saves one", id="none", disabled=True))
             yield OptionList(*options, id="session-list")
