@@ -195,5 +195,10 @@ def policies(as_json, seq_len):
         render.print_presets(rows, seq_len)
 
 
+from tqbench.commands_validate import add_validation_commands  # noqa: E402
+
+add_validation_commands(main, model_options, friendly_errors)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

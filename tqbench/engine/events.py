@@ -70,3 +70,42 @@ class CacheBytes:
     storage_bytes: int  # packed store + fp16 rows + shared objects
     resident_bytes: int  # what the cache mode keeps in memory during decode
     dense_fp16_bytes: int  # an fp16 cache for the same tokens
+
+
+@dataclass(frozen=True)
+class ValidationDone:
+    """``validate`` finished; ``report`` is the ``ValidationReport``."""
+
+    report: Any
+
+
+@dataclass(frozen=True)
+class CompareCell:
+    """One (policy, prompt) cell of ``compare_policies`` is done."""
+
+    policy: str
+    prompt_index: int
+    verdict: str
+    token_match_ratio: float
+    kl_mean: float | None
+
+
+@dataclass(frozen=True)
+class ScanLayerDone:
+    """``scan`` finished one layer; ``row`` holds that layer's per-head metrics (JSON-safe)."""
+
+    layer: int
+    index: int  # position among the scanned layers
+    total: int
+    row: Any = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class NiahCell:
+    """``needle_in_haystack`` scored one (policy, length, depth) cell."""
+
+    policy: str
+    length: int
+    depth: float
+    recalled: bool
+    answer: str
