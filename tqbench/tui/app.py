@@ -10,11 +10,13 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.widgets import Footer, TabbedContent, TabPane
 
+from tqbench.tui.screens.compare import ComparePane
 from tqbench.tui.screens.policies import PoliciesPane
 from tqbench.tui.screens.run import RunPane, RunParams
+from tqbench.tui.screens.scan import ScanPane
 from tqbench.tui.widgets.model_bar import ModelBar
 
-TABS = ("run", "policies")
+TABS = ("run", "policies", "scan", "compare")
 
 
 @dataclass
@@ -29,15 +31,18 @@ class WorkbenchOptions:
     session_dir: str | None = None
     screen: str = "run"
     run: RunParams | None = None
-    extra: dict = field(default_factory=dict)
+    scan: dict = field(default_factory=dict)  # ScanPane fields (prompt, layers, codecs, max_prompt_tokens)
+    compare: dict = field(default_factory=dict)  # ComparePane fields (policies, baseline, prompts, ...)
 
 
 class WorkbenchApp(App):
     TITLE = "tqbench"
     CSS_PATH = "tqbench.tcss"
     BINDINGS = [
-        Binding("ctrl+r", "run", "Run", tooltip="Generate baseline and candidate side by side", id="app.run"),
-        Binding("escape", "cancel", "Cancel", tooltip="Stop the running generation", id="app.cancel"),
+        Binding("ctrl+r", "run", "Run", tooltip="Start this tab's work: generate (Run), scan (Scan), compare "
+                "(Compare)", id="app.run"),
+        Binding("escape", "cancel", "Cancel", tooltip="Stop the running generation, scan or comparison",
+                id="app.cancel"),
         Binding("f1", "help", "Help", tooltip="Every key binding", id="app.help"),
         Binding("ctrl+s", "save_session", "Save", tooltip="Save the session (JSON + safetensors)", id="app.save"),
         Binding("ctrl+o", "open_session", "Open", tooltip="Open a saved session from a list", id="app.open"),
@@ -46,6 +51,10 @@ class WorkbenchApp(App):
         Binding("f2", "tab('run')", "Run tab", tooltip="Side-by-side generation", id="app.tab_run"),
         Binding("f3", "tab('policies')", "Policies tab", tooltip="Presets and the policy builder",
                 id="app.tab_policies"),
+        Binding("f4", "tab('scan')", "Scan tab", tooltip="Per layer x KV head codec errors and norms",
+                id="app.tab_scan"),
+        Binding("f5", "tab('compare')", "Compare tab", tooltip="Several policies vs the baseline, sortable",
+                id="app.tab_compare"),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave the workbench", id="app.quit", priority=True),
     ]
 
@@ -67,6 +76,10 @@ class WorkbenchApp(App):
                 yield RunPane(self.options.run, id="run-pane")
             with TabPane("Policies", id="policies"):
                 yield PoliciesPane(id="policies-pane")
+            with TabPane("Scan", id="scan"):
+                yield ScanPane(self.options.scan, id="scan-pane")
+            with TabPane("Compare", id="compare"):
+                yield ComparePane(self.options.compare, id="compare-pane")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -93,6 +106,18 @@ class WorkbenchApp(App):
     @property
     def policies_pane(self) -> PoliciesPane:
         return self.query_one("#policies-pane", PoliciesPane)
+
+    @property
+    def scan_pane(self) -> ScanPane:
+        return self.query_one("#scan-pane", ScanPane)
+
+    @property
+    def compare_pane(self) -> ComparePane:
+        return self.query_one("#compare-pane", ComparePane)
+
+    @property
+    def busy(self) -> bool:
+        return self.run_pane.running or self.scan_pane.running or self.compare_pane.running
 
     # ---- model ------------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="load", exit_on_error=False)
@@ -131,6 +156,16 @@ class WorkbenchApp(App):
             return
         self.session.runs.append(msg.record)
 
+    @on(ScanPane.Finished)
+    def _scan_finished(self, msg: ScanPane.Finished) -> None:
+        if msg.result is not None:
+            self.session.scans.append(msg.result)
+
+    @on(ComparePane.Finished)
+    def _compare_finished(self, msg: ComparePane.Finished) -> None:
+        if msg.result is not None:
+            self.session.compares.append(msg.result)
+
     def policy_kept(self, name: str, text: str) -> None:
         self.session.policies[name] = text
 
@@ -140,8 +175,8 @@ class WorkbenchApp(App):
         if self.engine is None:
             self.notify("nothing to save yet: the model is still loading", severity="warning")
             return
-        if self.run_pane.running:
-            self.notify("a run is going: wait for it or press escape, then save", severity="warning")
+        if self.busy:
+            self.notify("work is going: wait for it or press escape, then save", severity="warning")
             return
         self.session.environment = environment(str(self.engine.loaded.device))
         self.session.policies.update(self.policies_pane.kept)
@@ -167,8 +202,8 @@ class WorkbenchApp(App):
         """Load a session and show its last run; errors are shown and the app keeps running."""
         from tqbench.engine.session import Session, SessionError
 
-        if self.run_pane.running:
-            self.notify("a run is going: press escape first, then open the session", severity="warning")
+        if self.busy:
+            self.notify("work is going: press escape first, then open the session", severity="warning")
             return False
         try:
             session = Session.load(path)
@@ -183,11 +218,22 @@ class WorkbenchApp(App):
                             f"model is {self.engine.name} ({self.engine.loaded.fingerprint}): re-runs will differ",
                             title="different model", severity="warning", timeout=10)
         self.policies_pane.set_kept(session.policies)
+        if session.scans:
+            self.scan_pane.show_result(session.scans[-1], note=f"saved scan ({len(session.scans)} in the session)")
+        if session.compares:
+            self.compare_pane.show_result(session.compares[-1],
+                                          note=f"saved comparison ({len(session.compares)} in the session)")
+        self.saved_record = session.runs[-1] if session.runs else None
         if session.runs:
-            self.saved_record = session.runs[-1]
             self.run_pane.show_record(self.saved_record)
             self.show_run()
-        self.notify(f"opened {Path(path).name}: {len(session.runs)} run(s)", title="session opened")
+        elif session.scans:
+            self.action_tab("scan")
+        elif session.compares:
+            self.action_tab("compare")
+        self.notify(f"opened {Path(path).name}: {len(session.runs)} run(s), {len(session.scans)} scan(s), "
+                    f"{len(session.compares)} comparison(s), {len(session.validations)} validation(s)",
+                    title="session opened")
         return True
 
     def action_rerun(self) -> None:
@@ -225,12 +271,35 @@ class WorkbenchApp(App):
         self.push_screen(HelpScreen())
 
     def action_run(self) -> None:
-        self.show_run()
-        self.run_pane.action_run()
+        """ctrl+r: the active tab's work (Policies: use the built policy in Run and generate)."""
+        active = self.query_one(TabbedContent).active
+        if active == "scan":
+            self.scan_pane.action_scan()
+        elif active == "compare":
+            self.compare_pane.action_compare()
+        else:
+            self.show_run()
+            self.run_pane.action_run()
 
     def action_cancel(self) -> None:
-        if not self.run_pane.action_cancel():
+        stopped = [p.action_cancel() for p in (self.run_pane, self.scan_pane, self.compare_pane)]
+        if not any(stopped):
             self.notify("nothing is running", severity="information", timeout=2)
+
+    @on(ScanPane.UsePolicy)
+    def _use_scanned(self, msg: ScanPane.UsePolicy) -> None:
+        self.run_pane.set_candidate(msg.policy)
+        self.show_run()
+        self.notify(f"candidate policy from the scan: {msg.policy}", timeout=4)
+
+    @on(ComparePane.OpenInRun)
+    def _open_compared(self, msg: ComparePane.OpenInRun) -> None:
+        pane = self.run_pane
+        params = pane.params_or_defaults()
+        pane.fill(params | {"prompt": msg.prompt or params["prompt"], "candidate": msg.policy,
+                            "max_new_tokens": msg.max_new_tokens, "candidate_mode": msg.cache_mode})
+        self.show_run()
+        self.notify(f"opened {msg.policy} in Run: ctrl+r generates it beside the baseline", timeout=4)
 
     @on(TabbedContent.TabActivated)
     def _tab_shown(self, event: TabbedContent.TabActivated) -> None:
@@ -253,6 +322,13 @@ class WorkbenchApp(App):
                             self.action_rerun)
         yield SystemCommand("Run tab", "Side-by-side generation (f2)", lambda: self.action_tab("run"))
         yield SystemCommand("Policies tab", "Presets and the builder (f3)", lambda: self.action_tab("policies"))
+        yield SystemCommand("Scan tab", "Per layer x KV head errors and norms (f4)", lambda: self.action_tab("scan"))
+        yield SystemCommand("Compare tab", "Several policies vs the baseline (f5)", lambda: self.action_tab("compare"))
+        yield SystemCommand("Start scan", "Scan the prompt's K/V with every codec", self.scan_pane.action_scan)
+        yield SystemCommand("Use suggested policy", "Run the scan's suggested policy as the candidate",
+                            self.scan_pane.action_use_suggested)
+        yield SystemCommand("Start comparison", "Compare the listed policies on the prompts",
+                            self.compare_pane.action_compare)
         yield SystemCommand("Use built policy", "Put the built policy into Run's candidate (ctrl+u)",
                             self.policies_pane.action_use)
         yield SystemCommand("Keep built policy", "Name and keep the built policy (ctrl+k)",

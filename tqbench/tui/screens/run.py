@@ -175,6 +175,15 @@ class RunPane(Vertical):
         if mode in CACHE_MODES:
             self.query_one("#mode", Select).value = mode
 
+    def params_or_defaults(self) -> dict:
+        """The form as a ``fill`` dict, without validation."""
+        def val(i: str) -> str:
+            return self.query_one(f"#{i}", Input).value
+        return {"prompt": self.query_one("#prompt", TextArea).text, "chat": self.query_one("#chat", Checkbox).value,
+                "max_new_tokens": val("max-tokens"), "baseline": val("baseline"), "candidate": val("candidate"),
+                "candidate_mode": str(self.query_one("#mode", Select).value),
+                "sampling": {"temperature": val("temperature"), "top_p": val("top-p"), "seed": val("seed")}}
+
     def set_candidate(self, policy: str) -> None:
         self.query_one("#candidate", Input).value = policy
 
