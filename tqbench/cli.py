@@ -13,6 +13,7 @@ import sys
 import click
 
 from tqbench import __version__
+from tqbench.workbench_cli import open_workbench
 
 CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -86,24 +87,6 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
             click.echo(ctx.get_help())
             return
         open_workbench(ctx)
-
-
-def open_workbench(ctx: click.Context, screen: str = "run", run: dict | None = None) -> None:
-    """Open the Textual workbench with the group's flags (and a subcommand's, filled into its screen)."""
-    wb = dict(ctx.find_root().obj["workbench"])
-    if wb["session"] and not os.path.isfile(wb["session"]):
-        fail(f"session file {wb['session']!r} does not exist: give a saved session's .json path")
-    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
-        fail("the workbench needs a terminal: run `tqbench` in one, or use `tqbench --headless <command>`")
-    from tqbench.tui.app import RunParams, WorkbenchOptions, run_workbench
-
-    params = None
-    if run is not None or wb["policy"]:
-        r = dict(prompt=DEFAULT_PROMPT, chat=True, max_new_tokens=48, temperature=0.0, top_p=1.0, seed=0,
-                 baseline="fp16", candidate=wb["policy"] or "turbo4", cache_mode="compressed") | (run or {})
-        params = RunParams(**r)
-    run_workbench(WorkbenchOptions(model=wb["model"], device=wb["device"], dtype=wb["dtype"], threads=wb["threads"],
-                                   session=wb["session"], session_dir=wb["session_dir"], screen=screen, run=params))
 
 
 @main.command()

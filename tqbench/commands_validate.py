@@ -13,6 +13,14 @@ import sys
 
 import click
 
+from tqbench.workbench_cli import (
+    compare_fields,
+    save_session_if_asked,
+    scan_fields,
+    validate_fields,
+    workbench_command,
+)
+
 CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 SECOND_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -82,6 +90,7 @@ def report_options(fn):
 
 def add_validation_commands(main: click.Group, model_options, friendly_errors) -> None:  # noqa: C901
     @main.command()
+    @workbench_command("run", validate_fields)
     @model_options
     @click.option("--baseline", default="fp16", show_default=True, help="Baseline policy.")
     @click.option("--candidate", default=None, help="Candidate policy (default turbo4).")
@@ -144,6 +153,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                                              cache_mode=cache_mode, chat=chat, max_new_tokens=max_new_tokens,
                                              on_event=prog)
             payload = rep.to_dict()
+            save_session_if_asked(engine, model, validations=[payload])
             if not as_json:
                 rv.print_teacher_forced(payload)
             _write_reports(payload, rv.teacher_forced_md(payload), report_json, report_md, as_json)
@@ -163,6 +173,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                 report = run_validate(engine, text, base_pol, cand_pol, cache_mode=cache_mode,
                                       baseline_mode=baseline_mode, on_event=prog, **kw)
         payload = report.to_dict()
+        save_session_if_asked(engine, model, validations=[payload])
         if not as_json:
             rv.print_validation(payload)
         _write_reports(payload, rv.validation_md(payload), report_json, report_md, as_json)
@@ -176,6 +187,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                   f"--quality-threshold {quality_threshold})")
 
     @main.command("compare-policies")
+    @workbench_command("compare", compare_fields)
     @model_options
     @click.option("--policies", default=None, help="Comma-separated policies (';' between compact policies); "
                   "default: every preset.")
@@ -218,6 +230,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                               on_event=prog)
         payload = res.to_dict()
         payload["threads"] = _threads()
+        save_session_if_asked(engine, model, compares=[payload])
         if not as_json:
             rv.print_compare(payload, summary_only=summary_only)
         _write_reports(payload, rv.compare_md(payload), report_json, report_md, as_json)
@@ -273,6 +286,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
         _gate(not worse, f"recall below the baseline's ({base_recall:.2f}) for {', '.join(worse)}")
 
     @main.command()
+    @workbench_command("scan", scan_fields)
     @model_options
     @click.option("--prompt", default=None, help="Prompt text.")
     @click.option("--prompt-file", default=None, help="Read the prompt from a file.")
@@ -314,6 +328,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                            max_prompt_tokens=max_prompt_tokens, generated_tokens=generated_tokens, chat=chat,
                            on_event=prog)
         payload = res.to_dict()
+        save_session_if_asked(engine, model, scans=[payload])
         if not as_json:
             rv.print_scan(payload, summary_only=summary_table)
         _write_reports(payload, rv.scan_md(payload), report_json, report_md, as_json)

@@ -244,11 +244,14 @@ async def test_palette_has_every_action(data_dir, steady_engine):
 
 
 async def test_a_headless_bench_session_opens_in_the_workbench(data_dir, steady_engine, tmp_path):
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
     path = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "tqbench.cli", "--headless", "bench", "--model", "tiny",
-                        "--kv-policy", "turbo3", "--max-new-tokens", "6", "--prompt", "hello", "--threads", "1",
-                        "--save-session", str(path)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--kv-policy", "turbo3", "--max-new-tokens",
+                                  "6", "--prompt", "hello", "--threads", "1", "--save-session", str(path)])
+    assert r.exit_code == 0, r.output
     assert f"session saved to {path}" in r.stderr
     saved = Session.load(path)
     assert saved.runs[0].kind == "bench" and saved.model["spec"] == "tiny"

@@ -425,3 +425,40 @@ def list_sessions(directory: str | os.PathLike | None = None) -> list[SessionEnt
 
 def default_session_path(directory: str | os.PathLike | None = None, stem: str = "session") -> Path:
     return session_dir(directory) / f"{time.strftime('%Y%m%d-%H%M%S')}-{stem}{SUFFIX}"
+
+
+def record_from_validation(payload: dict) -> RunRecord | None:
+    """The lockstep run inside a ``ValidationReport.to_dict()`` as a ``RunRecord`` (None for teacher-forced)."""
+    ids, texts = payload.get("token_ids"), payload.get("texts")
+    if not isinstance(ids, dict) or not isinstance(texts, dict):
+        return None
+    steps = payload.get("per_step") or []
+
+    def side(name: str, label: str, pstr: str, mode: str) -> RunSide:
+        rep = payload.get(f"{name}_cache_report")
+        return RunSide(label, pstr, mode, token_ids=list(ids.get(name, [])), text=texts.get(name, ""),
+                       stopped_by="", cache_report=rep,
+                       step_seconds=[float(s.get(f"{name}_seconds") or 0.0) for s in steps])
+
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        prompt = "\n".join(str(m.get("content", "")) for m in prompt)
+    rec = RunRecord(
+        prompt or "", bool(payload.get("chat", True)), int(payload.get("max_new_tokens", 0)),
+        dict(payload.get("sampling") or {}),
+        candidate=side("candidate", payload["candidate"], payload["candidate_policy"], payload["cache_mode"]),
+        baseline=side("baseline", payload["baseline"], payload["baseline_policy"], payload["baseline_mode"]),
+        kind="validate",
+    )
+    if steps:
+        rec.same_token = [s.get("baseline_token") is not None and s.get("baseline_token") == s.get("candidate_token")
+                          for s in steps]
+        rec.same_top1 = [s.get("baseline_top1") is not None and s.get("baseline_top1") == s.get("candidate_top1")
+                         for s in steps]
+        rec.kl = [s.get("kl") for s in steps]
+    else:
+        b, c = rec.baseline.token_ids, rec.candidate.token_ids
+        rec.same_token = [i < len(c) and b[i] == c[i] for i in range(len(b))]
+        rec.same_top1 = list(rec.same_token)
+        rec.kl = [None] * len(b)
+    return rec
