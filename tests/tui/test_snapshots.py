@@ -89,3 +89,38 @@ async def test_help_screen(steady_engine, data_dir):
         await pilot.press("f1")
         await settle(pilot)
         compare(app, "help_100x30")
+
+
+@pytest.fixture(scope="module")
+def fixed_scan(tiny_engine):
+    from tqbench.engine.scan import scan
+
+    d = scan(tiny_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"]).to_dict()
+    d["seconds"] = 1.0
+    return d
+
+
+@pytest.fixture(scope="module")
+def fixed_compare(tiny_engine):
+    from tqbench.engine.compare import compare_policies
+
+    d = compare_policies(tiny_engine, ["turbo4", "q8k-q8v", "turbo2"], [PROMPT], max_new_tokens=6).to_dict()
+    for row in d["rows"]:
+        row["throughput_ratio"] = 1.0  # wall-clock: the one column that changes from run to run
+    return d
+
+
+async def test_scan_screen(steady_engine, fixed_scan, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny", screen="scan"), engine=steady_engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.scan_pane.show_result(fixed_scan)
+        await settle(pilot)
+        compare(app, "scan_100x30")
+
+
+async def test_compare_screen(steady_engine, fixed_compare, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny", screen="compare"), engine=steady_engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.compare_pane.show_result(fixed_compare)
+        await settle(pilot)
+        compare(app, "compare_100x30")

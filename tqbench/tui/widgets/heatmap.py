@@ -38,7 +38,9 @@ class Heatmap(DataTable):
         self.values, self.layer_ids = values, layers
         self.clear(columns=True)
         heads = max((len(r) for r in values), default=0)
-        self.add_columns("layer", *[f"head {h}" for h in range(heads)])
+        self.add_column("layer", width=5)
+        for h in range(heads):
+            self.add_column(f"head {h}", width=11)  # fixed: auto widths race with the redraws
         flat = [v for row in values for v in row]
         lo, hi, use_log = _scale(flat)
         for layer, row in zip(layers, values):
