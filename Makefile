@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml scripts/install-torch.sh
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/tqbench --headless bench --kv-policy turbo4 --cache-mode compressed --prompt-file tqbench/data/prompts/long_context.txt --max-new-tokens 48
+	$(BIN)/tqbench
 
 lint: setup
 	$(BIN)/ruff check tqbench tests benchmarks
