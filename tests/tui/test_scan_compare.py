@@ -36,7 +36,7 @@ async def test_scan_shows_heatmaps_cells_and_a_suggested_policy(data_dir, steady
         detail = plain(pane.query_one("#cell-detail"))
         k_mse = expected.metrics["k_rel_mse"]["turbo2"][2][1]
         assert detail.startswith("layer 2, KV head 1")
-        assert f"turbo2     {k_mse:8.4f}" in detail
+        assert f"turbo2    {k_mse:7.4f}" in detail
         assert len(app.session.scans) == 1
         pane.action_use_suggested()
         await pilot.pause()

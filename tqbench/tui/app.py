@@ -255,6 +255,12 @@ class WorkbenchApp(App):
         self.show_run()
         self.run_pane.action_run(on_finish=done)
 
+    async def action_quit(self) -> None:
+        """Stop running work first: thread workers check the cancel flag every step, so exit is prompt."""
+        for pane in (self.run_pane, self.scan_pane, self.compare_pane):
+            pane.action_cancel()
+        self.exit()
+
     # ---- tabs, help, palette ---------------------------------------------------------------------
     def show_run(self) -> None:
         tabs = self.query_one(TabbedContent)

@@ -212,6 +212,15 @@ class ComparePane(Vertical):
     def show_result(self, result: dict, note: str = "") -> None:
         self.result = result
         rows = result["rows"]
+        with self.prevent(Select.Changed):  # the form shows what was compared
+            self.query_one("#cmp-policies", Input).value = ";".join(r["policy"] for r in rows)
+            self.query_one("#cmp-baseline", Input).value = str(result["baseline"])
+            self.query_one("#cmp-tokens", Input).value = str(result["max_new_tokens"])
+            if result.get("cache_mode") in ("compressed", "simulate", "dense-shadow", "fused"):
+                self.query_one("#cmp-mode", Select).value = result["cache_mode"]
+            prompts = [p for p in (result.get("prompts") or []) if isinstance(p, str)]
+            if prompts:
+                self.query_one("#cmp-prompts", TextArea).text = "\n".join(p.replace("\n", " ") for p in prompts)
         n = len(result.get("prompts") or []) * (len(rows) + 1)
         self.query_one("#cmp-bar", ProgressBar).update(total=n or 1, progress=n or 1)
         self.query_one("#cmp-status", Label).update(

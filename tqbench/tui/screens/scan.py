@@ -45,7 +45,8 @@ class ScanPane(Vertical):
     ScanPane #cell-detail { width: 46; border: round $panel; padding: 0 1; }
     ScanPane #metric { width: 30; }
     ScanPane #codec { width: 16; }
-    ScanPane #suggested { height: auto; max-height: 3; padding: 0 1; background: $boost; }
+    ScanPane #suggested { width: 1fr; height: 1; padding: 0 1; background: $boost; }
+    ScanPane #use-suggested { width: auto; }
     """
 
     class Finished(Message):
@@ -184,6 +185,7 @@ class ScanPane(Vertical):
     # ---- showing ---------------------------------------------------------------------------------
     def show_result(self, result: dict, note: str = "") -> None:
         self.result = result
+        self.query_one("#scan-codecs", Input).value = ",".join(result["codecs"])
         codec_sel = self.query_one("#codec", Select)
         codec_sel.set_options([(c, c) for c in result["codecs"]])
         codec_sel.value = result["codecs"][0]
@@ -197,6 +199,7 @@ class ScanPane(Vertical):
             f"thresholds; fp16 where none did)")
         self.query_one("#use-suggested", Button).disabled = False
         self.redraw()
+        self.show_cell(0, 0)
 
     @on(Select.Changed)
     def redraw(self, event=None) -> None:
@@ -234,11 +237,11 @@ class ScanPane(Vertical):
             lines.append(f"{key:<16} {r['norms'][key][row][head]:.4g}")
         verdict = next((v for v in r["verdicts"] if v["layer"] == layer), None)
         lines.append("")
-        lines.append(f"{'codec':<10} {'K mse':>8} {'V mse':>8} {'KL':>9} {'out err':>8}")
+        lines.append(f"{'codec':<10}{'K mse':>7}{'V mse':>7}{'KL':>9}{'out':>7}")
         for c in r["codecs"]:
             m = r["metrics"]
-            lines.append(f"{c:<10} {m['k_rel_mse'][c][row][head]:8.4f} {m['v_rel_mse'][c][row][head]:8.4f} "
-                         f"{m['softmax_kl'][c][row][head]:9.2e} {m['attn_out_rel_err'][c][row][head]:8.4f}")
+            lines.append(f"{c:<10}{m['k_rel_mse'][c][row][head]:7.4f}{m['v_rel_mse'][c][row][head]:7.4f}"
+                         f"{m['softmax_kl'][c][row][head]:9.1e}{m['attn_out_rel_err'][c][row][head]:7.3f}")
         if verdict:
             lines.append("")
             lines.append(f"passing: {', '.join(verdict['passing']) or 'none'}")
