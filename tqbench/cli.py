@@ -134,5 +134,9 @@ def policies(as_json, seq_len):
         render.print_presets(rows, seq_len)
 
 
+from tqbench.cli_serve import serve  # noqa: E402  (its own module; registered here)
+
+main.add_command(serve)
+
 if __name__ == "__main__":  # pragma: no cover
     main()
