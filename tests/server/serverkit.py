@@ -67,6 +67,26 @@ class LiveServer:
             conn.close()
 
 
+def stream_chat(port: int, body: dict, timeout: float = 60) -> tuple[int, dict, str, list]:
+    """POST a streaming chat request; (status, headers, concatenated content, decoded SSE payloads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        if resp.status != 200:
+            return resp.status, dict(resp.getheaders()), "", [json.loads(raw)]
+        events = sse_events(raw)
+        text = "".join(
+            (e["choices"][0]["delta"].get("content") or "")
+            for e in events if isinstance(e, dict) and e.get("choices")
+        )
+        return resp.status, dict(resp.getheaders()), text, events
+    finally:
+        conn.close()
+
+
 def sse_events(raw: str) -> list:
     """The ``data:`` payloads of a server-sent-event body (JSON decoded; ``[DONE]`` kept as text)."""
     out = []
@@ -76,3 +96,13 @@ def sse_events(raw: str) -> list:
                 payload = line[len("data: "):]
                 out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true (the worker thread updates its counters asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

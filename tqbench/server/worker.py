@@ -157,8 +157,8 @@ class Worker:
             except Exception as exc:  # a failed request never takes the worker down
                 job.push(JobFailed(exc))
             finally:
-                self.running = None
                 self._count(outcome)
+                self.running = None
                 elapsed = time.perf_counter() - start
                 self._avg_seconds = 0.8 * self._avg_seconds + 0.2 * elapsed
                 job.push(END)
