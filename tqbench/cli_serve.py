@@ -48,6 +48,10 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         _fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
     try:
         parse_policy(kv_policy)
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc).splitlines()[0])
+    _check_port(host, port)  # before the model load, so a taken port fails at once
+    try:
         from tqbench import render
 
         engine = render.load_engine(model, device, dtype, threads)
@@ -62,10 +66,23 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
     click.echo(f"tqbench serve: {engine.name}, kv_policy {app.state.server.policy.label}, cache mode {cache_mode}, "
                f"max_new_tokens {max_new_tokens}, queue {max_queue}, {auth}", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    except OSError as exc:
-        _fail(f"cannot bind {host}:{port} ({exc.strerror or exc}): pick another --port")
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        _fail(f"cannot resolve --host {host!r} ({exc.strerror}): use an address such as 127.0.0.1")
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            _fail(f"cannot bind {host}:{port} ({exc.strerror or exc}): pick another --port")
 
 
 def _url_host(host: str) -> str:
