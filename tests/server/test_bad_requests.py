@@ -5,6 +5,8 @@ After the whole table the server is still healthy and still answers a good reque
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.server
@@ -21,6 +23,7 @@ def chat(**fields):
 
 # (id, method, path, body, status, code, param, words the message must contain)
 CASES = [
+    ("empty-body", "POST", CHAT, "", 400, "invalid_json", None, "the request body is empty"),
     ("malformed-json", "POST", CHAT, '{"messages": [', 400, "invalid_json", None, "not valid JSON"),
     ("body-not-object", "POST", CHAT, "[1, 2]", 400, "invalid_json", None, "must be a JSON object"),
     ("missing-messages", "POST", CHAT, {"max_tokens": 4}, 422, "missing_field", "messages",
@@ -76,6 +79,14 @@ CASES = [
     ("wrong-method", "GET", CHAT, None, 405, None, None, "GET is not allowed on /v1/chat/completions"),
     ("unknown-model-card", "GET", "/v1/models/nope", None, 404, "model_not_found", "model", "'nope' is not served"),
 ]
+
+
+def test_form_content_type_names_the_header(live_server):
+    status, _, data = live_server.request("POST", CHAT, json.dumps(chat()),
+                                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 400
+    assert data["error"]["message"] == ("the request body must be JSON sent with 'Content-Type: application/json' "
+                                        "(got application/x-www-form-urlencoded)")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -62,10 +62,15 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def validation_message(errors: list[dict]) -> tuple[int, str, str | None, str]:
+def validation_message(errors: list[dict], content_type: str = "application/json") -> tuple[int, str, str | None, str]:
     """(status, message, param, code) for a pydantic / FastAPI validation failure."""
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and "json" not in content_type.lower():
+        return 400, (f"the request body must be JSON sent with 'Content-Type: application/json' (got "
+                     f"{content_type or 'no Content-Type'})"), None, "invalid_json"
+    if not loc and first.get("type") == "missing":
+        return 400, "the request body is empty: send a JSON object", None, "invalid_json"
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         detail = ctx.get("error") or first.get("msg", "")
@@ -92,7 +97,8 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        status, message, param, code = validation_message(list(exc.errors()))
+        status, message, param, code = validation_message(list(exc.errors()),
+                                                          request.headers.get("content-type", ""))
         return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
