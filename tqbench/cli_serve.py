@@ -66,7 +66,14 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
     click.echo(f"tqbench serve: {engine.name}, kv_policy {app.state.server.policy.label}, cache mode {cache_mode}, "
                f"max_new_tokens {max_new_tokens}, queue {max_queue}, {auth}", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    worker = app.state.server.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C: end running streams now instead of after the grace period
+            worker.cancel_all()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
 
 
 def _check_port(host: str, port: int) -> None:

@@ -105,6 +105,16 @@ class Worker:
         self._thread.join(timeout)
         self._thread = None
 
+    def cancel_all(self) -> None:
+        """Stop the running generation and every waiting one (server shutdown): their streams end at once."""
+        job = self.running
+        if job is not None:
+            job.cancelled.set()
+        with self._queue.mutex:
+            waiting = [j for j in self._queue.queue if j is not None]
+        for j in waiting:
+            j.cancelled.set()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
