@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from serverkit import sse_events
 
 pytestmark = pytest.mark.server
 
@@ -113,3 +114,39 @@ def test_server_survives_the_table(live_server):
     assert status == 200
     assert good["usage"]["completion_tokens"] >= 1
     assert good["choices"][0]["message"]["role"] == "assistant"
+
+
+class _Exploding:
+    """Delegates to the real engine but raises after the first generated token."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def stream(self, *args, **kwargs):
+        from tqbench.engine.events import TokenGenerated
+
+        for ev in self.engine.stream(*args, **kwargs):
+            yield ev
+            if isinstance(ev, TokenGenerated):
+                raise RuntimeError("boom")
+
+
+def test_engine_failure_is_a_500_in_openai_shape_and_the_server_lives_on(live_server):
+    worker = live_server.state.worker
+    real = worker.engine
+    worker.engine = _Exploding(real)
+    try:
+        status, _, data = live_server.request("POST", CHAT, chat(max_tokens=4))
+        assert status == 500
+        assert data["error"] == {"message": "generation failed: RuntimeError: boom", "type": "server_error",
+                                 "param": None, "code": "generation_failed"}
+        status, _, raw = live_server.request("POST", CHAT, json.dumps(chat(max_tokens=4, stream=True)))
+        assert status == 200
+        events = sse_events(raw)
+        assert events[-2]["error"]["message"] == "generation failed: RuntimeError: boom"
+        assert events[-1] == "[DONE]"
+    finally:
+        worker.engine = real
+    status, _, health = live_server.request("GET", "/health")
+    assert status == 200 and health["requests"]["failed"] == 2
+    assert live_server.request("POST", CHAT, chat(max_tokens=2))[0] == 200
