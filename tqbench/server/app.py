@@ -24,7 +24,7 @@ from tqbench.server.schemas import (
     completion_prompt,
 )
 from tqbench.server.stream import ChunkWriter, StopTrimmer, extension, full_response, new_id
-from tqbench.server.worker import END, Job, JobFailed, JobStarted, QueueFull, Worker
+from tqbench.server.worker import END, Job, JobFailed, JobStarted, QueueFull, ShuttingDown, Worker
 
 MAX_TEMPERATURE = 2.0
 POLL_SECONDS = 0.2
@@ -174,12 +174,17 @@ class Server:
             raise APIError(429, f"the server is busy: {self.worker.max_queue} requests are already waiting "
                            f"(tqbench serve --max-queue); retry after {full.retry_after}s",
                            code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down: send the request to another server or retry later",
+                           code="shutting_down") from None
         try:
             waited, head = await self._until_started(job, request)
         except BaseException:
             job.cancelled.set()
             raise
-        if head is None:  # the client left while the request waited
+        if head is None:  # the client left while the request waited, or the server is shutting down
+            if self.worker.closing:
+                raise APIError(503, "the server is shutting down: retry later", code="shutting_down")
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
         if req.stream:
             writer = ChunkWriter(chat=chat, model=self.model_id, include_usage=req.include_usage)

@@ -65,6 +65,10 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class ShuttingDown(Exception):
+    pass
+
+
 class Worker:
     """A daemon thread that runs queued jobs one at a time on ``engine``."""
 
@@ -80,6 +84,7 @@ class Worker:
         self.running: Job | None = None
         self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "skipped": 0}
         self._avg_seconds = 1.0
+        self.closing = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -88,6 +93,7 @@ class Worker:
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        self.closing = True
         if self._thread is None:
             return
         job = self.running
@@ -107,6 +113,7 @@ class Worker:
 
     def cancel_all(self) -> None:
         """Stop the running generation and every waiting one (server shutdown): their streams end at once."""
+        self.closing = True
         job = self.running
         if job is not None:
             job.cancelled.set()
@@ -126,6 +133,8 @@ class Worker:
     # -- submission -----------------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
         """Queue ``job`` or raise ``QueueFull`` with a Retry-After estimate in seconds."""
+        if self.closing:
+            raise ShuttingDown()
         job.number = next(self._counter)
         try:
             self._queue.put_nowait(job)
