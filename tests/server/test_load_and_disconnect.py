@@ -116,3 +116,27 @@ def test_disconnect_while_queued_skips_the_job(tiny_engine):
         stats = live.state.worker.stats
         assert wait_for(lambda: stats["skipped"] + stats["completed"] == 2), stats
         assert stats["skipped"] == 1 and stats["completed"] == 1
+
+
+def test_shutdown_ends_running_streams_and_refuses_new_requests(tiny_engine):
+    from tqbench.server import create_app
+
+    app = create_app(tiny_engine, kv_policy="fp16", max_new_tokens=4000, max_queue=2)
+    with LiveServer(app) as live:
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 4000, "stream": True,
+                "ignore_eos": True}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+        live.state.worker.cancel_all()  # what Ctrl-C does before uvicorn stops
+        start = time.perf_counter()
+        rest = resp.read().decode()
+        conn.close()
+        assert time.perf_counter() - start < 5.0
+        assert rest.rstrip().endswith("data: [DONE]")
+        assert '"stopped_by": "cancelled"' in rest
+        status, _, data = live.request("POST", "/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        assert status == 503 and data["error"]["code"] == "shutting_down"

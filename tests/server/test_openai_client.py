@@ -29,6 +29,8 @@ def test_models_and_health(client, live_server):
     assert [m.id for m in client.models.list().data] == ["tiny-random"]
     status, _, body = live_server.request("GET", "/health")
     assert status == 200 and body["status"] == "ok" and body["kv_policy"] == "turbo4"
+    status, _, body = live_server.request("GET", "/v1/kv_policies")
+    assert status == 200 and body["default"] == "turbo4" and {"fp16", "turbo4", "q8k-q8v"} <= set(body["presets"])
 
 
 def test_chat_matches_engine_with_usage_and_cache_report(client, solo_chat):
