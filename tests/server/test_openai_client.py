@@ -75,6 +75,8 @@ def test_completion_stream_and_not(client, tiny_engine):
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == solo.text
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens == solo.output_tokens  # usage even without include_usage
+    assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].model_extra["tqbench"]["cache_report"]["tokens"] > 0
 
 

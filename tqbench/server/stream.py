@@ -141,11 +141,15 @@ class ChunkWriter:
         return self._chunk([self._choice(delta, None)])
 
     def finish(self, result, ext: dict) -> str:
+        """The chunk with finish_reason; then, with include_usage, OpenAI's extra chunk with empty choices.
+
+        Without include_usage the finish chunk itself carries ``usage`` (usage is in every response).
+        """
         finish = FINISH_REASONS.get(result.stopped_by, "stop")
-        out = self._chunk([self._choice(None if self.chat else "", finish)], tqbench=ext)
-        if self.include_usage:
-            out += self._chunk([], usage=usage(result), tqbench=ext)
-        return out
+        choice = [self._choice(None if self.chat else "", finish)]
+        if not self.include_usage:
+            return self._chunk(choice, usage=usage(result), tqbench=ext)
+        return self._chunk(choice, tqbench=ext) + self._chunk([], usage=usage(result), tqbench=ext)
 
     @staticmethod
     def error(body: dict) -> str:
