@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.tqbench-installed
 
-.PHONY: setup run test lint unit integration bench-quality bench-decode clean
+.PHONY: setup run test lint unit integration bench-quality bench-decode serve bench-serve clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,12 @@ bench-quality: setup
 
 bench-decode: setup
 	$(BIN)/python benchmarks/decode.py
+
+serve: setup
+	$(BIN)/tqbench serve --kv-policy turbo4
+
+bench-serve: setup
+	$(BIN)/python benchmarks/serve.py --requests 16 --concurrency 4 --max-tokens 32 --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -182,6 +182,9 @@ from tqbench.commands_validate import add_validation_commands  # noqa: E402
 
 add_validation_commands(main, model_options, friendly_errors)
 
+from tqbench.cli_serve import serve  # noqa: E402  (its own module; registered here)
+
+main.add_command(serve)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,282 @@
+"""Serve benchmark: N streaming chat requests at concurrency C against a ``tqbench serve`` on loopback.
+
+``python benchmarks/serve.py [--requests 16] [--concurrency 4] [--max-tokens 32] [--threads 1]`` starts
+``python -m tqbench serve`` itself on a free loopback port (``--model``, ``--kv-policy``, ``--cache-mode``),
+waits for ``/health``, runs, stops it; ``--url http://127.0.0.1:8000`` measures a server that is already
+running instead. Bounded: at most ``--requests`` requests, none started after ``--time-limit`` seconds.
+Prints requests/s, TTFT (time to the first content chunk) and time per output token (after the first)
+p50/p95, and errors by status; writes JSON (default ``benchmarks/results/serve.json``).
+``ignore_eos`` is sent so every request generates exactly ``--max-tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Give me three tips for writing clear code.",
+    "What is a KV cache in a transformer?",
+    "Describe a quiet morning in a small town.",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running server (default: start one on a free loopback port)")
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--time-limit", type=float, default=600.0, help="start no request after this many seconds")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-kv-policy", default=None, help="send this kv_policy extension with every request")
+    p.add_argument("--model", default="default", help="for the spawned server")
+    p.add_argument("--kv-policy", default="turbo4", help="for the spawned server")
+    p.add_argument("--cache-mode", default="compressed", help="for the spawned server")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the spawned server")
+    p.add_argument("--max-queue", type=int, default=None, help="spawned server's queue (default: --concurrency)")
+    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
+    a = p.parse_args(argv)
+    if a.requests < 1 or a.concurrency < 1 or a.max_tokens < 2:
+        p.error("need --requests >= 1, --concurrency >= 1, --max-tokens >= 2")
+    return a
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    return ordered[k]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(host: str, port: int, path: str, headers: dict, timeout: float = 5.0):
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def spawn_server(a) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tqbench", "serve", "--model", a.model, "--kv-policy", a.kv_policy,
+           "--cache-mode", a.cache_mode, "--threads", str(a.threads), "--port", str(port),
+           "--max-new-tokens", str(max(a.max_tokens, 1)), "--max-queue", str(a.max_queue or a.concurrency),
+           "--log-level", "warning"]
+    if a.api_key:
+        cmd += ["--api-key", a.api_key]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise SystemExit(f"error: the server exited ({proc.returncode}): {log.read()[-2000:]}")
+        try:
+            if get_json("127.0.0.1", port, "/health", {})[0] == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            pass
+        time.sleep(0.25)
+    proc.terminate()
+    raise SystemExit("error: the spawned server did not answer /health within 180 s")
+
+
+def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        "max_tokens": a.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if a.request_kv_policy:
+        body["kv_policy"] = a.request_kv_policy
+    row = {"index": i, "status": None, "ttft_s": None, "tpot_s": None, "queue_s": None, "completion_tokens": 0,
+           "error": None}
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=a.request_timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        resp = conn.getresponse()
+        row["status"] = resp.status
+        if resp.status != 200:
+            err = json.loads(resp.read() or b"{}").get("error", {})
+            row["error"] = err.get("message", "")
+            return row
+        first = last = None
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                row["error"] = event["error"].get("message")
+                continue
+            if event.get("usage"):
+                row["completion_tokens"] = event["usage"]["completion_tokens"]
+            if event.get("tqbench"):
+                row["queue_s"] = event["tqbench"]["queue_seconds"]
+            if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+                last = time.perf_counter()
+                first = first or last
+        if first is not None:
+            row["ttft_s"] = first - start
+            n = row["completion_tokens"]
+            if n > 1 and last > first:
+                row["tpot_s"] = (last - first) / (n - 1)
+    except OSError as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        row["elapsed_s"] = time.perf_counter() - start
+        conn.close()
+    return row
+
+
+def run(a, url: str) -> tuple[list[dict], float]:
+    parsed = urllib.parse.urlparse(url)
+    host, port = parsed.hostname, parsed.port or 80
+    headers = {"Content-Type": "application/json"}
+    if a.api_key:
+        headers["Authorization"] = f"Bearer {a.api_key}"
+    rows: list[dict] = []
+    counter = iter(range(a.requests))
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def client() -> None:
+        while time.perf_counter() - start < a.time_limit:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            row = one_request(host, port, i, a, headers)
+            with lock:
+                rows.append(row)
+
+    threads = [threading.Thread(target=client) for _ in range(a.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(rows, key=lambda r: r["index"]), time.perf_counter() - start
+
+
+def summarize(rows: list[dict], wall: float) -> dict:
+    ok = [r for r in rows if r["status"] == 200 and r["error"] is None and r["ttft_s"] is not None]
+    ttft = [r["ttft_s"] for r in ok]
+    tpot = [r["tpot_s"] for r in ok if r["tpot_s"] is not None]
+    queue = [r["queue_s"] for r in ok if r["queue_s"] is not None]
+    errors: dict[str, int] = {}
+    for r in rows:
+        if r not in ok:
+            key = str(r["status"] or "connection")
+            errors[key] = errors.get(key, 0) + 1
+    out_tokens = sum(r["completion_tokens"] for r in ok)
+
+    def ms(v):
+        return None if v is None else round(v * 1000, 1)
+
+    return {
+        "sent": len(rows), "completed": len(ok), "errors": errors, "wall_s": round(wall, 3),
+        "requests_per_s": round(len(ok) / wall, 4) if wall > 0 else 0.0,
+        "output_tokens_per_s": round(out_tokens / wall, 2) if wall > 0 else 0.0,
+        "ttft_ms_p50": ms(pct(ttft, 50)), "ttft_ms_p95": ms(pct(ttft, 95)),
+        "tpot_ms_p50": ms(pct(tpot, 50)), "tpot_ms_p95": ms(pct(tpot, 95)),
+        "queue_ms_p50": ms(pct(queue, 50)),
+    }
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    proc = None
+    url = a.url
+    if url is None:
+        proc, url = spawn_server(a)
+    try:
+        parsed = urllib.parse.urlparse(url)
+        auth = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+        _, health = get_json(parsed.hostname, parsed.port or 80, "/health", auth)
+        load_before = os.getloadavg()
+        rows, wall = run(a, url)
+        load_after = os.getloadavg()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    summary = summarize(rows, wall)
+    print(f"tqbench serve benchmark: {health.get('model')} kv_policy {a.request_kv_policy or health.get('kv_policy')} "
+          f"({health.get('cache_mode')}), {a.requests} requests x {a.max_tokens} tokens at concurrency "
+          f"{a.concurrency}, server threads {a.threads if proc else 'n/a (external)'}")
+    header = ("completed", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms", "TPOT p95 ms",
+              "queued p50 ms", "errors")
+    values = (f"{summary['completed']}/{summary['sent']}", f"{summary['requests_per_s']:.3f}",
+              f"{summary['output_tokens_per_s']:.1f}", summary["ttft_ms_p50"], summary["ttft_ms_p95"],
+              summary["tpot_ms_p50"], summary["tpot_ms_p95"], summary["queue_ms_p50"],
+              ", ".join(f"{k} x{v}" for k, v in sorted(summary["errors"].items())) or "none")
+    widths = [max(len(h), len(str(v))) for h, v in zip(header, values)]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print("  ".join(str(v).rjust(w) for v, w in zip(values, widths)))
+    print(f"wall {summary['wall_s']:.1f}s; load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), "
+          f"{cpu_model()}, {os.cpu_count()} CPUs")
+    payload = {
+        "benchmark": "serve",
+        "command": [sys.executable, *sys.argv] if argv is None else ["serve.py", *argv],
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "url": url, "spawned": proc is not None, "server": health,
+        "requests": a.requests, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+        "request_kv_policy": a.request_kv_policy, "server_threads": a.threads if proc else None,
+        "python": platform.python_version(), "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "loadavg_before": list(load_before), "loadavg_after": list(load_after),
+        **summary, "rows": rows,
+    }
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {a.json}")
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""A real uvicorn server on a free loopback port, and small HTTP/SSE helpers, for the server tests."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+
+
+class LiveServer:
+    """uvicorn running ``app`` in a background thread on ``127.0.0.1:<free port>``."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
+        """(status, headers, parsed JSON or raw text) of one plain HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            if body is not None and not isinstance(body, (bytes, str)):
+                body = json.dumps(body)
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            raw = resp.read().decode()
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                data = raw
+            return resp.status, dict(resp.getheaders()), data
+        finally:
+            conn.close()
+
+
+def stream_chat(port: int, body: dict, timeout: float = 60) -> tuple[int, dict, str, list]:
+    """POST a streaming chat request; (status, headers, concatenated content, decoded SSE payloads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        if resp.status != 200:
+            return resp.status, dict(resp.getheaders()), "", [json.loads(raw)]
+        events = sse_events(raw)
+        text = "".join(
+            (e["choices"][0]["delta"].get("content") or "")
+            for e in events if isinstance(e, dict) and e.get("choices")
+        )
+        return resp.status, dict(resp.getheaders()), text, events
+    finally:
+        conn.close()
+
+
+def sse_events(raw: str) -> list:
+    """The ``data:`` payloads of a server-sent-event body (JSON decoded; ``[DONE]`` kept as text)."""
+    out = []
+    for block in raw.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true (the worker thread updates its counters asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

@@ -1,0 +1,165 @@
+"""Request models: what ``/v1/chat/completions`` and ``/v1/completions`` accept, validated by pydantic.
+
+Fields tqbench cannot honour (penalties, logprobs, tools, n > 1 ...) are accepted only at their neutral
+value; any other value is refused with a message, never silently ignored. Unknown fields are refused.
+Extensions: ``kv_policy`` (a preset name or compact policy) and ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from tqbench.server.errors import APIError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatContentPart(_Strict):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Strict):
+    role: StrictStr
+    content: StrictStr | list[ChatContentPart] | None = None
+    name: StrictStr | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None
+
+
+# field -> (neutral values accepted, what to do instead)
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented: remove it or send 0"),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not implemented: remove it or send 0"),
+    "logit_bias": ((None, {}), "logit_bias is not implemented: remove it"),
+    "logprobs": ((None, False, 0), "logprobs are not implemented: remove it"),
+    "top_logprobs": ((None, 0), "logprobs are not implemented: remove it"),
+    "tools": ((None, []), "tool calling is not implemented: remove tools"),
+    "tool_choice": ((None, "none"), "tool calling is not implemented: remove tool_choice"),
+    "functions": ((None, []), "function calling is not implemented: remove functions"),
+    "function_call": ((None, "none"), "function calling is not implemented: remove function_call"),
+    "response_format": ((None, {"type": "text"}), "only plain text output is supported: remove response_format"),
+    "best_of": ((None, 1), "best_of > 1 is not supported: remove it or send 1"),
+    "echo": ((None, False), "echo is not supported: remove it"),
+    "suffix": ((None, ""), "suffix is not supported: remove it"),
+}
+
+
+class _Common(_Strict):
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    # tqbench extensions
+    kv_policy: StrictStr | None = None
+    ignore_eos: StrictBool = False
+    # accepted and ignored: they change nothing about the output
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # refused unless neutral (see UNSUPPORTED)
+    frequency_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: StrictBool | StrictInt | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    suffix: StrictStr | None = None
+
+    def check_supported(self) -> None:
+        for name, (neutral, fix) in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value not in neutral:
+                raise APIError(400, f"{name}={value!r} is not supported by tqbench serve: {fix}",
+                               param=name, code="unsupported_parameter")
+        if self.n is not None and self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: tqbench serve returns one choice; send n=1",
+                           param="n", code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options",
+                           code="invalid_value")
+
+    def stop_list(self) -> list[str] | None:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise APIError(400, f"stop has {len(stops)} sequences: send at most 4", param="stop",
+                           code="invalid_value")
+        if any(s == "" for s in stops):
+            raise APIError(400, "stop contains an empty string: every stop sequence needs text", param="stop",
+                           code="invalid_value")
+        return stops or None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictStr]
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Plain ``{role, content}`` dicts for the chat template; text parts only."""
+    if not req.messages:
+        raise APIError(400, "messages is empty: send at least one {\"role\": \"user\", \"content\": ...} message",
+                       param="messages", code="invalid_value")
+    out = []
+    for i, msg in enumerate(req.messages):
+        if msg.role not in ROLES:
+            raise APIError(400, f"messages.{i}.role={msg.role!r} is unknown: use one of {', '.join(ROLES)}",
+                           param=f"messages.{i}.role", code="invalid_value")
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages.{i}.content.{j} has type {part.type!r}: only text parts "
+                                   "({\"type\": \"text\", \"text\": ...}) are supported",
+                                   param=f"messages.{i}.content.{j}.type", code="invalid_value")
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if msg.role == "developer" else msg.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str:
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, f"prompt is a list of {len(prompt)} prompts: send one prompt (a string) per "
+                           "request", param="prompt", code="invalid_value")
+        prompt = prompt[0]
+    if not prompt.strip():
+        raise APIError(400, "prompt is empty: send some text", param="prompt", code="invalid_value")
+    return prompt

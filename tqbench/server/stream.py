@@ -1,0 +1,160 @@
+"""OpenAI response and chunk bodies, and stop-sequence trimming for streamed text."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+
+
+class StopTrimmer:
+    """Holds back text that could be the start of a stop sequence; cuts the text at the first stop.
+
+    OpenAI semantics: the returned text never contains the stop sequence. The engine stops generating as
+    soon as a stop string appears in its text; this class decides what the client may see so far.
+    """
+
+    def __init__(self, stops: list[str] | None) -> None:
+        self.stops = stops or []
+        self.text = ""
+        self.sent = 0
+        self.cut: int | None = None
+
+    def push(self, delta: str) -> str:
+        """The newly safe text after ``delta``."""
+        if self.cut is not None:
+            return ""
+        self.text += delta
+        hits = [self.text.find(s) for s in self.stops if s in self.text]
+        if hits:
+            self.cut = min(hits)
+            safe = self.cut
+        else:
+            hold = 0
+            for s in self.stops:
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            safe = len(self.text) - hold
+        out = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return out
+
+    def flush(self) -> str:
+        """Whatever was held back once generation ended without completing a stop sequence."""
+        end = self.cut if self.cut is not None else len(self.text)
+        out = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    @property
+    def final_text(self) -> str:
+        return self.text[: self.cut] if self.cut is not None else self.text
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(result) -> dict:
+    return {
+        "prompt_tokens": result.input_tokens,
+        "completion_tokens": result.output_tokens,
+        "total_tokens": result.input_tokens + result.output_tokens,
+    }
+
+
+def extension(result, seed: int | None, waited: float) -> dict:
+    """The ``tqbench`` extension field: the request's KV policy, its cache report and timings."""
+    return {
+        "kv_policy": result.kv_policy,
+        "cache_mode": result.cache_mode,
+        "stopped_by": result.stopped_by,
+        "seed": seed,
+        "token_ids": list(result.token_ids),
+        "queue_seconds": round(waited, 6),
+        "prefill_seconds": round(result.prefill_seconds, 6),
+        "decode_seconds": round(result.decode_seconds, 6),
+        "decode_tokens_per_second": round(result.decode_tokens_per_second, 3),
+        "cache_report": result.cache_report.to_dict() if result.cache_report is not None else None,
+    }
+
+
+def full_response(*, chat: bool, rid: str, model: str, created: int, text: str, result, ext: dict) -> dict:
+    finish = FINISH_REASONS.get(result.stopped_by, "stop")
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(result),
+        "tqbench": ext,
+    }
+
+
+class ChunkWriter:
+    """Server-sent-event lines in the OpenAI chunk format for one streamed request."""
+
+    def __init__(self, *, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat = chat
+        self.model = model
+        self.include_usage = include_usage
+        self.id = new_id(chat)
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def role(self) -> str:
+        return self._chunk([self._choice("", None, role=True)])
+
+    def text(self, delta: str) -> str:
+        return self._chunk([self._choice(delta, None)])
+
+    def finish(self, result, ext: dict) -> str:
+        """The chunk with finish_reason; then, with include_usage, OpenAI's extra chunk with empty choices.
+
+        Without include_usage the finish chunk itself carries ``usage`` (usage is in every response).
+        """
+        finish = FINISH_REASONS.get(result.stopped_by, "stop")
+        choice = [self._choice(None if self.chat else "", finish)]
+        if not self.include_usage:
+            return self._chunk(choice, usage=usage(result), tqbench=ext)
+        return self._chunk(choice, tqbench=ext) + self._chunk([], usage=usage(result), tqbench=ext)
+
+    @staticmethod
+    def error(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"
