@@ -205,6 +205,10 @@ class WorkbenchApp(App):
         if self.busy:
             self.notify("work is going: press escape first, then open the session", severity="warning")
             return False
+        if self.engine is None:  # texts are rebuilt with the model's tokenizer: open once it is loaded
+            self._pending_session = str(path)
+            self.notify(f"{Path(path).name} opens as soon as the model has loaded", timeout=4)
+            return False
         try:
             session = Session.load(path)
         except SessionError as exc:
