@@ -25,6 +25,15 @@ class ThroughputGraph(Static):
         self.border_title = (f"throughput: [{COLORS['baseline']}]━ baseline[/] [{COLORS['candidate']}]━ candidate[/]"
                              " · left: tokens/s per step · right: resident KV MiB")
 
+    def on_mount(self) -> None:
+        self._dirty = False
+        self.set_interval(0.25, self._redraw_if_dirty)  # plotext is not free: at most 4 redraws a second
+
+    def _redraw_if_dirty(self) -> None:
+        if self._dirty:
+            self._dirty = False
+            self.refresh()
+
     def clear(self) -> None:
         for series in (self.tps, self.kv):
             for v in series.values():
@@ -33,11 +42,11 @@ class ThroughputGraph(Static):
 
     def add_step(self, run: str, step_seconds: float) -> None:
         self.tps[run].append(1.0 / step_seconds if step_seconds > 0 else 0.0)
-        self.refresh()
+        self._dirty = True
 
     def add_bytes(self, run: str, resident: int) -> None:
         self.kv[run].append(resident)
-        self.refresh()
+        self._dirty = True
 
     def set_series(self, tps: dict[str, list[float]], kv: dict[str, list[int]]) -> None:
         self.tps = {k: list(tps.get(k, [])) for k in ("baseline", "candidate")}
