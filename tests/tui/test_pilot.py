@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import notes, plain, wait_for
 from textual.widgets import Input, Label, OptionList, TabbedContent
+from tui_helpers import notes, plain, wait_for
 
 from tqbench.engine.policy import PRESETS
 from tqbench.engine.session import Session

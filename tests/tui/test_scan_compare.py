@@ -1,8 +1,8 @@
 """Scan and Compare tabs on the tiny model; headless validate/scan/compare sessions open in the workbench."""
 
 import pytest
-from conftest import notes, plain, wait_for
 from textual.widgets import DataTable, Input, Label, Select, TabbedContent
+from tui_helpers import notes, plain, wait_for
 
 from tqbench.engine.codecs import CODEC_SPECS
 from tqbench.engine.session import Session
