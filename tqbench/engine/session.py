@@ -141,10 +141,21 @@ class RunRecord:
         return {
             "prompt": self.prompt, "chat": self.chat, "max_new_tokens": self.max_new_tokens,
             "sampling": dict(self.sampling),
-            "baseline": self.baseline.policy_string if self.baseline else None,
+            "baseline": _policy_text(self.baseline) if self.baseline else None,
             "baseline_mode": self.baseline.cache_mode if self.baseline else None,
-            "candidate": self.candidate.policy_string, "candidate_mode": self.candidate.cache_mode,
+            "candidate": _policy_text(self.candidate), "candidate_mode": self.candidate.cache_mode,
         }
+
+
+def _policy_text(side: RunSide) -> str:
+    """The side's label when it still names the same policy (a preset: ``turbo4``), else its compact form."""
+    from tqbench.engine.policy import parse_policy
+
+    try:
+        same = parse_policy(side.policy).to_string() == side.policy_string
+    except ValueError:
+        same = False
+    return side.policy if same else side.policy_string
 
 
 @dataclass(frozen=True)
