@@ -218,6 +218,14 @@ async def test_policy_builder_estimates_and_keeps_a_named_policy(data_dir, stead
         await pilot.press("ctrl+u")
         await pilot.pause()
         assert app.run_pane.query_one("#candidate", Input).value == "k=turbo3,v=int4,sink=4,recent=32"
+    # kept in the data dir too: a new workbench lists it
+    assert json.loads((data_dir.parent / "policies.json").read_text()) == {"t3-i4": "k=turbo3,v=int4,sink=4,recent=32"}
+    app2 = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app2.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        ol = app2.policies_pane.query_one("#policy-list", OptionList)
+        assert "t3-i4" in str(ol.get_option_at_index(ol.option_count - 1).prompt)
+        assert app2.policies_pane.kept == {"t3-i4": "k=turbo3,v=int4,sink=4,recent=32"}
 
 
 async def test_help_lists_every_binding(data_dir, steady_engine):

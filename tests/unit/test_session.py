@@ -163,3 +163,16 @@ def test_diff_reports_the_first_changed_token(record):
     assert not d.identical
     assert d.sides["candidate"]["first_difference"] == 5 and d.sides["baseline"]["identical"]
     assert d.describe() == "baseline: identical (12 tokens); candidate: differs from token 5 (12 saved, 12 now)"
+
+
+def test_kept_policies_round_trip_and_a_bad_file(tmp_path, monkeypatch):
+    from tqbench.engine.session import load_kept_policies, save_kept_policies
+
+    monkeypatch.setenv("TQBENCH_DATA_DIR", str(tmp_path))
+    assert load_kept_policies() == {}
+    save_kept_policies({"mine": "k=turbo3,v=int4"})
+    assert load_kept_policies() == {"mine": "k=turbo3,v=int4"}
+    (tmp_path / "policies.json").write_text("[1, 2]")
+    with pytest.raises(SessionError) as exc:
+        load_kept_policies()
+    assert str(exc.value) == f"{tmp_path / 'policies.json'} is not a {{name: policy}} object: fix or delete it"

@@ -33,16 +33,46 @@ class SessionError(ValueError):
     """A session file that cannot be read (corrupt, missing arrays, newer format)."""
 
 
+def data_dir() -> Path:
+    """tqbench's user data: ``$TQBENCH_DATA_DIR``, else the platform's user data dir."""
+    env = os.environ.get("TQBENCH_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("tqbench"))
+
+
 def session_dir(override: str | os.PathLike | None = None) -> Path:
     """Where sessions live: ``override``, else ``$TQBENCH_DATA_DIR/sessions``, else the user data dir."""
     if override:
         return Path(override).expanduser()
-    env = os.environ.get("TQBENCH_DATA_DIR")
-    if env:
-        return Path(env).expanduser() / "sessions"
-    import platformdirs
+    return data_dir() / "sessions"
 
-    return Path(platformdirs.user_data_dir("tqbench")) / "sessions"
+
+def kept_policies_path() -> Path:
+    return data_dir() / "policies.json"
+
+
+def load_kept_policies() -> dict[str, str]:
+    """Policies the user named and kept in the workbench (``{name: compact form}``); a bad file raises."""
+    path = kept_policies_path()
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        raise SessionError(f"{path} is corrupt (not valid JSON): fix or delete it to keep policies again") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise SessionError(f"{path} is not a {{name: policy}} object: fix or delete it")
+    return data
+
+
+def save_kept_policies(policies: dict[str, str]) -> Path:
+    path = kept_policies_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, (json.dumps(policies, indent=1, sort_keys=True) + "\n").encode())
+    return path
 
 
 def environment(device: str | None = None) -> dict:

@@ -86,6 +86,12 @@ class WorkbenchApp(App):
         from tqbench.engine.session import Session, SessionError
 
         self.session = Session()
+        from tqbench.engine.session import load_kept_policies
+
+        try:
+            self.policies_pane.set_kept(load_kept_policies())
+        except SessionError as exc:
+            self.notify(str(exc), title="kept policies not loaded", severity="warning", timeout=10)
         if self._pending_session and self.options.model is None:
             from tqbench.engine.session import read_header
 
@@ -167,7 +173,14 @@ class WorkbenchApp(App):
             self.session.compares.append(msg.result)
 
     def policy_kept(self, name: str, text: str) -> None:
+        """Kept in the session and in the data dir (``policies.json``), so every later session lists it."""
+        from tqbench.engine.session import SessionError, load_kept_policies, save_kept_policies
+
         self.session.policies[name] = text
+        try:
+            save_kept_policies(load_kept_policies() | {name: text})
+        except (OSError, SessionError) as exc:
+            self.notify(f"kept in this session only: {exc}", severity="warning")
 
     def action_save_session(self) -> None:
         from tqbench.engine.session import SessionError, default_session_path, environment
@@ -221,7 +234,7 @@ class WorkbenchApp(App):
                 self.notify(f"this session was made with {session.model.get('name')} (fingerprint {fp}); the loaded "
                             f"model is {self.engine.name} ({self.engine.loaded.fingerprint}): re-runs will differ",
                             title="different model", severity="warning", timeout=10)
-        self.policies_pane.set_kept(session.policies)
+        self.policies_pane.set_kept(self.policies_pane.kept | session.policies)
         if session.scans:
             self.scan_pane.show_result(session.scans[-1], note=f"saved scan ({len(session.scans)} in the session)")
         if session.compares:
