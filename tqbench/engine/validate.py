@@ -206,7 +206,11 @@ def recommend(
         hint = (f"uniform {low:g}-bit K and V: each bit removed costs 2-3x in KL; a longer recent window "
                 "(recent=32) or per-layer protection from `scan` helps")
     nxt = None
-    if geometry is not None and bits_per_element is not None:
+    if geometry is not None:
+        from tqbench.engine.estimate import estimate_kv
+
+        # rank on the same footing as the presets: estimated bits at 1024 tokens of this model's geometry
+        bits_per_element = estimate_kv(policy, geometry, 1024).bits_per_element
         ladder = _ladder(geometry)
         if verdict == "exact-match":
             lower = [name for bits, name in ladder if bits < bits_per_element - 1e-6]
@@ -385,7 +389,15 @@ def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, c
         geometry = KVGeometry.from_config(engine.config)
     except Exception:  # noqa: BLE001 - a config without the usual fields: no ladder, said in the report
         geometry = None
-    rec = recommend(verdict, cand_pol, summary["bits_per_element"], geometry, storage_only)
+    if self_test:
+        ok = verdict == "exact-match"
+        rec = {"status": "self-test-passed" if ok else "self-test-failed",
+               "cause_hint": "the baseline against itself through the same loop" + (
+                   "" if ok else ": tokens differ, so the generation loop or cache is not deterministic"),
+               "next_policy": None,
+               "next_step": "validate a candidate policy" if ok else "report a bug: comparisons cannot be trusted"}
+    else:
+        rec = recommend(verdict, cand_pol, summary["bits_per_element"], geometry, storage_only)
     return ValidationReport(
         model=engine.name,
         baseline=base_pol.label,
