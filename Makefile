@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.tqbench-installed
 
-.PHONY: setup run test lint unit integration bench-quality bench-decode clean
+.PHONY: setup run test lint unit integration bench-quality bench-decode bench-validation clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,9 @@ bench-quality: setup
 
 bench-decode: setup
 	$(BIN)/python benchmarks/decode.py
+
+bench-validation: setup
+	$(BIN)/python benchmarks/validation.py --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -138,7 +138,7 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
         if teacher_forced:
             from tqbench.engine.validate import teacher_forced_quality
 
-            with rv.EventProgress(enabled=not as_json) as prog:
+            with rv.EventProgress(enabled=not as_json, label="teacher-forced") as prog:
                 rep = teacher_forced_quality(engine, [cand_pol], prompt=None if corpus else text, corpus=corpus,
                                              context_tokens=tf_context, eval_tokens=tf_tokens,
                                              cache_mode=cache_mode, chat=chat, max_new_tokens=max_new_tokens,

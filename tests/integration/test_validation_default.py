@@ -11,7 +11,7 @@ from tqbench.engine.validate import compare_tokens, decide_verdict, self_test, v
 
 pytestmark = pytest.mark.integration
 PROMPT = "Explain in a few sentences why the sky is blue."
-NEW = 16
+NEW = 12
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_turbo_candidates_get_honest_verdicts(engine, candidate):
 
 
 def test_scan_all_layers_per_head(engine):
-    res = scan(engine, PROMPT * 4, codecs=["int8", "turbo3"], max_prompt_tokens=128)
+    res = scan(engine, PROMPT * 4, codecs=["int8", "turbo3"], max_prompt_tokens=96)
     d = res.to_dict()
     assert d["layers"] == list(range(30)) and d["kv_heads"] == 3
     kl = d["metrics"]["softmax_kl"]

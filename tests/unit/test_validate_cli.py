@@ -100,3 +100,22 @@ def test_kv_estimate_cli_exact_bytes_and_budget_gate():
             "--memory-budget", "8GiB")
     assert r.exit_code == 1 and "gate failed: fp16 do(es) not fit 8GiB at 131072 tokens" in r.stderr
     assert "turbo3" in r.stdout
+
+
+def test_validation_benchmark_quick_on_tiny(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "validation.py"), "--model", "tiny", "--quick", "--threads", "1",
+           "--policies", "turbo4;q8k-q8v", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmp = json.loads((tmp_path / "validation-compare.json").read_text())
+    tf = json.loads((tmp_path / "validation-teacher-forced.json").read_text())
+    assert [r["policy"] for r in cmp["rows"]] == ["turbo4", "q8k-q8v"] and cmp["threads"] == 1
+    assert [r["kv_policy"] for r in tf["results"]] == ["turbo4", "q8k-q8v"] and tf["steps"] == 16
+    for key in ("command", "loadavg_before", "torch", "seconds"):
+        assert cmp[key] and tf[key], key
+    assert (tmp_path / "validation-compare.md").read_text().startswith("# compare-policies")
