@@ -22,6 +22,7 @@ says nothing about quality, and its recommendation says so.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -172,16 +173,18 @@ def spec_bits(spec: str) -> float:
     return float(m.group(1)) if m else 16.0
 
 
+@functools.lru_cache(maxsize=8)
 def _ladder(geometry) -> list[tuple[float, str]]:
     from tqbench.engine.estimate import estimate_kv
 
     return sorted((estimate_kv(name, geometry, 1024).bits_per_element, name) for name in PRESETS)
 
 
-def recommend(
-    verdict: str, policy: Policy, bits_per_element: float | None, geometry=None, storage_only: bool = False
-) -> dict:
-    """Status, a cause hint and the next policy to try, for one candidate's verdict."""
+def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = False) -> dict:
+    """Status, a cause hint and the next policy to try, for one candidate's verdict.
+
+    The next policy comes from the preset ladder ordered by estimated bits per element at 1024 tokens of
+    ``geometry``: the next cheaper preset after an exact-match, the next dearer one otherwise."""
     if storage_only:
         return {
             "status": "storage-only",
@@ -397,7 +400,7 @@ def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, c
                "next_policy": None,
                "next_step": "validate a candidate policy" if ok else "report a bug: comparisons cannot be trusted"}
     else:
-        rec = recommend(verdict, cand_pol, summary["bits_per_element"], geometry, storage_only)
+        rec = recommend(verdict, cand_pol, geometry, storage_only)
     return ValidationReport(
         model=engine.name,
         baseline=base_pol.label,
