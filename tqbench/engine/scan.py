@@ -13,7 +13,9 @@ key and value tensors exactly as the attention function receives them (keys and 
   attention output.
 A codec passes a layer when every head meets the thresholds; a layer's ``cheapest`` codec is the passing
 codec with the fewest bits per element. The codec sees every captured row (no sink or recent window, as a
-policy would keep): the scan measures the codec, the policy only does better.
+policy would keep): the scan measures the codec, the policy only does better. Scores use the scaling the
+model passed to its attention function and a plain causal mask (a sliding window or logit soft-capping, as
+in Gemma-2, is not applied).
 """
 
 from __future__ import annotations
