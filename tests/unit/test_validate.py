@@ -174,3 +174,24 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
     assert d["recommendation"] == recommend_policy(d["rows"])
     with pytest.raises(ValueError, match="listed twice"):
         compare_policies(tiny_engine, ["turbo4", "turbo4"], [PROMPT])
+
+
+def test_next_policy_ladder_on_the_default_geometry():
+    from tqbench.engine.estimate import KVGeometry
+    from tqbench.engine.policy import parse_policy
+    from tqbench.engine.validate import recommend
+
+    g = KVGeometry(30, 3, 64)
+
+    def nxt(verdict, name):
+        return recommend(verdict, parse_policy(name), g)["next_policy"]
+
+    # a failed policy: the cheapest preset with more bits and neither K nor V less precise (no QJL detour)
+    assert nxt("diverged", "turbo3") == "turbo3.5"
+    assert nxt("prefix-stable-then-diverged", "turbo4") == "q8k-turbo4v"
+    assert nxt("diverged", "turbo2") == "k3v2"
+    # an exact match: the gentlest preset with fewer bits and neither K nor V more precise
+    assert nxt("exact-match", "q8k-q8v") == "q8k-int4v-last8-q8v"
+    assert nxt("exact-match", "turbo4") == "turbo3.5"
+    rec = recommend("diverged", parse_policy("k=turbo4,v=turbo2"), g)
+    assert rec["status"] == "unsafe" and "values are the lower-precision side" in rec["cause_hint"]

@@ -173,6 +173,11 @@ def spec_bits(spec: str) -> float:
     return float(m.group(1)) if m else 16.0
 
 
+def _codec_bits(preset: str) -> tuple[float, float]:
+    pol = parse_policy(preset)
+    return spec_bits(pol.k), spec_bits(pol.v)
+
+
 @functools.lru_cache(maxsize=8)
 def _ladder(geometry) -> list[tuple[float, str]]:
     from tqbench.engine.estimate import estimate_kv
@@ -215,11 +220,15 @@ def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = 
         # rank on the same footing as the presets: estimated bits at 1024 tokens of this model's geometry
         bits_per_element = estimate_kv(policy, geometry, 1024).bits_per_element
         ladder = _ladder(geometry)
-        if verdict == "exact-match":
-            lower = [name for bits, name in ladder if bits < bits_per_element - 1e-6]
+        qjl = "qjl" in policy.k or "qjl" in policy.v
+        if verdict == "exact-match":  # the gentlest step down: fewer bits, neither K nor V more precise
+            lower = [name for bits, name in ladder if bits < bits_per_element - 1e-6
+                     and _codec_bits(name)[0] <= kb and _codec_bits(name)[1] <= vb]
             nxt = lower[-1] if lower else None
-        else:
-            higher = [name for bits, name in ladder if bits > bits_per_element + 1e-6]
+        else:  # the cheapest step up: more bits, neither K nor V less precise, no QJL unless already QJL
+            higher = [name for bits, name in ladder if bits > bits_per_element + 1e-6
+                      and _codec_bits(name)[0] >= kb and _codec_bits(name)[1] >= vb
+                      and (qjl or "qjl" not in name)]
             nxt = higher[0] if higher else "fp16"
     step = {
         "safe": "use it; try the next more aggressive policy to find the edge",
