@@ -169,6 +169,8 @@ def test_shipped_model_configs():
     per_tok = 2 * 8 * 256 * 2
     assert rep.rows[0]["total_bytes"] == 21 * 8192 * per_tok + 21 * 4095 * per_tok
     assert model_geometry("default").geometry == KVGeometry(30, 3, 64)
+    assert model_geometry("meta-llama/Llama-3.1-8B-Instruct").name == "Llama-3.1-8B"
+    assert model_geometry("google/gemma-2-9b-it").name == "Gemma-2-9B"
     q = model_geometry("Qwen2.5-7B")
     assert (q.geometry.num_layers, q.geometry.kv_heads, q.geometry.head_dim, q.max_context) == (28, 4, 128, 131072)
     with pytest.raises(ValueError, match="unknown model 'gpt-9' for kv-estimate: shipped configs are"):
