@@ -45,6 +45,20 @@ def test_capture_matches_the_cache_keys_and_restores_attention(tiny_engine):
     assert gen.metadata()["layers"] == [1]
 
 
+def test_capture_through_an_eager_model():
+    from tqbench.engine.engine import Engine
+
+    eng = Engine.tiny(attn_implementation="eager")
+    cap = capture_qkv(eng, TEXT, layers=[2], max_prompt_tokens=24)
+    assert eng.model.config._attn_implementation == "eager"
+    ids = eng.encode_prompt(TEXT)[:, :24]
+    cache = DynamicCache(config=eng.config)
+    with torch.inference_mode():
+        eng.model(input_ids=ids, cache=cache, use_cache=True)
+    assert torch.equal(cache.layers[2].keys[0].float(), cap.layers[2].k)
+    assert cap.layers[2].scaling == pytest.approx(16**-0.5)
+
+
 def test_layer_and_codec_errors():
     assert resolve_layers("0,-1", 4) == [0, 3] and resolve_layers(None, 3) == [0, 1, 2]
     assert resolve_layers("first1+last1", 4) == [0, 3]

@@ -20,6 +20,7 @@ in Gemma-2, is not applied).
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from tqbench.engine.layers import select_layers
 from tqbench.engine.policy import Policy
 
 CAPTURE_ATTN = "tqbench_capture"
+CAPTURE_ATTN_EAGER = "tqbench_capture_eager"
 OUTLIER_FACTOR = 4.0
 DEFAULT_CODECS = ("int8", "int4", "turbo4", "turbo3.5", "turbo3", "turbo2.5", "turbo2")
 CODEC_PRESETS = {
@@ -82,27 +84,50 @@ class Capture:
         }
 
 
-def _capture_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _capture(module, query, key, value) -> None:
     rec = _active.get("capture")
     layer = getattr(module, "layer_idx", None)
     if rec is not None and layer in rec["layers"]:
-        s = scaling if scaling is not None else query.shape[-1] ** -0.5
-        rec["out"][layer] = LayerQKV(layer, query[0].detach().float().cpu(), key[0].detach().float().cpu(),
-                                     value[0].detach().float().cpu(), float(s))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+        rec["out"][layer] = (query[0].detach().float().cpu(), key[0].detach().float().cpu(),
+                             value[0].detach().float().cpu())
+
+
+def _capture_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """Record, then attend exactly as transformers' SDPA does (models loaded with sdpa, flash or fused)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _capture(module, query, key, value)
+    _record_scaling(module, query, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _capture_eager(module, query, key, value, attention_mask, **kwargs):
+    """Record, then attend with the model's own eager function (soft-capping and all)."""
+    _capture(module, query, key, value)
+    _record_scaling(module, query, kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to capture through")
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def _record_scaling(module, query, kwargs) -> None:
+    rec = _active.get("capture")
+    layer = getattr(module, "layer_idx", None)
+    if rec is not None and layer in rec["layers"]:
+        s = kwargs.get("scaling")
+        rec["scaling"][layer] = float(s if s is not None else query.shape[-1] ** -0.5)
 
 
 def _install_capture() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     if not _active.get("registered"):
-        AttentionInterface.register(CAPTURE_ATTN, _capture_forward)
+        AttentionInterface.register(CAPTURE_ATTN, _capture_sdpa)
         AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
+        AttentionInterface.register(CAPTURE_ATTN_EAGER, _capture_eager)
+        AttentionMaskInterface.register(CAPTURE_ATTN_EAGER, eager_mask)
         _active["registered"] = True
 
 
@@ -142,17 +167,19 @@ def capture_qkv(engine, prompt, layers=None, max_prompt_tokens: int = 512, gener
         ids = torch.cat([ids, torch.tensor([gen], dtype=ids.dtype)], dim=1)
     model = engine.model
     _install_capture()
-    out: dict[int, LayerQKV] = {}
+    raw: dict[int, tuple] = {}
+    scaling: dict[int, float] = {}
     with _lock:
         previous = model.config._attn_implementation
-        model.set_attn_implementation(CAPTURE_ATTN)
-        _active["capture"] = {"layers": set(chosen), "out": out}
+        model.set_attn_implementation(CAPTURE_ATTN_EAGER if previous == "eager" else CAPTURE_ATTN)
+        _active["capture"] = {"layers": set(chosen), "out": raw, "scaling": scaling}
         try:
             with torch.inference_mode():
                 model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
         finally:
             _active["capture"] = None
             model.set_attn_implementation(previous)
+    out = {i: LayerQKV(i, *raw[i], scaling[i]) for i in raw}
     missing = [i for i in chosen if i not in out]
     if missing:
         raise RuntimeError(f"layers {missing} were not captured: the model's attention did not go through "
