@@ -42,8 +42,9 @@ CODEC_PRESETS = {
     "aggressive": ("turbo3", "turbo2.5", "turbo2", "int2", "turbo1.5"),
     "all": DEFAULT_CODECS + ("int2", "turbo1.5", "turbo1", "turbo4-qjl", "turbo3-qjl"),
 }
-#: metric -> (direction, default limit): a codec passes a head when every metric is on the right side
+#: default pass limits; a codec passes a head when every thresholded metric is on the right side
 DEFAULT_THRESHOLDS = {"softmax_kl": 0.02, "attn_out_rel_err": 0.15}
+#: metric -> "max" (a ceiling) or "min" (a floor)
 THRESHOLD_METRICS = {
     "softmax_kl": "max", "attn_out_rel_err": "max", "score_rel_err": "max", "k_rel_mse": "max",
     "v_rel_mse": "max", "score_cosine": "min",
