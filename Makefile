@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.tqbench-installed
 
-.PHONY: setup run test lint unit integration bench-quality bench-decode serve bench-serve clean
+.PHONY: setup run test lint unit integration bench-quality bench-decode bench-validation serve bench-serve clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,9 @@ serve: setup
 
 bench-serve: setup
 	$(BIN)/python benchmarks/serve.py --requests 16 --concurrency 4 --max-tokens 32 --threads 1
+
+bench-validation: setup
+	$(BIN)/python benchmarks/validation.py --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -147,16 +147,16 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
         if teacher_forced:
             from tqbench.engine.validate import teacher_forced_quality
 
-            with rv.EventProgress(enabled=not as_json) as prog:
+            with rv.EventProgress(enabled=not as_json, label="teacher-forced") as prog:
                 rep = teacher_forced_quality(engine, [cand_pol], prompt=None if corpus else text, corpus=corpus,
                                              context_tokens=tf_context, eval_tokens=tf_tokens,
                                              cache_mode=cache_mode, chat=chat, max_new_tokens=max_new_tokens,
                                              on_event=prog)
             payload = rep.to_dict()
             save_session_if_asked(engine, model, validations=[payload])
+            _write_reports(payload, rv.teacher_forced_md(payload), report_json, report_md, as_json)
             if not as_json:
                 rv.print_teacher_forced(payload)
-            _write_reports(payload, rv.teacher_forced_md(payload), report_json, report_md, as_json)
             if max_kl is not None:
                 worst = max(r["kl_mean"] for r in payload["results"])
                 _gate(worst <= max_kl, f"teacher-forced mean KL {worst:.5f} is above --max-kl {max_kl}")
@@ -174,9 +174,9 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                                       baseline_mode=baseline_mode, on_event=prog, **kw)
         payload = report.to_dict()
         save_session_if_asked(engine, model, validations=[payload])
+        _write_reports(payload, rv.validation_md(payload), report_json, report_md, as_json)
         if not as_json:
             rv.print_validation(payload)
-        _write_reports(payload, rv.validation_md(payload), report_json, report_md, as_json)
         if self_test:
             _gate(report.passed, f"self-test verdict is {report.quality_verdict}, not exact-match: the loop is "
                   "not deterministic")
@@ -231,9 +231,9 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
         payload = res.to_dict()
         payload["threads"] = _threads()
         save_session_if_asked(engine, model, compares=[payload])
+        _write_reports(payload, rv.compare_md(payload), report_json, report_md, as_json)
         if not as_json:
             rv.print_compare(payload, summary_only=summary_only)
-        _write_reports(payload, rv.compare_md(payload), report_json, report_md, as_json)
         if require_exact:
             _gate(payload["recommendation"]["status"] == "compressed-policy",
                   "no compressed policy was exact-match on every prompt")
@@ -278,9 +278,9 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                                      max_new_tokens=max_new_tokens, max_context=max_context, seed=seed,
                                      on_event=prog)
         payload = res.to_dict()
+        _write_reports(payload, rv.niah_md(payload), report_json, report_md, as_json)
         if not as_json:
             rv.print_niah(payload)
-        _write_reports(payload, rv.niah_md(payload), report_json, report_md, as_json)
         base_recall = payload["summary"][0]["recall"]
         worse = [r["policy"] for r in payload["summary"][1:] if r["recall"] < base_recall]
         _gate(not worse, f"recall below the baseline's ({base_recall:.2f}) for {', '.join(worse)}")
@@ -329,9 +329,9 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
                            on_event=prog)
         payload = res.to_dict()
         save_session_if_asked(engine, model, scans=[payload])
+        _write_reports(payload, rv.scan_md(payload), report_json, report_md, as_json)
         if not as_json:
             rv.print_scan(payload, summary_only=summary_table)
-        _write_reports(payload, rv.scan_md(payload), report_json, report_md, as_json)
         if fail_on_sensitive:
             bad = [v["layer"] for v in payload["verdicts"] if v["cheapest"] is None]
             _gate(not bad, f"no codec met the thresholds on layers {bad}")
@@ -373,9 +373,9 @@ def add_validation_commands(main: click.Group, model_options, friendly_errors) -
         _check_out_path(report_md, "--report-md")
         rep = ke.kv_estimate(geo, _policy_list(kv_policy), seq_len, batch, budget)
         payload = rep.to_dict()
+        _write_reports(payload, rv.kv_estimate_md(payload), report_json, report_md, as_json)
         if not as_json:
             rv.print_kv_estimate(payload)
-        _write_reports(payload, rv.kv_estimate_md(payload), report_json, report_md, as_json)
         if budget is not None:
             over = [r["kv_policy"] for r in payload["rows"] if r["total_bytes"] > budget]
             _gate(not over, f"{', '.join(over)} do(es) not fit {memory_budget} at {seq_len} tokens")

@@ -172,14 +172,21 @@ def _rec_lines(rec: dict) -> list[str]:
     return lines
 
 
+def _div(row: dict) -> str:
+    """First divergence index per prompt ('-' = identical)."""
+    return " / ".join("-" if x is None else str(x) for x in row.get("first_divergence_indices", []))
+
+
 def print_compare(p: dict, summary_only: bool = False) -> None:
     if not summary_only:
         t = Table(title=f"compare-policies vs {p['baseline']} ({p['cache_mode']}, {len(p['prompts'])} prompts, "
                   f"{p['max_new_tokens']} new tokens)")
-        for col in ("policy", "saved", "bits/el", "verdict", "token match", "top-1", "KL mean", "tput ratio"):
+        for col in ("policy", "saved", "bits/el", "verdict", "first div", "token match", "top-1", "KL mean",
+                    "tput ratio"):
             t.add_column(col, justify="left" if col in ("policy", "verdict") else "right")
         for r in p["rows"]:
             t.add_row(r["policy"], _pct(r["memory_saved_pct"]), _f(r["bits_per_element"], ".2f"), _v(r["verdict"]),
+                      _div(r),
                       _f(r["token_match_ratio"], ".3f"), _f(r["top1_match_ratio"], ".3f"), _f(r["kl_mean"], ".5f"),
                       _f(r["throughput_ratio"], ".2f"))
         out.print(t)
@@ -190,11 +197,12 @@ def print_compare(p: dict, summary_only: bool = False) -> None:
 def compare_md(p: dict) -> str:
     lines = [f"# compare-policies vs {p['baseline']} ({p['model']}, {p['cache_mode']}, {len(p['prompts'])} prompts, "
              f"{p['max_new_tokens']} new tokens)", "",
-             "| policy | saved | bits/element | verdict | token match | top-1 | KL mean | throughput ratio |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| policy | saved | bits/element | verdict | first divergence | token match | top-1 | KL mean | "
+             "throughput ratio |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in p["rows"]:
         lines.append(f"| {r['policy']} | {_pct(r['memory_saved_pct'])} | {_f(r['bits_per_element'], '.2f')} | "
-                     f"{r['verdict']} | {_f(r['token_match_ratio'], '.3f')} | {_f(r['top1_match_ratio'], '.3f')} | "
+                     f"{r['verdict']} | {_div(r)} | {_f(r['token_match_ratio'], '.3f')} | {_f(r['top1_match_ratio'], '.3f')} | "
                      f"{_f(r['kl_mean'], '.5f')} | {_f(r['throughput_ratio'], '.2f')} |")
     lines += [""] + [f"- {x}" for x in _rec_lines(p["recommendation"])]
     return "\n".join(lines) + "\n"

@@ -209,6 +209,7 @@ def _row(pol: Policy, cells: list[dict]) -> dict:
         "policy_string": pol.to_string(),
         "verdict": worst_verdict([c["verdict"] for c in cells]),
         "verdicts": [c["verdict"] for c in cells],
+        "first_divergence_indices": [c["comparison"]["first_divergence_index"] for c in cells],
         "memory_saved_pct": mean([c["policy_summary"]["memory_saved_pct"] for c in cells]),
         "bits_per_element": mean([c["policy_summary"]["bits_per_element"] for c in cells]),
         "token_match_ratio": mean([c["comparison"]["token_match_ratio"] for c in cells]),

@@ -76,6 +76,11 @@ def model_geometry(model: str) -> ModelGeometry:
         return _from_config_dict(path.parent.name if path.name == "config.json" else path.stem, data, str(path))
     key = ALIASES.get(model.lower(), model)
     by_lower = {m.lower(): m for m in shipped_models()}
+    if key.lower() not in by_lower:  # a hub id: meta-llama/Llama-3.1-8B-Instruct -> Llama-3.1-8B
+        base = key.split("/")[-1].lower()
+        for suffix in ("-instruct", "-it", "-chat"):
+            base = base.removesuffix(suffix)
+        key = ALIASES.get(base, base)
     if key.lower() not in by_lower:
         raise ValueError(f"unknown model {model!r} for kv-estimate: shipped configs are "
                          f"{', '.join(shipped_models())}; or give a config.json, a model folder, or "

@@ -13,11 +13,14 @@ key and value tensors exactly as the attention function receives them (keys and 
   attention output.
 A codec passes a layer when every head meets the thresholds; a layer's ``cheapest`` codec is the passing
 codec with the fewest bits per element. The codec sees every captured row (no sink or recent window, as a
-policy would keep): the scan measures the codec, the policy only does better.
+policy would keep): the scan measures the codec, the policy only does better. Scores use the scaling the
+model passed to its attention function and a plain causal mask (a sliding window or logit soft-capping, as
+in Gemma-2, is not applied).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from tqbench.engine.layers import select_layers
 from tqbench.engine.policy import Policy
 
 CAPTURE_ATTN = "tqbench_capture"
+CAPTURE_ATTN_EAGER = "tqbench_capture_eager"
 OUTLIER_FACTOR = 4.0
 DEFAULT_CODECS = ("int8", "int4", "turbo4", "turbo3.5", "turbo3", "turbo2.5", "turbo2")
 CODEC_PRESETS = {
@@ -38,8 +42,9 @@ CODEC_PRESETS = {
     "aggressive": ("turbo3", "turbo2.5", "turbo2", "int2", "turbo1.5"),
     "all": DEFAULT_CODECS + ("int2", "turbo1.5", "turbo1", "turbo4-qjl", "turbo3-qjl"),
 }
-#: metric -> (direction, default limit): a codec passes a head when every metric is on the right side
+#: default pass limits; a codec passes a head when every thresholded metric is on the right side
 DEFAULT_THRESHOLDS = {"softmax_kl": 0.02, "attn_out_rel_err": 0.15}
+#: metric -> "max" (a ceiling) or "min" (a floor)
 THRESHOLD_METRICS = {
     "softmax_kl": "max", "attn_out_rel_err": "max", "score_rel_err": "max", "k_rel_mse": "max",
     "v_rel_mse": "max", "score_cosine": "min",
@@ -80,27 +85,50 @@ class Capture:
         }
 
 
-def _capture_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _capture(module, query, key, value) -> None:
     rec = _active.get("capture")
     layer = getattr(module, "layer_idx", None)
     if rec is not None and layer in rec["layers"]:
-        s = scaling if scaling is not None else query.shape[-1] ** -0.5
-        rec["out"][layer] = LayerQKV(layer, query[0].detach().float().cpu(), key[0].detach().float().cpu(),
-                                     value[0].detach().float().cpu(), float(s))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+        rec["out"][layer] = (query[0].detach().float().cpu(), key[0].detach().float().cpu(),
+                             value[0].detach().float().cpu())
+
+
+def _capture_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """Record, then attend exactly as transformers' SDPA does (models loaded with sdpa, flash or fused)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _capture(module, query, key, value)
+    _record_scaling(module, query, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _capture_eager(module, query, key, value, attention_mask, **kwargs):
+    """Record, then attend with the model's own eager function (soft-capping and all)."""
+    _capture(module, query, key, value)
+    _record_scaling(module, query, kwargs)
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to capture through")
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def _record_scaling(module, query, kwargs) -> None:
+    rec = _active.get("capture")
+    layer = getattr(module, "layer_idx", None)
+    if rec is not None and layer in rec["layers"]:
+        s = kwargs.get("scaling")
+        rec["scaling"][layer] = float(s if s is not None else query.shape[-1] ** -0.5)
 
 
 def _install_capture() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     if not _active.get("registered"):
-        AttentionInterface.register(CAPTURE_ATTN, _capture_forward)
+        AttentionInterface.register(CAPTURE_ATTN, _capture_sdpa)
         AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
+        AttentionInterface.register(CAPTURE_ATTN_EAGER, _capture_eager)
+        AttentionMaskInterface.register(CAPTURE_ATTN_EAGER, eager_mask)
         _active["registered"] = True
 
 
@@ -140,17 +168,19 @@ def capture_qkv(engine, prompt, layers=None, max_prompt_tokens: int = 512, gener
         ids = torch.cat([ids, torch.tensor([gen], dtype=ids.dtype)], dim=1)
     model = engine.model
     _install_capture()
-    out: dict[int, LayerQKV] = {}
+    raw: dict[int, tuple] = {}
+    scaling: dict[int, float] = {}
     with _lock:
         previous = model.config._attn_implementation
-        model.set_attn_implementation(CAPTURE_ATTN)
-        _active["capture"] = {"layers": set(chosen), "out": out}
+        model.set_attn_implementation(CAPTURE_ATTN_EAGER if previous == "eager" else CAPTURE_ATTN)
+        _active["capture"] = {"layers": set(chosen), "out": raw, "scaling": scaling}
         try:
             with torch.inference_mode():
                 model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
         finally:
             _active["capture"] = None
             model.set_attn_implementation(previous)
+    out = {i: LayerQKV(i, *raw[i], scaling[i]) for i in raw}
     missing = [i for i in chosen if i not in out]
     if missing:
         raise RuntimeError(f"layers {missing} were not captured: the model's attention did not go through "

@@ -22,6 +22,7 @@ says nothing about quality, and its recommendation says so.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -172,16 +173,23 @@ def spec_bits(spec: str) -> float:
     return float(m.group(1)) if m else 16.0
 
 
+def _codec_bits(preset: str) -> tuple[float, float]:
+    pol = parse_policy(preset)
+    return spec_bits(pol.k), spec_bits(pol.v)
+
+
+@functools.lru_cache(maxsize=8)
 def _ladder(geometry) -> list[tuple[float, str]]:
     from tqbench.engine.estimate import estimate_kv
 
     return sorted((estimate_kv(name, geometry, 1024).bits_per_element, name) for name in PRESETS)
 
 
-def recommend(
-    verdict: str, policy: Policy, bits_per_element: float | None, geometry=None, storage_only: bool = False
-) -> dict:
-    """Status, a cause hint and the next policy to try, for one candidate's verdict."""
+def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = False) -> dict:
+    """Status, a cause hint and the next policy to try, for one candidate's verdict.
+
+    The next policy comes from the preset ladder ordered by estimated bits per element at 1024 tokens of
+    ``geometry``: the next cheaper preset after an exact-match, the next dearer one otherwise."""
     if storage_only:
         return {
             "status": "storage-only",
@@ -206,13 +214,21 @@ def recommend(
         hint = (f"uniform {low:g}-bit K and V: each bit removed costs 2-3x in KL; a longer recent window "
                 "(recent=32) or per-layer protection from `scan` helps")
     nxt = None
-    if geometry is not None and bits_per_element is not None:
+    if geometry is not None:
+        from tqbench.engine.estimate import estimate_kv
+
+        # rank on the same footing as the presets: estimated bits at 1024 tokens of this model's geometry
+        bits_per_element = estimate_kv(policy, geometry, 1024).bits_per_element
         ladder = _ladder(geometry)
-        if verdict == "exact-match":
-            lower = [name for bits, name in ladder if bits < bits_per_element - 1e-6]
+        qjl = "qjl" in policy.k or "qjl" in policy.v
+        if verdict == "exact-match":  # the gentlest step down: fewer bits, neither K nor V more precise
+            lower = [name for bits, name in ladder if bits < bits_per_element - 1e-6
+                     and _codec_bits(name)[0] <= kb and _codec_bits(name)[1] <= vb]
             nxt = lower[-1] if lower else None
-        else:
-            higher = [name for bits, name in ladder if bits > bits_per_element + 1e-6]
+        else:  # the cheapest step up: more bits, neither K nor V less precise, no QJL unless already QJL
+            higher = [name for bits, name in ladder if bits > bits_per_element + 1e-6
+                      and _codec_bits(name)[0] >= kb and _codec_bits(name)[1] >= vb
+                      and (qjl or "qjl" not in name)]
             nxt = higher[0] if higher else "fp16"
     step = {
         "safe": "use it; try the next more aggressive policy to find the edge",
@@ -385,7 +401,15 @@ def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, c
         geometry = KVGeometry.from_config(engine.config)
     except Exception:  # noqa: BLE001 - a config without the usual fields: no ladder, said in the report
         geometry = None
-    rec = recommend(verdict, cand_pol, summary["bits_per_element"], geometry, storage_only)
+    if self_test:
+        ok = verdict == "exact-match"
+        rec = {"status": "self-test-passed" if ok else "self-test-failed",
+               "cause_hint": "the baseline against itself through the same loop" + (
+                   "" if ok else ": tokens differ, so the generation loop or cache is not deterministic"),
+               "next_policy": None,
+               "next_step": "validate a candidate policy" if ok else "report a bug: comparisons cannot be trusted"}
+    else:
+        rec = recommend(verdict, cand_pol, geometry, storage_only)
     return ValidationReport(
         model=engine.name,
         baseline=base_pol.label,
