@@ -56,6 +56,7 @@ def text_panels(screen: str) -> list[str]:
 @pytest.mark.skipif(TMUX is None, reason="tmux is not installed: this real-terminal test needs it (apt-get install tmux)")
 def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
     name = f"tqbench-test-{os.getpid()}"
+    second = f"{name}-reopen"
     try:
         # a subcommand without --headless opens the workbench with its flags filled in
         start(name, tmp_path, "bench", "--kv-policy", "turbo2", "--max-new-tokens", "16", "--threads", "1")
@@ -76,10 +77,11 @@ def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
             time.sleep(0.2)
         saved = list(sessions.glob("*.json"))
         assert len(saved) == 1, pane(name)
-        tmux("kill-session", "-t", name)
+        tmux("send-keys", "-t", name, "C-q")  # quit as a user would
 
-        start(name, tmp_path, "--session", str(saved[0]), "--threads", "1")
-        reopened = wait(name, lambda s: "saved run │ step 16" in s, 180, "the saved run to show")
+        start(second, tmp_path, "--session", str(saved[0]), "--threads", "1")
+        reopened = wait(second, lambda s: "saved run │ step 16" in s, 180, "the saved run to show")
         assert text_panels(reopened) == first_panels
     finally:
         tmux("kill-session", "-t", name)
+        tmux("kill-session", "-t", second)
