@@ -83,6 +83,7 @@ class TQLayer(CacheLayerMixin):
         self._new_stores()
         self.fused_calls = 0
         self.fallbacks: dict[str, int] = {}
+        self.fused_impl: dict[str, int] = {}  # "triton" / "torch-reference (why)" -> calls
 
     def _new_stores(self) -> None:
         self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent)
@@ -260,15 +261,20 @@ class TQCache(Cache):
                     )
                 )
         fallbacks: dict[str, int] = {}
+        impls: dict[str, int] = {}
         fused_calls = 0
         for layer in self.layers:
             if isinstance(layer, TQLayer):
                 fused_calls += layer.fused_calls
                 for case, n in layer.fallbacks.items():
                     fallbacks[case] = fallbacks.get(case, 0) + n
+                for case, n in layer.fused_impl.items():
+                    impls[case] = impls.get(case, 0) + n
+        if self.mode == "fused" and impls and all(k == "triton" for k in impls) and not fallbacks:
+            max_layer_dense = 0  # the kernels keep only split-K partials, no decoded rows
         return CacheReport.build(
             mode=self.mode, policy=self.policy, layers=rows, shared=shared,
-            transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks,
+            transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks, fused_impl=impls,
             held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
         )
 
