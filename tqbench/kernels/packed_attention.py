@@ -40,27 +40,27 @@ def _codes(ptr, row_off, col, mask, BITS: tl.constexpr, NBYTES: tl.constexpr):
 
 
 @triton.jit
-def _rows(I, S, Z, LV, b, h, offs_n, offs_d, n_mask, d_mask,
+def _rows(CODES, S, Z, LV, b, h, offs_n, offs_d, n_mask, d_mask,
           sib, sih, sin, ssb, ssh, ssn,
           KIND: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
           NBYTES: tl.constexpr):
     """``(tile [BLOCK_N, BLOCK_D] fp32, row_scale [BLOCK_N] fp32)`` of packed rows ``offs_n``."""
     m2 = n_mask[:, None] & d_mask[None, :]
     if KIND == 0:  # turbo: codebook values (rotated unit rows) and the fp16 norm
-        code = _codes(I, b * sib + h * sih + offs_n[:, None] * sin, offs_d[None, :], m2, BITS, NBYTES)
+        code = _codes(CODES, b * sib + h * sih + offs_n[:, None] * sin, offs_d[None, :], m2, BITS, NBYTES)
         tile = tl.load(LV + code, mask=m2, other=0.0).to(tl.float32)
         scale = tl.load(S + b * ssb + h * ssh + offs_n * ssn, mask=n_mask, other=0.0).to(tl.float32)
     elif KIND == 1:  # affine-channel: unit = GROUP tokens, token-major codes, scale/zero per (unit, channel)
         unit = offs_n // GROUP
         col = (offs_n % GROUP)[:, None] * D + offs_d[None, :]
-        code = _codes(I, b * sib + h * sih + unit[:, None] * sin, col, m2, BITS, NBYTES)
+        code = _codes(CODES, b * sib + h * sih + unit[:, None] * sin, col, m2, BITS, NBYTES)
         sz = b * ssb + h * ssh + unit[:, None] * ssn + offs_d[None, :]
         sc = tl.load(S + sz, mask=m2, other=0.0).to(tl.float32)
         zr = tl.load(Z + sz, mask=m2, other=0.0).to(tl.float32)
         tile = zr + code.to(tl.float32) * sc
         scale = offs_n * 0.0 + 1.0
     else:  # affine-token: scale/zero per (row, group of GROUP channels)
-        code = _codes(I, b * sib + h * sih + offs_n[:, None] * sin, offs_d[None, :], m2, BITS, NBYTES)
+        code = _codes(CODES, b * sib + h * sih + offs_n[:, None] * sin, offs_d[None, :], m2, BITS, NBYTES)
         sz = b * ssb + h * ssh + offs_n[:, None] * ssn + (offs_d // GROUP)[None, :]
         sc = tl.load(S + sz, mask=m2, other=0.0).to(tl.float32)
         zr = tl.load(Z + sz, mask=m2, other=0.0).to(tl.float32)
