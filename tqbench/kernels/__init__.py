@@ -20,7 +20,11 @@ __all__ = ["triton_status"]
 
 def triton_status() -> tuple[bool, str]:
     """``(usable, why)`` for the Triton kernels on this machine (imports nothing heavy when not usable)."""
-    if importlib.util.find_spec("triton") is None:
+    try:
+        found = importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules (import blocked) raises ValueError
+        found = False
+    if not found:
         return False, "triton is not installed (pip install triton)"
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True, "triton interpreter (TRITON_INTERPRET=1)"
