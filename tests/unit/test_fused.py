@@ -140,3 +140,25 @@ def test_engine_runs_fused_without_triton():
         "['torch-reference (cpu device (the triton kernels need a GPU))']",
         "['tqbench.kernels', 'tqbench.kernels.reference']",
     ]
+
+
+def test_attention_benchmark_quick_on_cpu(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "attention.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "attention.py"), "--quick", "--threads", "1", "--device", "cpu",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["impl"] == "torch-reference" and data["copy_bandwidth_gbs"] > 0
+    assert {r["codec"] for r in data["rows"]} == {"turbo4:turbo4", "turbo2:turbo2", "int8:int4"}
+    for r in data["rows"]:
+        assert r["fused_ms"] > 0 and r["dense_ms"] > 0 and r["packed_bytes"] < r["dense_bytes"]
+    turbo4 = next(r for r in data["rows"] if r["codec"] == "turbo4:turbo4")
+    # 2 kv heads x 256 rows x (32 code bytes + 2 norm bytes), K and V; dense fp32 K+V
+    assert (turbo4["packed_bytes"], turbo4["dense_bytes"]) == (2 * 2 * 256 * 34, 2 * 2 * 256 * 64 * 4)
+    assert "fused % copy bw" in proc.stdout
