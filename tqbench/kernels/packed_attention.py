@@ -85,8 +85,8 @@ def _packed_attention_kernel(
     bh = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
-    b = bh // HKV
-    h = bh % HKV
+    b = (bh // HKV).to(tl.int64)  # int64 offsets: packed stores of long contexts exceed 2**31 bytes
+    h = (bh % HKV).to(tl.int64)
     offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     q_mask = offs_q < QN
@@ -168,7 +168,7 @@ def _side_tensors(side: PackedSide, b: int, hkv: int, device) -> tuple:
 
 def packed_attention(
     q: torch.Tensor, k: PackedSide, v: PackedSide, mask: torch.Tensor | None, scale: float,
-    *, q_rot: torch.Tensor | None = None, block_n: int = 32, splits: int | None = None,
+    *, q_rot: torch.Tensor | None = None, block_n: int | None = None, splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`tqbench.kernels.reference.packed_attention_partials`.
 
@@ -211,6 +211,7 @@ def packed_attention(
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         mask = mask.to(torch.int8) if mask.dtype == torch.bool else mask
+    block_n = block_n or (64 if dev.type == "cuda" else 32)
     block_q = max(16, triton.next_power_of_2(qn))
     block_d = max(16, triton.next_power_of_2(d))
     if splits is None:

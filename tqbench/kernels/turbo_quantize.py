@@ -22,7 +22,7 @@ def _turbo_quantize_kernel(
     BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, HAS_MU: tl.constexpr, NORM_FIX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_r = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_r = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     r_mask = offs_r < rows
     d_mask = offs_d < D
