@@ -162,3 +162,19 @@ def test_attention_benchmark_quick_on_cpu(tmp_path):
     # 2 kv heads x 256 rows x (32 code bytes + 2 norm bytes), K and V; dense fp32 K+V
     assert (turbo4["packed_bytes"], turbo4["dense_bytes"]) == (2 * 2 * 256 * 34, 2 * 2 * 256 * 64 * 4)
     assert "fused % copy bw" in proc.stdout
+
+
+@pytest.mark.parametrize("policy", ["turbo4", "q8k-int4v"])
+def test_multi_token_chunk_over_packed_history_matches_compressed(tiny_engine64, policy):
+    """A second turn: several new tokens at once over packed history (causal among the new rows)."""
+    model = tiny_engine64.model
+    ids = torch.randint(5, 200, (1, 60), generator=torch.Generator().manual_seed(4))
+    logits = {}
+    for mode in ("compressed", "fused"):
+        cache = tiny_engine64.make_cache(policy, mode)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :48], cache=cache)
+            logits[mode] = model(input_ids=ids[:, 48:], cache=cache).logits
+        if mode == "fused":
+            assert cache.report().fused_calls == len(cache.layers)
+    torch.testing.assert_close(logits["fused"], logits["compressed"], atol=1e-10, rtol=1e-10)
