@@ -214,3 +214,21 @@ def test_fused_mode_runs_the_kernels_end_to_end(tiny_engine, monkeypatch, policy
         assert rep.resident_decode_bytes == rep.compressed_storage_bytes  # kernels: nothing decoded resident
     else:  # KIVI keys pack whole blocks: the values packed beyond them are decoded per call, and counted
         assert any(k.startswith("triton: decoded turbo3 rows beyond") for k in rep.fallbacks), rep.fallbacks
+
+
+def test_kernel_path_multi_token_chunk_and_padding_match_reference(tiny_engine, monkeypatch):
+    """Through the kernels: a left-padded batch, then several new tokens at once over packed history."""
+    model = tiny_engine.model
+    ids = torch.randint(5, 200, (2, 56), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding of the second sequence
+    logits = {}
+    for impl in ("torch", "triton"):
+        monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+        cache = tiny_engine.make_cache("turbo4", "fused")
+        with torch.inference_mode():
+            model(input_ids=ids[:, :48], attention_mask=mask[:, :48], cache=cache)
+            logits[impl] = model(input_ids=ids[:, 48:], attention_mask=mask, cache=cache).logits
+        assert set(cache.report().fused_impl) == {"triton" if impl == "triton" else
+                                                  "torch-reference (TQBENCH_FUSED_IMPL=torch)"}
+    assert_close(logits["triton"], logits["torch"], 1e-4, "logits")
