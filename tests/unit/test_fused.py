@@ -178,3 +178,15 @@ def test_multi_token_chunk_over_packed_history_matches_compressed(tiny_engine64,
         if mode == "fused":
             assert cache.report().fused_calls == len(cache.layers)
     torch.testing.assert_close(logits["fused"], logits["compressed"], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_kernel_packing_is_the_engine_layout(bits):
+    """tqbench.kernels keeps its own packing (it never imports the engine): byte-identical to the codecs'."""
+    from tqbench.engine.codecs.packing import pack_bits, unpack_bits
+    from tqbench.kernels.reference import pack_codes, unpack_codes
+
+    idx = torch.randint(0, 1 << bits, (3, 2, 37), dtype=torch.uint8)
+    packed = pack_bits(idx, bits)
+    assert torch.equal(pack_codes(idx, bits), packed)
+    assert torch.equal(unpack_codes(packed, bits, 37), unpack_bits(packed, bits, 37))

@@ -124,7 +124,7 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
     label = "triton" if impl == "triton" else f"torch-reference ({why})"
     layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
     if impl == "triton":
-        from tqbench.kernels.fused import triton_fused_attention
+        from tqbench.engine.fused_triton import triton_fused_attention
 
         return triton_fused_attention(query, kv, attention_mask, scaling)
     return reference_fused_attention(query, kv, attention_mask, scaling)

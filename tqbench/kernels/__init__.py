@@ -2,8 +2,10 @@
 
 - ``reference.py``: the torch implementation (what runs on CPU, and what every kernel is tested against);
 - ``packed_attention.py``: Triton decode attention over packed history (split-K partials), with its launcher;
-- ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher;
-- ``fused.py``: the GPU path of the ``fused`` cache mode built on those kernels.
+- ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher.
+
+The engine builds on these (``tqbench/engine/attention.py``, ``fused_triton.py``); this package never
+imports the engine (import-linter contract): it works on plain tensors and the packed layout below.
 
 Importing this package never imports triton: ``triton_status()`` says whether the kernels can run and why
 not. Set ``TRITON_INTERPRET=1`` before the first kernel import to run them on CPU (tests only: ~2 ms per

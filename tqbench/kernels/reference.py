@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tqbench.engine.codecs.packing import byte_table, unpack_bits
-
 KINDS = ("turbo", "affine-channel", "affine-token")
 
 
@@ -49,6 +47,36 @@ class PackedSide:
             raise ValueError(f"bits must be in 1..8, got {self.bits}")
 
 
+# -- packed codes (the engine's layout: LSB-first bit stream along the last dim) ---------------------------
+def pack_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """``uint8 [..., n]`` codes -> ``uint8 [..., ceil(n * bits / 8)]``: code i at stream bits [i*bits, i*bits+bits)."""
+    n = idx.shape[-1]
+    nbytes = (n * bits + 7) // 8
+    pos = torch.arange(n, device=idx.device, dtype=torch.int32) * bits
+    out = torch.zeros(*idx.shape[:-1], nbytes + 1, dtype=torch.int32, device=idx.device)
+    v = idx.to(torch.int32) << (pos % 8)  # up to 15 bits: spills into the next byte
+    out.index_add_(-1, (pos // 8).long(), v & 0xFF)
+    out.index_add_(-1, (pos // 8 + 1).long(), v >> 8)
+    return out[..., :nbytes].to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``uint8 [..., nbytes]`` -> ``uint8 [..., n]``."""
+    pos = torch.arange(n, device=packed.device) * bits
+    b = packed.to(torch.int32)
+    lo = b.index_select(-1, pos // 8)
+    nxt = torch.clamp(pos // 8 + 1, max=packed.shape[-1] - 1)
+    hi = torch.where(pos // 8 + 1 < packed.shape[-1], b.index_select(-1, nxt), 0)
+    return (((lo | (hi << 8)) >> (pos % 8)) & ((1 << bits) - 1)).to(torch.uint8)
+
+
+def byte_table(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[256, 8 // bits]``: the values every byte decodes to (bits dividing 8)."""
+    byte = torch.arange(256, device=values.device, dtype=torch.int32)
+    shifts = torch.arange(8 // bits, device=values.device, dtype=torch.int32) * bits
+    return values[(byte[:, None] >> shifts) & ((1 << bits) - 1)]
+
+
 # -- code tables ---------------------------------------------------------------------------------------
 _TABLES: dict[tuple, torch.Tensor] = {}
 
@@ -71,7 +99,7 @@ def _flat_table(values: torch.Tensor, bits: int) -> torch.Tensor:
 def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor) -> torch.Tensor:
     """``values[unpack(packed)]`` as ``[..., n]`` in ``values.dtype``, straight from the packed bytes."""
     if 8 % bits:
-        idx = unpack_bits(packed, bits, n)
+        idx = unpack_codes(packed, bits, n)
         return values.index_select(0, idx.reshape(-1).int()).view(*idx.shape)
     tab = _flat_table(values, bits)
     flat = tab.index_select(0, packed.reshape(-1).int())
@@ -195,8 +223,6 @@ def turbo_quantize_pack(
     norm_correction: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Reference of the quantize+pack kernel: rows ``[B, H, T, D]`` -> ``{"idx", "norm"}`` as TurboCodec stores."""
-    from tqbench.engine.codecs.packing import pack_bits
-
     dt = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(dt) if mu is None else x.to(dt) - mu.to(dt)
     n = torch.linalg.vector_norm(xc, dim=-1, keepdim=True)
@@ -207,4 +233,4 @@ def turbo_quantize_pack(
         c = lv[idx]
         n = n * (u_rot * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True)
     norm = n.clamp(0, torch.finfo(torch.float16).max).to(torch.float16)
-    return {"idx": pack_bits(idx.to(torch.uint8), bits, check=False), "norm": norm}
+    return {"idx": pack_codes(idx.to(torch.uint8), bits), "norm": norm}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tqbench.engine.codecs.base import compute_dtype
-from tqbench.kernels.packed_attention import packed_attention
+from tqbench.kernels.packed_attention import packed_attention  # imports triton: this module is loaded lazily
 from tqbench.kernels.reference import dense_partials, merge_partials
 
 
