@@ -71,10 +71,10 @@ def _teacher_forced_logits(engine: Engine, ids: torch.Tensor, prefill: int, poli
 def test_fp32_fused_agrees_with_compressed_teacher_forced(engine32, policy):
     """In fp32 a 1e-7 summation-order difference may flip a later layer's quantization step, so compare
     teacher-forced: top-1 agreement >= 0.99 and small logit deltas."""
-    ids = corpus_ids(engine32.tokenizer, "rivers", 200)
-    a, _ = _teacher_forced_logits(engine32, ids, 160, policy, "compressed")
-    b, rep = _teacher_forced_logits(engine32, ids, 160, policy, "fused")
-    assert rep.fused_calls == 40 * 30 and rep.fallbacks == {}
+    ids = corpus_ids(engine32.tokenizer, "rivers", 150)
+    a, _ = _teacher_forced_logits(engine32, ids, 120, policy, "compressed")
+    b, rep = _teacher_forced_logits(engine32, ids, 120, policy, "fused")
+    assert rep.fused_calls == 30 * 30 and rep.fallbacks == {}
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     kl = torch.nn.functional.kl_div(torch.log_softmax(b, -1), torch.log_softmax(a, -1), log_target=True,
                                     reduction="none").sum(-1)
