@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.tqbench-installed
 
-.PHONY: setup run test lint unit integration bench-quality bench-decode bench-validation serve bench-serve clean
+.PHONY: setup run test lint unit integration bench-quality bench-decode bench-attention bench-validation serve bench-serve clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,10 @@ bench-quality: setup
 	$(BIN)/python benchmarks/quality.py
 
 bench-decode: setup
-	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/decode.py --contexts 1024,4096 --threads 1
+
+bench-attention: setup
+	$(BIN)/python benchmarks/attention.py
 
 serve: setup
 	$(BIN)/tqbench serve --kv-policy turbo4

@@ -1,7 +1,9 @@
 """Decode tokens/s of every cache mode, as ratios against a dense ``DynamicCache`` run in the same process.
 
-``python benchmarks/decode.py [--policies turbo4,q8k-int4v] [--threads N] [--quick]`` (see ``--help``). Runs are interleaved (per repeat: the baseline, then every policy x mode) and the median decode tok/s is
-reported (``GenerationResult.decode_tokens_per_second``: decode steps only, the prefill token excluded).
+``python benchmarks/decode.py [--contexts 1024,4096] [--policies turbo4,q8k-int4v] [--threads N] [--quick]``
+(see ``--help``). For each context, runs are interleaved (per repeat: the baseline, then every policy x
+mode) and the median decode tok/s is reported (``GenerationResult.decode_tokens_per_second``: decode steps
+only, the prefill token excluded); a summary gives fused vs dense and fused vs compressed per context.
 Every configuration is warmed up once on a short prompt first, so one-time costs (codebooks, rotations,
 the fused attention switch, which also reroutes the baseline's attention) are not timed.
 """
@@ -27,9 +29,10 @@ REPORT_KEYS = ("resident_decode_bytes", "active_decode_memory_saved_pct", "compr
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens (from tqbench/data/corpus)")
+    p.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths (tqbench/data/corpus)")
+    p.add_argument("--context", type=int, default=None, help="one prompt length (overrides --contexts)")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--policies", default="turbo4", help="comma-separated presets or compact policies")
+    p.add_argument("--policies", default="turbo4,q8k-int4v", help="comma-separated presets or compact policies")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -38,13 +41,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="context 256, 8 new tokens, 1 repeat (smoke test)")
     a = p.parse_args(argv)
+    try:
+        a.contexts = [a.context] if a.context else [int(x) for x in a.contexts.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--contexts takes comma-separated integers, got {a.contexts!r}")
     if a.quick:
-        a.context, a.new_tokens, a.repeats = 256, 8, 1
+        a.contexts, a.new_tokens, a.repeats = [256], 8, 1
     a.policies = split_policies(a.policies)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = sorted(set(a.modes) - set(MODES))
-    if bad or a.context < 1 or a.new_tokens < 2 or a.repeats < 1:
-        p.error(f"bad --modes {bad}" if bad else "need --context >= 1, --new-tokens >= 2, --repeats >= 1")
+    if bad or not a.contexts or min(a.contexts) < 1 or a.new_tokens < 2 or a.repeats < 1:
+        p.error(f"bad --modes {bad}" if bad else "need contexts >= 1, --new-tokens >= 2, --repeats >= 1")
     return a
 
 
@@ -82,6 +89,59 @@ def corpus_ids(engine, n: int):
     return ids[:, :n].contiguous()
 
 
+def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
+    """Interleaved repeats of the baseline and every policy x mode at one context: (baseline row, rows)."""
+    ids = corpus_ids(engine, context)
+    configs = [(None, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
+
+    def run(policy, mode, prompt, n):
+        if policy is None:
+            return engine.generate(prompt, None, max_new_tokens=n, stop_at_eos=False)
+        return engine.generate(prompt, policy, mode, max_new_tokens=n, stop_at_eos=False)
+
+    with console.status("warming up ..."):
+        for policy, mode in configs:
+            run(policy, mode, ids[:, : min(64, context)], 3)
+    results: dict[tuple, list] = {c: [] for c in configs}
+    with console.status("measuring ...") as status:
+        for r in range(args.repeats):
+            for i, (policy, mode) in enumerate(configs):
+                status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {policy or 'dynamic-cache'} "
+                              f"{mode} ({i + 1}/{len(configs)})")
+                results[(policy, mode)].append(run(policy, mode, ids, args.new_tokens))
+
+    def median_tps(runs):
+        return statistics.median(x.decode_tokens_per_second for x in runs)
+
+    base_tps = median_tps(results[configs[0]])
+    rows = []
+    for (policy, mode), runs in results.items():
+        rep, tps = runs[-1].cache_report, median_tps(runs)
+        rows.append({
+            "context": context, "policy": policy or "dynamic-cache", "mode": mode, "decode_tok_s": round(tps, 3),
+            "decode_tok_s_runs": [round(x.decode_tokens_per_second, 3) for x in runs],
+            "ratio_vs_dense": round(tps / base_tps, 4) if base_tps else None,
+            "prefill_s": round(statistics.median(x.prefill_seconds for x in runs), 4),
+        } | {k: getattr(rep, k, None) for k in REPORT_KEYS})
+        if rep is not None and mode == "fused":
+            rows[-1]["fused_impl"] = rep.fused_impl
+            rows[-1]["fallbacks"] = rep.fallbacks
+    return rows[0], rows[1:]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per context and policy: fused vs dense and fused vs compressed."""
+    out = []
+    by = {(r["context"], r["policy"], r["mode"]): r for r in rows}
+    for (ctx, pol, mode), r in by.items():
+        if mode != "fused":
+            continue
+        comp = by.get((ctx, pol, "compressed"))
+        out.append({"context": ctx, "policy": pol, "fused_vs_dense": r["ratio_vs_dense"],
+                    "fused_vs_compressed": round(r["decode_tok_s"] / comp["decode_tok_s"], 3) if comp else None})
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()
@@ -94,67 +154,46 @@ def main(argv=None) -> int:
 
     console = Console() if sys.stdout.isatty() else Console(width=120)  # no wrapped cells in logs
     engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads)
-    if engine.max_context and args.context + args.new_tokens > engine.max_context:
-        raise SystemExit(f"--context + --new-tokens exceeds {engine.name}'s context of {engine.max_context}")
-    ids = corpus_ids(engine, args.context)
-    configs = [(None, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
-
-    def run(policy, mode, prompt, n):
-        if policy is None:
-            return engine.generate(prompt, None, max_new_tokens=n, stop_at_eos=False)
-        return engine.generate(prompt, policy, mode, max_new_tokens=n, stop_at_eos=False)
-
-    with console.status("warming up ..."):
-        for policy, mode in configs:
-            run(policy, mode, ids[:, : min(64, args.context)], 3)
-    results: dict[tuple, list] = {c: [] for c in configs}
-    with console.status("measuring ...") as status:
-        for r in range(args.repeats):
-            for i, (policy, mode) in enumerate(configs):
-                status.update(f"repeat {r + 1}/{args.repeats}: {policy or 'dynamic-cache'} {mode} "
-                              f"({i + 1}/{len(configs)})")
-                results[(policy, mode)].append(run(policy, mode, ids, args.new_tokens))
+    if engine.max_context and max(args.contexts) + args.new_tokens > engine.max_context:
+        raise SystemExit(f"contexts + --new-tokens exceed {engine.name}'s context of {engine.max_context}")
+    per_context = []
+    for context in args.contexts:
+        baseline, rows = measure(engine, args, context, console)
+        per_context.append({"context": context, "baseline": baseline, "rows": rows})
+        table = Table(title=f"decode: {engine.name}, {context} ctx + {args.new_tokens} new, "
+                            f"{torch.get_num_threads()} threads, median of {args.repeats}")
+        for col in ("policy", "mode", "decode tok/s", "vs dense", "prefill s", "resident KV", "saved", "bits/el"):
+            table.add_column(col, justify="left" if col in ("policy", "mode") else "right")
+        for row in [baseline, *rows]:
+            res = row["resident_decode_bytes"]
+            table.add_row(
+                row["policy"], row["mode"], f"{row['decode_tok_s']:.2f}", f"{row['ratio_vs_dense']:.2f}x",
+                f"{row['prefill_s']:.2f}", "-" if res is None else f"{res / 2**20:.2f} MiB",
+                "-" if res is None else f"{row['active_decode_memory_saved_pct']:.1f}%",
+                "-" if res is None else f"{row['bits_per_element']:.2f}",
+            )
+        console.print(table)
     load_after = os.getloadavg()
-
-    def median_tps(runs):
-        return statistics.median(x.decode_tokens_per_second for x in runs)
-
-    base_tps = median_tps(results[configs[0]])
-    rows = []
-    for (policy, mode), runs in results.items():
-        rep, tps = runs[-1].cache_report, median_tps(runs)
-        rows.append({
-            "policy": policy or "dynamic-cache", "mode": mode, "decode_tok_s": round(tps, 3),
-            "decode_tok_s_runs": [round(x.decode_tokens_per_second, 3) for x in runs],
-            "ratio_vs_dense": round(tps / base_tps, 4) if base_tps else None,
-            "prefill_s": round(statistics.median(x.prefill_seconds for x in runs), 4),
-        } | {k: getattr(rep, k, None) for k in REPORT_KEYS})
-    baseline, rows = rows[0], rows[1:]
-
-    table = Table(title=f"decode: {engine.name}, {args.context} ctx + {args.new_tokens} new, "
-                        f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    for col in ("policy", "mode", "decode tok/s", "vs dense", "prefill s", "resident KV", "saved", "bits/el"):
-        table.add_column(col, justify="left" if col in ("policy", "mode") else "right")
-    for row in [baseline, *rows]:
-        res = row["resident_decode_bytes"]
-        table.add_row(
-            row["policy"], row["mode"], f"{row['decode_tok_s']:.2f}", f"{row['ratio_vs_dense']:.2f}x",
-            f"{row['prefill_s']:.2f}", "-" if res is None else f"{res / 2**20:.2f} MiB",
-            "-" if res is None else f"{row['active_decode_memory_saved_pct']:.1f}%",
-            "-" if res is None else f"{row['bits_per_element']:.2f}",
-        )
-    console.print(table)
+    summ = summary([r for c in per_context for r in c["rows"]])
+    if summ:
+        t = Table(title="fused decode tok/s ratios")
+        for col in ("context", "policy", "fused / dense", "fused / compressed"):
+            t.add_column(col, justify="left" if col == "policy" else "right")
+        for s in summ:
+            t.add_row(str(s["context"]), s["policy"], f"{s['fused_vs_dense']:.2f}x",
+                      "-" if s["fused_vs_compressed"] is None else f"{s['fused_vs_compressed']:.2f}x")
+        console.print(t)
     console.print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), {cpu_model()}")
 
     out = {
         "command": [sys.executable, *sys.argv] if argv is None else ["decode.py", *argv],
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": engine.name, "dtype": str(engine.loaded.dtype).replace("torch.", ""),
-        "device": str(engine.loaded.device), "context": args.context, "new_tokens": args.new_tokens,
+        "device": str(engine.loaded.device), "contexts": args.contexts, "new_tokens": args.new_tokens,
         "repeats": args.repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(), "cpu": cpu_model(),
         "loadavg_before": list(load_before), "loadavg_after": list(load_after),
-        "baseline": baseline, "rows": rows,
+        "results": per_context, "summary": summ,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

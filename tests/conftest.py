@@ -3,6 +3,10 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads TRITON_INTERPRET when it is first imported (transformers imports it when installed), so the
+# kernel tests' interpreter switch must be set before any test module loads: here. The engine still picks
+# the torch reference on CPU (the kernels run only where a test asks for them).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

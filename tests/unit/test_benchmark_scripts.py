@@ -18,13 +18,15 @@ def test_decode_benchmark_quick_on_tiny(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert (data["context"], data["new_tokens"], data["repeats"], data["threads"]) == (256, 8, 1, 1)
+    assert (data["contexts"], data["new_tokens"], data["repeats"], data["threads"]) == ([256], 8, 1, 1)
     assert data["model"] == "tiny-random" and data["command"][-1] == str(out)
     for key in ("torch", "transformers", "cpu", "timestamp", "loadavg_before", "loadavg_after"):
         assert data[key], key
-    assert data["baseline"]["decode_tok_s"] > 0 and data["baseline"]["ratio_vs_dense"] == 1.0
-    rows = {(r["policy"], r["mode"]): r for r in data["rows"]}
-    assert len(rows) == len(data["rows"]) == 8
+    (res,) = data["results"]
+    assert res["context"] == 256
+    assert res["baseline"]["decode_tok_s"] > 0 and res["baseline"]["ratio_vs_dense"] == 1.0
+    rows = {(r["policy"], r["mode"]): r for r in res["rows"]}
+    assert len(rows) == len(res["rows"]) == 8
     assert set(rows) == {(p, m) for p in ("turbo4", "q8k-int4v") for m in MODES}
     for key, row in rows.items():
         assert row["decode_tok_s"] > 0 and len(row["decode_tok_s_runs"]) == 1, key
@@ -32,3 +34,8 @@ def test_decode_benchmark_quick_on_tiny(tmp_path):
         assert row["resident_decode_bytes"] > 0 and 0 < row["bits_per_element"] < 16, key
     assert rows["turbo4", "fused"]["resident_decode_bytes"] < rows["turbo4", "simulate"]["resident_decode_bytes"]
     assert "vs dense" in proc.stdout and "fused" in proc.stdout
+    assert list(rows["turbo4", "fused"]["fused_impl"]) == ["torch-reference (cpu device (the triton kernels need a GPU))"]
+    summ = {s["policy"]: s for s in data["summary"]}
+    assert set(summ) == {"turbo4", "q8k-int4v"} and all(s["context"] == 256 for s in summ.values())
+    assert summ["turbo4"]["fused_vs_dense"] == rows["turbo4", "fused"]["ratio_vs_dense"]
+    assert summ["turbo4"]["fused_vs_compressed"] > 0 and "fused / compressed" in proc.stdout

@@ -116,17 +116,27 @@ def test_hand_computed_bytes_for_turbo4_window_policy(tiny_engine):
 
 def test_modes_report_resident_bytes_honestly(tiny_engine):
     model = tiny_engine.model
-    reps = {}
+    tiny_engine.enable_fused()
+    reps, caches = {}, {}
     for mode in CACHE_MODES:
-        cache = TQCache("turbo4", model.config, mode=mode)
+        cache = caches[mode] = TQCache("turbo4", model.config, mode=mode)
         with torch.inference_mode():
             model(torch.randint(3, 200, (1, 64)), cache=cache)
         reps[mode] = cache.report()
     storage = reps["fused"].compressed_storage_bytes
     assert all(r.compressed_storage_bytes == storage for r in reps.values())
     assert reps["compressed"].resident_decode_bytes > storage
-    # the torch reference of the fused path decodes one layer transiently, like compressed: it says so
-    assert reps["fused"].resident_decode_bytes == reps["compressed"].resident_decode_bytes
+    # the torch reference of the fused path decodes one side of one layer transiently (fp32 rows + the int32
+    # code index + the full-precision rows): counted exactly, and it says so
+    from tqbench.engine.cache import fused_reference_peak_bytes
+
+    cache = caches["fused"]
+    layer = cache.layers[0]
+    kv_heads, d = cache.num_kv_heads, cache.head_dim
+    packed = layer.v_store.n_packed
+    want = kv_heads * packed * d * 4 + 4 * kv_heads * packed * d // 2 + kv_heads * (4 + 16 + 1) * d * 4
+    assert packed == 64 - 4 - 16 and fused_reference_peak_bytes(layer, kv_heads, d) == want
+    assert reps["fused"].resident_decode_bytes == storage + want
     assert any("torch reference" in n for n in reps["fused"].notes)
     assert reps["simulate"].resident_decode_bytes == storage + reps["simulate"].dense_fp16_bytes
     assert reps["dense-shadow"].quality_claims is False

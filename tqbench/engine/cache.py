@@ -83,6 +83,7 @@ class TQLayer(CacheLayerMixin):
         self._new_stores()
         self.fused_calls = 0
         self.fallbacks: dict[str, int] = {}
+        self.fused_impl: dict[str, int] = {}  # "triton" / "torch-reference (why)" -> calls
 
     def _new_stores(self) -> None:
         self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent)
@@ -260,17 +261,61 @@ class TQCache(Cache):
                     )
                 )
         fallbacks: dict[str, int] = {}
+        impls: dict[str, int] = {}
         fused_calls = 0
         for layer in self.layers:
             if isinstance(layer, TQLayer):
                 fused_calls += layer.fused_calls
                 for case, n in layer.fallbacks.items():
                     fallbacks[case] = fallbacks.get(case, 0) + n
+                for case, n in layer.fused_impl.items():
+                    impls[case] = impls.get(case, 0) + n
+        if self.mode == "fused":
+            if impls and all(k == "triton" for k in impls) and not fallbacks:
+                max_layer_dense = 0  # the kernels keep only split-K partials, no decoded rows
+            else:  # the torch reference's peak: one side of one layer decoded, with its int32 code index
+                max_layer_dense = max(
+                    (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim)
+                     for layer in self.layers if isinstance(layer, TQLayer)),
+                    default=0,
+                )
         return CacheReport.build(
             mode=self.mode, policy=self.policy, layers=rows, shared=shared,
-            transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks,
+            transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks, fused_impl=impls,
             held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
         )
+
+
+def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> int:
+    """Transient bytes the fused torch reference holds while reading one side of ``layer``: the decoded rows
+    (rotated-domain or dequantized, compute dtype), the int32 copy of the codes that indexes the byte table
+    (plus the unpacked codes for widths that do not divide 8), and the concatenated full-precision rows.
+    Codecs decoded by ``codec.decode`` (fallback) are counted at twice their rows."""
+    if not layer.is_initialized:
+        return 0
+    from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+
+    elem = torch.promote_types(layer.dtype, torch.float32).itemsize
+    bh = _batch_of(layer) * kv_heads
+    peak = 0
+    for store in (layer.k_store, layer.v_store):
+        fp_rows = bh * (store.n_full_precision + 1) * head_dim * elem
+        rows = bh * store.n_packed * head_dim * elem
+        codec = store.codec
+        if not store.n_packed:
+            side = 0
+        elif type(codec) in (TurboCodec, AffineChannelCodec, AffineTokenCodec):
+            code_bytes = store.packed["idx" if type(codec) is TurboCodec else "q"].view().numel()
+            if codec.bits == 8:
+                side = rows
+            elif 8 % codec.bits == 0:
+                side = rows + 4 * code_bytes
+            else:
+                side = rows + 5 * bh * store.n_packed * head_dim
+        else:
+            side = 2 * rows
+        peak = max(peak, side + fp_rows)
+    return peak
 
 
 def _batch_of(layer: TQLayer) -> int:

@@ -48,10 +48,13 @@ class CacheReport:
     bypassed_layers: list[dict] = field(default_factory=list)
     fused_calls: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
+    fused_impl: dict[str, int] = field(default_factory=dict)  # which implementation ran, calls per case
     notes: list[str] = field(default_factory=list)
 
     @classmethod
-    def build(cls, *, mode, policy, layers, shared, transient_layer_bytes, fused_calls, fallbacks, held_dtype):
+    def build(cls, *, mode, policy, layers, shared, transient_layer_bytes, fused_calls, fallbacks, held_dtype,
+              fused_impl=None):
+        fused_impl = dict(fused_impl or {})
         storage = sum(r.total_bytes for r in layers) + sum(shared.values())
         dense = sum(r.dense_fp16_bytes for r in layers)
         if mode in ("dense-shadow", "simulate"):
@@ -70,10 +73,14 @@ class CacheReport:
         if mode == "compressed":
             notes.append("compressed: one layer's K/V is dequantized transiently per step (counted in resident)")
         if mode == "fused":
-            notes.append(
-                "fused: ran the torch reference (no Triton kernel on this device); it builds one layer's "
-                "codebook values transiently per step, counted in resident"
-            )
+            ran = ", ".join(f"{k} x{v}" for k, v in sorted(fused_impl.items())) or "no fused call yet"
+            if transient_layer_bytes:
+                notes.append(
+                    f"fused: {ran}; the torch reference decodes one side of one layer (codes to rotated-domain "
+                    "or dequantized rows) transiently per step, counted in resident"
+                )
+            else:
+                notes.append(f"fused: {ran}; the kernels hold only split-K partials (nothing decoded resident)")
         if fallbacks:
             notes.append(
                 "fused fallbacks: " + ", ".join(f"{k} x{v}" for k, v in sorted(fallbacks.items()))
@@ -101,6 +108,7 @@ class CacheReport:
             bypassed_layers=[{"layer": r.layer, "reason": r.reason} for r in layers if r.reason],
             fused_calls=fused_calls,
             fallbacks=dict(fallbacks),
+            fused_impl=fused_impl,
             notes=notes,
         )
 

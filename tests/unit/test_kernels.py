@@ -1,0 +1,234 @@
+"""Triton kernels against their torch references, on CPU under Triton's interpreter.
+
+Shapes are tiny (the interpreter costs milliseconds per program iteration) but odd: head_dim 64/128,
+history lengths that are not a multiple of the block, GQA 1/3/8, batch 1/3, every bit width, fp16/bf16/fp32
+queries with per-dtype tolerances, padding masks and split-K. ``test_*_perturbed_*`` prove the checks trip
+when a kernel's input or output is off by one code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates: before the kernel import
+pytest.importorskip(
+    "triton", reason="triton is not installed: `pip install triton` to run the kernel tests (interpreter on CPU)"
+)
+
+import torch  # noqa: E402
+
+from tqbench.engine.codecs import codec_from_spec  # noqa: E402
+from tqbench.kernels.packed_attention import packed_attention  # noqa: E402
+from tqbench.kernels.reference import PackedSide, packed_attention_partials  # noqa: E402
+from tqbench.kernels.turbo_quantize import turbo_quantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="no CUDA device and TRITON_INTERPRET is not 1 (set before the kernels were imported)",
+)
+
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
+    """Readable mismatch report: how many elements are off, the worst one, where."""
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    both_inf = torch.isinf(actual) & torch.isinf(expected) & (actual.sign() == expected.sign())
+    err = torch.where(both_inf, 0.0, (actual - expected).abs()).nan_to_num(float("inf"))
+    bad = err > atol * (1 + expected.abs().nan_to_num(0.0))
+    if bad.any():
+        worst = int(err.argmax())
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{err.numel()} elements off (atol {atol:g}); worst at {at}: "
+            f"kernel {actual.reshape(-1)[worst].item():.6g} vs reference {expected.reshape(-1)[worst].item():.6g}"
+        )
+
+
+def make_side(spec: str, role: str, x: torch.Tensor) -> PackedSide:
+    turbo = spec.startswith("turbo")
+    codec = codec_from_spec(spec, role=role, center=turbo and role == "k")
+    state = codec.calibrate(x)
+    enc = codec.encode(x, state)
+    d = x.shape[-1]
+    if turbo:
+        return PackedSide(
+            "turbo", codec.bits, enc, x.shape[2], d, levels=codec.codebook_tensor(dtype=torch.float32, head_dim=d),
+            rotation=codec.rotation_tensor(dtype=torch.float32, head_dim=d), mu=state.get("mu"),
+        )
+    if role == "k":
+        return PackedSide("affine-channel", codec.bits, enc, x.shape[2], d, group=codec.block)
+    return PackedSide("affine-token", codec.bits, enc, x.shape[2], d, group=codec.group)
+
+
+# (k spec, v spec, batch, kv heads, gqa, query tokens, head_dim, packed rows, dtype, padding, splits)
+CASES = [
+    ("turbo4", "turbo4", 1, 1, 3, 1, 64, 37, torch.float32, False, None),
+    ("turbo4", "turbo4", 3, 2, 8, 1, 128, 75, torch.float16, True, 2),
+    ("turbo3", "turbo2", 1, 2, 1, 2, 64, 50, torch.bfloat16, False, 1),
+    ("turbo2", "turbo3", 3, 1, 3, 1, 128, 33, torch.float32, True, 3),
+    ("turbo1", "turbo1", 1, 2, 3, 1, 64, 40, torch.float32, False, 1),
+    ("turbo4", "turbo1", 1, 1, 8, 2, 64, 31, torch.float16, False, 1),
+    ("int8", "int4", 1, 3, 3, 1, 64, 96, torch.float32, False, 2),
+    ("int8", "int8", 3, 1, 1, 1, 128, 64, torch.bfloat16, True, 1),
+    ("int4", "int2", 1, 2, 8, 1, 64, 32, torch.float16, False, 1),
+    ("int2", "turbo4", 1, 1, 3, 2, 64, 64, torch.float32, True, 2),
+    ("turbo4", "int4", 3, 1, 3, 1, 64, 45, torch.float32, False, 1),
+]
+
+
+def _case_id(c) -> str:
+    return f"{c[0]}-{c[1]}-b{c[2]}h{c[3]}g{c[4]}l{c[5]}d{c[6]}n{c[7]}-{str(c[8])[6:]}{'-pad' if c[9] else ''}"
+
+
+def _inputs(case, seed=0):
+    kspec, vspec, b, hkv, g, seq, d, n, dtype, pad, splits = case
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hkv, n, d, generator=gen) + 0.5 * torch.randn(1, hkv, 1, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    q = torch.randn(b, hkv * g, seq, d, generator=gen)
+    mask = None
+    if pad:
+        mask = torch.ones(b, seq, n, dtype=torch.bool)
+        mask[0, :, :5] = False  # left padding of sequence 0
+        if b > 1:
+            mask[-1] = False  # a row with nothing to attend in the packed range
+    return q, make_side(kspec, "k", k), make_side(vspec, "v", v), mask, dtype, splits
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_packed_attention_matches_reference(case):
+    q, ks, vs, mask, dtype, splits = _inputs(case)
+    scale = q.shape[-1] ** -0.5
+    ref_out, ref_lse = packed_attention_partials(q, ks, vs, mask, scale)
+    out, lse = packed_attention(q.to(dtype), ks, vs, mask, scale, splits=splits)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    assert_close(out, ref_out, TOL[dtype], "output")
+    assert_close(lse, ref_lse, TOL[dtype], "log-sum-exp")
+    if mask is not None and q.shape[0] > 1:
+        assert torch.all(out[-1] == 0) and torch.all(torch.isinf(lse[-1]))
+
+
+def test_split_k_gives_the_same_result_as_one_split():
+    q, ks, vs, mask, _, _ = _inputs(CASES[6])
+    one, _ = packed_attention(q, ks, vs, mask, 0.125, splits=1)
+    three, _ = packed_attention(q, ks, vs, mask, 0.125, splits=3, block_n=16)
+    assert_close(three, one, 1e-5, "split-K")
+
+
+@pytest.mark.parametrize("which", ["key code", "value code", "output"])
+def test_packed_attention_perturbed_kernel_output_fails_the_check(which):
+    """The comparison above is sharp enough to catch one changed code byte or a 1e-3 output error."""
+    q, ks, vs, mask, _, _ = _inputs(CASES[0])
+    ref, _ = packed_attention_partials(q, ks, vs, mask, 0.125)
+    if which == "key code":
+        ks.payload["idx"] = ks.payload["idx"].clone()
+        ks.payload["idx"][0, 0, 3, 0] ^= 0x11
+    elif which == "value code":
+        vs.payload["idx"] = vs.payload["idx"].clone()
+        vs.payload["idx"][0, 0, 3, 0] ^= 0x11
+    out, _ = packed_attention(q, ks, vs, mask, 0.125)
+    if which == "output":
+        out = out.clone()
+        out[0, 1, 0, 5] += 1e-3
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_close(out, ref, TOL[torch.float32], "output")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_turbo_quantize_matches_codec(bits, d):
+    codec = codec_from_spec(f"turbo{bits}", role="k", center=True)
+    x = torch.randn(3, 2, 7, d, generator=torch.Generator().manual_seed(bits)) * 2 + 0.7
+    state = codec.calibrate(x)
+    want = codec.encode(x, state)
+    got = turbo_quantize(x, state["mu"], codec.rotation_tensor(head_dim=d), codec.codebook_tensor(head_dim=d), bits)
+    assert got["idx"].dtype == torch.uint8 and got["idx"].shape == want["idx"].shape
+    mism = (got["idx"] != want["idx"]).sum().item()
+    assert mism == 0, f"{mism} of {want['idx'].numel()} packed bytes differ"
+    assert torch.equal(got["norm"], want["norm"])
+
+
+def test_turbo_quantize_strided_fp16_rows_without_centering():
+    codec = codec_from_spec("turbo4", role="v")
+    x = torch.randn(1, 7, 3, 64).transpose(1, 2).to(torch.float16)  # [1, 3, 7, 64], strided rows
+    want = codec.encode(x, {})
+    got = turbo_quantize(x, None, codec.rotation_tensor(head_dim=64), codec.codebook_tensor(head_dim=64), 4)
+    assert (got["idx"] != want["idx"]).sum().item() <= 2  # fp16 rows: a boundary tie may round apart
+    assert torch.allclose(got["norm"].float(), want["norm"].float(), rtol=2e-3)
+
+
+def test_turbo_quantize_perturbed_output_fails_the_check():
+    codec = codec_from_spec("turbo4", role="k", center=True)
+    x = torch.randn(1, 2, 5, 64)
+    state = codec.calibrate(x)
+    want = codec.encode(x, state)
+    got = turbo_quantize(x, state["mu"], codec.rotation_tensor(head_dim=64), codec.codebook_tensor(head_dim=64), 4)
+    got["idx"][0, 1, 2, 7] ^= 0x01
+    assert (got["idx"] != want["idx"]).sum().item() == 1
+
+
+def test_launchers_check_shapes_strides_and_dtypes():
+    q, ks, vs, _, _, _ = _inputs(CASES[0])
+    with pytest.raises(ValueError, match="query dtype torch.float64 is not supported"):
+        packed_attention(q.double(), ks, vs, None, 0.1)
+    with pytest.raises(ValueError, match="mask must be"):
+        packed_attention(q, ks, vs, torch.ones(1, 1, 5, dtype=torch.bool), 0.1)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        packed_attention(q[..., :32], ks, vs, None, 0.1)
+    q6, ks6, vs6, _, _, _ = _inputs(CASES[6])
+    with pytest.raises(ValueError, match="2 query heads is not a multiple of 3 kv heads"):
+        packed_attention(q6[:, :2], ks6, vs6, None, 0.1)
+    bad = PackedSide("turbo", 4, {"idx": ks.payload["idx"][..., :-1], "norm": ks.payload["norm"]}, ks.n_tokens, 64,
+                     levels=ks.levels, rotation=ks.rotation)
+    with pytest.raises(ValueError, match="expected 32 code bytes per unit, got 31"):
+        packed_attention(q, bad, vs, None, 0.1)
+    strided = PackedSide("turbo", 4, {"idx": ks.payload["idx"].transpose(2, 3).contiguous().transpose(2, 3),
+                                      "norm": ks.payload["norm"]}, ks.n_tokens, 64, levels=ks.levels,
+                         rotation=ks.rotation)
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        packed_attention(q, strided, vs, None, 0.1)
+    with pytest.raises(ValueError, match="row dtype torch.float64 is not supported"):
+        turbo_quantize(torch.zeros(1, 1, 2, 64, dtype=torch.float64), None, ks.rotation, ks.levels, 4)
+    with pytest.raises(ValueError, match="levels must hold 16 values"):
+        turbo_quantize(torch.zeros(1, 1, 2, 64), None, ks.rotation, ks.levels[:8], 4)
+
+
+@pytest.mark.parametrize("policy", ["turbo4", "k=int8,v=turbo3,sink=2,recent=4"])
+def test_fused_mode_runs_the_kernels_end_to_end(tiny_engine, monkeypatch, policy):
+    """TQBENCH_FUSED_IMPL=triton runs the kernels (interpreter) inside the model: same tokens as the reference."""
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
+    ref = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
+    got = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    assert got.token_ids == ref.token_ids
+    rep = got.cache_report
+    assert rep.fused_impl == {"triton": rep.fused_calls} and rep.fused_calls > 0
+    assert list(ref.cache_report.fused_impl) == ["torch-reference (TQBENCH_FUSED_IMPL=torch)"]
+    if policy == "turbo4":
+        assert rep.fallbacks == {}
+        assert rep.resident_decode_bytes == rep.compressed_storage_bytes  # kernels: nothing decoded resident
+    else:  # KIVI keys pack whole blocks: the values packed beyond them are decoded per call, and counted
+        assert any(k.startswith("triton: decoded turbo3 rows beyond") for k in rep.fallbacks), rep.fallbacks
+
+
+def test_kernel_path_multi_token_chunk_and_padding_match_reference(tiny_engine, monkeypatch):
+    """Through the kernels: a left-padded batch, then several new tokens at once over packed history."""
+    model = tiny_engine.model
+    ids = torch.randint(5, 200, (2, 56), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding of the second sequence
+    logits = {}
+    for impl in ("torch", "triton"):
+        monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+        cache = tiny_engine.make_cache("turbo4", "fused")
+        with torch.inference_mode():
+            model(input_ids=ids[:, :48], attention_mask=mask[:, :48], cache=cache)
+            logits[impl] = model(input_ids=ids[:, 48:], attention_mask=mask, cache=cache).logits
+        assert set(cache.report().fused_impl) == {"triton" if impl == "triton" else
+                                                  "torch-reference (TQBENCH_FUSED_IMPL=torch)"}
+    assert_close(logits["triton"], logits["torch"], 1e-4, "logits")

@@ -1,0 +1,37 @@
+"""Kernels for attention straight from the packed KV store, and their pure-torch references.
+
+- ``reference.py``: the torch implementation (what runs on CPU, and what every kernel is tested against);
+- ``packed_attention.py``: Triton decode attention over packed history (split-K partials), with its launcher;
+- ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher.
+
+The engine builds on these (``tqbench/engine/attention.py``, ``fused_triton.py``); this package never
+imports the engine (import-linter contract): it works on plain tensors and the packed layout below.
+
+Importing this package never imports triton: ``triton_status()`` says whether the kernels can run and why
+not. Set ``TRITON_INTERPRET=1`` before the first kernel import to run them on CPU (tests only: ~2 ms per
+program iteration).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+__all__ = ["triton_status"]
+
+
+def triton_status() -> tuple[bool, str]:
+    """``(usable, why)`` for the Triton kernels on this machine (imports nothing heavy when not usable)."""
+    try:
+        found = importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules (import blocked) raises ValueError
+        found = False
+    if not found:
+        return False, "triton is not installed (pip install triton)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "triton interpreter (TRITON_INTERPRET=1)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
+    return True, "cuda device"
