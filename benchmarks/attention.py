@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _common import cpu_model, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     run = timer(dev, args.repeats)
     bw = copy_bandwidth(dev, run)
-    console.print(f"device {dev} ({torch.cuda.get_device_name() if gpu else platform.processor() or 'cpu'}), "
+    console.print(f"device {dev} ({torch.cuda.get_device_name() if gpu else cpu_model()}), "
                   f"copy bandwidth {bw:.1f} GB/s, fused = {impl}, dense = SDPA {str(dense_dtype)[6:]}")
     rows = []
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -193,15 +194,13 @@ def main(argv=None) -> int:
     out = {
         "command": [sys.executable, *sys.argv] if argv is None else ["attention.py", *argv],
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": dev, "device_name": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
+        "device": dev, "device_name": torch.cuda.get_device_name() if gpu else cpu_model(),
         "impl": impl, "dense_dtype": str(dense_dtype).replace("torch.", ""), "copy_bandwidth_gbs": round(bw, 2),
         "threads": torch.get_num_threads(), "repeats": args.repeats, "torch": torch.__version__,
         "python": platform.python_version(), "loadavg_before": list(load_before), "loadavg_after": list(load_after),
         "rows": rows,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
+    write_json(args.json, out, console)
     return 0
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 from pathlib import Path
+
+from _common import cpu_model, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,15 +68,6 @@ def split_policies(text: str) -> list[str]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def corpus_ids(engine, n: int):
@@ -195,9 +187,7 @@ def main(argv=None) -> int:
         "loadavg_before": list(load_before), "loadavg_after": list(load_after),
         "results": per_context, "summary": summ,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
+    write_json(args.json, out, console)
     return 0
 
 

@@ -26,6 +26,8 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from _common import cpu_model, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -57,15 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -272,9 +265,7 @@ def main(argv=None) -> int:
         "loadavg_before": list(load_before), "loadavg_after": list(load_after),
         **summary, "rows": rows,
     }
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {a.json}")
+    write_json(a.json, payload)
     return 0 if summary["completed"] else 1
 
 
