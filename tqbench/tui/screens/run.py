@@ -354,8 +354,11 @@ class RunPane(Vertical):
         if n:
             parts.append(f"token match {self._same}/{n} ({100 * self._same / n:.0f}%)")
             parts.append(f"top-1 {self._top1}/{n}")
-        if self._kl:
-            parts.append(f"KL mean {sum(self._kl) / len(self._kl):.4f} max {max(self._kl):.4f}")
+        # like validate's logit_comparison: KL only where both runs saw the same context (through the first
+        # divergence); after it the two runs condition on different histories and KL stops meaning "quality"
+        same_ctx = self._kl if self._first is None else self._kl[: self._first + 1]
+        if same_ctx:
+            parts.append(f"KL same-context mean {sum(same_ctx) / len(same_ctx):.4f} max {max(same_ctx):.4f}")
         if self._first is not None:
             parts.append(f"[b #ffd700]▶ first divergence @ {self._first}[/]")
         elif n:
