@@ -11,6 +11,8 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
+from tqbench.tui.screens.jobs import cancel_job, finish_job, run_engine_job
+
 DEFAULT_POLICIES = "turbo4;turbo3;turbo2;q8k-q8v;k4v2"
 DEFAULT_PROMPTS = ("Explain in a few sentences why the sky is blue.\n"
                    "Write a short story about a lighthouse keeper who finds a message in a bottle.")
@@ -158,27 +160,16 @@ class ComparePane(Vertical):
     @work(thread=True, exclusive=True, group="compare", exit_on_error=False)
     def _compare(self, engine, policies, prompts, baseline, mode, tokens) -> None:
         from tqbench.engine.compare import compare_policies
-        from tqbench.engine.generate import Cancelled
 
-        result, error, cancelled = None, None, False
-        try:
-            result = compare_policies(engine, policies, prompts, baseline=baseline, cache_mode=mode,
-                                      max_new_tokens=tokens, on_event=lambda ev: self.post_message(self._Event(ev)),
-                                      cancel=self._cancel.is_set)
-        except Cancelled:
-            cancelled = True
-        except Exception as exc:
-            error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        result, error, cancelled = run_engine_job(lambda: compare_policies(
+            engine, policies, prompts, baseline=baseline, cache_mode=mode, max_new_tokens=tokens,
+            on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         if result is not None and self._cancel.is_set():
             result, cancelled = None, True  # streams stopped early: their rows would be partial
-        self.post_message(self.Finished(result.to_dict() if result is not None else None, error, cancelled))
+        self.post_message(self.Finished(result, error, cancelled))
 
     def action_cancel(self) -> bool:
-        if self.running:
-            self._cancel.set()
-            self.query_one("#cmp-status", Label).update("cancelling ...")
-            return True
-        return False
+        return cancel_job(self, "#cmp-status")
 
     @on(_Event)
     def _event(self, msg: _Event) -> None:
@@ -195,18 +186,7 @@ class ComparePane(Vertical):
 
     @on(Finished)
     def _finished(self, msg: Finished) -> None:
-        self.running = False
-        label = self.query_one("#cmp-status", Label)
-        if msg.error:
-            self.status = "failed"
-            label.update(f"[red]compare failed[/]: {msg.error}")
-            self.app.notify(msg.error, title="compare failed", severity="error")
-        elif msg.cancelled:
-            self.status = "cancelled"
-            label.update("cancelled: nothing was kept")
-        else:
-            self.status = "done"
-            self.show_result(msg.result)
+        finish_job(self, msg, "#cmp-status", "compare")
 
     # ---- showing ---------------------------------------------------------------------------------
     def show_result(self, result: dict, note: str = "") -> None:

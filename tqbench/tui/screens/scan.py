@@ -10,6 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static
 
+from tqbench.tui.screens.jobs import cancel_job, finish_job, run_engine_job
 from tqbench.tui.widgets.heatmap import Heatmap
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -135,25 +136,15 @@ class ScanPane(Vertical):
 
     @work(thread=True, exclusive=True, group="scan", exit_on_error=False)
     def _scan(self, engine, prompt, layers, codecs, tokens) -> None:
-        from tqbench.engine.generate import Cancelled
         from tqbench.engine.scan import scan
 
-        result, error, cancelled = None, None, False
-        try:
-            result = scan(engine, prompt, layers=layers, codecs=codecs, max_prompt_tokens=tokens,
-                          on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set)
-        except Cancelled:
-            cancelled = True
-        except Exception as exc:
-            error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        self.post_message(self.Finished(result.to_dict() if result is not None else None, error, cancelled))
+        result, error, cancelled = run_engine_job(lambda: scan(
+            engine, prompt, layers=layers, codecs=codecs, max_prompt_tokens=tokens,
+            on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
+        self.post_message(self.Finished(result, error, cancelled))
 
     def action_cancel(self) -> bool:
-        if self.running:
-            self._cancel.set()
-            self.query_one("#scan-status", Label).update("cancelling ...")
-            return True
-        return False
+        return cancel_job(self, "#scan-status")
 
     @on(_Event)
     def _event(self, msg: _Event) -> None:
@@ -169,18 +160,7 @@ class ScanPane(Vertical):
 
     @on(Finished)
     def _finished(self, msg: Finished) -> None:
-        self.running = False
-        label = self.query_one("#scan-status", Label)
-        if msg.error:
-            self.status = "failed"
-            label.update(f"[red]scan failed[/]: {msg.error}")
-            self.app.notify(msg.error, title="scan failed", severity="error")
-        elif msg.cancelled:
-            self.status = "cancelled"
-            label.update("cancelled: nothing was kept")
-        else:
-            self.status = "done"
-            self.show_result(msg.result)
+        finish_job(self, msg, "#scan-status", "scan")
 
     # ---- showing ---------------------------------------------------------------------------------
     def show_result(self, result: dict, note: str = "") -> None:

@@ -1,0 +1,46 @@
+"""What the Scan and Compare panes share: an engine job in a worker thread, its cancel flag, and its ending."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from textual.widgets import Label
+
+
+def run_engine_job(job: Callable[[], object]) -> tuple[dict | None, str | None, bool]:
+    """Run ``job`` (an engine call raising ``Cancelled`` when cancelled) -> ``(result.to_dict(), error, cancelled)``.
+    Any failure becomes a one-line message for the pane; the app keeps running."""
+    from tqbench.engine.generate import Cancelled
+
+    try:
+        result = job()
+    except Cancelled:
+        return None, None, True
+    except Exception as exc:
+        return None, (str(exc).splitlines()[0] if str(exc) else type(exc).__name__), False
+    return result.to_dict(), None, False
+
+
+def cancel_job(pane, status_id: str) -> bool:
+    """Escape: set the pane's cancel flag while its job runs (the engine stops at its next check)."""
+    if not pane.running:
+        return False
+    pane._cancel.set()
+    pane.query_one(status_id, Label).update("cancelling ...")
+    return True
+
+
+def finish_job(pane, msg, status_id: str, what: str) -> None:
+    """The job's ``Finished`` message: failed (named, notified), cancelled (nothing kept) or done (shown)."""
+    pane.running = False
+    label = pane.query_one(status_id, Label)
+    if msg.error:
+        pane.status = "failed"
+        label.update(f"[red]{what} failed[/]: {msg.error}")
+        pane.app.notify(msg.error, title=f"{what} failed", severity="error")
+    elif msg.cancelled:
+        pane.status = "cancelled"
+        label.update("cancelled: nothing was kept")
+    else:
+        pane.status = "done"
+        pane.show_result(msg.result)
