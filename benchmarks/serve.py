@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--time-limit", type=float, default=600.0, help="start no request after this many seconds")
     p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--start-timeout", type=float, default=600.0,
+                   help="seconds to wait for the spawned server's /health (a loaded machine loads slowly)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--request-kv-policy", default=None, help="send this kv_policy extension with every request")
     p.add_argument("--model", default="default", help="for the spawned server")
@@ -96,7 +98,7 @@ def spawn_server(a) -> tuple[subprocess.Popen, str]:
         cmd += ["--api-key", a.api_key]
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + a.start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
@@ -108,7 +110,7 @@ def spawn_server(a) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.25)
     proc.terminate()
-    raise SystemExit("error: the spawned server did not answer /health within 180 s")
+    raise SystemExit(f"error: the spawned server did not answer /health within {a.start_timeout:.0f} s")
 
 
 def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:

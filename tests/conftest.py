@@ -26,6 +26,12 @@ def tiny_engine64():
     return Engine.tiny(dtype=torch.float64)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--threads", type=int, default=1,
+                     help="torch threads for the tiny-model tests (default 1); the suite must pass with any "
+                          "count, on a loaded machine too")
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_unit_tests(request):
     """Tiny-model tests are dispatch bound: one thread avoids OpenMP oversubscription on a busy machine."""
@@ -35,6 +41,6 @@ def _one_thread_for_unit_tests(request):
         yield
         return
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(request.config.getoption("--threads"))
     yield
     torch.set_num_threads(before)

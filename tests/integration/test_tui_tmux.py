@@ -60,10 +60,16 @@ def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
     try:
         # a subcommand without --headless opens the workbench with its flags filled in
         start(name, tmp_path, "bench", "--kv-policy", "turbo2", "--max-new-tokens", "16", "--threads", "1")
-        wait(name, lambda s: "SmolLM2-135M-Instruct │" in s, 180, "the default model to load")
+        wait(name, lambda s: "SmolLM2-135M-Instruct │" in s, 600, "the default model to load")
+        # the Policies tab lets the user go back (F3 arrives as ESC O R, F2 as ESC O Q under tmux)
+        tmux("send-keys", "-t", name, "F3")
+        wait(name, lambda s: "presets · bits/element" in s, 600, "the Policies tab")
+        tmux("send-keys", "-t", name, "F2")
+        run_tab = wait(name, lambda s: "presets · bits/element" not in s and "Run ^r" in s, 600, "F2 back to Run")
+        assert "─ baseline ·" in run_tab
         tmux("send-keys", "-t", name, "C-r")
         seen: list[str] = []
-        done = wait(name, lambda s: "done │ step 16" in s, 300, "the run to finish", seen)
+        done = wait(name, lambda s: "done │ step 16" in s, 600, "the run to finish", seen)
         # the graph moved while tokens streamed: a running frame already had the tokens/s axis drawn
         assert any("running │ step" in s and "┤" in s for s in seen)
         assert "─ baseline · fp16 (compressed)" in done and "─ candidate · turbo2 (compressed)" in done
@@ -72,7 +78,7 @@ def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
         assert len(first_panels) >= 2 and all("││ " in row for row in first_panels)  # both texts on screen
         tmux("send-keys", "-t", name, "C-s")
         sessions = tmp_path / "sessions"
-        end = time.monotonic() + 30
+        end = time.monotonic() + 600
         while not list(sessions.glob("*.json")) and time.monotonic() < end:
             time.sleep(0.2)
         saved = list(sessions.glob("*.json"))
@@ -80,7 +86,7 @@ def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
         tmux("send-keys", "-t", name, "C-q")  # quit as a user would
 
         start(second, tmp_path, "--session", str(saved[0]), "--threads", "1")
-        reopened = wait(second, lambda s: "saved run │ step 16" in s, 180, "the saved run to show")
+        reopened = wait(second, lambda s: "saved run │ step 16" in s, 600, "the saved run to show")
         assert text_panels(reopened) == first_panels
     finally:
         tmux("kill-session", "-t", name)

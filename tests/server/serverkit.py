@@ -1,4 +1,9 @@
-"""A real uvicorn server on a free loopback port, and small HTTP/SSE helpers, for the server tests."""
+"""A real uvicorn server on a free loopback port, and small HTTP/SSE helpers, for the server tests.
+
+No server test may fail because the machine is slow: every wait and timeout here is a ceiling of minutes
+(``CEILING``) that only a hung server reaches, and no test asserts on wall-clock time. Tests synchronise on
+state (worker counters, a ``GatedEngine``), never on sleeps.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import json
 import socket
 import threading
 import time
+
+CEILING = 600.0  # seconds: the longest any wait or HTTP call may take before a test calls the server hung
 
 
 class LiveServer:
@@ -31,7 +38,7 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + CEILING
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
@@ -40,7 +47,7 @@ class LiveServer:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(CEILING)
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -48,7 +55,8 @@ class LiveServer:
     def state(self):
         return self.app.state.server
 
-    def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
+    def request(self, method: str, path: str, body=None, headers: dict | None = None,
+                timeout: float = CEILING):
         """(status, headers, parsed JSON or raw text) of one plain HTTP request."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
@@ -67,7 +75,7 @@ class LiveServer:
             conn.close()
 
 
-def stream_chat(port: int, body: dict, timeout: float = 60) -> tuple[int, dict, str, list]:
+def stream_chat(port: int, body: dict, timeout: float = CEILING) -> tuple[int, dict, str, list]:
     """POST a streaming chat request; (status, headers, concatenated content, decoded SSE payloads)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -98,11 +106,30 @@ def sse_events(raw: str) -> list:
     return out
 
 
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    """Poll ``predicate`` until it is true (the worker thread updates its counters asynchronously)."""
+def wait_for(predicate, timeout: float = CEILING) -> bool:
+    """Poll ``predicate`` until it is true (the worker thread updates its counters asynchronously).
+
+    ``timeout`` is a hang detector, not a speed requirement: only a stuck server reaches it.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(0.01)
     return predicate()
+
+
+class GatedEngine:
+    """Delegates ``stream`` to the real engine, but every generation first waits until ``gate`` is set.
+
+    Swap it in as ``worker.engine`` to hold the worker on a known job while a test builds a queue, without
+    depending on how fast the machine generates.
+    """
+
+    def __init__(self, engine, gate: threading.Event | None = None) -> None:
+        self.engine = engine
+        self.gate = gate or threading.Event()
+
+    def stream(self, *args, **kwargs):
+        self.gate.wait(CEILING)
+        yield from self.engine.stream(*args, **kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from serverkit import CEILING
 
 from tqbench.engine.generate import Sampling
 from tqbench.engine.policy import parse_policy
@@ -16,7 +17,8 @@ N = 12
 
 @pytest.fixture(scope="module")
 def client(live_server):
-    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=CEILING)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,9 @@ def test_chat_matches_engine_with_usage_and_cache_report(client, solo_chat):
     report = ext["cache_report"]
     assert report["kv_policy"] == "turbo4" and report["cache_mode"] == "compressed"
     assert report["tokens"] == solo_chat.input_tokens + solo_chat.output_tokens - 1
-    assert report == solo_chat.cache_report.to_dict()
+    full = solo_chat.cache_report.to_dict()  # by default: the engine's report without its per-layer lists
+    summary = {k: v for k, v in full.items() if k not in ("layers", "bypassed_layers")}
+    assert report == summary | {"layer_count": 4, "bypassed_layer_count": 0}
 
 
 def test_chat_stream_with_usage(client, solo_chat):
@@ -78,6 +82,40 @@ def test_completion_stream_and_not(client, tiny_engine):
     assert chunks[-1].usage.completion_tokens == solo.output_tokens  # usage even without include_usage
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].model_extra["tqbench"]["cache_report"]["tokens"] > 0
+
+
+def _answer(client, messages):
+    resp = client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=N)
+    return resp.choices[0].message.content, resp.model_extra["tqbench"]["token_ids"], resp.usage.prompt_tokens
+
+
+def test_text_content_parts_answer_like_the_same_text_as_a_string(client, solo_chat):
+    """OpenAI joins text parts in order with nothing between them: "Name three " + "colours." is the prompt."""
+    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colours."}]
+    got = _answer(client, [{"role": "user", "content": parts}])
+    assert got == (solo_chat.text, solo_chat.token_ids, solo_chat.input_tokens)
+    assert got == _answer(client, MESSAGES)
+    for role in ("system", "developer"):  # text parts are accepted for every role
+        as_parts = _answer(client, [{"role": role, "content": [{"type": "text", "text": "Be brief."},
+                                                               {"type": "text", "text": " Use lists."}]},
+                                    *MESSAGES])
+        assert as_parts == _answer(client, [{"role": role, "content": "Be brief. Use lists."}, *MESSAGES])
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    {"type": "file", "file": {"file_id": "file-abc"}},
+], ids=lambda p: p["type"])
+def test_non_text_part_is_a_clear_400(client, part):
+    content = [{"type": "text", "text": "What is in this?"}, part]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-random", max_tokens=N,
+                                       messages=[{"role": "user", "content": content}])
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["message"].startswith(f"messages.0.content.1 has type '{part['type']}': only text parts")
+    assert body["param"] == "messages.0.content.1.type" and body["code"] == "invalid_value"
 
 
 def test_kv_policy_extension(client, tiny_engine):

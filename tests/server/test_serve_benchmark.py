@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_benchmark_spawns_tiny_server(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--model", "tiny", "--requests", "6",
-           "--concurrency", "3", "--max-tokens", "5", "--threads", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+           "--concurrency", "3", "--max-tokens", "5", "--threads", "1", "--json", str(out),
+           "--request-timeout", "600", "--time-limit", "3600"]  # ceilings for a slow machine, not limits
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["spawned"] and data["server"]["model"] == "tiny-random"

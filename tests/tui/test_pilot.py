@@ -36,7 +36,7 @@ async def run_and_wait(app, pilot, candidate: str, n: int) -> None:
 async def test_loads_the_model_in_a_worker_and_shows_it(data_dir):
     app = WorkbenchApp(WorkbenchOptions(model="tiny", threads=1))
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None, 60, "the model to load")
+        await wait_for(pilot, lambda: app.engine is not None, what="the model to load")
         await pilot.pause()
         info = plain(app.query_one("#info", Label))
         assert info.startswith("tiny-random │ cpu │ float32 │ 0.2M params │ 1 threads │ loaded in ")
@@ -47,7 +47,7 @@ async def test_loads_the_model_in_a_worker_and_shows_it(data_dir):
 async def test_a_model_that_fails_to_load_leaves_the_app_running(data_dir, tmp_path):
     app = WorkbenchApp(WorkbenchOptions(model=str(tmp_path / "no-such-model")))
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: "model not loaded" in plain(app.query_one("#info", Label)), 30)
+        await wait_for(pilot, lambda: "model not loaded" in plain(app.query_one("#info", Label)), what="the load error")
         await pilot.press("ctrl+r")
         await pilot.pause()
         assert any("the model is still loading (or failed to load)" in m for m in notes(app))
@@ -87,7 +87,7 @@ async def test_pick_a_policy_run_and_see_the_divergence_marks(data_dir, steady_e
         assert any("on #af005f" in str(span.style) for span in rendered.spans)
         strip = plain(app.run_pane.query_one("#strip"))
         assert f"▶ first divergence @ {diff[0]}" in strip
-        assert f"token match {16 - len(diff)}/16" in strip and "cache mode compressed" in strip
+        assert f"token match {16 - len(diff)}/16" in strip and "cache mode simulate" in strip
         graph = app.run_pane.query_one("#graph")
         assert len(graph.tps["candidate"]) == 15 and len(graph.kv["candidate"]) == 16
 

@@ -4,7 +4,6 @@ import pytest
 from textual.widgets import DataTable, Input, Label, Select, TabbedContent
 from tui_helpers import notes, plain, wait_for
 
-from tqbench.engine.codecs import CODEC_SPECS
 from tqbench.engine.session import Session
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 
@@ -44,17 +43,36 @@ async def test_scan_shows_heatmaps_cells_and_a_suggested_policy(data_dir, steady
         assert app.run_pane.query_one("#candidate", Input).value == expected.suggest_policy()
 
 
-async def test_escape_cancels_a_scan_and_keeps_nothing(data_dir, steady_engine):
+async def test_escape_cancels_a_scan_and_keeps_nothing(data_dir, steady_engine, monkeypatch):
+    import threading
+
+    import tqbench.engine.scan as scan_module
+    from tqbench.engine.events import ScanLayerDone
+
+    # the scan's worker holds after its first layer until escape has been pressed: no race with the clock
+    first_layer, gate, real_scan = threading.Event(), threading.Event(), scan_module.scan
+
+    def gated_scan(*args, on_event, **kwargs):
+        def event(ev):
+            on_event(ev)
+            if isinstance(ev, ScanLayerDone):
+                first_layer.set()
+                gate.wait()
+        return real_scan(*args, on_event=event, **kwargs)
+
+    monkeypatch.setattr(scan_module, "scan", gated_scan)
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("f4")
         pane = app.scan_pane
-        pane.query_one("#scan-prompt", Input).value = "the quick brown fox jumps over the lazy dog " * 15
-        pane.query_one("#scan-codecs", Input).value = ",".join(CODEC_SPECS)  # slow enough to cancel mid-way
+        pane.query_one("#scan-codecs", Input).value = "int8,turbo4"
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: "layer 0 done" in plain(pane.query_one("#scan-status", Label)), 60,
-                       what="the first layer")
-        await pilot.press("escape")
+        try:
+            await wait_for(pilot, first_layer.is_set, what="the first layer")
+            assert pane.running
+            await pilot.press("escape")
+        finally:
+            gate.set()
         await wait_for(pilot, lambda: not pane.running, what="the cancelled scan to stop")
         assert pane.status == "cancelled" and pane.result is None and app.session.scans == []
         assert plain(pane.query_one("#scan-status", Label)) == "cancelled: nothing was kept"
@@ -76,7 +94,7 @@ async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_
         pane.query_one("#cmp-tokens", Input).value = "6"
         pane.query_one("#cmp-prompts").text = "Why is the sky blue?"
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: pane.status == "done", 60, what="the comparison")
+        await wait_for(pilot, lambda: pane.status == "done", what="the comparison")
         expected = compare_policies(steady_engine, ["turbo4", "q8k-q8v", "turbo2"], pane.prompts(), max_new_tokens=6)
         assert [r["verdict"] for r in pane.result["rows"]] == [r["verdict"] for r in expected.rows]
         assert pane.result["recommendation"]["recommended_policy"] == expected.recommendation["recommended_policy"]

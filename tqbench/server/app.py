@@ -23,7 +23,14 @@ from tqbench.server.schemas import (
     chat_messages,
     completion_prompt,
 )
-from tqbench.server.stream import ChunkWriter, StopTrimmer, extension, full_response, new_id
+from tqbench.server.stream import (
+    ChunkWriter,
+    StopTrimmer,
+    cache_report_body,
+    extension,
+    full_response,
+    new_id,
+)
 from tqbench.server.worker import END, Job, JobFailed, JobStarted, QueueFull, ShuttingDown, Worker
 
 MAX_TEMPERATURE = 2.0
@@ -78,6 +85,7 @@ class Server:
             engine.enable_fused()
         self.worker = Worker(engine, max_queue)
         self.started = int(time.time())
+        self.last: tuple[str, int, object] | None = None  # (response id, created, result) of the last finish
 
     # -- request checks -----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -165,6 +173,7 @@ class Server:
         budget, param = self.token_budget(req)
         sampling, seed = self.sampling(req)
         policy = self.request_policy(req.kv_policy)
+        detail = req.report_detail()
         ids, budget = self.encode(prompt, chat, budget, param)
         job = Job(ids, policy, self.cache_mode, budget, sampling, stop, not req.ignore_eos,
                   asyncio.get_running_loop())
@@ -188,9 +197,10 @@ class Server:
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
         if req.stream:
             writer = ChunkWriter(chat=chat, model=self.model_id, include_usage=req.include_usage)
-            return StreamingResponse(self._sse(job, writer, stop, seed, waited), media_type="text/event-stream",
+            return StreamingResponse(self._sse(job, writer, stop, seed, waited, detail),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(job, request, chat, stop, seed, waited)
+        return await self._collect(job, request, chat, stop, seed, waited, detail)
 
     async def _next(self, job: Job, request: Request | None):
         """The job's next event; with ``request``, poll for a client disconnect meanwhile (cancels the job)."""
@@ -228,7 +238,7 @@ class Server:
         while await job.events.get() is not END:
             pass
 
-    async def _collect(self, job: Job, request: Request, chat: bool, stop, seed, waited: float):
+    async def _collect(self, job: Job, request: Request, chat: bool, stop, seed, waited: float, detail: str):
         trimmer = StopTrimmer(stop)
         result = None
         failure = None
@@ -244,11 +254,13 @@ class Server:
                 failure = item.error
         if failure is not None or result is None:
             raise _engine_error(failure or RuntimeError("the generation ended without a result"))
-        body = full_response(chat=chat, rid=new_id(chat), model=self.model_id, created=int(time.time()),
-                             text=trimmer.final_text, result=result, ext=extension(result, seed, waited))
+        rid, created = new_id(chat), int(time.time())
+        self.last = (rid, created, result)
+        body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=trimmer.final_text,
+                             result=result, ext=extension(result, seed, waited, detail))
         return JSONResponse(body)
 
-    async def _sse(self, job: Job, writer: ChunkWriter, stop, seed, waited: float):
+    async def _sse(self, job: Job, writer: ChunkWriter, stop, seed, waited: float, detail: str):
         trimmer = StopTrimmer(stop)
         try:
             if writer.chat:
@@ -265,12 +277,23 @@ class Server:
                     rest = trimmer.flush()
                     if rest:
                         yield writer.text(rest)
-                    yield writer.finish(item.result, extension(item.result, seed, waited))
+                    self.last = (writer.id, writer.created, item.result)
+                    yield writer.finish(item.result, extension(item.result, seed, waited, detail))
                 elif isinstance(item, JobFailed):
                     yield writer.error(_engine_error(item.error).body())
             yield writer.done()
         finally:  # normal end, or the client went away (starlette cancels this generator)
             job.cancelled.set()
+
+    def last_report(self) -> dict:
+        """The last finished request's full cache report (per-layer rows included), named by its response id."""
+        if self.last is None:
+            raise APIError(404, "no request has finished yet: send a completion first, then ask again",
+                           code="no_report")
+        rid, created, result = self.last
+        return {"object": "tqbench.cache_report", "id": rid, "created": created, "model": self.model_id,
+                "kv_policy": result.kv_policy, "stopped_by": result.stopped_by,
+                "cache_report": cache_report_body(result.cache_report, "layers")}
 
     def health(self) -> dict:
         return {
@@ -331,6 +354,10 @@ def create_app(engine, *, kv_policy: str | Policy = "turbo4", cache_mode: str = 
     @app.get("/v1/kv_policies")
     async def kv_policies():
         return {"object": "list", "default": server.policy.label, "presets": sorted(PRESETS)}
+
+    @app.get("/v1/last_cache_report")
+    async def last_cache_report():
+        return server.last_report()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):

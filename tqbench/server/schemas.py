@@ -2,14 +2,19 @@
 
 Fields tqbench cannot honour (penalties, logprobs, tools, n > 1 ...) are accepted only at their neutral
 value; any other value is refused with a message, never silently ignored. Unknown fields are refused.
-Extensions: ``kv_policy`` (a preset name or compact policy) and ``ignore_eos``.
+Extensions: ``kv_policy`` (a preset name or compact policy), ``ignore_eos`` and ``cache_report``
+(``"summary"``, the default, or ``"layers"`` to add the per-layer rows to the response's cache report).
+
+``messages[].content`` is a string or a list of content parts (any role). Text parts are joined in order
+with nothing between them, as OpenAI does; any other part type (image_url, input_audio, file, refusal ...)
+is refused with a 400 that names it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from tqbench.server.errors import APIError
 
@@ -18,7 +23,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ChatContentPart(_Strict):
+TEXT_PART = '{"type": "text", "text": "..."}'
+
+
+class ChatContentPart(BaseModel):
+    """One part of a list ``content``. Any type parses (with its own fields) so that ``chat_messages`` can
+    refuse a non-text part by name with a 400; a text part's shape is checked by ``ChatMessage``."""
+
+    model_config = ConfigDict(extra="allow")
     type: StrictStr
     text: StrictStr | None = None
 
@@ -28,11 +40,34 @@ class ChatMessage(_Strict):
     content: StrictStr | list[ChatContentPart] | None = None
     name: StrictStr | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        """One clear message for a malformed content (pydantic's union errors would say 'a valid string')."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(f"send a string or a list of content parts such as [{TEXT_PART}]")
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"part {j} must be an object with a string \"type\", such as {TEXT_PART}")
+            if part["type"] != "text":
+                continue  # refused by name (400) in chat_messages
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {j} is a text part without a string \"text\": send {TEXT_PART}")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise ValueError(f"part {j} has {', '.join(map(repr, extra))}: a text part takes only \"type\" "
+                                 "and \"text\" (remove the other fields)")
+        return value
+
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
     include_obfuscation: StrictBool | None = None
 
+
+REPORT_DETAILS = ("summary", "layers")  # values of the cache_report extension
 
 # field -> (neutral values accepted, what to do instead)
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -66,6 +101,7 @@ class _Common(_Strict):
     # tqbench extensions
     kv_policy: StrictStr | None = None
     ignore_eos: StrictBool = False
+    cache_report: StrictStr | None = None  # "summary" (default) or "layers"
     # accepted and ignored: they change nothing about the output
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -112,6 +148,15 @@ class _Common(_Strict):
                            code="invalid_value")
         return stops or None
 
+    def report_detail(self) -> str:
+        """How much cache report the response carries: ``summary`` (the default) or ``layers``."""
+        detail = "summary" if self.cache_report is None else self.cache_report
+        if detail not in REPORT_DETAILS:
+            raise APIError(400, f"cache_report={detail!r} is invalid: send 'summary' (the default: totals, "
+                           "bits/element, saving, mode, fallbacks) or 'layers' (the summary plus the per-layer "
+                           "rows)", param="cache_report", code="invalid_value")
+        return detail
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -129,7 +174,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Plain ``{role, content}`` dicts for the chat template; text parts only."""
+    """Plain ``{role, content}`` dicts for the chat template; text parts joined in order with no separator
+    (OpenAI's behaviour); any other part type is a 400 naming it."""
     if not req.messages:
         raise APIError(400, "messages is empty: send at least one {\"role\": \"user\", \"content\": ...} message",
                        param="messages", code="invalid_value")
@@ -144,7 +190,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     raise APIError(400, f"messages.{i}.content.{j} has type {part.type!r}: only text parts "
-                                   "({\"type\": \"text\", \"text\": ...}) are supported",
+                                   f"({TEXT_PART}) are supported: remove the part or send its content as text",
                                    param=f"messages.{i}.content.{j}.type", code="invalid_value")
                 texts.append(part.text)
             content = "".join(texts)

@@ -67,7 +67,26 @@ def usage(result) -> dict:
     }
 
 
-def extension(result, seed: int | None, waited: float) -> dict:
+PER_LAYER_FIELDS = ("layers", "bypassed_layers")  # CacheReport fields that grow with the layer count
+
+
+def cache_report_body(report, detail: str = "summary") -> dict | None:
+    """The response's ``cache_report``: the summary (everything but the per-layer lists, so its size does not
+    grow with the layer count, plus ``layer_count`` and ``bypassed_layer_count``), or with ``detail="layers"``
+    the summary plus ``layers`` (one row per layer) and ``bypassed_layers`` (the full ``bench --json`` report).
+    """
+    if report is None:
+        return None
+    full = report.to_dict()
+    body = {k: v for k, v in full.items() if k not in PER_LAYER_FIELDS}
+    body["layer_count"] = len(report.layers)
+    body["bypassed_layer_count"] = len(report.bypassed_layers)
+    if detail == "layers":
+        body.update({k: full[k] for k in PER_LAYER_FIELDS})
+    return body
+
+
+def extension(result, seed: int | None, waited: float, detail: str = "summary") -> dict:
     """The ``tqbench`` extension field: the request's KV policy, its cache report and timings."""
     return {
         "kv_policy": result.kv_policy,
@@ -79,7 +98,7 @@ def extension(result, seed: int | None, waited: float) -> dict:
         "prefill_seconds": round(result.prefill_seconds, 6),
         "decode_seconds": round(result.decode_seconds, 6),
         "decode_tokens_per_second": round(result.decode_tokens_per_second, 3),
-        "cache_report": result.cache_report.to_dict() if result.cache_report is not None else None,
+        "cache_report": cache_report_body(result.cache_report, detail),
     }
 
 

@@ -117,9 +117,7 @@ class Worker:
         job = self.running
         if job is not None:
             job.cancelled.set()
-        with self._queue.mutex:
-            waiting = [j for j in self._queue.queue if j is not None]
-        for j in waiting:
+        for j in self.waiting_jobs():
             j.cancelled.set()
 
     @property
@@ -129,6 +127,11 @@ class Worker:
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    def waiting_jobs(self) -> list[Job]:
+        """A snapshot of the jobs waiting behind the running one, in arrival order."""
+        with self._queue.mutex:
+            return [j for j in self._queue.queue if j is not None]
 
     # -- submission -----------------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:

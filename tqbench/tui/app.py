@@ -17,6 +17,8 @@ from tqbench.tui.screens.scan import ScanPane
 from tqbench.tui.widgets.model_bar import ModelBar
 
 TABS = ("run", "policies", "scan", "compare")
+#: the widget that takes focus when a tab is shown (focus left behind in a hidden tab would pull it back)
+TAB_FOCUS = {"run": "#run-button", "policies": "#policy-list", "scan": "#scan-prompt", "compare": "#cmp-policies"}
 
 
 @dataclass
@@ -38,23 +40,25 @@ class WorkbenchOptions:
 class WorkbenchApp(App):
     TITLE = "tqbench"
     CSS_PATH = "tqbench.tcss"
+    AUTO_FOCUS = None  # on_mount focuses the first tab's widget: a late auto-focus would pull a fast key back
     BINDINGS = [
         Binding("ctrl+r", "run", "Run", tooltip="Start this tab's work: generate (Run), scan (Scan), compare "
                 "(Compare)", id="app.run"),
         Binding("escape", "cancel", "Cancel", tooltip="Stop the running generation, scan or comparison",
                 id="app.cancel"),
-        Binding("f1", "help", "Help", tooltip="Every key binding", id="app.help"),
+        Binding("f1", "help", "Help", tooltip="Every key binding", id="app.help",
+                priority=True),
         Binding("ctrl+s", "save_session", "Save", tooltip="Save the session (JSON + safetensors)", id="app.save"),
         Binding("ctrl+o", "open_session", "Open", tooltip="Open a saved session from a list", id="app.open"),
         Binding("ctrl+e", "rerun", "Re-run+diff", tooltip="Re-run the shown run and diff it against the saved one",
                 id="app.rerun"),
-        Binding("f2", "tab('run')", "Run tab", tooltip="Side-by-side generation", id="app.tab_run"),
+        Binding("f2", "tab('run')", "Run tab", tooltip="Side-by-side generation", id="app.tab_run", priority=True),
         Binding("f3", "tab('policies')", "Policies tab", tooltip="Presets and the policy builder",
-                id="app.tab_policies"),
+                id="app.tab_policies", priority=True),
         Binding("f4", "tab('scan')", "Scan tab", tooltip="Per layer x KV head codec errors and norms",
-                id="app.tab_scan"),
+                id="app.tab_scan", priority=True),
         Binding("f5", "tab('compare')", "Compare tab", tooltip="Several policies vs the baseline, sortable",
-                id="app.tab_compare"),
+                id="app.tab_compare", priority=True),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave the workbench", id="app.quit", priority=True),
     ]
 
@@ -71,7 +75,7 @@ class WorkbenchApp(App):
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield ModelBar(id="model-bar")
-        with TabbedContent(initial=self.options.screen if self.options.screen in TABS else "run", id="tabs"):
+        with WorkbenchTabs(initial=self.options.screen if self.options.screen in TABS else "run", id="tabs"):
             with TabPane("Run", id="run"):
                 yield RunPane(self.options.run, id="run-pane")
             with TabPane("Policies", id="policies"):
@@ -85,6 +89,7 @@ class WorkbenchApp(App):
     def on_mount(self) -> None:
         from tqbench.engine.session import Session, SessionError
 
+        self.show_tab(self.query_one(TabbedContent).active)
         self.session = Session()
         from tqbench.engine.session import load_kept_policies
 
@@ -148,6 +153,7 @@ class WorkbenchApp(App):
 
         self.engine = engine
         self.query_one(ModelBar).loaded(engine)
+        self.run_pane.engine_ready(engine.loaded.device.type)
         self.session.model = Session.model_info(engine, self.model_spec)
         self.policies_pane.reload_list()
         self.policies_pane.recompute()
@@ -280,18 +286,32 @@ class WorkbenchApp(App):
 
     # ---- tabs, help, palette ---------------------------------------------------------------------
     def show_run(self) -> None:
-        tabs = self.query_one(TabbedContent)
-        if tabs.active != "run":
-            tabs.active = "run"
-            self.run_pane.query_one("#run-button").focus()  # focus left in a hidden tab would switch back
+        self.show_tab("run")
+
+    def show_tab(self, tab: str) -> None:
+        """Activate ``tab`` and move focus into it, whichever tab (and widget) had focus before.
+
+        Focus must move with the tab: a focused widget left in the now hidden pane hands focus to its
+        scrollable neighbour, and ``TabbedContent`` switches back to the pane that holds the focus.
+        """
+        if tab not in TABS:
+            raise ValueError(f"unknown tab {tab!r}: one of {', '.join(TABS)}")
+        while len(self.screen_stack) > 1:  # a tab key pressed over help or the session list closes it
+            self.pop_screen()
+        self.query_one(TabbedContent).active = tab
+        self.screen.set_focus(self.query_one(f"#{tab} {TAB_FOCUS[tab]}"))
 
     def action_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
+        self.show_tab(tab)
 
     def action_help(self) -> None:
+        """f1 opens the key list, and closes it again (the binding has priority over the help screen's)."""
         from tqbench.tui.screens.help import HelpScreen
 
-        self.push_screen(HelpScreen())
+        if isinstance(self.screen, HelpScreen):
+            self.screen.dismiss()
+        else:
+            self.push_screen(HelpScreen())
 
     def action_run(self) -> None:
         """ctrl+r: the active tab's work (Policies: use the built policy in Run and generate)."""
@@ -326,8 +346,12 @@ class WorkbenchApp(App):
 
     @on(TabbedContent.TabActivated)
     def _tab_shown(self, event: TabbedContent.TabActivated) -> None:
-        if event.pane.id == "policies":
-            self.policies_pane.query_one("#policy-list").focus()
+        """A tab clicked with the mouse: focus its first widget, as the keys do."""
+        if event.pane.id != self.query_one(TabbedContent).active:
+            return  # a late message about a tab already left
+        focused, pane = self.focused, self.query_one(f"#{event.pane.id}")
+        if focused is None or pane not in focused.ancestors:
+            self.screen.set_focus(pane.query_one(TAB_FOCUS[event.pane.id]))
 
     @on(PoliciesPane.Chosen)
     def _policy_chosen(self, msg: PoliciesPane.Chosen) -> None:
@@ -365,6 +389,22 @@ def _slug(session) -> str:
         return "session"
     cand = runs[-1].candidate.policy
     return "".join(c if c.isalnum() or c in "-." else "-" for c in cand)[:40] or "session"
+
+
+class WorkbenchTabs(TabbedContent):
+    """The tabs, following focus only to where focus still is.
+
+    ``TabbedContent`` shows the pane of every widget that received focus, in the order the focus events
+    arrive; a focus event that is already stale (focus has moved on to another tab since) would pull the
+    user back to the tab they left.
+    """
+
+    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        event.prevent_default()  # Textual would also call TabbedContent's handler
+        event.stop()
+        focused = self.screen.focused
+        if event.tab_pane.id is not None and focused is not None and event.tab_pane in focused.ancestors:
+            self.active = event.tab_pane.id
 
 
 def run_workbench(options: WorkbenchOptions) -> None:

@@ -26,6 +26,7 @@ def binding_rows(app) -> list[tuple[str, str, str, str]]:
 
 class HelpScreen(ModalScreen):
     BINDINGS = [Binding("escape,q,f1", "dismiss", "Close", id="help.close")]
+    AUTO_FOCUS = "*"  # the app turns auto-focus off for its main screen only
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
     HelpScreen > VerticalScroll { width: 96; max-width: 95%; height: auto; max-height: 90%;

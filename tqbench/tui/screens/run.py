@@ -12,12 +12,10 @@ from textual.message import Message
 from textual.suggester import SuggestFromList
 from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
+from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_PROMPT, fastest_quality_mode
 from tqbench.tui.widgets.graph import ThroughputGraph
 from tqbench.tui.widgets.model_bar import RunStrip
 from tqbench.tui.widgets.token_view import TokenView
-
-CACHE_MODES = ("compressed", "simulate", "dense-shadow", "fused")
-DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,7 @@ class RunPane(Vertical):
     RunPane #baseline { width: 16; }
     RunPane #candidate { width: 1fr; min-width: 20; }
     RunPane #mode { width: 18; }
+    RunPane #mode-note { width: auto; max-width: 48; }
     RunPane #max-tokens { width: 7; }
     RunPane #temperature, RunPane #top-p { width: 7; }
     RunPane #seed { width: 7; }
@@ -94,6 +93,7 @@ class RunPane(Vertical):
         self._diff_note = ""
         self.status = "idle"
         self.on_finish = None  # callback(record) set by the app for re-run-and-diff
+        self._mode_chosen = False  # the user (or a saved run) picked the candidate's cache mode
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -109,8 +109,10 @@ class RunPane(Vertical):
             yield Label("candidate")
             yield Input(p.candidate if p else "turbo4", id="candidate", compact=True,
                         suggester=SuggestFromList(presets), tooltip="Candidate policy: a preset, k=...,v=... or a file")
-            yield Select([(m, m) for m in CACHE_MODES], value=p.cache_mode if p else "compressed", id="mode",
-                         compact=True, allow_blank=False, tooltip="Candidate cache mode")
+            mode = p.cache_mode if p else fastest_quality_mode("cpu")
+            yield Select([(m, m) for m in CACHE_MODES], value=mode, id="mode", compact=True, allow_blank=False,
+                         tooltip="Candidate cache mode (default: the fastest mode whose quality claims hold here)")
+            yield Label(CACHE_MODE_RESIDENT[mode], id="mode-note")
         with Horizontal(classes="controls"):
             yield Label("max tokens")
             yield Input(str(p.max_new_tokens if p else 48), id="max-tokens", compact=True, type="integer")
@@ -183,6 +185,22 @@ class RunPane(Vertical):
                 "max_new_tokens": val("max-tokens"), "baseline": val("baseline"), "candidate": val("candidate"),
                 "candidate_mode": str(self.query_one("#mode", Select).value),
                 "sampling": {"temperature": val("temperature"), "top_p": val("top-p"), "seed": val("seed")}}
+
+    def engine_ready(self, device_type: str) -> None:
+        """The model is loaded: a mode nobody chose becomes the fastest quality-faithful one on its device."""
+        if self.initial is None and not self._mode_chosen:
+            with self.prevent(Select.Changed):
+                self.query_one("#mode", Select).value = fastest_quality_mode(device_type)
+            self._show_mode_note()
+
+    @on(Select.Changed, "#mode")
+    def _mode_changed(self) -> None:
+        self._mode_chosen = True
+        self._show_mode_note()
+
+    def _show_mode_note(self) -> None:
+        mode = str(self.query_one("#mode", Select).value)
+        self.query_one("#mode-note", Label).update(CACHE_MODE_RESIDENT.get(mode, ""))
 
     def set_candidate(self, policy: str) -> None:
         self.query_one("#candidate", Input).value = policy

@@ -15,6 +15,7 @@ class OpenSessionScreen(ModalScreen):
     """Dismisses with the chosen session's path, or None."""
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Close", id="open.close")]
+    AUTO_FOCUS = "#session-list"  # the app turns auto-focus off for its main screen only
     DEFAULT_CSS = """
     OpenSessionScreen { align: center middle; }
     OpenSessionScreen > Vertical { width: 100; max-width: 95%; height: auto; max-height: 80%;

@@ -1,0 +1,32 @@
+"""Torch-free names every layer shares: cache modes and what each keeps resident, the default prompt.
+
+Front ends import this module to build their flags and forms without loading torch (``tqbench --help``
+stays fast); the engine imports it for the same names, so each is written once.
+"""
+
+from __future__ import annotations
+
+#: every cache mode, in the order the CLI lists them (see ``shared/ARCHITECTURE.md``, "Cache modes")
+CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
+
+#: the modes whose validation verdicts say something about quality (dense-shadow reads exact K/V)
+QUALITY_MODES = ("simulate", "compressed", "fused")
+
+#: what each mode keeps resident during decode, in a few words (the cache report has the bytes)
+CACHE_MODE_RESIDENT = {
+    "dense-shadow": "exact dense K/V + store: storage-only, output = fp16",
+    "simulate": "dense dequantized copy + store: more than fp16",
+    "compressed": "packed store + one layer decoded per step",
+    "fused": "packed store only: attention reads the codes",
+}
+
+#: the fastest quality-faithful mode per device type, as measured by ``benchmarks/decode.py`` (README,
+#: "Decode speed per cache mode"); a device type not measured gets ``simulate``, which runs everywhere
+FASTEST_QUALITY_MODE = {"cpu": "simulate"}
+
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def fastest_quality_mode(device_type: str) -> str:
+    """The cache mode a candidate should default to on ``device_type`` ("cpu", "cuda", ...)."""
+    return FASTEST_QUALITY_MODE.get(device_type, "simulate")
