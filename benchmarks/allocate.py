@@ -13,8 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from tqbench.engine.allocate import allocate_bits, allocation_policy
-from tqbench.engine.estimate import KVGeometry, estimate_kv
+from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
+from tqbench.engine.policy.allocate import allocate_bits, allocation_policy
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from tqbench import render_validate as rv
-from tqbench.commands_validate import DEFAULT_PROMPT, SECOND_PROMPT
-from tqbench.engine.compare import compare_policies, default_policies
+from tqbench.cli.render import validate as rv
+from tqbench.cli.validate import DEFAULT_PROMPT, SECOND_PROMPT
 from tqbench.engine.engine import Engine
-from tqbench.engine.validate import teacher_forced_quality
+from tqbench.engine.validate.compare import compare_policies, default_policies
+from tqbench.engine.validate.validation import teacher_forced_quality
 
 
 def _meta(engine, t0: float, loadavg_before) -> dict:

@@ -10,10 +10,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": ("tqbench.engine.engine", "Engine"),
-    "Policy": ("tqbench.engine.policy", "Policy"),
-    "parse_policy": ("tqbench.engine.policy", "parse_policy"),
-    "TQCache": ("tqbench.engine.cache", "TQCache"),
-    "CompressedDynamicCache": ("tqbench.engine.compat", "CompressedDynamicCache"),
+    "Policy": ("tqbench.engine.policy.spec", "Policy"),
+    "parse_policy": ("tqbench.engine.policy.spec", "parse_policy"),
+    "TQCache": ("tqbench.engine.cache.tqcache", "TQCache"),
+    "CompressedDynamicCache": ("tqbench.engine.cache.compat", "CompressedDynamicCache"),
     "Sampling": ("tqbench.engine.generate", "Sampling"),
 }
 

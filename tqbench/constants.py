@@ -6,6 +6,14 @@ stays fast); the engine imports it for the same names, so each is written once.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+#: files shipped inside the package: model geometries, policy files, the held-out corpus
+PACKAGE_DATA_DIR = Path(__file__).resolve().parent / "data"
+MODELS_DATA_DIR = PACKAGE_DATA_DIR / "models"
+POLICIES_DATA_DIR = PACKAGE_DATA_DIR / "policies"
+CORPUS_DIR = PACKAGE_DATA_DIR / "corpus"
+
 #: every cache mode, in the order the CLI lists them (see ``shared/ARCHITECTURE.md``, "Cache modes")
 CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
 

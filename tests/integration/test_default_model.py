@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tqbench.engine.model import (
+from tqbench.engine.models.load import (
     DEFAULT_MODEL_ID,
     ModelNotFoundError,
     converted_dir,

@@ -8,11 +8,11 @@ import pytest
 from textual.widgets import Input, Label, OptionList, TabbedContent
 from tui_helpers import notes, plain, wait_for
 
-from tqbench.engine.policy import PRESETS
-from tqbench.engine.session import Session
+from tqbench.engine.policy.spec import PRESETS
+from tqbench.sessions.session import Session
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
+from tqbench.tui.panes.policies import PoliciesPane
 from tqbench.tui.screens.help import HelpScreen, binding_rows
-from tqbench.tui.screens.policies import PoliciesPane
 from tqbench.tui.widgets.model_bar import ModelBar
 
 pytestmark = pytest.mark.anyio
@@ -195,7 +195,7 @@ async def test_escape_cancels_a_long_run_and_the_app_stays_usable(data_dir, stea
 
 
 async def test_policy_builder_estimates_and_keeps_a_named_policy(data_dir, steady_engine):
-    from tqbench.engine.estimate import KVGeometry, estimate_kv
+    from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
 
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     async with app.run_test(size=(120, 40)) as pilot:

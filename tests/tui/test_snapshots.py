@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, TextArea
 
-from tqbench.engine.session import RunRecorder
+from tqbench.sessions.session import RunRecorder
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +93,7 @@ async def test_help_screen(steady_engine, data_dir):
 
 @pytest.fixture(scope="module")
 def fixed_scan(tiny_engine):
-    from tqbench.engine.scan import scan
+    from tqbench.engine.scan.scan_run import scan
 
     d = scan(tiny_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"]).to_dict()
     d["seconds"] = 1.0
@@ -102,7 +102,7 @@ def fixed_scan(tiny_engine):
 
 @pytest.fixture(scope="module")
 def fixed_compare(tiny_engine):
-    from tqbench.engine.compare import compare_policies
+    from tqbench.engine.validate.compare import compare_policies
 
     d = compare_policies(tiny_engine, ["turbo4", "q8k-q8v", "turbo2"], [PROMPT], max_new_tokens=6).to_dict()
     for row in d["rows"]:

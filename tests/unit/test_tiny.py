@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tqbench.engine.tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, PAD_ID, tiny_model
+from tqbench.engine.models.tiny import BOS_ID, CHAT_TEMPLATE, EOS_ID, PAD_ID, tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from tqbench.engine.compare import compare_policies, recommend_policy
 from tqbench.engine.events import GenerationStarted, PairStep, Progress, ValidationDone
 from tqbench.engine.generate import Cancelled
-from tqbench.engine.validate import (
+from tqbench.engine.validate.compare import compare_policies, recommend_policy
+from tqbench.engine.validate.validation import (
     compare_tokens,
     decide_verdict,
     self_test,
@@ -177,9 +177,9 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
 
 
 def test_next_policy_ladder_on_the_default_geometry():
-    from tqbench.engine.estimate import KVGeometry
-    from tqbench.engine.policy import parse_policy
-    from tqbench.engine.validate import recommend
+    from tqbench.engine.cache.estimate import KVGeometry
+    from tqbench.engine.policy.spec import parse_policy
+    from tqbench.engine.validate.validation import recommend
 
     g = KVGeometry(30, 3, 64)
 

@@ -4,7 +4,7 @@
 - ``packed_attention.py``: Triton decode attention over packed history (split-K partials), with its launcher;
 - ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher.
 
-The engine builds on these (``tqbench/engine/attention.py``, ``fused_triton.py``); this package never
+The engine builds on these (``tqbench/engine/cache/fused/attention.py``, ``fused_triton.py``); this package never
 imports the engine (import-linter contract): it works on plain tensors and the packed layout below.
 
 Importing this package never imports triton: ``triton_status()`` says whether the kernels can run and why

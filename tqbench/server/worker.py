@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from tqbench.engine.generate import Sampling
-from tqbench.engine.policy import Policy
+from tqbench.engine.policy.spec import Policy
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.widgets import Footer, TabbedContent, TabPane
 
-from tqbench.tui.screens.compare import ComparePane
-from tqbench.tui.screens.policies import PoliciesPane
-from tqbench.tui.screens.run import RunPane, RunParams
-from tqbench.tui.screens.scan import ScanPane
+from tqbench.tui.panes.compare import ComparePane
+from tqbench.tui.panes.policies import PoliciesPane
+from tqbench.tui.panes.run import RunPane, RunParams
+from tqbench.tui.panes.scan import ScanPane
 from tqbench.tui.widgets.model_bar import ModelBar
 
 TABS = ("run", "policies", "scan", "compare")
@@ -87,18 +87,18 @@ class WorkbenchApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        from tqbench.engine.session import Session, SessionError
+        from tqbench.sessions.session import Session, SessionError
 
         self.show_tab(self.query_one(TabbedContent).active)
         self.session = Session()
-        from tqbench.engine.session import load_kept_policies
+        from tqbench.sessions.session import load_kept_policies
 
         try:
             self.policies_pane.set_kept(load_kept_policies())
         except SessionError as exc:
             self.notify(str(exc), title="kept policies not loaded", severity="warning", timeout=10)
         if self._pending_session and self.options.model is None:
-            from tqbench.engine.session import read_header
+            from tqbench.sessions.session import read_header
 
             try:  # open on the session's model
                 self.model_spec = read_header(self._pending_session).get("model", {}).get("spec") or "default"
@@ -149,7 +149,7 @@ class WorkbenchApp(App):
         self.call_from_thread(self._engine_ready, engine)
 
     def _engine_ready(self, engine) -> None:
-        from tqbench.engine.session import Session
+        from tqbench.sessions.session import Session
 
         self.engine = engine
         self.query_one(ModelBar).loaded(engine)
@@ -180,7 +180,7 @@ class WorkbenchApp(App):
 
     def policy_kept(self, name: str, text: str) -> None:
         """Kept in the session and in the data dir (``policies.json``), so every later session lists it."""
-        from tqbench.engine.session import SessionError, load_kept_policies, save_kept_policies
+        from tqbench.sessions.session import SessionError, load_kept_policies, save_kept_policies
 
         self.session.policies[name] = text
         try:
@@ -189,7 +189,7 @@ class WorkbenchApp(App):
             self.notify(f"kept in this session only: {exc}", severity="warning")
 
     def action_save_session(self) -> None:
-        from tqbench.engine.session import SessionError, default_session_path, environment
+        from tqbench.sessions.session import SessionError, default_session_path, environment
 
         if self.engine is None:
             self.notify("nothing to save yet: the model is still loading", severity="warning")
@@ -219,7 +219,7 @@ class WorkbenchApp(App):
 
     def open_session(self, path) -> bool:
         """Load a session and show its last run; errors are shown and the app keeps running."""
-        from tqbench.engine.session import Session, SessionError
+        from tqbench.sessions.session import Session, SessionError
 
         if self.busy:
             self.notify("work is going: press escape first, then open the session", severity="warning")
@@ -260,7 +260,7 @@ class WorkbenchApp(App):
         return True
 
     def action_rerun(self) -> None:
-        from tqbench.engine.session import diff_runs
+        from tqbench.sessions.session import diff_runs
 
         saved = self.saved_record or self.run_pane.record
         if saved is None:

@@ -12,7 +12,7 @@ from textual.widgets import Static
 
 def binding_rows(app) -> list[tuple[str, str, str, str]]:
     """(where, key, action, description) for the app and every pane, in order."""
-    from tqbench.tui.screens.policies import PoliciesPane
+    from tqbench.tui.panes.policies import PoliciesPane
 
     rows = []
     for where, owner in (("everywhere", type(app)), ("Policies", PoliciesPane)):

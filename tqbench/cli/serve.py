@@ -1,0 +1,101 @@
+"""``tqbench serve``: the OpenAI-compatible server (registered on the main group in ``tqbench.cli``).
+
+Heavy imports (torch, fastapi, uvicorn) happen inside the command so ``tqbench --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@click.command()
+@click.option("--model", "model", default="default", show_default=True,
+              help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a hub id, a folder or a .gguf.")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, mps.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16, bfloat16, float64.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
+@click.option("--kv-policy", default="turbo4", show_default=True,
+              help="Default KV policy (preset or compact form); requests may override it with \"kv_policy\".")
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True,
+              help="fused reads the packed store directly (Triton on GPU, torch reference on CPU).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Cap on max_tokens per request (also the default when a request sends none).")
+@click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests allowed to wait behind the running one; more get 429 with Retry-After.")
+@click.option("--api-key", default=None, envvar="TQBENCH_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 (env TQBENCH_API_KEY).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True)
+def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, api_key,
+          log_level):
+    """Serve a model over an OpenAI-compatible HTTP API with a chosen KV policy."""
+    from tqbench.engine.models.load import ModelLoadError
+
+    try:
+        import uvicorn
+
+        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.server import create_app
+    except ImportError as exc:
+        _fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
+    try:
+        parse_policy(kv_policy)
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc).splitlines()[0])
+    _check_port(host, port)  # before the model load, so a taken port fails at once
+    try:
+        from tqbench.cli.render import tables as render
+
+        engine = render.load_engine(model, device, dtype, threads)
+        app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, max_new_tokens=max_new_tokens,
+                         max_queue=max_queue, api_key=api_key, model_aliases=(model,))
+    except (ValueError, ModelLoadError, FileNotFoundError) as exc:
+        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if host not in LOOPBACK:
+        click.echo(f"warning: binding {host}: the server is reachable from other machines"
+                   + ("" if api_key else " and has no --api-key"), err=True)
+    auth = "Bearer key required" if api_key else "no key"
+    click.echo(f"tqbench serve: {engine.name}, kv_policy {app.state.server.policy.label}, cache mode {cache_mode}, "
+               f"max_new_tokens {max_new_tokens}, queue {max_queue}, {auth}", err=True)
+    click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
+    worker = app.state.server.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C: end running streams now instead of after the grace period
+            worker.cancel_all()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        _fail(f"cannot resolve --host {host!r} ({exc.strerror}): use an address such as 127.0.0.1")
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            _fail(f"cannot bind {host}:{port} ({exc.strerror or exc}): pick another --port")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)

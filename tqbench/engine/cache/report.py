@@ -1,0 +1,118 @@
+"""The cache report: what a policy's KV cache costs, to the byte, and what the run actually held."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tqbench.engine.cache.store import FP_BYTES
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    layer: int
+    k_codec: str
+    v_codec: str
+    tokens: int
+    k_bytes: int  # all K bytes of this layer: fp16 rows + packed tensors + codec state
+    v_bytes: int
+    full_precision_bytes: int  # sink / recent-window / partial-block rows, counted as fp16
+    packed_bytes: int
+    state_bytes: int  # per-layer codec state (key centering means, outlier channel lists)
+    k_packed_tokens: int
+    v_packed_tokens: int
+    dense_fp16_bytes: int  # what an fp16 DynamicCache holds for the same tokens
+    reason: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.k_bytes + self.v_bytes
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    cache_mode: str
+    kv_policy: str
+    policy_string: str
+    tokens: int
+    compressed_storage_bytes: int  # every layer's bytes + shared objects (rotations, codebooks) once
+    dense_fp16_bytes: int
+    resident_decode_bytes: int  # what this mode keeps in memory during decode (see notes)
+    shared_bytes: int
+    bits_per_element: float
+    memory_saved_pct: float
+    compressed_at_rest_saved_pct: float
+    active_decode_memory_saved_pct: float
+    quality_claims: bool
+    layers: list[LayerBytes] = field(default_factory=list)
+    shared_objects: dict[str, int] = field(default_factory=dict)
+    bypassed_layers: list[dict] = field(default_factory=list)
+    fused_calls: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    fused_impl: dict[str, int] = field(default_factory=dict)  # which implementation ran, calls per case
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, *, mode, policy, layers, shared, transient_layer_bytes, fused_calls, fallbacks, held_dtype,
+              fused_impl=None):
+        fused_impl = dict(fused_impl or {})
+        storage = sum(r.total_bytes for r in layers) + sum(shared.values())
+        dense = sum(r.dense_fp16_bytes for r in layers)
+        if mode in ("dense-shadow", "simulate"):
+            resident = storage + dense
+        else:  # compressed, and fused on its torch reference path: one layer's rows decoded transiently
+            resident = storage + transient_layer_bytes
+        elements = dense // FP_BYTES
+        notes = [
+            f"full-precision rows (sinks, recent window, partial blocks) and dense baselines are counted as fp16 "
+            f"({FP_BYTES} bytes/element); this run held activations in {held_dtype or 'the model dtype'}",
+        ]
+        if mode == "dense-shadow":
+            notes.append("dense-shadow: attention read exact K/V; outputs equal fp16 by construction (storage-only)")
+        if mode == "simulate":
+            notes.append("simulate: attention read dequantized K/V from a dense buffer kept beside the store")
+        if mode == "compressed":
+            notes.append("compressed: one layer's K/V is dequantized transiently per step (counted in resident)")
+        if mode == "fused":
+            ran = ", ".join(f"{k} x{v}" for k, v in sorted(fused_impl.items())) or "no fused call yet"
+            if transient_layer_bytes:
+                notes.append(
+                    f"fused: {ran}; the torch reference decodes one side of one layer (codes to rotated-domain "
+                    "or dequantized rows) transiently per step, counted in resident"
+                )
+            else:
+                notes.append(f"fused: {ran}; the kernels hold only split-K partials (nothing decoded resident)")
+        if fallbacks:
+            notes.append(
+                "fused fallbacks: " + ", ".join(f"{k} x{v}" for k, v in sorted(fallbacks.items()))
+            )
+
+        def pct(x: int) -> float:
+            return round(100.0 * (1 - x / dense), 2) if dense else 0.0
+
+        return cls(
+            cache_mode=mode,
+            kv_policy=policy.label,
+            policy_string=policy.to_string(),
+            tokens=max((r.tokens for r in layers), default=0),
+            compressed_storage_bytes=storage,
+            dense_fp16_bytes=dense,
+            resident_decode_bytes=resident,
+            shared_bytes=sum(shared.values()),
+            bits_per_element=round(storage * 8 / elements, 4) if elements else 0.0,
+            memory_saved_pct=pct(storage),
+            compressed_at_rest_saved_pct=pct(storage),
+            active_decode_memory_saved_pct=pct(resident),
+            quality_claims=mode != "dense-shadow",
+            layers=list(layers),
+            shared_objects=dict(shared),
+            bypassed_layers=[{"layer": r.layer, "reason": r.reason} for r in layers if r.reason],
+            fused_calls=fused_calls,
+            fallbacks=dict(fallbacks),
+            fused_impl=fused_impl,
+            notes=notes,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = [asdict(r) | {"total_bytes": r.total_bytes} for r in self.layers]
+        return d

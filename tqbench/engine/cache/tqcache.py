@@ -1,0 +1,325 @@
+"""The compressed transformers cache: one ``TQLayer`` per attention layer, four modes.
+
+| mode          | attention reads                                 | dense K/V resident during decode |
+| dense-shadow  | exact K/V (the packed store is built for the report) | full                          |
+| simulate      | dequantized rows kept in a dense buffer          | full                             |
+| compressed    | dequantized from the packed store per layer/step | one layer, transient             |
+| fused         | the packed store directly (see ``attention.py``) | none                             |
+
+In every mode the rows of the current forward call attend exactly (prefill reads exact K/V and is
+quantized afterwards); history is read as stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from tqbench.engine.cache.report import CacheReport, LayerBytes
+from tqbench.engine.cache.store import FP_BYTES, KVStore
+from tqbench.engine.policy.spec import LayerPlan, Policy, parse_policy
+
+CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CACHE_MODES:
+        raise ValueError(f"unknown cache mode {mode!r}: valid modes are {', '.join(CACHE_MODES)}")
+    return mode
+
+
+@dataclass
+class FusedKV:
+    """What a fused-mode layer hands to the attention function instead of dense K/V."""
+
+    k_store: KVStore
+    v_store: KVStore
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    # stored rows as of this call (captured before the new rows were appended)
+    k_parts: tuple
+    v_parts: tuple
+    layer: TQLayer
+
+    @property
+    def shape(self) -> torch.Size:  # what code that inspects key.shape expects
+        b, h, t, d = self.new_k.shape
+        return torch.Size((b, h, self.k_store_tokens + t, d))
+
+    @property
+    def k_store_tokens(self) -> int:
+        return sum(p[1] for p in self.k_parts)
+
+
+def _snapshot(store: KVStore) -> tuple:
+    """(kind, n_tokens, payload) parts in token order, for the fused attention path."""
+    parts = []
+    if store.head.n:
+        parts.append(("dense", store.head.n, store.head.view()))
+    if store.n_packed:
+        parts.append(("packed", store.n_packed, store.packed_view()))
+    if store.tail.n:
+        parts.append(("dense", store.tail.n, store.tail.view()))
+    return tuple(parts)
+
+
+class TQLayer(CacheLayerMixin):
+    """One attention layer's compressed cache."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, plan: LayerPlan, mode: str, policy: Policy) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mode = check_mode(mode)
+        self.policy = policy
+        self.k_codec = policy.build_codec(plan.k, "k")
+        self.v_codec = policy.build_codec(plan.v, "v")
+        self.cumulative_length = 0
+        self._new_stores()
+        self.fused_calls = 0
+        self.fallbacks: dict[str, int] = {}
+        self.fused_impl: dict[str, int] = {}  # "triton" / "torch-reference (why)" -> calls
+
+    def _new_stores(self) -> None:
+        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent)
+        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent)
+        self._sim_k = self._sim_v = None
+        self._sim_pending: dict[str, list] = {}
+
+    @property
+    def lossless(self) -> bool:
+        return self.k_codec.lossless and self.v_codec.lossless
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty((0,))
+        self.values = value_states.new_empty((0,))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
+        if mode == "dense-shadow":
+            self.keys = torch.cat([self.keys.view(*key_states.shape[:2], -1, key_states.shape[3]), key_states], 2)
+            self.values = torch.cat(
+                [self.values.view(*value_states.shape[:2], -1, value_states.shape[3]), value_states], 2
+            )
+            self.k_store.append(key_states)
+            self.v_store.append(value_states)
+            out = (self.keys, self.values)
+        elif mode == "simulate":
+            out = (self._simulate(key_states, "k"), self._simulate(value_states, "v"))
+        elif mode == "compressed":
+            out = (self._with_history(self.k_store, key_states), self._with_history(self.v_store, value_states))
+            self.k_store.append(key_states)
+            self.v_store.append(value_states)
+        else:  # fused
+            handle = FusedKV(
+                self.k_store, self.v_store, key_states, value_states,
+                _snapshot(self.k_store), _snapshot(self.v_store), self,
+            )
+            self.k_store.append(key_states)
+            self.v_store.append(value_states)
+            out = (handle, handle)
+        self.cumulative_length += key_states.shape[2]
+        return out
+
+    def _with_history(self, store: KVStore, new: torch.Tensor) -> torch.Tensor:
+        hist = store.dense(new.dtype)
+        return new if hist is None else torch.cat([hist, new], dim=2)
+
+    def _simulate(self, new: torch.Tensor, role: str) -> torch.Tensor:
+        """Dense buffer of what attention reads. Rows packed by this call are swapped for their dequantized
+        values at the start of the next call (this call still reads them exact, as the other modes do), so
+        the buffer is never copied."""
+        store = self.k_store if role == "k" else self.v_store
+        buf = getattr(self, f"_sim_{role}")
+        for start, enc in self._sim_pending.pop(role, ()):
+            rows = store.codec.decode(enc, store.state, new.dtype)
+            buf[:, :, start : start + rows.shape[2]] = rows
+        out = new if buf is None else torch.cat([buf, new], dim=2)
+        packed = store.append(new)
+        if packed:
+            self._sim_pending[role] = packed
+        setattr(self, f"_sim_{role}", out)
+        return out
+
+    # -- transformers layer protocol ------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        self._new_stores()
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        for store in (self.k_store, self.v_store):
+            store.select_batch(indices)
+        for name in ("_sim_k", "_sim_v"):
+            buf = getattr(self, name)
+            if buf is not None:
+                setattr(self, name, buf.index_select(0, indices.to(buf.device)))
+        if self.keys.dim() == 4:
+            self.keys = self.keys.index_select(0, indices.to(self.keys.device))
+            self.values = self.values.index_select(0, indices.to(self.values.device))
+
+    def offload(self) -> None:  # the packed store stays where it is
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def note_fallback(self, case: str) -> None:
+        self.fallbacks[case] = self.fallbacks.get(case, 0) + 1
+
+
+class TQCache(Cache):
+    """A transformers ``Cache`` that compresses K/V under a ``Policy``.
+
+    Pass it as ``cache=`` to ``model(...)`` or ``model.generate(...)``; read ``report()`` afterwards.
+    """
+
+    def __init__(self, policy: Policy | str, config, mode: str = "compressed") -> None:
+        self.policy = parse_policy(policy)
+        self.mode = check_mode(mode)
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+            if bad:
+                raise ValueError(
+                    f"layer types {', '.join(bad)} are not supported by the compressed cache "
+                    "(supported: full_attention, sliding_attention)"
+                )
+        self.plans = self.policy.plan(self.num_layers, layer_types)
+        layers = []
+        for plan in self.plans:
+            if plan.dense_window:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=cfg.sliding_window))
+            else:
+                layers.append(TQLayer(plan, self.mode, self.policy))
+        super().__init__(layers=layers)
+
+    def report(self) -> CacheReport:
+        rows = []
+        shared: dict[str, int] = {}
+        max_layer_dense = 0
+        batch = 0
+        for plan, layer in zip(self.plans, self.layers):
+            if isinstance(layer, TQLayer):
+                kb = layer.k_store.bytes_breakdown()
+                vb = layer.v_store.bytes_breakdown()
+                tokens = layer.cumulative_length
+                batch = batch or _batch_of(layer)
+                for store in (layer.k_store, layer.v_store):
+                    if store.n_packed:
+                        shared.update(store.codec.shared_items(self.head_dim))
+                rows.append(
+                    LayerBytes(
+                        layer=plan.layer, k_codec=plan.k, v_codec=plan.v, tokens=tokens,
+                        k_bytes=sum(kb.values()), v_bytes=sum(vb.values()),
+                        full_precision_bytes=kb["full_precision"] + vb["full_precision"],
+                        packed_bytes=kb["packed"] + vb["packed"], state_bytes=kb["state"] + vb["state"],
+                        k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
+                        dense_fp16_bytes=2 * batch * self.num_kv_heads * tokens * self.head_dim * FP_BYTES,
+                        reason=plan.reason,
+                    )
+                )
+                max_layer_dense = max(max_layer_dense, rows[-1].dense_fp16_bytes)
+            else:  # transformers' sliding window layer: dense, bounded
+                held = layer.keys.shape[2] if layer.is_initialized and layer.keys.dim() == 4 else 0
+                b = layer.keys.shape[0] if held else 0
+                dense = 2 * b * self.num_kv_heads * held * self.head_dim * FP_BYTES
+                rows.append(
+                    LayerBytes(
+                        layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=dense // 2,
+                        v_bytes=dense // 2, full_precision_bytes=dense, packed_bytes=0, state_bytes=0,
+                        k_packed_tokens=0, v_packed_tokens=0, dense_fp16_bytes=dense, reason=plan.reason,
+                    )
+                )
+        fallbacks: dict[str, int] = {}
+        impls: dict[str, int] = {}
+        fused_calls = 0
+        for layer in self.layers:
+            if isinstance(layer, TQLayer):
+                fused_calls += layer.fused_calls
+                for case, n in layer.fallbacks.items():
+                    fallbacks[case] = fallbacks.get(case, 0) + n
+                for case, n in layer.fused_impl.items():
+                    impls[case] = impls.get(case, 0) + n
+        if self.mode == "fused":
+            if impls and all(k == "triton" for k in impls) and not fallbacks:
+                max_layer_dense = 0  # the kernels keep only split-K partials, no decoded rows
+            else:  # the torch reference's peak: one side of one layer decoded, with its int32 code index
+                max_layer_dense = max(
+                    (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim)
+                     for layer in self.layers if isinstance(layer, TQLayer)),
+                    default=0,
+                )
+        return CacheReport.build(
+            mode=self.mode, policy=self.policy, layers=rows, shared=shared,
+            transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks, fused_impl=impls,
+            held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
+        )
+
+
+def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> int:
+    """Transient bytes the fused torch reference holds while reading one side of ``layer``: the decoded rows
+    (rotated-domain or dequantized, compute dtype), the int32 copy of the codes that indexes the byte table
+    (plus the unpacked codes for widths that do not divide 8), and the concatenated full-precision rows.
+    Codecs decoded by ``codec.decode`` (fallback) are counted at twice their rows."""
+    if not layer.is_initialized:
+        return 0
+    from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+
+    elem = torch.promote_types(layer.dtype, torch.float32).itemsize
+    bh = _batch_of(layer) * kv_heads
+    peak = 0
+    for store in (layer.k_store, layer.v_store):
+        fp_rows = bh * (store.n_full_precision + 1) * head_dim * elem
+        rows = bh * store.n_packed * head_dim * elem
+        codec = store.codec
+        if not store.n_packed:
+            side = 0
+        elif type(codec) in (TurboCodec, AffineChannelCodec, AffineTokenCodec):
+            code_bytes = store.packed["idx" if type(codec) is TurboCodec else "q"].view().numel()
+            if codec.bits == 8:
+                side = rows
+            elif 8 % codec.bits == 0:
+                side = rows + 4 * code_bytes
+            else:
+                side = rows + 5 * bh * store.n_packed * head_dim
+        else:
+            side = 2 * rows
+        peak = max(peak, side + fp_rows)
+    return peak
+
+
+def _batch_of(layer: TQLayer) -> int:
+    for buf in (layer.k_store.head, layer.k_store.tail, *layer.k_store.packed.values()):
+        if buf.data is not None:
+            return buf.data.shape[0]
+    return 0

@@ -1,0 +1,328 @@
+"""KV policies: which codec each layer's K and V get, plus token- and layer-level protection.
+
+Three interchangeable forms:
+- compact text: ``k=turbo4,v=turbo3,sink=4,recent=32,protect=first2+last2`` (a preset name may lead:
+  ``turbo4,recent=64``); per-layer overrides ``v@last8=int8``, ``kv@0-3=fp16``;
+- a dict (JSON / TOML file) with the same keys;
+- a named preset from ``PRESETS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from tqbench.constants import POLICIES_DATA_DIR
+from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_valid_spec
+from tqbench.engine.policy.layers import select_layers, validate_selector
+
+FULL_PRECISION = "fp16"
+#: model-specific policies shipped with the package (per-layer allocations), usable by name
+SHIPPED_POLICY_DIR = POLICIES_DATA_DIR
+BYPASS_CHOICES = ("none", "global")
+ROTATION_CHOICES = ("qr", "hadamard")
+_BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
+_ROLES = ("k", "v", "kv")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer's cache does under a policy."""
+
+    layer: int
+    k: str
+    v: str
+    sink: int
+    recent: int
+    reason: str | None = None  # why this layer differs from the policy's default codecs
+    dense_window: bool = False  # sliding-window layer kept as transformers' own bounded dense window
+
+    @property
+    def compressed(self) -> bool:
+        return not self.dense_window and not (self.k in DENSE_SPECS and self.v in DENSE_SPECS)
+
+
+DENSE_SPECS = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Policy:
+    k: str = FULL_PRECISION
+    v: str = FULL_PRECISION
+    sink: int = 0
+    recent: int = 0
+    protect: str = ""  # layer selector whose layers keep fp16 K and V
+    overrides: tuple[tuple[str, str, str], ...] = ()  # (role, selector, codec) applied in order
+    bypass: str = "none"  # "global": keep full-attention layers dense in mixed sliding/full models
+    rotation: str = "qr"
+    center: bool = True  # center turbo keys per head (softmax ignores the shift)
+    vcenter: bool = False  # center turbo values per head (the mean is added back exactly: sum p = 1)
+    normfix: bool = True  # least-squares norm correction for turbo rows
+    group: int = 32  # per-token affine group (V)
+    kblock: int = 32  # per-channel affine token block (K)
+    seed: int = 0
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for role, spec in (("k", self.k), ("v", self.v)):
+            _check_codec(spec, role)
+        for what, val in (("sink", self.sink), ("recent", self.recent)):
+            if not isinstance(val, int) or val < 0:
+                raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
+        for what, val in (("group", self.group), ("kblock", self.kblock)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{what}={val!r} is invalid: use a whole number >= 1")
+        if self.protect:
+            object.__setattr__(self, "protect", validate_selector(self.protect))
+        if self.bypass not in BYPASS_CHOICES:
+            raise ValueError(f"bypass={self.bypass!r} is invalid: valid choices are {', '.join(BYPASS_CHOICES)}")
+        if self.rotation not in ROTATION_CHOICES:
+            raise ValueError(
+                f"rotation={self.rotation!r} is invalid: valid choices are {', '.join(ROTATION_CHOICES)}"
+            )
+        fixed = []
+        for role, sel, spec in self.overrides:
+            if role not in _ROLES:
+                raise ValueError(f"override role {role!r} is invalid: use k@, v@ or kv@")
+            _check_codec(spec, role)
+            fixed.append((role, validate_selector(sel), spec))
+        object.__setattr__(self, "overrides", tuple(fixed))
+
+    # ---- forms ------------------------------------------------------------------------------
+    def to_string(self) -> str:
+        parts = [f"k={self.k}", f"v={self.v}"]
+        defaults = Policy()
+        for key in ("sink", "recent", "protect", "bypass", "rotation", "center", "vcenter", "normfix", "group",
+                    "kblock", "seed"):
+            val = getattr(self, key)
+            if val != getattr(defaults, key):
+                parts.append(f"{key}={_fmt(val)}")
+        parts += [f"{role}@{sel}={spec}" for role, sel, spec in self.overrides]
+        return ",".join(parts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["overrides"] = [{"role": r, "layers": s, "codec": c} for r, s, c in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Policy:
+        if "preset" in data:
+            base = get_preset(data["preset"])
+            data = {k: v for k, v in data.items() if k != "preset"}
+        else:
+            base = cls()
+        data = {k: v for k, v in data.items() if not k.startswith("_")}  # "_source" and other notes
+        valid = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - valid - {"kv"})
+        if unknown:
+            raise ValueError(f"unknown policy field(s) {', '.join(unknown)}: valid fields are {', '.join(sorted(valid))}")
+        kw = dict(data)
+        if "kv" in kw:
+            kw["k"] = kw["v"] = kw.pop("kv")
+        if "overrides" in kw:
+            kw["overrides"] = tuple(
+                (o["role"], str(o["layers"]), o["codec"]) if isinstance(o, dict) else tuple(o) for o in kw["overrides"]
+            )
+        return replace(base, **kw)
+
+    def with_name(self, name: str | None) -> Policy:
+        return replace(self, name=name)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.to_string()
+
+    # ---- per-layer plan ------------------------------------------------------------------------
+    def plan(self, num_layers: int, layer_types: list[str] | None = None) -> list[LayerPlan]:
+        """Resolve the policy for a model: one ``LayerPlan`` per layer, with a reason wherever it differs."""
+        k = [self.k] * num_layers
+        v = [self.v] * num_layers
+        reason: list[str | None] = [None] * num_layers
+        for role, sel, spec in self.overrides:
+            for i in sorted(select_layers(sel, num_layers)):
+                if role in ("k", "kv"):
+                    k[i] = spec
+                if role in ("v", "kv"):
+                    v[i] = spec
+                reason[i] = f"override {role}@{sel}={spec}"
+        if self.protect:
+            for i in select_layers(self.protect, num_layers):
+                k[i] = v[i] = FULL_PRECISION
+                reason[i] = f"protected ({self.protect}): fp16 K and V"
+        window = [False] * num_layers
+        if layer_types is not None:
+            if len(layer_types) != num_layers:
+                raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            mixed = len(set(layer_types)) > 1
+            for i, kind in enumerate(layer_types):
+                if kind == "sliding_attention":
+                    window[i] = True
+                    reason[i] = "bypassed: sliding-window layer keeps transformers' bounded dense window"
+                elif mixed and self.bypass == "global" and kind == "full_attention":
+                    k[i] = v[i] = FULL_PRECISION
+                    reason[i] = "bypassed: global (full-attention) layer in a mixed model (bypass=global)"
+        return [
+            LayerPlan(i, k[i], v[i], self.sink, self.recent, reason[i], window[i]) for i in range(num_layers)
+        ]
+
+    def codec_options(self, role: str) -> dict:
+        """Options passed to ``codec_from_spec`` for this policy and role."""
+        return {
+            "rotation": self.rotation,
+            "center": self.center if role == "k" else self.vcenter,
+            "norm_correction": self.normfix,
+            "group": self.group,
+            "kblock": self.kblock,
+            "seed": self.seed + (0 if role == "k" else 1),
+        }
+
+    def build_codec(self, spec: str, role: str):
+        return codec_from_spec(spec, role=role, **self.codec_options(role))
+
+
+def _fmt(val) -> str:
+    if isinstance(val, bool):
+        return "on" if val else "off"
+    return str(val)
+
+
+def _check_codec(spec: str, role: str) -> None:
+    if not isinstance(spec, str) or not is_valid_spec(spec):
+        raise ValueError(
+            f"unknown {role.upper()} codec {spec!r}: valid codecs are {', '.join(CODEC_SPECS)}"
+        )
+
+
+# ---- compact text ----------------------------------------------------------------------------------
+_INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
+_STR_KEYS = ("protect", "bypass", "rotation", "name")
+_BOOL_KEYS = ("center", "vcenter", "normfix")
+_VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
+
+
+def parse_compact(text: str) -> Policy:
+    text = text.strip()
+    if not text:
+        raise ValueError("empty policy: give a preset name (see `tqbench --headless policies`) or k=...,v=...")
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    base = Policy()
+    if "=" not in items[0]:
+        base = get_preset(items[0])
+        items = items[1:]
+    kw: dict = {}
+    overrides = list(base.overrides)
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"policy part {item!r} is not key=value: valid keys are {', '.join(_VALID_KEYS)}")
+        key, val = (s.strip() for s in item.split("=", 1))
+        key = key.lower()
+        if "@" in key:
+            role, sel = key.split("@", 1)
+            if role not in _ROLES:
+                raise ValueError(f"policy part {item!r}: override must start with k@, v@ or kv@")
+            overrides.append((role, sel, val))
+        elif key in ("k", "v"):
+            kw[key] = val
+        elif key == "kv":
+            kw["k"] = kw["v"] = val
+        elif key in _INT_KEYS:
+            try:
+                kw[key] = int(val)
+            except ValueError:
+                raise ValueError(f"policy part {item!r}: {key} must be a whole number") from None
+        elif key in _BOOL_KEYS:
+            if val.lower() not in _BOOL:
+                raise ValueError(f"policy part {item!r}: {key} must be on or off")
+            kw[key] = _BOOL[val.lower()]
+        elif key in _STR_KEYS:
+            kw[key] = "" if (key == "protect" and val.lower() == "none") else val
+        else:
+            raise ValueError(f"unknown policy key {key!r} in {item!r}: valid keys are {', '.join(_VALID_KEYS)}")
+    name = kw.pop("name", None)
+    pol = replace(base, overrides=tuple(overrides), **kw)
+    if name is not None:
+        return pol.with_name(name)
+    return pol if (kw or overrides != list(base.overrides)) else base
+
+
+def load_policy_file(path: str) -> Policy:
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            raise ValueError(f"{path}: TOML policies need Python >= 3.11; use a .json file") from None
+        data = tomllib.loads(raw.decode())
+        data = data.get("policy", data)
+    else:
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a policy file holds one object with keys k, v, sink, recent, ...")
+    pol = Policy.from_dict(data)
+    return pol if pol.name else pol.with_name(os.path.splitext(os.path.basename(path))[0])
+
+
+def parse_policy(text: str | Policy) -> Policy:
+    """A preset name, a compact string, or a path to a .json/.toml policy file."""
+    if isinstance(text, Policy):
+        return text
+    text = text.strip()
+    if text in PRESETS:
+        return get_preset(text)
+    shipped = SHIPPED_POLICY_DIR / f"{text}.json"
+    if "," not in text and "=" not in text and shipped.is_file():
+        return load_policy_file(str(shipped))
+    if text.endswith((".json", ".toml")):
+        if not os.path.exists(text):
+            raise ValueError(f"policy file {text!r} does not exist")
+        return load_policy_file(text)
+    return parse_compact(text)
+
+
+# ---- presets -----------------------------------------------------------------------------------
+_TURBO_TOKENS = "sink=4,recent=16"
+
+#: name -> (compact form, meaning)
+PRESET_TEXT: dict[str, tuple[str, str]] = {
+    "fp16": ("k=fp16,v=fp16", "no compression: the baseline"),
+    "fp16k-q8v": ("k=fp16,v=int8", "fp16 keys, int8 values (per-token groups)"),
+    "boundary-fp16-fp16k-q8v": ("k=fp16,v=int8,protect=first2+last2", "fp16k-q8v, first and last 2 layers fp16"),
+    "boundary-fp16-q8k-q8v": ("k=int8,v=int8,protect=first2+last2", "q8k-q8v, first and last 2 layers fp16"),
+    "q8k-q8v": ("k=int8,v=int8", "int8 keys (per-channel blocks) and int8 values"),
+    "fp16k-int4v": ("k=fp16,v=int4", "fp16 keys, int4 values"),
+    "q8k-int4v": ("k=int8,v=int4", "int8 keys, int4 values"),
+    "fp16k-int4v-last8-fp16": ("k=fp16,v=int4,protect=last8", "fp16k-int4v, the last 8 layers fp16"),
+    "q8k-int4v-last8-q8v": ("k=int8,v=int4,v@last8=int8", "q8k-int4v, the last 8 layers keep int8 values"),
+    "fp16k-int4v-boundary-last": ("k=fp16,v=int4,protect=last2", "fp16k-int4v, the last 2 layers fp16"),
+    "q8k-turbo4v": ("k=int8,v=turbo4", "int8 keys, TurboQuant 4-bit values"),
+    "turbo4": (f"k=turbo4,v=turbo4,{_TURBO_TOKENS}", "TurboQuant 4-bit K and V, centered keys, 4 sinks + 16 recent fp16"),
+    "turbo3.5": (f"k=turbo3.5,v=turbo3.5,{_TURBO_TOKENS}", "TurboQuant 3.5-bit (outlier split 4/3 bits)"),
+    "turbo3": (f"k=turbo3,v=turbo3,{_TURBO_TOKENS}", "TurboQuant 3-bit K and V"),
+    "turbo2.5": (f"k=turbo2.5,v=turbo2.5,{_TURBO_TOKENS}", "TurboQuant 2.5-bit (outlier split 3/2 bits)"),
+    "turbo2": (f"k=turbo2,v=turbo2,{_TURBO_TOKENS}", "TurboQuant 2-bit K and V"),
+    "k4v2": (f"k=turbo4,v=turbo2,{_TURBO_TOKENS}", "asymmetric: 4-bit keys, 2-bit values"),
+    "k3v2": (f"k=turbo3,v=turbo2,{_TURBO_TOKENS}", "asymmetric: 3-bit keys, 2-bit values"),
+    "turbo4-qjl": (
+        f"k=turbo4-qjl,v=turbo4,{_TURBO_TOKENS}",
+        "TurboQuant-prod keys (3-bit MSE + 1-bit QJL: unbiased scores), 4-bit values",
+    ),
+}
+
+
+def get_preset(name: str) -> Policy:
+    if name not in PRESET_TEXT:
+        shipped = sorted(p.stem for p in SHIPPED_POLICY_DIR.glob("*.json"))
+        raise ValueError(
+            f"unknown policy preset {name!r}: valid presets are {', '.join(PRESET_TEXT)}"
+            + (f" (shipped policy files: {', '.join(shipped)})" if shipped else "")
+        )
+    return parse_compact(PRESET_TEXT[name][0]).with_name(name)
+
+
+PRESETS = tuple(PRESET_TEXT)

@@ -1,0 +1,221 @@
+"""Compare several candidate policies against one baseline on one or more prompts.
+
+The baseline is generated once per prompt (its token ids and logits kept); each (policy, prompt) cell then
+generates the candidate and compares it with the stored baseline exactly as ``validate`` does. Per policy
+the row aggregates its cells: the worst verdict, mean token match, mean top-1 agreement, mean KL over the
+steps where both runs saw the same context, mean saving, bits per element and throughput ratio.
+
+The recommendation (the seed's rule): choose the exact-match compressed policy with the highest saving;
+if there is none, keep ``fp16`` and name the ``best_risky_policy`` (best verdict, then token match, then
+lowest KL) and the ``unsafe_policies`` (verdict ``diverged``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqbench.engine.events import CompareCell, GenerationFinished, Progress, TokenGenerated
+from tqbench.engine.generate import Cancelled
+from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
+from tqbench.engine.validate.validation import (
+    DEFAULT_QUALITY_THRESHOLD,
+    VERDICTS,
+    StepRecord,
+    check_generation_args,
+    compare_tokens,
+    decide_verdict,
+    logit_comparison,
+    logit_stats,
+    policy_summary,
+    step_comparison,
+    worst_verdict,
+)
+
+
+def default_policies(baseline: str = "fp16") -> list[str]:
+    """Every registered preset except the baseline itself."""
+    return [p for p in PRESETS if p != baseline]
+
+
+@dataclass
+class _Run:
+    result: object
+    tokens: list[TokenGenerated]
+
+
+@dataclass
+class CompareResult:
+    model: str
+    baseline: str
+    cache_mode: str
+    baseline_mode: str
+    prompts: list
+    max_new_tokens: int
+    quality_threshold: float
+    storage_only: bool
+    rows: list[dict] = field(default_factory=list)  # one per policy
+    cells: list[dict] = field(default_factory=list)  # one per (policy, prompt)
+    recommendation: dict = field(default_factory=dict)
+    baseline_texts: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "baseline": self.baseline, "cache_mode": self.cache_mode,
+            "baseline_mode": self.baseline_mode, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
+            "quality_threshold": self.quality_threshold, "storage_only": self.storage_only,
+            "rows": self.rows, "cells": self.cells, "recommendation": self.recommendation,
+            "baseline_texts": self.baseline_texts,
+        }
+
+
+def _collect(stream, cancel) -> _Run:
+    tokens, result = [], None
+    for ev in stream:
+        if isinstance(ev, TokenGenerated):
+            tokens.append(ev)
+        elif isinstance(ev, GenerationFinished):
+            result = ev.result
+    if cancel is not None and cancel():
+        raise Cancelled("compare-policies cancelled")
+    return _Run(result, tokens)
+
+
+def _steps(base: _Run, cand: _Run) -> list[StepRecord]:
+    out = []
+    for i in range(max(len(base.tokens), len(cand.tokens))):
+        b = base.tokens[i] if i < len(base.tokens) else None
+        c = cand.tokens[i] if i < len(cand.tokens) else None
+        rec = StepRecord(i, b.token_id if b else None, c.token_id if c else None, b.top1_id if b else None,
+                         c.top1_id if c else None, b.text_delta if b else "", c.text_delta if c else "",
+                         baseline_seconds=b.step_seconds if b else None,
+                         candidate_seconds=c.step_seconds if c else None)
+        if b is not None and c is not None and b.logits is not None and c.logits is not None:
+            rec.kl, rec.max_abs_logit_delta = logit_stats(b.logits, c.logits)
+        out.append(rec)
+    return out
+
+
+def recommend_policy(rows: list[dict], baseline: str = "fp16", storage_only: bool = False) -> dict:
+    """The seed's rule over compare rows (see the module docstring)."""
+    exact = [r for r in rows if r["verdict"] == "exact-match" and r["memory_saved_pct"] > 0]
+    unsafe = [r["policy"] for r in rows if r["verdict"] == "diverged"]
+    rec = {
+        "rule": "the exact-match compressed policy with the highest saving; else keep the baseline",
+        "exact_match_policies": [r["policy"] for r in exact],
+        "unsafe_policies": unsafe,
+        "storage_only": storage_only,
+    }
+    if storage_only:
+        rec["note"] = "dense-shadow mode: attention read exact K/V, so verdicts say nothing about quality"
+    if exact and not storage_only:
+        best = max(exact, key=lambda r: r["memory_saved_pct"])
+        rec.update(recommended_policy=best["policy"], memory_saved_pct=best["memory_saved_pct"],
+                   best_risky_policy=None, status="compressed-policy")
+        return rec
+    risky = [r for r in rows if r["verdict"] != "exact-match" and r["verdict"] != "diverged"] or \
+        [r for r in rows if r["verdict"] != "exact-match"]
+    best_risky = None
+    if risky:
+        best_risky = min(risky, key=lambda r: (VERDICTS.index(r["verdict"]), -r["token_match_ratio"],
+                                               r["kl_mean"] if r["kl_mean"] is not None else 0.0,
+                                               -r["memory_saved_pct"]))["policy"]
+    rec.update(recommended_policy=baseline, memory_saved_pct=0.0, best_risky_policy=best_risky,
+               status="keep-baseline")
+    return rec
+
+
+def compare_policies(
+    engine,
+    policies: list[Policy | str],
+    prompts: list,
+    *,
+    baseline: Policy | str = "fp16",
+    cache_mode: str = "compressed",
+    baseline_mode: str | None = None,
+    max_new_tokens: int = 48,
+    chat: bool = True,
+    quality_threshold: float = DEFAULT_QUALITY_THRESHOLD,
+    collect_logits: bool = True,
+    on_event: Callable[[object], None] | None = None,
+    cancel: Callable[[], bool] | None = None,
+) -> CompareResult:
+    """Rows per policy and a recommendation; emits ``Progress`` per (policy, prompt) cell and ``CompareCell``."""
+    check_generation_args(max_new_tokens, quality_threshold)
+    if not policies:
+        raise ValueError("no policies to compare: give --policies a,b,c")
+    if not prompts:
+        raise ValueError("no prompts to compare on: give --prompt or --prompt-file")
+    base_pol = parse_policy(baseline)
+    pols = [parse_policy(p) for p in policies]
+    labels = [p.label for p in pols]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"policy {dupes[0]!r} is listed twice: give each policy once")
+    baseline_mode = baseline_mode or cache_mode
+    ids = [engine.encode_prompt(p, chat, max_new_tokens) for p in prompts]
+    total = len(pols) * len(prompts) + len(prompts)
+    done = 0
+
+    def progress(msg: str) -> None:
+        if on_event is not None:
+            on_event(Progress("compare-policies", done, total, msg))
+
+    kw = dict(max_new_tokens=max_new_tokens, collect_logits=collect_logits, cancel=cancel)
+    bases = []
+    for i, x in enumerate(ids):
+        progress(f"baseline {base_pol.label} on prompt {i + 1}")
+        bases.append(_collect(engine.stream(x, base_pol, baseline_mode, run="baseline", **kw), cancel))
+        done += 1
+    progress("baseline done")
+    storage_only = "dense-shadow" in (cache_mode, baseline_mode)
+    result = CompareResult(engine.name, base_pol.label, cache_mode, baseline_mode,
+                           [p if isinstance(p, (str, list)) else None for p in prompts], max_new_tokens,
+                           quality_threshold, storage_only, baseline_texts=[b.result.text for b in bases])
+    for pol in pols:
+        cells = []
+        for i, x in enumerate(ids):
+            progress(f"{pol.label} on prompt {i + 1}")
+            cand = _collect(engine.stream(x, pol, cache_mode, run="candidate", **kw), cancel)
+            steps = _steps(bases[i], cand)
+            comp = compare_tokens(bases[i].result.token_ids, cand.result.token_ids)
+            verdict = decide_verdict(comp, quality_threshold)
+            logits = logit_comparison(steps, comp.first_divergence_index)
+            summ = policy_summary(bases[i].result, cand.result)
+            cell = {
+                "policy": pol.label, "prompt_index": i, "verdict": verdict, "comparison": comp.to_dict(),
+                "step_comparison": step_comparison(steps), "logit_comparison": logits, "policy_summary": summ,
+                "text": cand.result.text,
+            }
+            cells.append(cell)
+            done += 1
+            if on_event is not None:
+                on_event(CompareCell(pol.label, i, verdict, comp.token_match_ratio,
+                                     logits["kl_mean"] if logits else None))
+        result.cells.extend(cells)
+        result.rows.append(_row(pol, cells))
+    progress("done")
+    result.recommendation = recommend_policy(result.rows, base_pol.label, storage_only)
+    return result
+
+
+def _row(pol: Policy, cells: list[dict]) -> dict:
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return round(sum(xs) / len(xs), 6) if xs else None
+
+    return {
+        "policy": pol.label,
+        "policy_string": pol.to_string(),
+        "verdict": worst_verdict([c["verdict"] for c in cells]),
+        "verdicts": [c["verdict"] for c in cells],
+        "first_divergence_indices": [c["comparison"]["first_divergence_index"] for c in cells],
+        "memory_saved_pct": mean([c["policy_summary"]["memory_saved_pct"] for c in cells]),
+        "bits_per_element": mean([c["policy_summary"]["bits_per_element"] for c in cells]),
+        "token_match_ratio": mean([c["comparison"]["token_match_ratio"] for c in cells]),
+        "prefix_match_ratio": mean([c["comparison"]["prefix_match_ratio"] for c in cells]),
+        "top1_match_ratio": mean([c["step_comparison"]["top1_match_ratio"] for c in cells]),
+        "kl_mean": mean([c["logit_comparison"]["kl_mean"] if c["logit_comparison"] else None for c in cells]),
+        "kl_max": max((c["logit_comparison"]["kl_max"] for c in cells if c["logit_comparison"]), default=None),
+        "throughput_ratio": mean([c["policy_summary"]["throughput_ratio"] for c in cells]),
+    }

@@ -1,0 +1,251 @@
+"""Policies: the presets and a builder with live bits per element and a KV estimate at a chosen context."""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
+from textual.widgets import Button, Checkbox, Input, Label, OptionList, Select, Static
+from textual.widgets.option_list import Option
+
+#: SmolLM2-135M-Instruct's KV geometry, used until a model is loaded
+DEFAULT_GEOMETRY = (30, 3, 64)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+class PoliciesPane(Horizontal):
+    BINDINGS = [
+        Binding("ctrl+u", "use", "Use as candidate", tooltip="Put the built policy into Run's candidate",
+                id="policies.use"),
+        Binding("ctrl+k", "keep", "Keep policy", tooltip="Name and keep the built policy (saved with the session)",
+                id="policies.keep"),
+    ]
+
+    DEFAULT_CSS = """
+    PoliciesPane { height: 1fr; }
+    PoliciesPane #policy-list { width: 44; min-width: 30; border: round $panel; height: 1fr; }
+    PoliciesPane #builder { width: 1fr; border: round $panel; padding: 0 1; }
+    PoliciesPane .row { height: 1; }
+    PoliciesPane .row Label { width: 16; color: $text-muted; }
+    PoliciesPane .row Select { width: 22; }
+    PoliciesPane .row Input { width: 1fr; max-width: 40; }
+    PoliciesPane #estimate { height: auto; padding: 1 0 0 0; }
+    PoliciesPane #policy-buttons { height: 1; }
+    PoliciesPane #policy-buttons Button { margin-right: 2; }
+    """
+
+    class Chosen(Message):
+        """The user picked a policy to run as the candidate."""
+
+        def __init__(self, policy: str) -> None:
+            super().__init__()
+            self.policy = policy
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kept: dict[str, str] = {}
+        self.current: str = ""
+        self.estimate = None
+
+    def compose(self) -> ComposeResult:
+        from tqbench.engine.codecs import CODEC_SPECS
+        from tqbench.engine.policy.spec import ROTATION_CHOICES
+
+        codecs = [(c, c) for c in CODEC_SPECS]
+        yield OptionList(id="policy-list")
+        with VerticalScroll(id="builder"):
+            with Horizontal(classes="row"):
+                yield Label("K codec")
+                yield Select(codecs, value="turbo4", id="k-codec", compact=True, allow_blank=False)
+            with Horizontal(classes="row"):
+                yield Label("V codec")
+                yield Select(codecs, value="turbo4", id="v-codec", compact=True, allow_blank=False)
+            with Horizontal(classes="row"):
+                yield Label("rotation")
+                yield Select([(r, r) for r in ROTATION_CHOICES], value="qr", id="rotation", compact=True,
+                             allow_blank=False)
+            with Horizontal(classes="row"):
+                yield Label("key centering")
+                yield Checkbox("on", True, id="center", compact=True)
+            with Horizontal(classes="row"):
+                yield Label("sink tokens")
+                yield Input("4", id="sink", compact=True, type="integer")
+            with Horizontal(classes="row"):
+                yield Label("recent window")
+                yield Input("16", id="recent", compact=True, type="integer")
+            with Horizontal(classes="row"):
+                yield Label("protect layers")
+                yield Input("", id="protect", compact=True, placeholder="first2+last2, 5, 3-6")
+            with Horizontal(classes="row"):
+                yield Label("overrides")
+                yield Input("", id="overrides", compact=True, placeholder="v@last8=int8 k@0-3=fp16")
+            with Horizontal(classes="row"):
+                yield Label("context tokens")
+                yield Input("1024", id="context", compact=True, type="integer")
+            with Horizontal(classes="row"):
+                yield Label("name")
+                yield Input("", id="policy-name", compact=True, placeholder="my-policy")
+            yield Static("", id="estimate")
+            with Horizontal(id="policy-buttons"):
+                yield Button("Use as candidate ^u", id="use", compact=True, variant="primary")
+                yield Button("Keep ^k", id="keep", compact=True)
+
+    def on_mount(self) -> None:
+        self.reload_list()
+        self.recompute()
+
+    # ---- the list --------------------------------------------------------------------------------
+    def reload_list(self) -> None:
+        from tqbench.engine.cache.estimate import estimate_kv
+        from tqbench.engine.policy.spec import PRESET_TEXT, parse_policy
+
+        ol = self.query_one("#policy-list", OptionList)
+        ol.clear_options()
+        geo, ctx = self.geometry(), self.context()
+        entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + list(self.kept.items())
+        for name, text in entries:
+            try:
+                est = estimate_kv(parse_policy(text), geo, ctx)
+                bits = f"{est.bits_per_element:5.2f} b"
+            except ValueError:
+                bits = "  ?   "
+            tag = " [i](kept)[/i]" if name in self.kept else ""
+            ol.add_option(Option(f"{name:<26} {bits}{tag}", id=f"p:{name}"))
+        ol.border_title = f"presets · bits/element at {ctx} tokens"
+
+    def policy_text(self, name: str) -> str:
+        from tqbench.engine.policy.spec import PRESET_TEXT
+
+        return self.kept[name] if name in self.kept else PRESET_TEXT[name][0]
+
+    @on(OptionList.OptionHighlighted, "#policy-list")
+    def _highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        self.load_into_builder(event.option.id[2:])
+
+    @on(OptionList.OptionSelected, "#policy-list")
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        name = event.option.id[2:]
+        self.load_into_builder(name)
+        self.post_message(self.Chosen(name if name not in self.kept else self.kept[name]))
+
+    def load_into_builder(self, name: str) -> None:
+        from tqbench.engine.policy.spec import parse_policy
+
+        pol = parse_policy(self.policy_text(name))
+        with self.prevent(Input.Changed, Select.Changed, Checkbox.Changed):
+            self.query_one("#k-codec", Select).value = pol.k
+            self.query_one("#v-codec", Select).value = pol.v
+            self.query_one("#rotation", Select).value = pol.rotation
+            self.query_one("#center", Checkbox).value = pol.center
+            self.query_one("#sink", Input).value = str(pol.sink)
+            self.query_one("#recent", Input).value = str(pol.recent)
+            self.query_one("#protect", Input).value = pol.protect
+            self.query_one("#overrides", Input).value = " ".join(f"{r}@{s}={c}" for r, s, c in pol.overrides)
+            self.query_one("#policy-name", Input).value = name
+        self.recompute()
+
+    # ---- the builder -----------------------------------------------------------------------------
+    def geometry(self):
+        from tqbench.engine.cache.estimate import KVGeometry
+
+        engine = getattr(self.app, "engine", None)
+        if engine is not None:
+            return KVGeometry.from_config(engine.config)
+        return KVGeometry(*DEFAULT_GEOMETRY)
+
+    def context(self) -> int:
+        try:
+            return max(1, int(self.query_one("#context", Input).value or "1024"))
+        except ValueError:
+            return 1024
+
+    def built_string(self) -> str:
+        def val(i: str) -> str:
+            return self.query_one(f"#{i}", Input).value.strip()
+
+        parts = [f"k={self.query_one('#k-codec', Select).value}", f"v={self.query_one('#v-codec', Select).value}"]
+        for key in ("sink", "recent"):
+            if val(key) not in ("", "0"):
+                parts.append(f"{key}={val(key)}")
+        if val("protect"):
+            parts.append(f"protect={val('protect')}")
+        if self.query_one("#rotation", Select).value != "qr":
+            parts.append(f"rotation={self.query_one('#rotation', Select).value}")
+        if not self.query_one("#center", Checkbox).value:
+            parts.append("center=off")
+        parts += [o for o in val("overrides").replace(",", " ").split() if o]
+        return ",".join(parts)
+
+    @on(Input.Changed)
+    @on(Select.Changed)
+    @on(Checkbox.Changed)
+    def _changed(self, event) -> None:
+        if getattr(event, "input", None) is not None and event.input.id == "context":
+            self.reload_list()
+        if getattr(event, "input", None) is not None and event.input.id == "policy-name":
+            return
+        self.recompute()
+
+    def recompute(self) -> None:
+        from tqbench.engine.cache.estimate import estimate_kv
+        from tqbench.engine.policy.spec import parse_policy
+
+        out = self.query_one("#estimate", Static)
+        text = self.built_string()
+        try:
+            pol = parse_policy(text)
+            est = estimate_kv(pol, self.geometry(), self.context())
+        except ValueError as exc:
+            self.current, self.estimate = "", None
+            out.update(f"[b red]invalid policy[/]: {exc}")
+            return
+        self.current, self.estimate = pol.to_string(), est
+        g = self.geometry()
+        out.update(
+            f"[b]{pol.to_string()}[/b]\n"
+            f"[b]{est.bits_per_element:.2f}[/b] bits/element · KV at {est.seq_len} tokens: "
+            f"[b]{_mib(est.total_bytes)}[/b] vs fp16 {_mib(est.dense_fp16_bytes)} "
+            f"([b green]{est.saved_pct:.1f}% saved[/]) · shared {est.shared_bytes} B\n"
+            f"[dim]geometry: {g.num_layers} layers × {g.kv_heads} KV heads × head_dim {g.head_dim}; every byte "
+            f"counted (norms, scales, fp16 sink/window rows, rotations and codebooks once)[/dim]"
+        )
+
+    # ---- actions ---------------------------------------------------------------------------------
+    @on(Button.Pressed, "#use")
+    def action_use(self) -> None:
+        if not self.current:
+            self.app.notify("the built policy is invalid: fix the fields shown in red", severity="error")
+            return
+        name = self.query_one("#policy-name", Input).value.strip()
+        from tqbench.engine.policy.spec import PRESET_TEXT, parse_policy
+
+        unchanged = name in PRESET_TEXT and parse_policy(name).to_string() == self.current
+        self.post_message(self.Chosen(name if unchanged else self.current))
+
+    @on(Button.Pressed, "#keep")
+    def action_keep(self) -> None:
+        from tqbench.engine.policy.spec import PRESET_TEXT
+
+        name = self.query_one("#policy-name", Input).value.strip()
+        if not self.current:
+            self.app.notify("the built policy is invalid: fix the fields shown in red", severity="error")
+            return
+        if not name or name in PRESET_TEXT or "," in name or "=" in name:
+            self.app.notify("give the policy a new name (not a preset's, no ',' or '=') in the name field",
+                            severity="error")
+            return
+        self.kept[name] = self.current
+        self.reload_list()
+        self.app.notify(f"kept policy {name}: {self.current}")
+        keep = getattr(self.app, "policy_kept", None)
+        if keep is not None:
+            keep(name, self.current)
+
+    def set_kept(self, kept: dict[str, str]) -> None:
+        self.kept = dict(kept)
+        self.reload_list()
