@@ -8,14 +8,9 @@ import pytest
 
 from tqbench.engine.events import GenerationStarted, PairStep, Progress, ValidationDone
 from tqbench.engine.generate import Cancelled
+from tqbench.engine.metrics import compare_tokens, decide_verdict
 from tqbench.engine.validate.compare import compare_policies, recommend_policy
-from tqbench.engine.validate.validation import (
-    compare_tokens,
-    decide_verdict,
-    self_test,
-    teacher_forced_quality,
-    validate,
-)
+from tqbench.engine.validate.validation import self_test, teacher_forced_quality, validate
 
 PROMPT = "The lighthouse keeper wrote"
 

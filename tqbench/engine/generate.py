@@ -15,6 +15,7 @@ from tqbench.engine.events import (
     PrefillDone,
     TokenGenerated,
 )
+from tqbench.engine.metrics import kl_divergence
 
 
 class Cancelled(Exception):
@@ -200,13 +201,6 @@ def stream_tokens(
 @torch.inference_mode()
 def _forward(model, ids: torch.Tensor, cache):
     return model(input_ids=ids, cache=cache, use_cache=True)
-
-
-def kl_divergence(base_logits: torch.Tensor, cand_logits: torch.Tensor) -> float:
-    """KL(baseline || candidate) of the softmax distributions, in nats."""
-    lp = torch.log_softmax(base_logits.double(), -1)
-    lq = torch.log_softmax(cand_logits.double(), -1)
-    return float(torch.sum(lp.exp() * (lp - lq)))
 
 
 def lockstep(baseline: Iterator[object], candidate: Iterator[object]) -> Iterator[object]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tqbench.engine.events import CacheBytes, GenerationFinished, GenerationStarted, PairStep, PrefillDone
+from tqbench.engine.metrics import first_divergence, pair_summary
 
 FORMAT = "tqbench-session"
 VERSION = 1
@@ -148,23 +149,11 @@ class RunRecord:
 
     @property
     def first_divergence(self) -> int | None:
-        for i, same in enumerate(self.same_token):
-            if not same:
-                return i
-        return None
+        return first_divergence(self.same_token)
 
     def summary(self) -> dict:
-        kls = [k for k in self.kl if k is not None]
-        n = self.steps
-        return {
-            "steps": n,
-            "token_match": (sum(self.same_token) / n) if n else None,
-            "top1_agreement": (sum(self.same_top1) / n) if n else None,
-            "kl_mean": (sum(kls) / len(kls)) if kls else None,
-            "kl_max": max(kls) if kls else None,
-            "first_divergence": self.first_divergence,
-            "exact_match": bool(n) and all(self.same_token),
-        }
+        """``metrics.pair_summary``: the numbers ``validate`` reports for the same run (same-context KL)."""
+        return pair_summary(self.same_token, self.same_top1, self.kl).to_dict()
 
     def params(self) -> dict:
         """What re-running this record needs."""

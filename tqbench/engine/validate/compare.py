@@ -17,19 +17,21 @@ from dataclasses import dataclass, field
 
 from tqbench.engine.events import CompareCell, GenerationFinished, Progress, TokenGenerated
 from tqbench.engine.generate import Cancelled
-from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
-from tqbench.engine.validate.validation import (
+from tqbench.engine.metrics import (
     DEFAULT_QUALITY_THRESHOLD,
     VERDICTS,
-    StepRecord,
-    check_generation_args,
     compare_tokens,
     decide_verdict,
-    logit_comparison,
     logit_stats,
+    worst_verdict,
+)
+from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
+from tqbench.engine.validate.validation import (
+    StepRecord,
+    check_generation_args,
+    logit_comparison,
     policy_summary,
     step_comparison,
-    worst_verdict,
 )
 
 

@@ -6,15 +6,7 @@ with a verdict and a recommendation. ``self_test`` runs the baseline against its
 (it must be ``exact-match``). ``teacher_forced_quality`` feeds the same tokens through both caches so one
 early flip cannot cascade: perplexity of both, KL(baseline || candidate), top-1 agreement.
 
-How a verdict is decided (``decide_verdict``), with ``n = max(len(baseline), len(candidate))``:
-
-- ``exact-match``: the two token sequences are identical (same ids, same length).
-- ``near-stable``: not identical, but the runs agree on at least ``quality_threshold`` (default 0.9) of
-  the tokens: the first divergence comes after ``quality_threshold * n`` tokens (``prefix_match_ratio``),
-  or position-wise ``token_match_ratio >= quality_threshold``.
-- ``prefix-stable-then-diverged``: the first divergence comes after at least ``stable_prefix`` (default
-  0.25) of the tokens (and at least one token matched), then the texts go their own ways.
-- ``diverged``: the runs part within the first ``stable_prefix`` of the tokens.
+The verdict rules and every metric live in ``tqbench.engine.metrics`` (one definition each).
 
 A report from ``dense-shadow`` mode (attention reads exact K/V) carries ``storage_only: true``: its verdict
 says nothing about quality, and its recommendation says so.
@@ -31,66 +23,22 @@ import torch
 
 from tqbench.engine.events import GenerationFinished, PairStep, ValidationDone
 from tqbench.engine.generate import GREEDY, Cancelled, Sampling
+from tqbench.engine.metrics import (
+    DEFAULT_QUALITY_THRESHOLD,
+    TokenComparison,
+    compare_tokens,
+    decide_verdict,
+    logit_stats,
+    same_context_kl,
+)
 from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
 
-VERDICTS = ("exact-match", "near-stable", "prefix-stable-then-diverged", "diverged")
-DEFAULT_QUALITY_THRESHOLD = 0.9
-DEFAULT_STABLE_PREFIX = 0.25
 STATUS = {
     "exact-match": "safe",
     "near-stable": "usable-with-care",
     "prefix-stable-then-diverged": "risky",
     "diverged": "unsafe",
 }
-
-
-# ---- token comparison and verdicts ---------------------------------------------------------------
-@dataclass(frozen=True)
-class TokenComparison:
-    exact_match: bool
-    first_divergence_index: int | None  # None when the sequences are identical
-    token_match_ratio: float  # position-wise equal tokens / max(len)
-    prefix_match_ratio: float  # tokens before the first divergence / max(len)
-    baseline_tokens: int
-    candidate_tokens: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def compare_tokens(baseline: list[int], candidate: list[int]) -> TokenComparison:
-    n = max(len(baseline), len(candidate))
-    if n == 0:
-        return TokenComparison(True, None, 1.0, 1.0, 0, 0)
-    first = None
-    for i in range(n):
-        if i >= len(baseline) or i >= len(candidate) or baseline[i] != candidate[i]:
-            first = i
-            break
-    same = sum(1 for b, c in zip(baseline, candidate) if b == c)
-    prefix = n if first is None else first
-    return TokenComparison(first is None, first, same / n, prefix / n, len(baseline), len(candidate))
-
-
-def decide_verdict(
-    comparison: TokenComparison,
-    quality_threshold: float = DEFAULT_QUALITY_THRESHOLD,
-    stable_prefix: float = DEFAULT_STABLE_PREFIX,
-) -> str:
-    """The verdict of a greedy baseline/candidate pair (rules in the module docstring)."""
-    if not 0 < quality_threshold <= 1:
-        raise ValueError(f"quality_threshold={quality_threshold} is invalid: use a number in (0, 1]")
-    if comparison.exact_match:
-        return "exact-match"
-    if comparison.prefix_match_ratio >= quality_threshold or comparison.token_match_ratio >= quality_threshold:
-        return "near-stable"
-    if comparison.first_divergence_index and comparison.prefix_match_ratio >= stable_prefix:
-        return "prefix-stable-then-diverged"
-    return "diverged"
-
-
-def worst_verdict(verdicts: list[str]) -> str:
-    return max(verdicts, key=VERDICTS.index) if verdicts else "exact-match"
 
 
 # ---- step records shared by validate and compare ----------------------------------------------------
@@ -123,14 +71,6 @@ class StepRecord:
         return d
 
 
-def logit_stats(base_logits: torch.Tensor, cand_logits: torch.Tensor) -> tuple[float, float]:
-    """(KL(baseline || candidate) in nats, max |delta logit|) of one step."""
-    lp = torch.log_softmax(base_logits.double(), -1)
-    lq = torch.log_softmax(cand_logits.double(), -1)
-    kl = float(torch.sum(lp.exp() * (lp - lq)))
-    return max(kl, 0.0), float((base_logits.double() - cand_logits.double()).abs().max())
-
-
 def step_comparison(steps: list[StepRecord]) -> dict:
     paired = [s for s in steps if s.baseline_token is not None and s.candidate_token is not None]
     n = len(paired)
@@ -143,27 +83,22 @@ def step_comparison(steps: list[StepRecord]) -> dict:
 
 
 def logit_comparison(steps: list[StepRecord], first_divergence: int | None) -> dict | None:
-    """KL and logit deltas over the steps where both runs saw the same context (up to the first divergence,
-    inclusive); later steps compare different histories and are reported separately."""
-    with_kl = [s for s in steps if s.kl is not None]
-    if not with_kl:
+    """KL and logit deltas over the steps where both runs saw the same context (``metrics.same_context_kl``);
+    later steps compare different histories and are reported separately."""
+    if not any(s.kl is not None for s in steps):
         return None
-    last = first_divergence if first_divergence is not None else len(steps)
-    same_ctx = [s for s in with_kl if s.step <= last]
-    after = [s for s in with_kl if s.step > last]
+    k = same_context_kl([s.kl for s in steps], first_divergence)
+    last = len(steps) - 1 if first_divergence is None else first_divergence
+    deltas = [s.max_abs_logit_delta for s in steps if s.kl is not None and s.step <= last]
     return {
         "metric": "KL(baseline || candidate) in nats, softmax of the step's logits",
-        "steps_compared": len(same_ctx),
-        "kl_mean": _mean([s.kl for s in same_ctx]),
-        "kl_max": max((s.kl for s in same_ctx), default=0.0),
-        "max_abs_logit_delta": max((s.max_abs_logit_delta for s in same_ctx), default=0.0),
-        "after_divergence_steps": len(after),
-        "after_divergence_kl_mean": _mean([s.kl for s in after]) if after else None,
+        "steps_compared": k.steps_compared,
+        "kl_mean": k.kl_mean or 0.0,
+        "kl_max": k.kl_max or 0.0,
+        "max_abs_logit_delta": max(deltas, default=0.0),
+        "after_divergence_steps": k.after_divergence_steps,
+        "after_divergence_kl_mean": k.after_divergence_kl_mean,
     }
-
-
-def _mean(xs: list[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else 0.0
 
 
 # ---- recommendation ------------------------------------------------------------------------------

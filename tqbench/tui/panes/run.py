@@ -86,10 +86,10 @@ class RunPane(Vertical):
         self._cancel = threading.Event()
         self.record = None  # the RunRecord on screen
         self.steps = 0
-        self._kl: list[float] = []
-        self._same = 0
-        self._top1 = 0
-        self._first: int | None = None
+        # the run's per-step arrays; ``metrics.pair_summary`` turns them into the strip's numbers
+        self._same_token: list[bool] = []
+        self._same_top1: list[bool] = []
+        self._kl: list[float | None] = []
         self._diff_note = ""
         self.status = "idle"
         self.on_finish = None  # callback(record) set by the app for re-run-and-diff
@@ -232,9 +232,8 @@ class RunPane(Vertical):
 
         self.running = True
         self._cancel.clear()
-        self.steps = self._same = self._top1 = 0
-        self._kl = []
-        self._first = None
+        self.steps = 0
+        self._same_token, self._same_top1, self._kl = [], [], []
         self._diff_note = ""
         self.status = "running"
         base, cand = parse_policy(params.baseline), parse_policy(params.candidate)
@@ -293,13 +292,10 @@ class RunPane(Vertical):
         if isinstance(ev, tuple):
             step, b, c, same, top1, kl = ev
             self.steps = step + 1
-            self._same += bool(same)
-            self._top1 += bool(top1)
-            if kl is not None:
-                self._kl.append(kl)
+            self._same_token.append(bool(same))
+            self._same_top1.append(bool(top1))
+            self._kl.append(kl)
             differs = not same
-            if differs and self._first is None:
-                self._first = step
             for run, tok in (("baseline", b), ("candidate", c)):
                 if tok is not None:
                     self.query_one(f"#{run}-view", TokenView).add(tok.token_id, tok.text, differs and b is not None
@@ -354,10 +350,7 @@ class RunPane(Vertical):
             {r: getattr(rec, r).resident_bytes for r in ("baseline", "candidate") if getattr(rec, r)},
         )
         self.steps = rec.steps
-        self._same = sum(rec.same_token)
-        self._top1 = sum(rec.same_top1)
-        self._kl = [k for k in rec.kl if k is not None]
-        self._first = rec.first_divergence
+        self._same_token, self._same_top1, self._kl = list(rec.same_token), list(rec.same_top1), list(rec.kl)
         self.status = "saved run"
         self._diff_note = note
         self._update_strip()
@@ -367,18 +360,19 @@ class RunPane(Vertical):
         self._update_strip()
 
     def _update_strip(self) -> None:
+        from tqbench.engine.metrics import pair_summary
+
         n = self.steps
+        summary = pair_summary(self._same_token, self._same_top1, self._kl)  # the numbers validate reports
         parts = [f"[b]{self.status}[/b]", f"step {n}"]
         if n:
-            parts.append(f"token match {self._same}/{n} ({100 * self._same / n:.0f}%)")
-            parts.append(f"top-1 {self._top1}/{n}")
-        # like validate's logit_comparison: KL only where both runs saw the same context (through the first
-        # divergence); after it the two runs condition on different histories and KL stops meaning "quality"
-        same_ctx = self._kl if self._first is None else self._kl[: self._first + 1]
-        if same_ctx:
-            parts.append(f"KL same-context mean {sum(same_ctx) / len(same_ctx):.4f} max {max(same_ctx):.4f}")
-        if self._first is not None:
-            parts.append(f"[b #ffd700]▶ first divergence @ {self._first}[/]")
+            same, top1 = sum(self._same_token), sum(self._same_top1)
+            parts.append(f"token match {same}/{n} ({100 * same / n:.0f}%)")
+            parts.append(f"top-1 {top1}/{n}")
+        if summary.kl_mean is not None:
+            parts.append(f"KL same-context mean {summary.kl_mean:.4f} max {summary.kl_max:.4f}")
+        if summary.first_divergence is not None:
+            parts.append(f"[b #ffd700]▶ first divergence @ {summary.first_divergence}[/]")
         elif n:
             parts.append("[green]no divergence[/]")
         try:

@@ -1,0 +1,156 @@
+"""Every comparison metric of a baseline/candidate pair, defined once.
+
+validate, compare-policies, the workbench's Run strip, saved sessions and the server all call these, so one
+run gets one number wherever it is shown.
+
+- ``kl_divergence`` / ``logit_stats``: KL(baseline || candidate) of one step's softmax, in nats (computed in
+  float64, clamped at 0 against rounding), and the largest |logit delta|.
+- ``compare_tokens``: exact match, first divergence, position-wise token match ratio and prefix ratio.
+- ``same_context_kl``: KL averaged over the steps where both runs had seen the same tokens, i.e. up to
+  and including the first divergence; after it the two runs condition on different histories, so their
+  KL measures the divergence, not the cache. This is *the* ``kl_mean`` of a run.
+- ``pair_summary``: the summary of a run's per-step arrays (what a session and the Run strip show).
+- ``decide_verdict`` / ``worst_verdict``: the verdict rules (below).
+
+Verdicts (``decide_verdict``), with ``n = max(len(baseline), len(candidate))``:
+
+- ``exact-match``: the two token sequences are identical (same ids, same length).
+- ``near-stable``: not identical, but the runs agree on at least ``quality_threshold`` (default 0.9) of
+  the tokens: the first divergence comes after ``quality_threshold * n`` tokens (``prefix_match_ratio``),
+  or position-wise ``token_match_ratio >= quality_threshold``.
+- ``prefix-stable-then-diverged``: the first divergence comes after at least ``stable_prefix`` (default
+  0.25) of the tokens (and at least one token matched), then the texts go their own ways.
+- ``diverged``: the runs part within the first ``stable_prefix`` of the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+VERDICTS = ("exact-match", "near-stable", "prefix-stable-then-diverged", "diverged")
+DEFAULT_QUALITY_THRESHOLD = 0.9
+DEFAULT_STABLE_PREFIX = 0.25
+
+
+# ---- one step's logits ---------------------------------------------------------------------------
+def logit_stats(base_logits, cand_logits) -> tuple[float, float]:
+    """(KL(baseline || candidate) in nats, max |delta logit|) of one step (torch tensors, any dtype)."""
+    import torch
+
+    lp = torch.log_softmax(base_logits.double(), -1)
+    lq = torch.log_softmax(cand_logits.double(), -1)
+    kl = float(torch.sum(lp.exp() * (lp - lq)))
+    return max(kl, 0.0), float((base_logits.double() - cand_logits.double()).abs().max())
+
+
+def kl_divergence(base_logits, cand_logits) -> float:
+    """KL(baseline || candidate) of the softmax distributions of one step, in nats."""
+    return logit_stats(base_logits, cand_logits)[0]
+
+
+# ---- token sequences -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenComparison:
+    exact_match: bool
+    first_divergence_index: int | None  # None when the sequences are identical
+    token_match_ratio: float  # position-wise equal tokens / max(len)
+    prefix_match_ratio: float  # tokens before the first divergence / max(len)
+    baseline_tokens: int
+    candidate_tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_tokens(baseline: list[int], candidate: list[int]) -> TokenComparison:
+    n = max(len(baseline), len(candidate))
+    if n == 0:
+        return TokenComparison(True, None, 1.0, 1.0, 0, 0)
+    first = None
+    for i in range(n):
+        if i >= len(baseline) or i >= len(candidate) or baseline[i] != candidate[i]:
+            first = i
+            break
+    same = sum(1 for b, c in zip(baseline, candidate) if b == c)
+    prefix = n if first is None else first
+    return TokenComparison(first is None, first, same / n, prefix / n, len(baseline), len(candidate))
+
+
+def first_divergence(same_token: list[bool]) -> int | None:
+    """The first step whose tokens differ, or None."""
+    return next((i for i, same in enumerate(same_token) if not same), None)
+
+
+# ---- KL over a run -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KLSummary:
+    steps_compared: int  # steps up to and including the first divergence that carry a KL
+    kl_mean: float | None
+    kl_max: float | None
+    after_divergence_steps: int
+    after_divergence_kl_mean: float | None
+
+
+def same_context_kl(kl: list[float | None], first_div: int | None) -> KLSummary:
+    """KL over the steps that shared a context (``kl[i]`` is step i's KL, None where not measured)."""
+    last = len(kl) - 1 if first_div is None else first_div
+    same = [k for i, k in enumerate(kl) if k is not None and i <= last]
+    after = [k for i, k in enumerate(kl) if k is not None and i > last]
+    return KLSummary(len(same), _mean(same), max(same) if same else None, len(after), _mean(after))
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+# ---- a run's summary ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairSummary:
+    steps: int
+    token_match: float | None
+    top1_agreement: float | None
+    kl_mean: float | None  # same-context KL (see the module docstring)
+    kl_max: float | None
+    first_divergence: int | None
+    exact_match: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pair_summary(same_token: list[bool], same_top1: list[bool], kl: list[float | None]) -> PairSummary:
+    """The summary of a baseline/candidate run from its per-step arrays."""
+    n = len(same_token)
+    first = first_divergence(same_token)
+    k = same_context_kl(kl, first)
+    return PairSummary(
+        steps=n,
+        token_match=(sum(same_token) / n) if n else None,
+        top1_agreement=(sum(same_top1) / n) if n else None,
+        kl_mean=k.kl_mean,
+        kl_max=k.kl_max,
+        first_divergence=first,
+        exact_match=bool(n) and first is None,
+    )
+
+
+# ---- verdicts ------------------------------------------------------------------------------------------
+def decide_verdict(
+    comparison: TokenComparison,
+    quality_threshold: float = DEFAULT_QUALITY_THRESHOLD,
+    stable_prefix: float = DEFAULT_STABLE_PREFIX,
+) -> str:
+    """The verdict of a greedy baseline/candidate pair (rules in the module docstring)."""
+    if not 0 < quality_threshold <= 1:
+        raise ValueError(f"quality_threshold={quality_threshold} is invalid: use a number in (0, 1]")
+    if comparison.exact_match:
+        return "exact-match"
+    if comparison.prefix_match_ratio >= quality_threshold or comparison.token_match_ratio >= quality_threshold:
+        return "near-stable"
+    if comparison.first_divergence_index and comparison.prefix_match_ratio >= stable_prefix:
+        return "prefix-stable-then-diverged"
+    return "diverged"
+
+
+def worst_verdict(verdicts: list[str]) -> str:
+    return max(verdicts, key=VERDICTS.index) if verdicts else "exact-match"
