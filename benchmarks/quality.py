@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tqbench.engine.engine import Engine
-from tqbench.engine.validate.quality import baseline_logprobs, corpus_ids, teacher_forced
+from tqbench.engine.validate import baseline_logprobs, corpus_ids, teacher_forced
 
 DEFAULT_POLICIES = ["q8k-q8v", "fp16k-int4v", "q8k-int4v", "turbo4", "turbo3.5", "turbo3", "turbo2.5", "turbo2",
                     "k4v2", "k3v2", "turbo4-qjl"]

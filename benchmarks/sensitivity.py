@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tqbench.engine.engine import Engine
-from tqbench.engine.validate.quality import baseline_logprobs, corpus_ids, teacher_forced
+from tqbench.engine.validate import baseline_logprobs, corpus_ids, teacher_forced
 
 
 def main() -> None:

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from tqbench.cli.render import validate as rv
-from tqbench.cli.validate import DEFAULT_PROMPT, SECOND_PROMPT
+from tqbench.cli.render.compare import compare_md, print_compare
+from tqbench.cli.render.progress import EventProgress
+from tqbench.cli.render.validate import print_teacher_forced, teacher_forced_md
+from tqbench.constants import COMPARE_PROMPTS
 from tqbench.engine.engine import Engine
-from tqbench.engine.validate.compare import compare_policies, default_policies
-from tqbench.engine.validate.validation import teacher_forced_quality
+from tqbench.engine.validate import compare_policies, default_policies, teacher_forced_quality
 
 
 def _meta(engine, t0: float, loadavg_before) -> dict:
@@ -62,25 +63,25 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.skip_compare:
         t0, la = time.time(), os.getloadavg()
-        with rv.EventProgress(total=len(policies) * 2 + 2, label="compare") as prog:
-            res = compare_policies(engine, policies, [DEFAULT_PROMPT, SECOND_PROMPT], cache_mode=args.mode,
+        with EventProgress(total=len(policies) * 2 + 2, label="compare") as prog:
+            res = compare_policies(engine, policies, list(COMPARE_PROMPTS), cache_mode=args.mode,
                                    max_new_tokens=args.max_new_tokens, on_event=prog)
         payload = {**_meta(engine, t0, la), **res.to_dict()}
-        rv.print_compare(payload)
+        print_compare(res)
         path = out_dir / "validation-compare.json"
         path.write_text(json.dumps(payload, indent=2))
-        (out_dir / "validation-compare.md").write_text(rv.compare_md(payload))
+        (out_dir / "validation-compare.md").write_text(compare_md(res))
         con.print(f"wrote {path}")
     if not args.skip_tf:
         t0, la = time.time(), os.getloadavg()
-        with rv.EventProgress(label="teacher-forced") as prog:
+        with EventProgress(label="teacher-forced") as prog:
             rep = teacher_forced_quality(engine, policies, corpus=args.corpus, context_tokens=args.tf_context,
                                          eval_tokens=args.tf_tokens, cache_mode=args.mode, on_event=prog)
         payload = {**_meta(engine, t0, la), **rep.to_dict()}
-        rv.print_teacher_forced(payload)
+        print_teacher_forced(rep)
         path = out_dir / "validation-teacher-forced.json"
         path.write_text(json.dumps(payload, indent=2))
-        (out_dir / "validation-teacher-forced.md").write_text(rv.teacher_forced_md(payload))
+        (out_dir / "validation-teacher-forced.md").write_text(teacher_forced_md(rep))
         con.print(f"wrote {path}")
 
 

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "Engine": ("tqbench.engine.engine", "Engine"),
-    "Policy": ("tqbench.engine.policy.spec", "Policy"),
-    "parse_policy": ("tqbench.engine.policy.spec", "parse_policy"),
-    "TQCache": ("tqbench.engine.cache.tqcache", "TQCache"),
-    "CompressedDynamicCache": ("tqbench.engine.cache.compat", "CompressedDynamicCache"),
-    "Sampling": ("tqbench.engine.generate", "Sampling"),
-}
+#: public name -> (module, attribute): every name comes through the engine's door (``tqbench.engine``)
+_LAZY = {name: ("tqbench.engine", name) for name in
+         ("Engine", "Policy", "parse_policy", "TQCache", "CompressedDynamicCache", "Sampling")}
 
 __all__ = ["__version__", *_LAZY]
 

@@ -1,4 +1,4 @@
-"""Torch-free names every layer shares: cache modes and what each keeps resident, the default prompt.
+"""Torch-free names every layer shares: cache modes and what each keeps resident, the default prompts.
 
 Front ends import this module to build their flags and forms without loading torch (``tqbench --help``
 stays fast); the engine imports it for the same names, so each is written once.
@@ -33,6 +33,9 @@ CACHE_MODE_RESIDENT = {
 FASTEST_QUALITY_MODE = {"cpu": "simulate"}
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+#: the second built-in prompt: compare-policies runs both when given none
+SECOND_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+COMPARE_PROMPTS = (DEFAULT_PROMPT, SECOND_PROMPT)
 
 
 def fastest_quality_mode(device_type: str) -> str:

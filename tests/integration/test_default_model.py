@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tqbench.engine.models.load import (
+from tqbench.engine.models import (
     DEFAULT_MODEL_ID,
     ModelNotFoundError,
     converted_dir,

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tqbench.engine.cache.tqcache import CACHE_MODES
+from tqbench.constants import CACHE_MODES
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.load import ModelNotFoundError, resolve_model
+from tqbench.engine.models import ModelNotFoundError, resolve_model
 
 pytestmark = pytest.mark.integration
 

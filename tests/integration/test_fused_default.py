@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.load import ModelNotFoundError, resolve_model
-from tqbench.engine.validate.quality import corpus_ids
+from tqbench.engine.models import ModelNotFoundError, resolve_model
+from tqbench.engine.validate import corpus_ids
 
 pytestmark = pytest.mark.integration
 

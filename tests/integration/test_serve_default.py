@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.load import ModelNotFoundError, resolve_model
+from tqbench.engine.models import ModelNotFoundError, resolve_model
 
 pytestmark = pytest.mark.integration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))

@@ -6,9 +6,9 @@ import pytest
 
 from tqbench.engine.engine import Engine
 from tqbench.engine.metrics import compare_tokens, decide_verdict
-from tqbench.engine.models.load import ModelNotFoundError, resolve_model
-from tqbench.engine.scan.scan_run import scan
-from tqbench.engine.validate.validation import self_test, validate
+from tqbench.engine.models import ModelNotFoundError, resolve_model
+from tqbench.engine.scan import scan
+from tqbench.engine.validate import self_test, validate
 
 pytestmark = pytest.mark.integration
 PROMPT = "Explain in a few sentences why the sky is blue."

@@ -9,7 +9,7 @@ from textual.widgets import Input, Label, OptionList, TabbedContent
 from tui_helpers import notes, plain, wait_for
 
 from tqbench.engine.policy.spec import PRESETS
-from tqbench.sessions.session import Session
+from tqbench.sessions import Session
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 from tqbench.tui.panes.policies import PoliciesPane
 from tqbench.tui.screens.help import HelpScreen, binding_rows

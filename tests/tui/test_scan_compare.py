@@ -4,14 +4,14 @@ import pytest
 from textual.widgets import DataTable, Input, Label, Select, TabbedContent
 from tui_helpers import notes, plain, wait_for
 
-from tqbench.sessions.session import Session
+from tqbench.sessions import Session
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_scan_shows_heatmaps_cells_and_a_suggested_policy(data_dir, steady_engine):
-    from tqbench.engine.scan.scan_run import scan
+    from tqbench.engine.scan import scan
 
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -46,7 +46,7 @@ async def test_scan_shows_heatmaps_cells_and_a_suggested_policy(data_dir, steady
 async def test_escape_cancels_a_scan_and_keeps_nothing(data_dir, steady_engine, monkeypatch):
     import threading
 
-    import tqbench.engine.scan.scan_run as scan_module
+    import tqbench.engine.scan as scan_module
     from tqbench.engine.events import ScanLayerDone
 
     # the scan's worker holds after its first layer until escape has been pressed: no race with the clock

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, TextArea
 
-from tqbench.sessions.session import RunRecorder
+from tqbench.sessions import RunRecorder
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +93,7 @@ async def test_help_screen(steady_engine, data_dir):
 
 @pytest.fixture(scope="module")
 def fixed_scan(tiny_engine):
-    from tqbench.engine.scan.scan_run import scan
+    from tqbench.engine.scan import scan
 
     d = scan(tiny_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"]).to_dict()
     d["seconds"] = 1.0

@@ -132,3 +132,18 @@ def test_turbo_shared_objects(spec: str) -> None:
         expected = d * d * 4 + (1 << int(bits)) * 4
     assert codec.shared_bytes(d) == expected
     assert codec_from_spec("fp16").shared_items(d) == {} and codec_from_spec("int4").shared_bytes(d) == 0
+
+
+def test_bits_per_element_of_a_spec_from_the_registry() -> None:
+    """One answer to "bits per element of this spec": packed bits (metadata included) and the nominal bits."""
+    from tqbench.engine.codecs import codec_bits_per_element, nominal_bits
+
+    assert codec_bits_per_element("turbo4", 64) == 4.25  # 32 code bytes + a 2-byte norm per 64 elements
+    assert codec_bits_per_element("int8", 64) == 9.0 and codec_bits_per_element("fp16", 128) == 16.0
+    for spec in CODEC_SPECS:
+        both = [codec_from_spec(spec, role).bits_per_element(80) for role in ("k", "v")]
+        assert codec_bits_per_element(spec, 80) == sum(both) / 2
+    assert [nominal_bits(s) for s in ("turbo2.5", "turbo3-qjl", "int8", "fp16", "fp32", "q4")] == [
+        2.5, 3.0, 8.0, 16.0, 32.0, 4.0]
+    with pytest.raises(ValueError, match="unknown codec"):
+        nominal_bits("turbo5")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tqbench.engine.cache.fused.attention import choose_impl
+from tqbench.engine.cache.fused import choose_impl
 from tqbench.engine.codecs import codec_from_spec
 from tqbench.kernels.reference import (
     PackedSide,
@@ -55,7 +55,7 @@ def test_packed_scores_and_values_equal_attention_over_decoded_rows(spec, role, 
 
 
 def test_decode_codes_matches_levels_of_unpacked_indices():
-    from tqbench.engine.codecs.packing import pack_bits
+    from tqbench.kernels.packing import pack_bits
 
     for bits in (1, 2, 3, 4, 8):
         idx = torch.randint(0, 1 << bits, (2, 5, 24), dtype=torch.uint8)
@@ -138,7 +138,7 @@ def test_engine_runs_fused_without_triton():
     assert out.stdout.split("\n")[:3] == [
         "(False, 'triton is not installed (pip install triton)')",
         "['torch-reference (cpu device (the triton kernels need a GPU))']",
-        "['tqbench.kernels', 'tqbench.kernels.reference']",
+        "['tqbench.kernels', 'tqbench.kernels.packing', 'tqbench.kernels.reference']",
     ]
 
 
@@ -180,13 +180,10 @@ def test_multi_token_chunk_over_packed_history_matches_compressed(tiny_engine64,
     torch.testing.assert_close(logits["fused"], logits["compressed"], atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
-def test_kernel_packing_is_the_engine_layout(bits):
-    """tqbench.kernels keeps its own packing (it never imports the engine): byte-identical to the codecs'."""
-    from tqbench.engine.codecs.packing import pack_bits, unpack_bits
-    from tqbench.kernels.reference import pack_codes, unpack_codes
+def test_codecs_and_kernels_share_one_packer():
+    """The codecs pack with ``tqbench.kernels.packing`` (the kernels never import the engine): one packer."""
+    from tqbench.engine.codecs import affine, turbo
+    from tqbench.kernels import packing, reference
 
-    idx = torch.randint(0, 1 << bits, (3, 2, 37), dtype=torch.uint8)
-    packed = pack_bits(idx, bits)
-    assert torch.equal(pack_codes(idx, bits), packed)
-    assert torch.equal(unpack_codes(packed, bits, 37), unpack_bits(packed, bits, 37))
+    assert turbo.pack_bits is packing.pack_bits and affine.pack_bits is packing.pack_bits
+    assert turbo.unpack_bits is packing.unpack_bits and reference.lookup_packed is packing.lookup_packed

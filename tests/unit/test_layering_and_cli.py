@@ -17,6 +17,51 @@ def test_engine_does_not_import_front_ends():
     assert out.strip() == "[]"
 
 
+#: imported in one subprocess, room by room: after each module, the front-end libraries it newly loaded
+_HYGIENE = r"""
+import json, os, pkgutil, sys
+import tqbench
+
+BACK = ("tqbench.constants", "tqbench.kernels", "tqbench.engine", "tqbench.sessions")
+FRONT = ("tqbench.server", "tqbench.cli")
+LIBS = ("textual", "rich", "click", "fastapi", "uvicorn", "starlette")
+
+
+def modules(package):
+    # every module of a package, found on disk (pkgutil.walk_packages would import the packages itself)
+    yield package
+    base = os.path.join(os.path.dirname(tqbench.__file__), *package.split(".")[1:])
+    if os.path.isdir(base):
+        for info in pkgutil.iter_modules([base]):
+            yield from modules(f"{package}.{info.name}") if info.ispkg else [f"{package}.{info.name}"]
+
+
+def loaded():
+    return {lib for lib in LIBS if lib in sys.modules}
+
+
+report = {}
+for room in (*BACK, *FRONT):
+    for name in modules(room):
+        before = loaded()
+        __import__(name)
+        report[name] = sorted(loaded() - before)
+print(json.dumps({"back": BACK, "report": report}))
+"""
+
+
+def test_every_module_imports_clean_of_front_end_libraries():
+    """Engine, sessions and kernels modules load no front-end library; server and CLI modules (the
+    workbench glue included: it imports the TUI lazily) load no Textual."""
+    found = json.loads(_run(_HYGIENE))
+    report = found["report"]
+    assert any(m.startswith("tqbench.engine.") for m in report) and "tqbench.cli.workbench" in report
+    back = {m: libs for m, libs in report.items() if m.startswith(tuple(found["back"])) and libs}
+    assert back == {}, f"engine/sessions/kernels modules load front-end libraries: {back}"
+    textual = [m for m, libs in report.items() if "textual" in libs]
+    assert textual == [], f"these modules import textual at import time: {textual}"
+
+
 def test_help_does_not_import_torch():
     out = _run(
         "import sys; from click.testing import CliRunner; from tqbench.cli import main;"

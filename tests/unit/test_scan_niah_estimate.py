@@ -19,8 +19,8 @@ from tqbench.engine.cache.kv_estimate import (
 )
 from tqbench.engine.events import ScanLayerDone
 from tqbench.engine.policy.spec import parse_policy
-from tqbench.engine.scan.scan_run import capture_qkv, parse_thresholds, resolve_codecs, resolve_layers, scan
-from tqbench.engine.validate.niah import build_haystack, needle_in_haystack, score_answer
+from tqbench.engine.scan import capture_qkv, parse_thresholds, resolve_codecs, resolve_layers, scan
+from tqbench.engine.validate import build_haystack, needle_in_haystack, score_answer
 
 TEXT = "The river rose in the night and the ferry stayed on the far bank until the water fell again. " * 3
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tqbench.engine.events import CacheBytes, GenerationFinished
-from tqbench.sessions.session import (
+from tqbench.sessions import (
     RunRecorder,
     Session,
     SessionError,
@@ -65,6 +65,7 @@ def test_round_trip_is_exact(tmp_path, session, record):
         a, b = getattr(record, side), getattr(r, side)
         assert b.token_ids == a.token_ids
         assert b.text == a.text
+        assert b.token_texts == a.token_texts and len(b.token_texts) == len(b.token_ids)
         assert b.step_seconds == a.step_seconds
         assert b.resident_bytes == a.resident_bytes
         assert b.cache_report == a.cache_report
@@ -77,7 +78,7 @@ def test_round_trip_is_exact(tmp_path, session, record):
 def test_files_are_json_and_safetensors_not_pickle(tmp_path, session):
     path = session.save(tmp_path / "s.json")
     doc = json.loads(path.read_text())
-    assert doc["format"] == "tqbench-session" and doc["version"] == 1
+    assert doc["format"] == "tqbench-session" and doc["version"] == 2
     assert doc["runs"][0]["summary"]["first_divergence"] == session.runs[0].first_divergence
     raw = (tmp_path / "s.safetensors").read_bytes()
     header_len = int.from_bytes(raw[:8], "little")
@@ -117,7 +118,7 @@ def test_newer_version_gives_a_clear_error(tmp_path, session):
     with pytest.raises(SessionError) as exc:
         Session.load(path)
     assert str(exc.value) == ("session new.json was written by a newer tqbench (format version 99; this one reads "
-                              "up to 1): upgrade tqbench to open it")
+                              "up to 2): upgrade tqbench to open it")
 
 
 def test_changed_arrays_are_detected(tmp_path, session):
@@ -166,7 +167,7 @@ def test_diff_reports_the_first_changed_token(record):
 
 
 def test_kept_policies_round_trip_and_a_bad_file(tmp_path, monkeypatch):
-    from tqbench.sessions.session import load_kept_policies, save_kept_policies
+    from tqbench.sessions import load_kept_policies, save_kept_policies
 
     monkeypatch.setenv("TQBENCH_DATA_DIR", str(tmp_path))
     assert load_kept_policies() == {}

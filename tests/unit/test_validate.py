@@ -7,10 +7,15 @@ import json
 import pytest
 
 from tqbench.engine.events import GenerationStarted, PairStep, Progress, ValidationDone
-from tqbench.engine.generate import Cancelled
 from tqbench.engine.metrics import compare_tokens, decide_verdict
-from tqbench.engine.validate.compare import compare_policies, recommend_policy
-from tqbench.engine.validate.validation import self_test, teacher_forced_quality, validate
+from tqbench.engine.validate import (
+    Cancelled,
+    compare_policies,
+    recommend_policy,
+    self_test,
+    teacher_forced_quality,
+    validate,
+)
 
 PROMPT = "The lighthouse keeper wrote"
 
@@ -174,7 +179,7 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
 def test_next_policy_ladder_on_the_default_geometry():
     from tqbench.engine.cache.estimate import KVGeometry
     from tqbench.engine.policy.spec import parse_policy
-    from tqbench.engine.validate.validation import recommend
+    from tqbench.engine.validate import recommend
 
     g = KVGeometry(30, 3, 64)
 
@@ -190,3 +195,11 @@ def test_next_policy_ladder_on_the_default_geometry():
     assert nxt("exact-match", "turbo4") == "turbo3.5"
     rec = recommend("diverged", parse_policy("k=turbo4,v=turbo2"), g)
     assert rec["status"] == "unsafe" and "values are the lower-precision side" in rec["cause_hint"]
+
+
+def test_cause_hint_reads_codec_aliases_by_their_bits():
+    from tqbench.engine.policy.spec import parse_policy
+    from tqbench.engine.validate import recommend
+
+    rec = recommend("diverged", parse_policy("k=q8,v=q4"))  # q8 / q4 are int8 / int4: values are the lower side
+    assert "values are the lower-precision side (q4)" in rec["cause_hint"] and rec["next_policy"] is None

@@ -5,11 +5,11 @@ Heavy imports (torch, fastapi, uvicorn) happen inside the command so ``tqbench -
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
+from tqbench.cli.options import fail
+from tqbench.constants import CACHE_MODES
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -37,28 +37,28 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, api_key,
           log_level):
     """Serve a model over an OpenAI-compatible HTTP API with a chosen KV policy."""
-    from tqbench.engine.models.load import ModelLoadError
+    from tqbench.engine import ModelLoadError
 
     try:
         import uvicorn
 
-        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.engine import parse_policy
         from tqbench.server import create_app
     except ImportError as exc:
-        _fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
+        fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
     try:
         parse_policy(kv_policy)
     except (ValueError, FileNotFoundError) as exc:
-        _fail(str(exc).splitlines()[0])
+        fail(str(exc).splitlines()[0])
     _check_port(host, port)  # before the model load, so a taken port fails at once
     try:
-        from tqbench.cli.render import tables as render
+        from tqbench.cli.render.console import load_engine
 
-        engine = render.load_engine(model, device, dtype, threads)
+        engine = load_engine(model, device, dtype, threads)
         app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, max_new_tokens=max_new_tokens,
                          max_queue=max_queue, api_key=api_key, model_aliases=(model,))
     except (ValueError, ModelLoadError, FileNotFoundError) as exc:
-        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     if host not in LOOPBACK:
         click.echo(f"warning: binding {host}: the server is reachable from other machines"
                    + ("" if api_key else " and has no --api-key"), err=True)
@@ -82,20 +82,15 @@ def _check_port(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        _fail(f"cannot resolve --host {host!r} ({exc.strerror}): use an address such as 127.0.0.1")
+        fail(f"cannot resolve --host {host!r} ({exc.strerror}): use an address such as 127.0.0.1")
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
         except OSError as exc:
-            _fail(f"cannot bind {host}:{port} ({exc.strerror or exc}): pick another --port")
+            fail(f"cannot bind {host}:{port} ({exc.strerror or exc}): pick another --port")
 
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(2)

@@ -16,7 +16,8 @@ import sys
 
 import click
 
-DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+from tqbench.constants import DEFAULT_PROMPT
+
 _META = "tqbench.save_session"
 
 
@@ -73,20 +74,22 @@ def workbench_command(screen: str, to_fields=None):
 
 def save_session_if_asked(engine, model_spec: str, **results) -> str | None:
     """Write the session when the command got ``--save-session`` (``runs=``, ``scans=``, ``compares=``,
-    ``validations=``); a validation's lockstep run also becomes a run the Run screen shows."""
+    ``validations=``); a validation is its report (``ValidationReport`` / ``TeacherForcedReport``, stored as
+    its ``to_dict()``), and a validation's lockstep run also becomes a run the Run screen shows."""
     path = click.get_current_context().meta.get(_META)
     if not path:
         return None
-    from tqbench.sessions.session import Session, environment, record_from_validation
+    from tqbench.sessions import Session, record_from_validation, save_session
 
     runs = list(results.pop("runs", []))
-    for payload in results.get("validations", []):
-        rec = record_from_validation(payload)
+    validations = []
+    for report in results.pop("validations", []):
+        rec = record_from_validation(report)
         if rec is not None:
             runs.append(rec)
-    session = Session(model=Session.model_info(engine, model_spec), runs=runs,
-                      environment=environment(str(engine.loaded.device)), **results)
-    saved = str(session.save(path))
+        validations.append(report if isinstance(report, dict) else report.to_dict())
+    session = Session(runs=runs, validations=validations, **results)
+    saved = str(save_session(session, path, engine=engine, model_spec=model_spec))
     click.echo(f"session saved to {saved}", err=True)
     return saved
 

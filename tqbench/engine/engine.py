@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, lockstep, stream_tokens
-from tqbench.engine.models.load import LoadedModel, load_model
+from tqbench.engine.models import LoadedModel, load_model, tiny_model
 from tqbench.engine.policy.spec import Policy, parse_policy
 
 Prompt = str | list[dict]
@@ -37,8 +37,6 @@ class Engine:
 
     @classmethod
     def tiny(cls, **kwargs) -> Engine:
-        from tqbench.engine.models.tiny import tiny_model
-
         return cls(tiny_model(**kwargs))
 
     # -- info -------------------------------------------------------------------------------------
@@ -97,7 +95,7 @@ class Engine:
 
     def enable_fused(self) -> None:
         if not self._fused_ready:
-            from tqbench.engine.cache.fused.attention import install_fused_attention
+            from tqbench.engine.cache.fused import install_fused_attention
 
             install_fused_attention(self.model)
             self._fused_ready = True

@@ -1,9 +1,35 @@
-"""Plain dataclasses the engine yields. Front ends (CLI, TUI, server) render them; none re-implements a loop."""
+"""Plain dataclasses the engine yields. Front ends (CLI, TUI, server) render them; none re-implements a loop.
+
+Also the two halves of the long-job protocol (the rule itself is written once, in ``tqbench.engine.generate``):
+``OnEvent`` / ``emit`` (progress) and ``CancelFlag`` / ``Cancelled`` / ``raise_if_cancelled`` (cancel).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+#: the progress callback every long job takes as ``on_event=``: it gets each event dataclass below
+OnEvent = Callable[[Any], None]
+#: the cancel flag every long job takes as ``cancel=``: checked every step, true = stop
+CancelFlag = Callable[[], bool]
+
+
+class Cancelled(Exception):
+    """A long job's ``cancel()`` turned true: the job stops at its next step and returns nothing."""
+
+
+def emit(on_event: OnEvent | None, event: object) -> None:
+    """Pass ``event`` to the job's callback, if it has one."""
+    if on_event is not None:
+        on_event(event)
+
+
+def raise_if_cancelled(cancel: CancelFlag | None, job: str) -> None:
+    """Raise ``Cancelled("<job> cancelled")`` when the job's cancel flag is set."""
+    if cancel is not None and cancel():
+        raise Cancelled(f"{job} cancelled")
 
 
 @dataclass(frozen=True)
@@ -58,6 +84,22 @@ class Progress:
     done: float
     total: float | None = None
     message: str = ""
+
+
+@dataclass(frozen=True)
+class TeacherForcedStep(Progress):
+    """Teacher-forced quality fed one more token through one run: ``task`` is the run ("baseline" or
+    "candidate"), ``done`` the steps fed so far of ``total``. A ``Progress``, so a progress bar draws it as one."""
+
+    kv_policy: str = ""  # the run's policy label ("dynamic-cache" for the dense baseline)
+
+
+@dataclass(frozen=True)
+class QKVCaptured:
+    """``capture_qkv`` recorded Q/K/V of ``layers`` over ``tokens`` tokens."""
+
+    layers: tuple[int, ...]
+    tokens: int
 
 
 @dataclass(frozen=True)

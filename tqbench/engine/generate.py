@@ -1,4 +1,19 @@
-"""Prefill / decode-one / stream of events, and lockstep baseline+candidate generation."""
+"""Prefill / decode-one / stream of events, and lockstep baseline+candidate generation.
+
+The long-job protocol (one rule for every long job in the engine):
+
+- **Progress**: a generator job (``stream_tokens``, ``lockstep``, ``Engine.stream`` / ``Engine.lockstep``)
+  yields event dataclasses from ``tqbench.engine.events``; every other long job takes
+  ``on_event: Callable[[event], None] | None = None`` and passes it the same dataclasses.
+- **Cancel**: every long job takes ``cancel: Callable[[], bool] | None = None`` and checks it every step.
+- **Generation returns partial**: ``stream_tokens``, ``lockstep``, ``Engine.stream``, ``Engine.lockstep`` and
+  ``Engine.generate`` stop at the next token and end normally with ``stopped_by="cancelled"`` (a cancelled
+  generation still has tokens to show).
+- **Every other job raises**: ``validate``, ``self_test``, ``compare_policies``, ``teacher_forced_quality``,
+  ``baseline_logprobs``, ``teacher_forced``, ``needle_in_haystack`` (``tqbench.engine.validate``) and
+  ``scan``, ``capture_qkv`` (``tqbench.engine.scan``) raise ``Cancelled`` and return nothing: a half-done
+  report would read as a finished one.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tqbench.engine.events import (
+    Cancelled,
     GenerationFinished,
     GenerationStarted,
     PairStep,
@@ -17,9 +33,7 @@ from tqbench.engine.events import (
 )
 from tqbench.engine.metrics import kl_divergence
 
-
-class Cancelled(Exception):
-    """Raised inside a stream when the caller's cancel flag is set."""
+__all__ = ["GREEDY", "Cancelled", "GenerationResult", "Sampling", "TextStreamer", "lockstep", "stream_tokens"]
 
 
 @dataclass(frozen=True)

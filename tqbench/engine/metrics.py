@@ -3,8 +3,13 @@
 validate, compare-policies, the workbench's Run strip, saved sessions and the server all call these, so one
 run gets one number wherever it is shown.
 
+- ``kl_rows``: KL(p || q) over the last dimension of two log-probability tensors (masked entries skipped):
+  the one KL formula; the per-step, teacher-forced and attention (scan) KLs all call it.
 - ``kl_divergence`` / ``logit_stats``: KL(baseline || candidate) of one step's softmax, in nats (computed in
   float64, clamped at 0 against rounding), and the largest |logit delta|.
+- ``match_ratio``: the fraction of steps that agree (token match, top-1 agreement).
+- ``perplexity`` / ``teacher_forced_stats``: teacher-forced quality of a candidate fed the baseline's tokens
+  (KL of the float32 log-softmax rows, top-1 agreement, perplexity of the real next token under each).
 - ``compare_tokens``: exact match, first divergence, position-wise token match ratio and prefix ratio.
 - ``same_context_kl``: KL averaged over the steps where both runs had seen the same tokens, i.e. up to
   and including the first divergence; after it the two runs condition on different histories, so their
@@ -25,6 +30,7 @@ Verdicts (``decide_verdict``), with ``n = max(len(baseline), len(candidate))``:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 VERDICTS = ("exact-match", "near-stable", "prefix-stable-then-diverged", "diverged")
@@ -33,19 +39,67 @@ DEFAULT_STABLE_PREFIX = 0.25
 
 
 # ---- one step's logits ---------------------------------------------------------------------------
+def kl_rows(lp, lq, valid=None):
+    """KL(p || q) in nats over the last dimension of log-probabilities ``lp`` / ``lq`` (torch, any shape);
+    entries where ``valid`` is False (a causal mask's -inf) count 0, so ``0 * inf`` never appears."""
+    import torch
+
+    terms = lp.exp() * (lp - lq)
+    if valid is not None:
+        terms = torch.where(valid, terms, torch.zeros_like(terms))
+    return terms.sum(-1)
+
+
 def logit_stats(base_logits, cand_logits) -> tuple[float, float]:
     """(KL(baseline || candidate) in nats, max |delta logit|) of one step (torch tensors, any dtype)."""
     import torch
 
     lp = torch.log_softmax(base_logits.double(), -1)
     lq = torch.log_softmax(cand_logits.double(), -1)
-    kl = float(torch.sum(lp.exp() * (lp - lq)))
+    kl = float(kl_rows(lp, lq))
     return max(kl, 0.0), float((base_logits.double() - cand_logits.double()).abs().max())
 
 
 def kl_divergence(base_logits, cand_logits) -> float:
     """KL(baseline || candidate) of the softmax distributions of one step, in nats."""
     return logit_stats(base_logits, cand_logits)[0]
+
+
+def match_ratio(agree: list[bool], empty: float | None = 1.0) -> float | None:
+    """The fraction of steps that agree; ``empty`` when there are no steps."""
+    return sum(agree) / len(agree) if agree else empty
+
+
+# ---- teacher-forced quality ----------------------------------------------------------------------------
+def perplexity(nll: float, steps: int) -> float:
+    """exp(mean negative log-likelihood) of ``steps`` tokens whose NLLs sum to ``nll``."""
+    return math.exp(nll / steps)
+
+
+@dataclass(frozen=True)
+class TeacherForcedStats:
+    steps: int
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    ppl_baseline: float
+    ppl_candidate: float
+
+
+def teacher_forced_stats(baseline: list, candidate: list, targets) -> TeacherForcedStats:
+    """Baseline vs candidate log-softmax rows (one per fed token, float32) and the real next tokens
+    ``targets``: KL(baseline || candidate) per step (not clamped), top-1 agreement, both perplexities."""
+    import torch
+
+    kls, agree, nll_b, nll_c = [], [], 0.0, 0.0
+    for i, (lp, lq) in enumerate(zip(baseline, candidate)):
+        kls.append(float(kl_rows(lp, lq)))
+        agree.append(bool(torch.argmax(lp) == torch.argmax(lq)))
+        nll_b -= float(lp[targets[i]])
+        nll_c -= float(lq[targets[i]])
+    steps = len(baseline)
+    return TeacherForcedStats(steps, sum(kls) / steps, max(kls), match_ratio(agree),
+                              perplexity(nll_b, steps), perplexity(nll_c, steps))
 
 
 # ---- token sequences -------------------------------------------------------------------------------
@@ -125,8 +179,8 @@ def pair_summary(same_token: list[bool], same_top1: list[bool], kl: list[float |
     k = same_context_kl(kl, first)
     return PairSummary(
         steps=n,
-        token_match=(sum(same_token) / n) if n else None,
-        top1_agreement=(sum(same_top1) / n) if n else None,
+        token_match=match_ratio(same_token, None),
+        top1_agreement=match_ratio(same_top1, None),
         kl_mean=k.kl_mean,
         kl_max=k.kl_max,
         first_divergence=first,

@@ -1,11 +1,12 @@
 """Kernels for attention straight from the packed KV store, and their pure-torch references.
 
+- ``packing.py``: the dense bit packing of codes (LSB-first stream) that the engine's codecs also use;
 - ``reference.py``: the torch implementation (what runs on CPU, and what every kernel is tested against);
 - ``packed_attention.py``: Triton decode attention over packed history (split-K partials), with its launcher;
 - ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher.
 
-The engine builds on these (``tqbench/engine/cache/fused/attention.py``, ``fused_triton.py``); this package never
-imports the engine (import-linter contract): it works on plain tensors and the packed layout below.
+The engine builds on these (``tqbench/engine/cache/fused/``: ``torch_ref.py``, ``triton_glue.py``); this package
+never imports the engine (import-linter contract): it works on plain tensors and the packed layout of ``packing.py``.
 
 Importing this package never imports triton: ``triton_status()`` says whether the kernels can run and why
 not. Set ``TRITON_INTERPRET=1`` before the first kernel import to run them on CPU (tests only: ~2 ms per

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tqbench.kernels.packing import byte_table, lookup_packed, pack_bits
+
 KINDS = ("turbo", "affine-channel", "affine-token")
 
 
@@ -47,37 +49,7 @@ class PackedSide:
             raise ValueError(f"bits must be in 1..8, got {self.bits}")
 
 
-# -- packed codes (the engine's layout: LSB-first bit stream along the last dim) ---------------------------
-def pack_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """``uint8 [..., n]`` codes -> ``uint8 [..., ceil(n * bits / 8)]``: code i at stream bits [i*bits, i*bits+bits)."""
-    n = idx.shape[-1]
-    nbytes = (n * bits + 7) // 8
-    pos = torch.arange(n, device=idx.device, dtype=torch.int32) * bits
-    out = torch.zeros(*idx.shape[:-1], nbytes + 1, dtype=torch.int32, device=idx.device)
-    v = idx.to(torch.int32) << (pos % 8)  # up to 15 bits: spills into the next byte
-    out.index_add_(-1, (pos // 8).long(), v & 0xFF)
-    out.index_add_(-1, (pos // 8 + 1).long(), v >> 8)
-    return out[..., :nbytes].to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: ``uint8 [..., nbytes]`` -> ``uint8 [..., n]``."""
-    pos = torch.arange(n, device=packed.device) * bits
-    b = packed.to(torch.int32)
-    lo = b.index_select(-1, pos // 8)
-    nxt = torch.clamp(pos // 8 + 1, max=packed.shape[-1] - 1)
-    hi = torch.where(pos // 8 + 1 < packed.shape[-1], b.index_select(-1, nxt), 0)
-    return (((lo | (hi << 8)) >> (pos % 8)) & ((1 << bits) - 1)).to(torch.uint8)
-
-
-def byte_table(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[256, 8 // bits]``: the values every byte decodes to (bits dividing 8)."""
-    byte = torch.arange(256, device=values.device, dtype=torch.int32)
-    shifts = torch.arange(8 // bits, device=values.device, dtype=torch.int32) * bits
-    return values[(byte[:, None] >> shifts) & ((1 << bits) - 1)]
-
-
-# -- code tables ---------------------------------------------------------------------------------------
+# -- code tables (codes packed as ``packing.pack_bits`` lays them out: the engine's layout) -------------
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
@@ -97,17 +69,17 @@ def _flat_table(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor) -> torch.Tensor:
-    """``values[unpack(packed)]`` as ``[..., n]`` in ``values.dtype``, straight from the packed bytes."""
+    """``values[unpack(packed)]`` as ``[..., n]`` in ``values.dtype``, straight from the packed bytes.
+
+    ``packing.lookup_packed`` through a byte table cached by content, whose rows of 8 or 16 bytes are read
+    as one scalar each (the speed note above)."""
     if 8 % bits:
-        idx = unpack_codes(packed, bits, n)
-        return values.index_select(0, idx.reshape(-1).int()).view(*idx.shape)
+        return lookup_packed(packed, bits, n, values)
     tab = _flat_table(values, bits)
+    if tab.dim() == 2:
+        return lookup_packed(packed, bits, n, tab)
     flat = tab.index_select(0, packed.reshape(-1).int())
-    per = 8 // bits
-    if tab.dim() == 1:
-        vals = flat.view(values.dtype).view(*packed.shape[:-1], packed.shape[-1] * per)
-    else:
-        vals = flat.view(*packed.shape[:-1], packed.shape[-1] * per)
+    vals = flat.view(values.dtype).view(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
     return vals if vals.shape[-1] == n else vals[..., :n]
 
 
@@ -233,4 +205,4 @@ def turbo_quantize_pack(
         c = lv[idx]
         n = n * (u_rot * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True)
     norm = n.clamp(0, torch.finfo(torch.float16).max).to(torch.float16)
-    return {"idx": pack_codes(idx.to(torch.uint8), bits), "norm": norm}
+    return {"idx": pack_bits(idx.to(torch.uint8), bits, check=False), "norm": norm}

@@ -11,11 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tqbench import __version__
-from tqbench.engine.cache.tqcache import check_mode
-from tqbench.engine.engine import PromptTooLongError
+from tqbench.engine import PRESETS, Policy, PromptTooLongError, Sampling, parse_policy
+from tqbench.engine.cache import check_mode
 from tqbench.engine.events import GenerationFinished, GenerationStarted, TokenGenerated
-from tqbench.engine.generate import Sampling
-from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
 from tqbench.server.errors import APIError, error_body, install_error_handlers
 from tqbench.server.schemas import (
     ChatCompletionRequest,

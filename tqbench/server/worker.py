@@ -16,8 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tqbench.engine.generate import Sampling
-from tqbench.engine.policy.spec import Policy
+from tqbench.engine import Policy, Sampling
 
 
 @dataclass(frozen=True)

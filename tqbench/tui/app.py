@@ -10,6 +10,8 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.widgets import Footer, TabbedContent, TabPane
 
+from tqbench.sessions import Session, SessionError, diff_runs, load_kept_policies, save_kept_policies
+from tqbench.tui import session_flow
 from tqbench.tui.panes.compare import ComparePane
 from tqbench.tui.panes.policies import PoliciesPane
 from tqbench.tui.panes.run import RunPane, RunParams
@@ -70,7 +72,7 @@ class WorkbenchApp(App):
         self.session = None
         self.session_path: Path | None = None
         self.saved_record = None  # the RunRecord shown from a session (for re-run and diff)
-        self._pending_session: str | None = self.options.session
+        self.pending_session: str | None = self.options.session  # opened on mount, or once the model loaded
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -87,28 +89,22 @@ class WorkbenchApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        from tqbench.sessions.session import Session, SessionError
-
         self.show_tab(self.query_one(TabbedContent).active)
         self.session = Session()
-        from tqbench.sessions.session import load_kept_policies
-
         try:
             self.policies_pane.set_kept(load_kept_policies())
         except SessionError as exc:
             self.notify(str(exc), title="kept policies not loaded", severity="warning", timeout=10)
-        if self._pending_session and self.options.model is None:
-            from tqbench.sessions.session import read_header
-
-            try:  # open on the session's model
-                self.model_spec = read_header(self._pending_session).get("model", {}).get("spec") or "default"
-            except SessionError as exc:
-                self.notify(str(exc), title="cannot open session", severity="error", timeout=10)
-                self._pending_session = None
+        if self.pending_session and self.options.model is None:  # open on the session's model
+            if not session_flow.use_session_model(self, self.pending_session):
+                self.pending_session = None
         if self.engine is not None:
-            self._engine_ready(self.engine)
-        else:
-            self.load_model()
+            self._engine_ready(self.engine)  # opens the pending session
+            return
+        if self.pending_session:  # a version-2 session shows now; an older one waits for the tokenizer
+            path, self.pending_session = self.pending_session, None
+            self.open_session(path)
+        self.load_model()
 
     @property
     def run_pane(self) -> RunPane:
@@ -149,16 +145,17 @@ class WorkbenchApp(App):
         self.call_from_thread(self._engine_ready, engine)
 
     def _engine_ready(self, engine) -> None:
-        from tqbench.sessions.session import Session
-
         self.engine = engine
         self.query_one(ModelBar).loaded(engine)
         self.run_pane.engine_ready(engine.loaded.device.type)
-        self.session.model = Session.model_info(engine, self.model_spec)
+        if self.session_path is None:  # a new session is made with this model
+            self.session.model = Session.model_info(engine, self.model_spec)
+        else:  # a session opened before the model had loaded
+            session_flow.warn_if_other_model(self)
         self.policies_pane.reload_list()
         self.policies_pane.recompute()
-        if self._pending_session:
-            path, self._pending_session = self._pending_session, None
+        if self.pending_session:
+            path, self.pending_session = self.pending_session, None
             self.open_session(path)
 
     # ---- sessions ---------------------------------------------------------------------------------
@@ -180,8 +177,6 @@ class WorkbenchApp(App):
 
     def policy_kept(self, name: str, text: str) -> None:
         """Kept in the session and in the data dir (``policies.json``), so every later session lists it."""
-        from tqbench.sessions.session import SessionError, load_kept_policies, save_kept_policies
-
         self.session.policies[name] = text
         try:
             save_kept_policies(load_kept_policies() | {name: text})
@@ -189,24 +184,7 @@ class WorkbenchApp(App):
             self.notify(f"kept in this session only: {exc}", severity="warning")
 
     def action_save_session(self) -> None:
-        from tqbench.sessions.session import SessionError, default_session_path, environment
-
-        if self.engine is None:
-            self.notify("nothing to save yet: the model is still loading", severity="warning")
-            return
-        if self.busy:
-            self.notify("work is going: wait for it or press escape, then save", severity="warning")
-            return
-        self.session.environment = environment(str(self.engine.loaded.device))
-        self.session.policies.update(self.policies_pane.kept)
-        path = self.session_path or default_session_path(self.options.session_dir, _slug(self.session))
-        try:
-            self.session_path = self.session.save(path)
-        except (OSError, SessionError, ValueError) as exc:
-            self.notify(f"could not save the session to {path}: {exc}", title="save failed", severity="error")
-            return
-        self.notify(f"saved {len(self.session.runs)} run(s) to {self.session_path}", title="session saved")
-        self.sub_title = str(self.session_path)
+        session_flow.save(self)
 
     def action_open_session(self) -> None:
         from tqbench.tui.screens.sessions import OpenSessionScreen
@@ -219,49 +197,9 @@ class WorkbenchApp(App):
 
     def open_session(self, path) -> bool:
         """Load a session and show its last run; errors are shown and the app keeps running."""
-        from tqbench.sessions.session import Session, SessionError
-
-        if self.busy:
-            self.notify("work is going: press escape first, then open the session", severity="warning")
-            return False
-        if self.engine is None:  # texts are rebuilt with the model's tokenizer: open once it is loaded
-            self._pending_session = str(path)
-            self.notify(f"{Path(path).name} opens as soon as the model has loaded", timeout=4)
-            return False
-        try:
-            session = Session.load(path)
-        except SessionError as exc:
-            self.notify(str(exc), title="cannot open session", severity="error", timeout=10)
-            return False
-        self.session, self.session_path = session, Path(path)
-        if self.engine is not None:
-            fp = session.model.get("fingerprint")
-            if fp and fp != self.engine.loaded.fingerprint:
-                self.notify(f"this session was made with {session.model.get('name')} (fingerprint {fp}); the loaded "
-                            f"model is {self.engine.name} ({self.engine.loaded.fingerprint}): re-runs will differ",
-                            title="different model", severity="warning", timeout=10)
-        self.policies_pane.set_kept(self.policies_pane.kept | session.policies)
-        if session.scans:
-            self.scan_pane.show_result(session.scans[-1], note=f"saved scan ({len(session.scans)} in the session)")
-        if session.compares:
-            self.compare_pane.show_result(session.compares[-1],
-                                          note=f"saved comparison ({len(session.compares)} in the session)")
-        self.saved_record = session.runs[-1] if session.runs else None
-        if session.runs:
-            self.run_pane.show_record(self.saved_record)
-            self.show_run()
-        elif session.scans:
-            self.action_tab("scan")
-        elif session.compares:
-            self.action_tab("compare")
-        self.notify(f"opened {Path(path).name}: {len(session.runs)} run(s), {len(session.scans)} scan(s), "
-                    f"{len(session.compares)} comparison(s), {len(session.validations)} validation(s)",
-                    title="session opened")
-        return True
+        return session_flow.open_session(self, path)
 
     def action_rerun(self) -> None:
-        from tqbench.sessions.session import diff_runs
-
         saved = self.saved_record or self.run_pane.record
         if saved is None:
             self.notify("nothing to re-run: open a session (ctrl+o) or run a prompt first", severity="warning")
@@ -381,14 +319,6 @@ class WorkbenchApp(App):
         yield SystemCommand("Keep built policy", "Name and keep the built policy (ctrl+k)",
                             self.policies_pane.action_keep)
         yield SystemCommand("Help", "Every key binding (f1)", self.action_help)
-
-
-def _slug(session) -> str:
-    runs = session.runs
-    if not runs:
-        return "session"
-    cand = runs[-1].candidate.policy
-    return "".join(c if c.isalnum() or c in "-." else "-" for c in cand)[:40] or "session"
 
 
 class WorkbenchTabs(TabbedContent):

@@ -1,1 +1,51 @@
-"""cache"""
+"""The compressed KV cache: ``TQCache`` / ``TQLayer`` (``tqcache.py``) over per-layer stores (``store.py``),
+its byte report (``report.py``), byte estimates from a geometry alone (``estimate.py``, ``geometry.py``),
+the seed-compatible wrapper (``compat.py``) and the ``fused`` mode's attention (``fused/``).
+
+``kv_estimate`` stays importable as a module (``from tqbench.engine.cache import kv_estimate as ke``).
+"""
+
+from tqbench.engine.cache import kv_estimate
+from tqbench.engine.cache.compat import CompressedDynamicCache
+from tqbench.engine.cache.estimate import (
+    KVEstimate,
+    KVEstimateReport,
+    estimate_kv,
+    longest_context,
+    parse_bytes,
+    store_bytes,
+)
+from tqbench.engine.cache.geometry import (
+    KVGeometry,
+    ModelGeometry,
+    default_geometry,
+    explicit_geometry,
+    model_geometry,
+    shipped_models,
+)
+from tqbench.engine.cache.report import CacheReport, LayerBytes
+from tqbench.engine.cache.tqcache import CACHE_MODES, FusedKV, TQCache, TQLayer, check_mode
+
+__all__ = [
+    "CACHE_MODES",
+    "CacheReport",
+    "CompressedDynamicCache",
+    "FusedKV",
+    "KVEstimate",
+    "KVEstimateReport",
+    "KVGeometry",
+    "LayerBytes",
+    "ModelGeometry",
+    "TQCache",
+    "TQLayer",
+    "check_mode",
+    "default_geometry",
+    "estimate_kv",
+    "explicit_geometry",
+    "kv_estimate",
+    "longest_context",
+    "model_geometry",
+    "parse_bytes",
+    "shipped_models",
+    "store_bytes",
+]

@@ -2,7 +2,9 @@
 
 It patches a transformers ``DynamicCache`` in place: while enabled, every K/V row a layer receives is
 TurboQuant-encoded into a packed side store and the ``DynamicCache`` keeps the *dequantized* rows, so the
-model attends over quantized values (the ``simulate`` mode of ``TQCache``). New code should use
+model attends over quantized values. The side store of each layer is a ``TQLayer`` in the ``simulate``
+mode of ``TQCache`` (no sinks, no recent window, uncentered keys), read the seed's way: the rows of a call
+are dequantized for that same call (``TQLayer.append_read_quantized``). New code should use
 ``TQCache`` / ``Engine``; this class keeps the old surface working::
 
     cache = DynamicCache(config=model.config)
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from tqbench.engine.cache.store import FP_BYTES, GrowBuffer
-from tqbench.engine.codecs import codec_from_spec
+from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.cache.tqcache import TQLayer
+from tqbench.engine.policy.spec import LayerPlan, Policy
 
 
 class CompressedDynamicCache:
@@ -37,8 +40,11 @@ class CompressedDynamicCache:
             raise TypeError("CompressedDynamicCache wraps a transformers DynamicCache: pass one as `cache`")
         self.cache = cache
         self.head_dim = head_dim
-        self.k_codec = codec_from_spec(f"turbo{k_bits}", role="k", rotation=rotation, seed=seed)
-        self.v_codec = codec_from_spec(f"turbo{v_bits}", role="v", rotation=rotation, seed=seed + 1)
+        # the seed's codecs: uncentered turbo K and V, norm correction on, V seeded with seed + 1
+        self.policy = Policy(k=f"turbo{k_bits}", v=f"turbo{v_bits}", rotation=rotation, center=False,
+                             vcenter=False, seed=seed)
+        self.k_codec = self.policy.build_codec(self.policy.k, "k")
+        self.v_codec = self.policy.build_codec(self.policy.v, "v")
         self.bypassed: set[int] = set()
         types = getattr(model_config, "layer_types", None) if model_config is not None else None
         if types and {"sliding_attention", "full_attention"} <= set(types):
@@ -46,8 +52,7 @@ class CompressedDynamicCache:
         self.enabled = False
         self._patched = False
         self._orig_update = None
-        self._packed: dict[int, dict[str, dict[str, GrowBuffer]]] = {}
-        self._tokens: dict[int, int] = {}
+        self._layers: dict[int, TQLayer] = {}  # compressed layers: their packed stores
         self._dense_rows: dict[int, int] = {}  # bypassed layers: rows held in fp16
 
     # -- switching ------------------------------------------------------------------------------
@@ -91,33 +96,31 @@ class CompressedDynamicCache:
             if layer_idx in self.bypassed:
                 self._dense_rows[layer_idx] = self._dense_rows.get(layer_idx, 0) + key_states.shape[0] * key_states.shape[1] * key_states.shape[2]
             return self._orig_update(key_states, value_states, layer_idx, *args, **kwargs)
-        store = self._packed.setdefault(layer_idx, {"k": {}, "v": {}})
-        out = []
-        for role, x, codec in (("k", key_states, self.k_codec), ("v", value_states, self.v_codec)):
-            enc = codec.encode(x, {})
-            for name, t in enc.items():
-                store[role].setdefault(name, GrowBuffer()).append(t)
-            out.append(codec.decode(enc, {}, x.dtype))
-        self._tokens[layer_idx] = self._tokens.get(layer_idx, 0) + key_states.shape[2]
-        return self._orig_update(out[0], out[1], layer_idx, *args, **kwargs)
+        layer = self._layers.get(layer_idx)
+        if layer is None:
+            plan = LayerPlan(layer_idx, self.policy.k, self.policy.v, sink=0, recent=0)
+            layer = self._layers[layer_idx] = TQLayer(plan, "simulate", self.policy)
+        k, v = layer.append_read_quantized(key_states, value_states)
+        return self._orig_update(k, v, layer_idx, *args, **kwargs)
 
     # -- inspection ------------------------------------------------------------------------------------
     def get_compressed(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed key indices, key norms, packed value indices, value norms) of one layer."""
         if layer_idx in self.bypassed:
             raise ValueError(f"layer {layer_idx} is bypassed (full attention in a mixed model): it is not compressed")
-        if layer_idx not in self._packed:
+        if layer_idx not in self._layers:
             raise KeyError(f"layer {layer_idx} holds no compressed rows yet")
-        k, v = self._packed[layer_idx]["k"], self._packed[layer_idx]["v"]
+        k, v = self._layers[layer_idx].k_store.packed, self._layers[layer_idx].v_store.packed
         return k["idx"].view(), k["norm"].view(), v["idx"].view(), v["norm"].view()
 
     def vram_bytes(self) -> int:
         """Bytes of the compressed representation (packed indices + norms), bypassed layers as fp16,
         plus rotations and codebooks once."""
-        packed = sum(b.nbytes() for layer in self._packed.values() for role in layer.values() for b in role.values())
+        packed = sum(sum(store.bytes_breakdown().values())
+                     for layer in self._layers.values() for store in (layer.k_store, layer.v_store))
         dense = sum(rows * self.head_dim * FP_BYTES * 2 for rows in self._dense_rows.values())
         shared = {}
-        if self._packed:
+        if self._layers:
             for c in (self.k_codec, self.v_codec):
                 shared.update(c.shared_items(self.head_dim))
         return packed + dense + sum(shared.values())
@@ -125,8 +128,8 @@ class CompressedDynamicCache:
     def baseline_vram_bytes(self) -> int:
         """Bytes an fp16 DynamicCache would hold for the same rows."""
         rows = 0
-        for layer in self._packed.values():
-            norm = layer["k"].get("norm")
+        for layer in self._layers.values():
+            norm = layer.k_store.packed.get("norm")
             rows += norm.n * norm.data.shape[0] * norm.data.shape[1] if norm is not None and norm.data is not None else 0
         rows += sum(self._dense_rows.values())
         return rows * self.head_dim * FP_BYTES * 2
@@ -140,7 +143,7 @@ class CompressedDynamicCache:
             "memory_saved_pct": round(100 * (1 - comp / base), 2) if base else 0.0,
             "k_bits": self.k_codec.spec,
             "v_bits": self.v_codec.spec,
-            "compressed_layers": sorted(self._packed),
+            "compressed_layers": sorted(self._layers),
             "bypassed_layers": sorted(self.bypassed),
-            "tokens": max(self._tokens.values(), default=0),
+            "tokens": max((layer.cumulative_length for layer in self._layers.values()), default=0),
         }

@@ -1,39 +1,33 @@
-"""KV byte estimates from a model config alone (no weights), exact to the byte.
+"""KV byte estimates from a model geometry alone (no weights), exact to the byte, and ``kv-estimate``.
 
 The rules mirror ``store.KVStore``: sinks and the recent window stay full precision (counted as fp16),
 the rest is packed in whole codec units, per-layer codec state is counted per layer and shared objects
 (rotations, codebooks) once. ``TQCache.report()`` after a run over ``seq_len`` tokens gives the same bytes.
+``kv_estimate`` answers the command of that name: the bytes of one or more policies for a model geometry
+(``geometry.model_geometry``) and, under a memory budget, the longest context that fits.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
 from tqbench.engine.cache.store import FP_BYTES
 from tqbench.engine.policy.spec import Policy, parse_policy
 
-
-@dataclass(frozen=True)
-class KVGeometry:
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...] | None = None
-    sliding_window: int | None = None
-
-    @classmethod
-    def from_config(cls, config) -> KVGeometry:
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        lt = getattr(cfg, "layer_types", None)
-        return cls(
-            num_layers=cfg.num_hidden_layers,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-            layer_types=tuple(lt) if lt else None,
-            sliding_window=getattr(cfg, "sliding_window", None),
-        )
+__all__ = [
+    "KVEstimate",
+    "KVEstimateReport",
+    "KVGeometry",
+    "estimate_kv",
+    "kv_estimate",
+    "longest_context",
+    "parse_bytes",
+    "store_bytes",
+]
 
 
 @dataclass
@@ -113,3 +107,77 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         dense_total += 2 * batch * g.kv_heads * seq_len * g.head_dim * FP_BYTES
     sb = sum(shared.values())
     return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
+
+
+def longest_context(policy, geometry: KVGeometry, budget_bytes: int, batch: int = 1,
+                    limit: int | None = None) -> int:
+    """The largest ``seq_len`` whose KV bytes fit ``budget_bytes`` (bytes grow with seq_len), capped at ``limit``."""
+    if budget_bytes < 0:
+        raise ValueError("the memory budget must be >= 0")
+    cap = limit or (1 << 24)
+
+    def fits(n: int) -> bool:
+        return estimate_kv(policy, geometry, n, batch).total_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    if fits(cap):
+        return cap
+    lo, hi = 1, cap  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class KVEstimateReport:
+    model: ModelGeometry
+    seq_len: int
+    batch: int
+    memory_budget_bytes: int | None
+    rows: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "seq_len": self.seq_len, "batch": self.batch,
+                "memory_budget_bytes": self.memory_budget_bytes, "rows": self.rows}
+
+
+def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
+                memory_budget_bytes: int | None = None) -> KVEstimateReport:
+    if seq_len < 1:
+        raise ValueError(f"--seq-len {seq_len} is invalid: use at least 1 token")
+    if batch < 1:
+        raise ValueError(f"--batch {batch} is invalid: use at least 1")
+    if not policies:
+        raise ValueError("no policy given: use --kv-policy fp16,turbo4")
+    rep = KVEstimateReport(model, seq_len, batch, memory_budget_bytes)
+    for text in policies:
+        pol = parse_policy(text)
+        est = estimate_kv(pol, model.geometry, seq_len, batch)
+        row = est.to_dict() | {"kv_policy_string": pol.to_string()}
+        row.pop("layer_bytes")
+        if model.max_context and seq_len > model.max_context:
+            row["note"] = f"seq_len is beyond the model's context of {model.max_context} tokens"
+        if memory_budget_bytes is not None:
+            row["max_seq_len_in_budget"] = longest_context(pol, model.geometry, memory_budget_bytes, batch,
+                                                           model.max_context)
+            row["capped_by_model_context"] = bool(model.max_context and
+                                                  row["max_seq_len_in_budget"] == model.max_context)
+        rep.rows.append(row)
+    return rep
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """``24GiB``, ``80GB``, ``512MiB``, ``1e9``: a byte count (GB = 10^9, GiB = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory budget {text!r} is invalid: use a size like 24GiB, 80GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

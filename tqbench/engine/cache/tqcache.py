@@ -4,7 +4,7 @@
 | dense-shadow  | exact K/V (the packed store is built for the report) | full                          |
 | simulate      | dequantized rows kept in a dense buffer          | full                             |
 | compressed    | dequantized from the packed store per layer/step | one layer, transient             |
-| fused         | the packed store directly (see ``attention.py``) | none                             |
+| fused         | the packed store directly (see ``fused/``)       | none                             |
 
 In every mode the rows of the current forward call attend exactly (prefill reads exact K/V and is
 quantized afterwards); history is read as stored.
@@ -17,11 +17,14 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from tqbench.constants import CACHE_MODES
+from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.report import CacheReport, LayerBytes
 from tqbench.engine.cache.store import FP_BYTES, KVStore
+from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
 from tqbench.engine.policy.spec import LayerPlan, Policy, parse_policy
 
-CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
+__all__ = ["CACHE_MODES", "FusedKV", "TQCache", "TQLayer", "check_mode", "fused_reference_peak_bytes"]
 
 
 def check_mode(mode: str) -> str:
@@ -51,6 +54,14 @@ class FusedKV:
     @property
     def k_store_tokens(self) -> int:
         return sum(p[1] for p in self.k_parts)
+
+
+def _put_dequantized(rows: torch.Tensor | None, store: KVStore, packed: list, offset: int = 0) -> None:
+    """Write the dequantized values of ``packed`` (``(start_token, encoded)`` chunks from ``store.append``) over
+    their rows in ``rows``, whose first row is the store's token ``offset``: the simulate mode's one rule."""
+    for start, enc in packed:
+        deq = store.codec.decode(enc, store.state, rows.dtype)
+        rows[:, :, start - offset : start - offset + deq.shape[2]] = deq
 
 
 def _snapshot(store: KVStore) -> tuple:
@@ -141,15 +152,29 @@ class TQLayer(CacheLayerMixin):
         the buffer is never copied."""
         store = self.k_store if role == "k" else self.v_store
         buf = getattr(self, f"_sim_{role}")
-        for start, enc in self._sim_pending.pop(role, ()):
-            rows = store.codec.decode(enc, store.state, new.dtype)
-            buf[:, :, start : start + rows.shape[2]] = rows
+        _put_dequantized(buf, store, self._sim_pending.pop(role, ()))
         out = new if buf is None else torch.cat([buf, new], dim=2)
         packed = store.append(new)
         if packed:
             self._sim_pending[role] = packed
         setattr(self, f"_sim_{role}", out)
         return out
+
+    def append_read_quantized(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The seed wrapper's simulate (``CompressedDynamicCache``): append this call's rows to the stores and
+        return them as stored, every row packed by this call already dequantized (so this call, prefill
+        included, reads quantized values). No dense buffer is kept: the caller holds the returned rows."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        out = []
+        for store, new in ((self.k_store, key_states), (self.v_store, value_states)):
+            offset = store.n_tokens
+            packed = store.append(new)
+            rows = new.clone() if packed else new
+            _put_dequantized(rows, store, packed, offset)
+            out.append(rows)
+        self.cumulative_length += key_states.shape[2]
+        return out[0], out[1]
 
     # -- transformers layer protocol ------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -202,11 +227,9 @@ class TQCache(Cache):
     def __init__(self, policy: Policy | str, config, mode: str = "compressed") -> None:
         self.policy = parse_policy(policy)
         self.mode = check_mode(mode)
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        layer_types = getattr(cfg, "layer_types", None)
+        geo = KVGeometry.from_config(config)
+        self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
+        layer_types = list(geo.layer_types) if geo.layer_types else None
         if layer_types is not None:
             bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
             if bad:
@@ -218,7 +241,7 @@ class TQCache(Cache):
         layers = []
         for plan in self.plans:
             if plan.dense_window:
-                layers.append(DynamicSlidingWindowLayer(sliding_window=cfg.sliding_window))
+                layers.append(DynamicSlidingWindowLayer(sliding_window=geo.sliding_window))
             else:
                 layers.append(TQLayer(plan, self.mode, self.policy))
         super().__init__(layers=layers)
@@ -293,8 +316,6 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> 
     Codecs decoded by ``codec.decode`` (fallback) are counted at twice their rows."""
     if not layer.is_initialized:
         return 0
-    from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
-
     elem = torch.promote_types(layer.dtype, torch.float32).itemsize
     bh = _batch_of(layer) * kv_heads
     peak = 0

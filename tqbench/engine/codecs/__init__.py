@@ -1,4 +1,5 @@
-"""Codec registry: ``codec_from_spec("turbo4", role="k", center=True)`` and the list of valid specs."""
+"""Codec registry: ``codec_from_spec("turbo4", role="k", center=True)``, the list of valid specs, and what a
+spec costs: ``codec_bits_per_element(spec, head_dim)`` (packed bits, metadata included) and ``nominal_bits``."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ __all__ = [
     "TurboProdCodec",
     "TurboSplitCodec",
     "canonical_spec",
+    "codec_bits_per_element",
     "codec_from_spec",
     "compute_dtype",
     "is_valid_spec",
+    "nominal_bits",
 ]
 
 CODEC_SPECS: tuple[str, ...] = (
@@ -121,3 +124,19 @@ def codec_from_spec(spec: str, role: str = "v", **opts: Any) -> Codec:
     if "." in name:
         return TurboSplitCodec(float(name[5:]), **turbo)
     return TurboCodec(int(name[5:]), **turbo)
+
+
+def codec_bits_per_element(spec: str, head_dim: int, **opts: Any) -> float:
+    """Packed bits per K and V element of ``spec`` at ``head_dim``, averaged over the two roles.
+
+    Per-unit metadata (norms, scales, zeros) included; per-layer state and shared objects (rotations,
+    codebooks) excluded: ``Codec.bits_per_element``. ``opts`` as for ``codec_from_spec``.
+    """
+    return sum(codec_from_spec(spec, role, **opts).bits_per_element(head_dim) for role in ROLES) / len(ROLES)
+
+
+def nominal_bits(spec: str) -> float:
+    """The bits a spec is named by: ``turbo2.5`` -> 2.5, ``turbo3-qjl`` -> 3, ``int8`` -> 8, ``fp16`` -> 16."""
+    name = canonical_spec(spec)
+    digits = name.removeprefix("turbo").removeprefix("int").removeprefix("fp").removeprefix("bf")
+    return float(digits.split("-")[0])

@@ -11,8 +11,9 @@ import math
 
 import torch
 
+from tqbench.kernels.packing import max_values, pack_bits, packed_nbytes, unpack_bits
+
 from .base import Codec, Encoded, compute_dtype
-from .packing import max_values, pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["AFFINE_BITS", "AffineChannelCodec", "AffineTokenCodec", "affine_params"]
 

@@ -18,9 +18,17 @@ import math
 
 import torch
 
+from tqbench.kernels.packing import (
+    byte_table,
+    lookup_packed,
+    max_values,
+    pack_bits,
+    packed_nbytes,
+    unpack_bits,
+)
+
 from .base import Codec, Encoded, compute_dtype
 from .codebooks import lloyd_max_codebook
-from .packing import byte_table, lookup_packed, max_values, pack_bits, packed_nbytes, unpack_bits
 from .rotation import ROTATIONS, gaussian_matrix, gaussian_matrix_bytes, rotation_bytes, rotation_matrix
 
 __all__ = ["TurboCodec", "TurboProdCodec", "TurboSplitCodec"]

@@ -13,7 +13,9 @@ import time
 
 import torch
 
-from tqbench.engine.models.load import LoadedModel, ResolvedModel, model_config_summary, model_fingerprint
+from tqbench.engine.models.fingerprint import model_config_summary, model_fingerprint
+from tqbench.engine.models.loaded import LoadedModel
+from tqbench.engine.models.resolve import ResolvedModel
 
 TINY_NAME = "tiny-random"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")

@@ -1,1 +1,46 @@
-"""policy"""
+"""Policies: which codec K and V get per layer, plus token- and layer-level protection.
+
+``spec.py`` (the ``Policy`` dataclass, its compact/TOML/JSON forms, the presets registry), ``layers.py``
+(layer selectors) and ``allocate.py`` (per-layer bits from measured sensitivity).
+"""
+
+from tqbench.engine.policy.allocate import KL_RATIO, MSE_RATIO, allocate_bits, allocation_policy, row_bits
+from tqbench.engine.policy.layers import select_layers, validate_selector
+from tqbench.engine.policy.spec import (
+    BYPASS_CHOICES,
+    DENSE_SPECS,
+    FULL_PRECISION,
+    PRESET_TEXT,
+    PRESETS,
+    ROTATION_CHOICES,
+    SHIPPED_POLICY_DIR,
+    LayerPlan,
+    Policy,
+    get_preset,
+    load_policy_file,
+    parse_compact,
+    parse_policy,
+)
+
+__all__ = [
+    "BYPASS_CHOICES",
+    "DENSE_SPECS",
+    "FULL_PRECISION",
+    "KL_RATIO",
+    "MSE_RATIO",
+    "PRESETS",
+    "PRESET_TEXT",
+    "ROTATION_CHOICES",
+    "SHIPPED_POLICY_DIR",
+    "LayerPlan",
+    "Policy",
+    "allocate_bits",
+    "allocation_policy",
+    "get_preset",
+    "load_policy_file",
+    "parse_compact",
+    "parse_policy",
+    "row_bits",
+    "select_layers",
+    "validate_selector",
+]

@@ -12,26 +12,33 @@ lowest KL) and the ``unsafe_policies`` (verdict ``diverged``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tqbench.engine.events import CompareCell, GenerationFinished, Progress, TokenGenerated
-from tqbench.engine.generate import Cancelled
+from tqbench.engine.events import (
+    CancelFlag,
+    CompareCell,
+    GenerationFinished,
+    OnEvent,
+    Progress,
+    TokenGenerated,
+    emit,
+    raise_if_cancelled,
+)
 from tqbench.engine.metrics import (
     DEFAULT_QUALITY_THRESHOLD,
     VERDICTS,
     compare_tokens,
     decide_verdict,
-    logit_stats,
     worst_verdict,
 )
 from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
-from tqbench.engine.validate.validation import (
+from tqbench.engine.validate.steps import (
     StepRecord,
     check_generation_args,
     logit_comparison,
     policy_summary,
     step_comparison,
+    step_record,
 )
 
 
@@ -71,31 +78,43 @@ class CompareResult:
         }
 
 
-def _collect(stream, cancel) -> _Run:
+def _collect(stream, cancel: CancelFlag | None) -> _Run:
     tokens, result = [], None
     for ev in stream:
         if isinstance(ev, TokenGenerated):
             tokens.append(ev)
         elif isinstance(ev, GenerationFinished):
             result = ev.result
-    if cancel is not None and cancel():
-        raise Cancelled("compare-policies cancelled")
+    raise_if_cancelled(cancel, "compare-policies")
     return _Run(result, tokens)
 
 
 def _steps(base: _Run, cand: _Run) -> list[StepRecord]:
-    out = []
-    for i in range(max(len(base.tokens), len(cand.tokens))):
-        b = base.tokens[i] if i < len(base.tokens) else None
-        c = cand.tokens[i] if i < len(cand.tokens) else None
-        rec = StepRecord(i, b.token_id if b else None, c.token_id if c else None, b.top1_id if b else None,
-                         c.top1_id if c else None, b.text_delta if b else "", c.text_delta if c else "",
-                         baseline_seconds=b.step_seconds if b else None,
-                         candidate_seconds=c.step_seconds if c else None)
-        if b is not None and c is not None and b.logits is not None and c.logits is not None:
-            rec.kl, rec.max_abs_logit_delta = logit_stats(b.logits, c.logits)
-        out.append(rec)
-    return out
+    def at(run: _Run, i: int) -> TokenGenerated | None:
+        return run.tokens[i] if i < len(run.tokens) else None
+
+    return [step_record(i, at(base, i), at(cand, i)) for i in range(max(len(base.tokens), len(cand.tokens)))]
+
+
+def _cell(pol: Policy, i: int, base: _Run, cand: _Run, quality_threshold: float) -> dict:
+    """One (policy, prompt) cell: the candidate run compared with the stored baseline, as ``validate`` does."""
+    steps = _steps(base, cand)
+    comp = compare_tokens(base.result.token_ids, cand.result.token_ids)
+    return {
+        "policy": pol.label, "prompt_index": i, "verdict": decide_verdict(comp, quality_threshold),
+        "comparison": comp.to_dict(), "step_comparison": step_comparison(steps),
+        "logit_comparison": logit_comparison(steps, comp.first_divergence_index),
+        "policy_summary": policy_summary(base.result, cand.result), "text": cand.result.text,
+    }
+
+
+def _parse_policies(policies: list[Policy | str]) -> list[Policy]:
+    pols = [parse_policy(p) for p in policies]
+    labels = [p.label for p in pols]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"policy {dupes[0]!r} is listed twice: give each policy once")
+    return pols
 
 
 def recommend_policy(rows: list[dict], baseline: str = "fp16", storage_only: bool = False) -> dict:
@@ -139,29 +158,25 @@ def compare_policies(
     chat: bool = True,
     quality_threshold: float = DEFAULT_QUALITY_THRESHOLD,
     collect_logits: bool = True,
-    on_event: Callable[[object], None] | None = None,
-    cancel: Callable[[], bool] | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
 ) -> CompareResult:
-    """Rows per policy and a recommendation; emits ``Progress`` per (policy, prompt) cell and ``CompareCell``."""
+    """Rows per policy and a recommendation; emits ``Progress`` per (policy, prompt) cell and ``CompareCell``.
+    Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_generation_args(max_new_tokens, quality_threshold)
     if not policies:
         raise ValueError("no policies to compare: give --policies a,b,c")
     if not prompts:
         raise ValueError("no prompts to compare on: give --prompt or --prompt-file")
     base_pol = parse_policy(baseline)
-    pols = [parse_policy(p) for p in policies]
-    labels = [p.label for p in pols]
-    dupes = sorted({x for x in labels if labels.count(x) > 1})
-    if dupes:
-        raise ValueError(f"policy {dupes[0]!r} is listed twice: give each policy once")
+    pols = _parse_policies(policies)
     baseline_mode = baseline_mode or cache_mode
     ids = [engine.encode_prompt(p, chat, max_new_tokens) for p in prompts]
     total = len(pols) * len(prompts) + len(prompts)
     done = 0
 
     def progress(msg: str) -> None:
-        if on_event is not None:
-            on_event(Progress("compare-policies", done, total, msg))
+        emit(on_event, Progress("compare-policies", done, total, msg))
 
     kw = dict(max_new_tokens=max_new_tokens, collect_logits=collect_logits, cancel=cancel)
     bases = []
@@ -179,21 +194,12 @@ def compare_policies(
         for i, x in enumerate(ids):
             progress(f"{pol.label} on prompt {i + 1}")
             cand = _collect(engine.stream(x, pol, cache_mode, run="candidate", **kw), cancel)
-            steps = _steps(bases[i], cand)
-            comp = compare_tokens(bases[i].result.token_ids, cand.result.token_ids)
-            verdict = decide_verdict(comp, quality_threshold)
-            logits = logit_comparison(steps, comp.first_divergence_index)
-            summ = policy_summary(bases[i].result, cand.result)
-            cell = {
-                "policy": pol.label, "prompt_index": i, "verdict": verdict, "comparison": comp.to_dict(),
-                "step_comparison": step_comparison(steps), "logit_comparison": logits, "policy_summary": summ,
-                "text": cand.result.text,
-            }
+            cell = _cell(pol, i, bases[i], cand, quality_threshold)
             cells.append(cell)
             done += 1
-            if on_event is not None:
-                on_event(CompareCell(pol.label, i, verdict, comp.token_match_ratio,
-                                     logits["kl_mean"] if logits else None))
+            logits = cell["logit_comparison"]
+            emit(on_event, CompareCell(pol.label, i, cell["verdict"], cell["comparison"]["token_match_ratio"],
+                                       logits["kl_mean"] if logits else None))
         result.cells.extend(cells)
         result.rows.append(_row(pol, cells))
     progress("done")

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tqbench.engine.events import GenerationFinished, NiahCell, Progress
-from tqbench.engine.generate import Cancelled
+from tqbench.constants import CORPUS_DIR
+from tqbench.engine.events import (
+    CancelFlag,
+    GenerationFinished,
+    NiahCell,
+    OnEvent,
+    Progress,
+    emit,
+    raise_if_cancelled,
+)
 from tqbench.engine.policy.spec import Policy, parse_policy
-from tqbench.engine.validate.quality import CORPUS_DIR
 
 WORDS = ("amber", "falcon", "copper", "meadow", "violet", "harbor", "lantern", "cobalt", "juniper", "marble",
          "orchid", "saffron", "thistle", "walnut", "zephyr", "granite", "indigo", "kestrel", "larch", "quartz")
@@ -92,6 +98,32 @@ class NiahResult:
         }
 
 
+def _prompts(engine, lengths, depths, chat: bool, max_new_tokens: int, max_context: int | None,
+             seed: int) -> dict:
+    """(length, depth) -> (prompt ids, passphrase); refuses a cell whose prompt + answer exceed the limit."""
+    limit = min(x for x in (max_context, engine.max_context) if x) if (max_context or engine.max_context) else None
+    prompts = {}
+    for n in lengths:
+        for d in depths:
+            phrase = make_passphrase(seed * 1000003 + n * 101 + round(d * 1000))
+            hay, _ = build_haystack(engine.tokenizer, n, d, phrase)
+            ids = engine.encode_prompt(f"{hay}\n\n{QUESTION}", chat, max_new_tokens)
+            if limit and ids.shape[1] + max_new_tokens > limit:
+                raise ValueError(f"length {n} needs {ids.shape[1]} prompt tokens + {max_new_tokens} new, over the "
+                                 f"{limit}-token limit: use shorter --lengths or a larger --max-context")
+            prompts[(n, d)] = (ids, phrase)
+    return prompts
+
+
+def _answer(engine, ids, pol: Policy, cache_mode: str, max_new_tokens: int, cancel: CancelFlag | None) -> str:
+    res = None
+    for ev in engine.stream(ids, pol, cache_mode, max_new_tokens=max_new_tokens, cancel=cancel):
+        if isinstance(ev, GenerationFinished):
+            res = ev.result
+    raise_if_cancelled(cancel, "niah")  # a cut-off answer is not scored
+    return res.text
+
+
 def needle_in_haystack(
     engine,
     policies: list[Policy | str],
@@ -104,47 +136,30 @@ def needle_in_haystack(
     max_new_tokens: int = 24,
     max_context: int | None = None,
     seed: int = 0,
-    on_event: Callable[[object], None] | None = None,
-    cancel: Callable[[], bool] | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
 ) -> NiahResult:
-    """Recall of the baseline and each policy on every (length, depth) cell; ``NiahCell`` per cell."""
+    """Recall of the baseline and each policy on every (length, depth) cell; ``NiahCell`` per cell.
+    Raises ``Cancelled`` when ``cancel()`` turns true."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
     if not lengths or not depths:
         raise ValueError("give at least one --lengths value and one --depths value")
     base_pol = parse_policy(baseline)
     pols = [parse_policy(p) for p in policies]
-    limit = min(x for x in (max_context, engine.max_context) if x) if (max_context or engine.max_context) else None
-    prompts = {}
-    for n in lengths:
-        for d in depths:
-            phrase = make_passphrase(seed * 1000003 + n * 101 + round(d * 1000))
-            hay, _ = build_haystack(engine.tokenizer, n, d, phrase)
-            ids = engine.encode_prompt(f"{hay}\n\n{QUESTION}", chat, max_new_tokens)
-            if limit and ids.shape[1] + max_new_tokens > limit:
-                raise ValueError(f"length {n} needs {ids.shape[1]} prompt tokens + {max_new_tokens} new, over the "
-                                 f"{limit}-token limit: use shorter --lengths or a larger --max-context")
-            prompts[(n, d)] = (ids, phrase)
+    prompts = _prompts(engine, lengths, depths, chat, max_new_tokens, max_context, seed)
     result = NiahResult(engine.name, base_pol.label, [p.label for p in pols], list(lengths), list(depths), cache_mode)
     total = len(prompts) * (1 + len(pols))
     done = 0
     for pol in [base_pol, *pols]:
         for (n, d), (ids, phrase) in prompts.items():
-            if cancel is not None and cancel():
-                raise Cancelled("niah cancelled")
-            if on_event is not None:
-                on_event(Progress("niah", done, total, f"{pol.label}: {n} tokens, depth {d:g}"))
-            res = None
-            for ev in engine.stream(ids, pol, cache_mode, max_new_tokens=max_new_tokens, cancel=cancel):
-                if isinstance(ev, GenerationFinished):
-                    res = ev.result
-            recalled, score = score_answer(res.text, phrase)
-            cell = {"policy": pol.label, "length": n, "depth": d, "prompt_tokens": int(ids.shape[1]),
-                    "passphrase": phrase, "answer": res.text, "recalled": recalled, "score": score}
-            result.cells.append(cell)
+            raise_if_cancelled(cancel, "niah")
+            emit(on_event, Progress("niah", done, total, f"{pol.label}: {n} tokens, depth {d:g}"))
+            answer = _answer(engine, ids, pol, cache_mode, max_new_tokens, cancel)
+            recalled, score = score_answer(answer, phrase)
+            result.cells.append({"policy": pol.label, "length": n, "depth": d, "prompt_tokens": int(ids.shape[1]),
+                                 "passphrase": phrase, "answer": answer, "recalled": recalled, "score": score})
             done += 1
-            if on_event is not None:
-                on_event(NiahCell(pol.label, n, d, recalled, res.text))
-    if on_event is not None:
-        on_event(Progress("niah", done, total, "done"))
+            emit(on_event, NiahCell(pol.label, n, d, recalled, answer))
+    emit(on_event, Progress("niah", done, total, "done"))
     return result

@@ -3,20 +3,27 @@
 Prefill ``prefill`` tokens of a text (exact attention, then the cache quantizes them), then feed the
 following tokens one at a time through the cache. After each step compare the candidate's next-token
 distribution with the baseline's (a plain ``DynamicCache``): KL(baseline || candidate), top-1 agreement,
-and the perplexity of the real next token under each. One early flip cannot cascade, as both runs see
-the same tokens.
+and the perplexity of the real next token under each (``metrics.teacher_forced_stats``). One early flip
+cannot cascade, as both runs see the same tokens.
+
+``teacher_forced_quality`` takes its tokens from a shipped corpus text or from a prompt plus the baseline's
+own greedy continuation. Each run emits one ``TeacherForcedStep`` per fed token and checks ``cancel`` before
+each: a cancelled run raises ``Cancelled``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tqbench.constants import CORPUS_DIR
-from tqbench.engine.events import Progress
+from tqbench.engine.events import CancelFlag, OnEvent, TeacherForcedStep, emit, raise_if_cancelled
+from tqbench.engine.metrics import teacher_forced_stats
+from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.validate.steps import check_generation_args
+
+JOB = "teacher-forced quality"
 
 
 def corpus_ids(tokenizer, name: str, n: int) -> torch.Tensor:
@@ -51,25 +58,46 @@ class TeacherForcedResult:
         return dict(self.__dict__)
 
 
-def _run(model, ids: torch.Tensor, prefill: int, cache, on_step: Callable[[int], None] | None) -> list[torch.Tensor]:
+@dataclass
+class TeacherForcedReport:
+    model: str
+    source: str  # "corpus:<name>" or "prompt+baseline-continuation"
+    cache_mode: str
+    prefill_tokens: int
+    steps: int
+    results: list = field(default_factory=list)  # TeacherForcedResult, one per candidate
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "source": self.source, "cache_mode": self.cache_mode,
+            "prefill_tokens": self.prefill_tokens, "steps": self.steps,
+            "baseline": "dense DynamicCache (fp16-equivalent, exact K/V)",
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+def _run(model, ids: torch.Tensor, prefill: int, cache, run: str, kv_policy: str, on_event: OnEvent | None,
+         cancel: CancelFlag | None) -> list[torch.Tensor]:
     """Log-softmax rows predicting tokens prefill+1 .. len-1 (one per single-token step)."""
     out = []
+    steps = ids.shape[1] - 1 - prefill
     device = next(model.parameters()).device
     ids = ids.to(device)
+    raise_if_cancelled(cancel, JOB)
     with torch.inference_mode():
         model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
         for t in range(prefill, ids.shape[1] - 1):
+            raise_if_cancelled(cancel, JOB)
             logits = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
             out.append(torch.log_softmax(logits.float(), -1).cpu())
-            if on_step is not None:
-                on_step(t - prefill)
+            emit(on_event, TeacherForcedStep(run, t - prefill + 1, steps, kv_policy=kv_policy))
     return out
 
 
-def baseline_logprobs(engine, ids: torch.Tensor, prefill: int, on_event=None) -> list[torch.Tensor]:
-    steps = ids.shape[1] - 1 - prefill
-    cb = (lambda i: on_event(Progress("baseline", i + 1, steps))) if on_event else None
-    return _run(engine.model, ids, prefill, engine.make_cache(None), cb)
+def baseline_logprobs(engine, ids: torch.Tensor, prefill: int, on_event: OnEvent | None = None, *,
+                      cancel: CancelFlag | None = None) -> list[torch.Tensor]:
+    """The dense baseline's log-softmax rows for ``ids`` after ``prefill`` tokens (one per fed token)."""
+    return _run(engine.model, ids, prefill, engine.make_cache(None), "baseline", "dynamic-cache", on_event, cancel)
 
 
 def teacher_forced(
@@ -79,7 +107,8 @@ def teacher_forced(
     policy,
     cache_mode: str = "simulate",
     baseline: list[torch.Tensor] | None = None,
-    on_event: Callable[[object], None] | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
 ) -> TeacherForcedResult:
     """Compare ``policy`` against a dense baseline on ``ids`` ([1, N]): N-1-prefill single-token steps."""
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -87,31 +116,74 @@ def teacher_forced(
     if not 0 < prefill < ids.shape[1] - 1:
         raise ValueError(f"prefill={prefill} must leave at least one step in {ids.shape[1]} tokens")
     if baseline is None:
-        baseline = baseline_logprobs(engine, ids, prefill, on_event)
-    steps = len(baseline)
+        baseline = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
     cache = engine.make_cache(policy, cache_mode)
-    cb = (lambda i: on_event(Progress("candidate", i + 1, steps))) if on_event else None
-    cand = _run(engine.model, ids, prefill, cache, cb)
-    targets = ids[0, prefill + 1 :].cpu()
-    kls, agree, nll_b, nll_c = [], 0, 0.0, 0.0
-    for i, (lp, lq) in enumerate(zip(baseline, cand)):
-        kls.append(float(torch.sum(lp.exp() * (lp - lq))))
-        agree += int(torch.argmax(lp) == torch.argmax(lq))
-        nll_b -= float(lp[targets[i]])
-        nll_c -= float(lq[targets[i]])
+    cand = _run(engine.model, ids, prefill, cache, "candidate", parse_policy(policy).label, on_event, cancel)
+    stats = teacher_forced_stats(baseline, cand, ids[0, prefill + 1 :].cpu())
     rep = cache.report()
     return TeacherForcedResult(
         kv_policy=rep.kv_policy,
         cache_mode=cache_mode,
         prefill_tokens=prefill,
-        steps=steps,
-        kl_mean=sum(kls) / steps,
-        kl_max=max(kls),
-        top1_agreement=agree / steps,
-        ppl_baseline=math.exp(nll_b / steps),
-        ppl_candidate=math.exp(nll_c / steps),
+        steps=stats.steps,
+        kl_mean=stats.kl_mean,
+        kl_max=stats.kl_max,
+        top1_agreement=stats.top1_agreement,
+        ppl_baseline=stats.ppl_baseline,
+        ppl_candidate=stats.ppl_candidate,
         bits_per_element=rep.bits_per_element,
         memory_saved_pct=rep.memory_saved_pct,
         compressed_storage_bytes=rep.compressed_storage_bytes,
         dense_fp16_bytes=rep.dense_fp16_bytes,
     )
+
+
+def _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens,
+            cancel: CancelFlag | None) -> tuple[torch.Tensor, int, str]:
+    """(ids [1, N], prefill, source) from a corpus text, or from the prompt plus the baseline's continuation."""
+    if corpus is not None:
+        if context_tokens < 1 or eval_tokens < 1:
+            raise ValueError("--tf-context and --tf-tokens must be at least 1")
+        return corpus_ids(engine.tokenizer, corpus, context_tokens + eval_tokens + 1), context_tokens, \
+            f"corpus:{corpus}"
+    if prompt is None:
+        raise ValueError("teacher-forced quality needs a prompt or a corpus name")
+    check_generation_args(max_new_tokens)
+    ids = engine.encode_prompt(prompt, chat, max_new_tokens)
+    cont = engine.generate(ids, None, max_new_tokens=max_new_tokens + 1, stop_at_eos=False, cancel=cancel).token_ids
+    raise_if_cancelled(cancel, JOB)
+    ids = torch.cat([ids, torch.tensor([cont], dtype=ids.dtype)], dim=1)
+    return ids, int(ids.shape[1]) - len(cont), "prompt+baseline-continuation"
+
+
+def teacher_forced_quality(
+    engine,
+    candidates: list[Policy | str] | Policy | str,
+    *,
+    prompt=None,
+    corpus: str | None = None,
+    context_tokens: int = 256,
+    eval_tokens: int = 128,
+    cache_mode: str = "compressed",
+    chat: bool = True,
+    max_new_tokens: int = 64,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
+) -> TeacherForcedReport:
+    """Teacher-forced quality of each candidate against a dense baseline.
+
+    With ``corpus``: prefill ``context_tokens`` of a shipped text, then feed its next ``eval_tokens`` tokens.
+    With ``prompt``: prefill the prompt, then feed the baseline's own greedy continuation
+    (``max_new_tokens``) through both caches. ``TeacherForcedStep`` per fed token; ``Cancelled`` when
+    ``cancel()`` turns true.
+    """
+    if isinstance(candidates, (str, Policy)):
+        candidates = [candidates]
+    pols = [parse_policy(c) for c in candidates]
+    ids, prefill, source = _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens, cancel)
+    base = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
+    results = [teacher_forced(engine, ids, prefill, p, cache_mode, baseline=base, on_event=on_event, cancel=cancel)
+               for p in pols]
+    for r, p in zip(results, pols):
+        object.__setattr__(r, "kv_policy", p.label)
+    return TeacherForcedReport(engine.name, source, cache_mode, prefill, len(base), results)

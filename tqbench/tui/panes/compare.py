@@ -11,11 +11,11 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
+from tqbench.constants import COMPARE_PROMPTS
 from tqbench.tui.panes.jobs import cancel_job, finish_job, run_engine_job
 
 DEFAULT_POLICIES = "turbo4;turbo3;turbo2;q8k-q8v;k4v2"
-DEFAULT_PROMPTS = ("Explain in a few sentences why the sky is blue.\n"
-                   "Write a short story about a lighthouse keeper who finds a message in a bottle.")
+DEFAULT_PROMPTS = "\n".join(COMPARE_PROMPTS)
 #: (column label, row key, format)
 COLUMNS = (
     ("policy", "policy", "{}"),

@@ -10,9 +10,6 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
-#: SmolLM2-135M-Instruct's KV geometry, used until a model is loaded
-DEFAULT_GEOMETRY = (30, 3, 64)
-
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
@@ -151,12 +148,13 @@ class PoliciesPane(Horizontal):
 
     # ---- the builder -----------------------------------------------------------------------------
     def geometry(self):
-        from tqbench.engine.cache.estimate import KVGeometry
+        """The loaded model's KV geometry; until a model is loaded, the default model's (its shipped config)."""
+        from tqbench.engine.cache import KVGeometry, default_geometry
 
         engine = getattr(self.app, "engine", None)
         if engine is not None:
             return KVGeometry.from_config(engine.config)
-        return KVGeometry(*DEFAULT_GEOMETRY)
+        return default_geometry()
 
     def context(self) -> int:
         try:

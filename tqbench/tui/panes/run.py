@@ -255,7 +255,7 @@ class RunPane(Vertical):
     def _generate(self, engine, params: RunParams) -> None:
         from tqbench.engine.events import PairStep
         from tqbench.engine.generate import Sampling
-        from tqbench.sessions.session import RunRecorder
+        from tqbench.sessions import RunRecorder
 
         rec = RunRecorder(params.prompt, params.chat, params.max_new_tokens, params.sampling)
         error = None
@@ -325,26 +325,21 @@ class RunPane(Vertical):
         """Render a ``RunRecord`` (from a session) exactly as a live run would have left the screen."""
         self.record = rec
         self.fill(rec.params())
+        self._mode_chosen = True  # the saved run's mode stays when the model loads
         views = {"baseline": self.query_one("#baseline-view", TokenView),
                  "candidate": self.query_one("#candidate-view", TokenView)}
         graph = self.query_one("#graph", ThroughputGraph)
-        pieces = {}
         for run in ("baseline", "candidate"):
             side = getattr(rec, run)
             if side is None:
                 views[run].clear(f"{run} · (none in this run)")
                 continue
-            pieces[run] = _token_texts(self.app.engine, side.token_ids, side.text)
+            texts = side.token_texts if side.has_token_texts else [f"[{i}]" for i in side.token_ids]
+            views[run].set_tokens([(tid, text, rec.baseline is not None and i < rec.steps and not rec.same_token[i])
+                                   for i, (tid, text) in enumerate(zip(side.token_ids, texts))])
         views["baseline"].border_title = f"baseline · {rec.baseline.policy} ({rec.baseline.cache_mode})" \
             if rec.baseline else "baseline · none"
         views["candidate"].border_title = self._cand_title(rec.candidate.policy, rec.candidate.cache_mode)
-        for run, texts in pieces.items():
-            side = getattr(rec, run)
-            items = []
-            for i, (tid, text) in enumerate(zip(side.token_ids, texts)):
-                differs = rec.baseline is not None and i < len(rec.same_token) and not rec.same_token[i]
-                items.append((tid, text, differs))
-            views[run].set_tokens(items)
         graph.set_series(
             {r: getattr(rec, r).tokens_per_second for r in ("baseline", "candidate") if getattr(rec, r)},
             {r: getattr(rec, r).resident_bytes for r in ("baseline", "candidate") if getattr(rec, r)},
@@ -398,13 +393,3 @@ class RunPane(Vertical):
 
 def _tok(ev) -> Tok | None:
     return None if ev is None else Tok(ev.token_id, ev.text_delta, ev.step_seconds)
-
-
-def _token_texts(engine, ids: list[int], full_text: str) -> list[str]:
-    """Per-token text deltas for saved ids (the same streaming detokenizer the engine uses)."""
-    if engine is None:
-        return [f"[{i}]" for i in ids]
-    from tqbench.engine.generate import TextStreamer
-
-    st = TextStreamer(engine.tokenizer)
-    return [st.push(t, final=(k == len(ids) - 1)) for k, t in enumerate(ids)]

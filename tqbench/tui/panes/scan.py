@@ -10,10 +10,10 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static
 
+from tqbench.constants import DEFAULT_PROMPT
 from tqbench.tui.panes.jobs import cancel_job, finish_job, run_engine_job
 from tqbench.tui.widgets.heatmap import Heatmap
 
-DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 #: heatmap choices: (label, metric key, where it lives, higher is worse)
 METRICS = (
     ("K error (rel. MSE)", "k_rel_mse", "metrics", True),
@@ -71,7 +71,7 @@ class ScanPane(Vertical):
         self._cancel = threading.Event()
 
     def compose(self) -> ComposeResult:
-        from tqbench.engine.scan.scan_run import DEFAULT_CODECS
+        from tqbench.engine.scan import DEFAULT_CODECS
 
         p = self.initial
         with Horizontal(classes="controls"):
@@ -105,7 +105,7 @@ class ScanPane(Vertical):
     # ---- running ---------------------------------------------------------------------------------
     @on(Button.Pressed, "#scan-button")
     def action_scan(self) -> None:
-        from tqbench.engine.scan.scan_run import resolve_codecs
+        from tqbench.engine.scan import resolve_codecs
 
         if self.running:
             self.app.notify("a scan is already going: press escape to cancel it", severity="warning")
@@ -136,7 +136,7 @@ class ScanPane(Vertical):
 
     @work(thread=True, exclusive=True, group="scan", exit_on_error=False)
     def _scan(self, engine, prompt, layers, codecs, tokens) -> None:
-        from tqbench.engine.scan.scan_run import scan
+        from tqbench.engine.scan import scan
 
         result, error, cancelled = run_engine_job(lambda: scan(
             engine, prompt, layers=layers, codecs=codecs, max_prompt_tokens=tokens,

@@ -28,7 +28,7 @@ class OpenSessionScreen(ModalScreen):
         self.directory = directory
 
     def compose(self) -> ComposeResult:
-        from tqbench.sessions.session import list_sessions, session_dir
+        from tqbench.sessions import list_sessions, session_dir
 
         self.entries = list_sessions(self.directory)
         with Vertical():

@@ -1,1 +1,35 @@
-"""fused"""
+"""The ``fused`` cache mode: attention straight from the packed store.
+
+One job per module, imports in one direction (``install -> choose, torch_ref -> layout``; ``triton_glue ->
+torch_ref, layout``, loaded lazily because it imports triton):
+
+- ``install.py``: ``install_fused_attention`` (the transformers registration), ``fused_attention_forward``,
+  ``fused_attention`` (picks and counts the implementation of one call);
+- ``choose.py``: ``choose_impl`` (Triton kernels or the torch reference, and why);
+- ``layout.py``: a store's parts around its packed run, ``packed_side`` (the kernels' description of it);
+- ``torch_ref.py``: ``reference_fused_attention``, the torch implementation (CPU);
+- ``triton_glue.py``: ``triton_fused_attention``, the Triton launch (packed kernel + dense rows, merged).
+"""
+
+from tqbench.engine.cache.fused.choose import IMPL_ENV, choose_impl
+from tqbench.engine.cache.fused.install import (
+    ATTN_NAME,
+    fused_attention,
+    fused_attention_forward,
+    install_fused_attention,
+)
+from tqbench.engine.cache.fused.layout import cat_rows, layout, packed_side
+from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
+
+__all__ = [
+    "ATTN_NAME",
+    "IMPL_ENV",
+    "cat_rows",
+    "choose_impl",
+    "fused_attention",
+    "fused_attention_forward",
+    "install_fused_attention",
+    "layout",
+    "packed_side",
+    "reference_fused_attention",
+]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tqbench.engine.cache.fused.layout import layout, packed_side
+from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
 from tqbench.engine.codecs.base import compute_dtype
 from tqbench.kernels.packed_attention import packed_attention  # imports triton: this module is loaded lazily
 from tqbench.kernels.reference import dense_partials, merge_partials
@@ -44,12 +46,10 @@ def _extra_rows(store, part, common: int, dt) -> torch.Tensor | None:
 
 
 def triton_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: float) -> torch.Tensor:
-    from tqbench.engine.cache.fused.attention import _layout, packed_side, reference_fused_attention
-
     b, hq, seq, d = query.shape
     layer = kv.layer
-    kb, kp, ka = _layout(kv.k_parts)
-    vb, vp, va = _layout(kv.v_parts)
+    kb, kp, ka = layout(kv.k_parts)
+    vb, vp, va = layout(kv.v_parts)
     dt = compute_dtype(query.dtype)
     hb = sum(x.shape[2] for x in kb)
     if kp is None or vp is None or hb != sum(x.shape[2] for x in vb):

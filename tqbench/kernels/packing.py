@@ -1,4 +1,7 @@
-"""Dense bit packing of small unsigned indices along the last dimension.
+"""Dense bit packing of small unsigned indices along the last dimension: the one packer of KV codes.
+
+The codecs (``tqbench.engine.codecs``) pack with it and the kernels' torch reference decodes with it; it
+lives here because ``tqbench.kernels`` never imports the engine.
 
 Layout: an LSB-first bit stream. Value ``i`` of a row occupies stream bits ``[i*bits, (i+1)*bits)`` and
 stream bit ``k`` is bit ``k % 8`` of byte ``k // 8``. So 4-bit packs ``v0 | v1 << 4``, 2-bit packs
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["max_values", "pack_bits", "packed_nbytes", "unpack_bits"]
+__all__ = ["byte_table", "lookup_packed", "max_values", "pack_bits", "packed_nbytes", "unpack_bits"]
 
 
 def _check_bits(bits: int) -> None:

@@ -1,0 +1,111 @@
+"""``bench`` (generate under a policy; speed and what the cache costs) and ``policies`` (the preset list).
+
+Heavy imports happen inside the commands so ``tqbench --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from tqbench.cli.options import friendly_errors, model_options, read_prompt, torch_threads
+from tqbench.cli.workbench import open_workbench
+from tqbench.constants import CACHE_MODES
+
+
+@click.command()
+@model_options
+@click.option("--kv-policy", default="turbo4", show_default=True, help="Preset name, compact policy or .json/.toml file.")
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-file", default=None, help="Read the prompt from a file.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--per-layer", is_flag=True, help="Print the per-layer byte table.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("--save-session", "save_session", default=None, metavar="FILE",
+              help="Also save the run as a workbench session (FILE.json + FILE.safetensors).")
+@click.pass_context
+@friendly_errors
+def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, prompt_file, chat, max_new_tokens,
+          temperature, top_p, seed, per_layer, as_json, save_session):
+    """Generate under a KV policy; report speed and what the cache costs."""
+    if not ctx.find_root().obj.get("headless"):  # the workbench's Run screen with these flags filled in
+        ctx.find_root().obj["workbench"].update(model=model, device=device, dtype=dtype, threads=threads)
+        return open_workbench(ctx, "run", dict(
+            prompt=read_prompt(prompt, prompt_file), chat=chat, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, candidate=kv_policy, cache_mode=cache_mode))
+    from tqbench.cli.render.console import err, load_engine
+    from tqbench.cli.render.tables import BenchRun, print_bench
+    from tqbench.engine import Sampling, parse_policy
+
+    if max_new_tokens < 1:
+        raise click.BadParameter(f"{max_new_tokens} is invalid: ask for at least 1 token", param_hint="--max-new-tokens")
+    policy = parse_policy(kv_policy)
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+    text = read_prompt(prompt, prompt_file)
+    engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    recorder = None
+    if save_session:
+        from tqbench.sessions import RunRecorder
+
+        recorder = RunRecorder(text, chat, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed),
+                               kind="bench")
+    result = _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, not as_json)
+    run = BenchRun.of(engine, result, policy, torch_threads())
+    if recorder is not None:
+        saved = save_headless_session(save_session, engine, model, [recorder.record])
+        if not as_json:
+            err.print(f"session saved to {saved}", soft_wrap=True, highlight=False)
+    if as_json:
+        click.echo(json.dumps(run.to_dict(), indent=2))
+    else:
+        print_bench(run, per_layer=per_layer)
+
+
+def _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, live_text: bool):
+    """Stream one generation (text to stdout when ``live_text``); the engine's ``GenerationResult``."""
+    from tqbench.cli.render.progress import TokenPrinter
+    from tqbench.engine.events import GenerationFinished, TokenGenerated
+
+    result = None
+    live = TokenPrinter(enabled=live_text)
+    for ev in engine.stream(text, policy, cache_mode, max_new_tokens=max_new_tokens, chat=chat, sampling=sampling,
+                            track_bytes=recorder is not None):
+        if recorder is not None:
+            recorder(ev)
+        if isinstance(ev, TokenGenerated):
+            live.token(ev.text_delta)
+        elif isinstance(ev, GenerationFinished):
+            result = ev.result
+    live.close()
+    return result
+
+
+def save_headless_session(path: str, engine, model_spec: str, runs: list, **results) -> str:
+    """Write a session the workbench opens (``tqbench --session FILE``)."""
+    from tqbench.sessions import Session, environment
+
+    session = Session(model=Session.model_info(engine, model_spec), runs=runs,
+                      environment=environment(str(engine.loaded.device)), **results)
+    return str(session.save(path))
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@click.option("--seq-len", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Context length the bits/element and saving are computed for.")
+@friendly_errors
+def policies(as_json, seq_len):
+    """List every preset with its string form, bits per element and saving (default-model geometry)."""
+    from tqbench.cli.render.tables import preset_rows, print_presets
+
+    rows = preset_rows(seq_len)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=2))
+    else:
+        print_presets(rows, seq_len)

@@ -1,0 +1,69 @@
+"""``kv-estimate``: KV bytes, bits per element and saving for a model geometry (config only, no weights).
+
+Heavy imports happen inside the command. Exit codes: 0 = done and the gate passed, 1 = a policy does not
+fit ``--memory-budget``, 2 = bad input.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from tqbench.cli.options import (
+    check_out_paths,
+    friendly_errors,
+    gate,
+    policy_list,
+    report_options,
+    write_reports,
+)
+
+
+@click.command("kv-estimate")
+@click.option("--model", default=None, help="Shipped config name, 'default', a config.json or a model folder.")
+@click.option("--layers", type=int, default=None, help="Explicit geometry: number of layers.")
+@click.option("--kv-heads", type=int, default=None, help="Explicit geometry: KV heads.")
+@click.option("--head-dim", type=int, default=None, help="Explicit geometry: head dimension.")
+@click.option("--seq-len", type=int, default=32768, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--kv-policy", "kv_policy", default="fp16,turbo4", show_default=True,
+              help="One or several policies (';' between compact policies).")
+@click.option("--memory-budget", default=None, help="e.g. 24GiB or 80GB: longest context that fits.")
+@click.option("--list-models", is_flag=True, help="List the shipped model configs.")
+@report_options
+@friendly_errors
+def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, kv_policy, memory_budget, list_models,
+                report_json, report_md, as_json):
+    """KV bytes, bits per element and saving for a model geometry (config only, no weights)."""
+    from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
+    from tqbench.engine.cache import kv_estimate as ke
+
+    if list_models:
+        return _list_models(as_json)
+    explicit = [x is not None for x in (layers, kv_heads, head_dim)]
+    if model is not None and any(explicit):
+        raise ValueError("give either --model or --layers/--kv-heads/--head-dim, not both")
+    if any(explicit) and not all(explicit):
+        raise ValueError("an explicit geometry needs all three of --layers, --kv-heads and --head-dim")
+    geo = ke.explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else ke.model_geometry(model or "default")
+    budget = ke.parse_bytes(memory_budget) if memory_budget is not None else None
+    check_out_paths(report_json, report_md)
+    rep = ke.kv_estimate(geo, policy_list(kv_policy), seq_len, batch, budget)
+    write_reports(rep.to_dict(), kv_estimate_md(rep), report_json, report_md, as_json)
+    if not as_json:
+        print_kv_estimate(rep)
+    if budget is not None:
+        over = [r["kv_policy"] for r in rep.rows if r["total_bytes"] > budget]
+        gate(not over, f"{', '.join(over)} do(es) not fit {memory_budget} at {seq_len} tokens")
+
+
+def _list_models(as_json: bool) -> None:
+    from tqbench.cli.render.estimate import print_models
+    from tqbench.engine.cache import kv_estimate as ke
+
+    models = [ke.model_geometry(m) for m in ke.shipped_models()]
+    if as_json:
+        click.echo(json.dumps([m.to_dict() for m in models], indent=2))
+    else:
+        print_models(models)

@@ -1,0 +1,155 @@
+"""What every command shares: option groups, prompt and list parsing, report writing, the one-line errors
+and the gate. Torch-free: the commands import the engine inside their bodies.
+
+Exit codes: 0 = done and the gate passed, 1 = a gate failed (named on stderr), 2 = bad input.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import click
+
+from tqbench.constants import COMPARE_PROMPTS, DEFAULT_PROMPT
+
+
+# ---- errors and gates ---------------------------------------------------------------------------------
+def fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def friendly_errors(fn):
+    """Bad input becomes a one-line error and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from tqbench.engine import ModelLoadError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, ModelLoadError, FileNotFoundError) as exc:
+            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+    return wrapper
+
+
+def gate(ok: bool, message: str) -> None:
+    """Exit 1 with ``gate failed: message`` on stderr unless ``ok``."""
+    if not ok:
+        click.echo(f"gate failed: {message}", err=True)
+        sys.exit(1)
+
+
+# ---- option groups ------------------------------------------------------------------------------------
+def model_options(fn):
+    fn = click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")(fn)
+    fn = click.option("--dtype", default="auto", show_default=True,
+                      help="auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16, bfloat16, float64.")(fn)
+    fn = click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, mps.")(fn)
+    fn = click.option("--model", "model", default="default", show_default=True,
+                      help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a hub id, a folder or a .gguf.")(fn)
+    return fn
+
+
+def report_options(fn):
+    fn = click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")(fn)
+    fn = click.option("--report-md", default=None, help="Write a Markdown report to this file.")(fn)
+    fn = click.option("--report-json", default=None, help="Write the JSON report to this file.")(fn)
+    return fn
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """``bench``'s prompt: click usage errors (``Error: ...`` with the usage line)."""
+    if prompt and prompt_file:
+        raise click.UsageError("give either --prompt or --prompt-file, not both")
+    if prompt_file:
+        if not os.path.isfile(prompt_file):
+            raise click.BadParameter(f"prompt file {prompt_file!r} does not exist", param_hint="--prompt-file")
+        with open(prompt_file, encoding="utf-8") as fh:
+            return fh.read()
+    return prompt if prompt is not None else DEFAULT_PROMPT
+
+
+def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
+    """The validation suite's prompt: bad input is a ValueError (``friendly_errors`` makes it one line)."""
+    if prompt is not None and prompt_file:
+        raise ValueError("give either --prompt or --prompt-file, not both")
+    if prompt_file:
+        if not os.path.isfile(prompt_file):
+            raise ValueError(f"prompt file {prompt_file!r} does not exist: check the path given to --prompt-file")
+        with open(prompt_file, encoding="utf-8") as fh:
+            return fh.read()
+    return prompt if prompt is not None else DEFAULT_PROMPT
+
+
+def prompt_list(prompts: tuple[str, ...], prompt_files: tuple[str, ...]) -> list[str]:
+    out = list(prompts)
+    for f in prompt_files:
+        out.append(prompt_text(None, f))
+    return out or list(COMPARE_PROMPTS)
+
+
+# ---- lists ----------------------------------------------------------------------------------------------
+def csv(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def policy_list(text: str) -> list[str]:
+    """Comma-separated policies; a compact policy with commas goes in with ';' between policies."""
+    sep = ";" if ";" in text else ","
+    return [p.strip() for p in text.split(sep) if p.strip()]
+
+
+def ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in csv(text) or []]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is invalid: give whole numbers like 256,512") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{flag} {text!r} is invalid: give whole numbers >= 1 like 256,512")
+    return vals
+
+
+def floats(text: str, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in csv(text) or []]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is invalid: give fractions like 0.1,0.5,0.9") from None
+    if not vals or any(not 0 <= v <= 1 for v in vals):
+        raise ValueError(f"{flag} {text!r} is invalid: give fractions between 0 and 1 like 0.1,0.5,0.9")
+    return vals
+
+
+# ---- reports ----------------------------------------------------------------------------------------------
+def check_out_paths(report_json: str | None, report_md: str | None) -> None:
+    """Fail before any work when a report's folder does not exist."""
+    for path, flag in ((report_json, "--report-json"), (report_md, "--report-md")):
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise ValueError(f"{flag} {path!r}: folder {parent!r} does not exist; create it or pick another path")
+
+
+def write_reports(payload: dict, md: str | None, report_json: str | None, report_md: str | None,
+                  as_json: bool) -> None:
+    if report_json:
+        with open(report_json, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=2)
+    if report_md and md is not None:
+        with open(report_md, "w", encoding="utf-8") as fh:
+            fh.write(md)
+    if as_json:
+        click.echo(json.dumps(payload, indent=2))
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

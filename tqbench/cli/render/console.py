@@ -1,0 +1,26 @@
+"""The two rich consoles (``out`` for tables and text, ``err`` for progress and notes) and the model load
+spinner every model command shows."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+err = Console(stderr=True)
+out = Console()
+if not out.is_terminal:  # pipes and files get full-width tables instead of 80 columns
+    out = Console(width=160)
+
+
+def load_engine(model: str, device: str, dtype: str, threads: int | None, quiet: bool = False):
+    from tqbench.engine import Engine
+
+    with err.status(f"loading {model} ...", spinner="dots") as status:
+        engine = Engine.load(model, device=device, dtype=dtype, threads=threads,
+                             on_progress=lambda m: status.update(m))
+    info = engine.loaded
+    if not quiet:
+        err.print(
+            f"[bold]{info.name}[/] on {info.device} ({str(info.dtype).replace('torch.', '')}), "
+            f"{info.num_params / 1e6:.0f}M parameters, loaded in {info.load_seconds:.1f}s"
+        )
+    return engine

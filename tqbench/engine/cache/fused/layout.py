@@ -1,0 +1,49 @@
+"""The packed layout a ``fused`` call reads: a store's parts in token order and their fused description.
+
+A layer's store is ``[sinks | packed | tail]`` (``FusedKV.k_parts`` / ``v_parts``: ``(kind, n_tokens,
+payload)`` tuples captured before this call's rows were appended). ``layout`` splits the parts around the
+packed run; ``packed_side`` describes the packed run for the kernels (``tqbench.kernels.reference.PackedSide``),
+or says there is no fused form for its codec.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.kernels.reference import PackedSide
+
+
+def packed_side(store, payload: dict, n: int, d: int, dt: torch.dtype) -> PackedSide | None:
+    """The fused description of a store's packed rows, or None when its codec has no fused form."""
+    codec = store.codec
+    state = store.state or {}
+    if type(codec) is TurboCodec:
+        return PackedSide(
+            "turbo", codec.bits, payload, n, d, levels=codec.codebook_tensor(payload["idx"].device, dt, d),
+            rotation=codec.rotation_tensor(payload["idx"].device, dt, d), mu=state.get("mu"),
+        )
+    if type(codec) is AffineChannelCodec:
+        return PackedSide("affine-channel", codec.bits, payload, n, d, group=codec.block)
+    if type(codec) is AffineTokenCodec and d % codec.group == 0:
+        return PackedSide("affine-token", codec.bits, payload, n, d, group=codec.group)
+    return None
+
+
+def layout(parts: tuple) -> tuple[list, tuple | None, list]:
+    """``parts`` in token order -> (dense rows before the packed run, the packed part, dense rows after)."""
+    before, packed, after = [], None, []
+    for part in parts:
+        if part[0] == "packed":
+            packed = part
+        elif packed is None:
+            before.append(part[2])
+        else:
+            after.append(part[2])
+    return before, packed, after
+
+
+def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
+    """Dense rows ``[B, H, n_i, D]`` joined along the tokens, in ``dt``."""
+    out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
+    return out if out.dtype == dt else out.to(dt)

@@ -1,0 +1,131 @@
+"""A model's KV geometry (layers, KV heads, head size, sliding layers), read from its config alone.
+
+``KVGeometry.from_config`` is the one reader of a transformers config's attention fields (the cache, the
+estimates and the front ends all go through it). ``model_geometry`` finds a geometry by name: a shipped config
+(``tqbench/data/models/<name>.json``: the attention fields of the model's public ``config.json``), a local
+``config.json`` or model folder (config only, no weights), or explicit ``layers / kv_heads / head_dim``. A
+config is read through transformers' own config class, so derived fields match what the model does
+(Gemma-2's alternating sliding/global ``layer_types``; a ``sliding_window`` without ``layer_types`` means
+every layer slides, as transformers' ``DynamicCache`` treats it). ``default_geometry()`` is the default
+model's (SmolLM2-135M), from its shipped config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqbench.constants import MODELS_DATA_DIR
+
+MODELS_DIR = MODELS_DATA_DIR
+ALIASES = {"default": "SmolLM2-135M", "smollm2-135m-instruct": "SmolLM2-135M",
+           "smollm2-1.7b-instruct": "SmolLM2-1.7B", "phi-3-mini-4k-instruct": "Phi-3-mini-4k"}
+
+
+def text_config(config):
+    """The decoder's config of ``config`` (multimodal configs nest it), else ``config`` itself."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config) -> KVGeometry:
+        cfg = text_config(config)
+        lt = getattr(cfg, "layer_types", None)
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            layer_types=tuple(lt) if lt else None,
+            sliding_window=getattr(cfg, "sliding_window", None),
+        )
+
+
+def shipped_models() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    name: str
+    geometry: KVGeometry
+    max_context: int | None
+    source: str
+
+    def to_dict(self) -> dict:
+        g = self.geometry
+        return {"name": self.name, "source": self.source, "num_layers": g.num_layers, "kv_heads": g.kv_heads,
+                "head_dim": g.head_dim, "sliding_window": g.sliding_window,
+                "sliding_layers": sum(t == "sliding_attention" for t in g.layer_types) if g.layer_types else 0,
+                "max_context": self.max_context}
+
+
+def _from_config_dict(name: str, data: dict, source: str) -> ModelGeometry:
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"{source}: the config has no model_type: it is not a transformers config.json")
+    try:
+        cfg = AutoConfig.for_model(model_type, **data)
+    except ValueError as exc:
+        raise ValueError(f"{source}: model_type {model_type!r} is unknown to transformers ({exc})") from None
+    geo = KVGeometry.from_config(cfg)
+    if geo.layer_types is None and geo.sliding_window:
+        geo = KVGeometry(geo.num_layers, geo.kv_heads, geo.head_dim, ("sliding_attention",) * geo.num_layers,
+                         geo.sliding_window)
+    return ModelGeometry(name, geo, getattr(text_config(cfg), "max_position_embeddings", None), source)
+
+
+def model_geometry(model: str) -> ModelGeometry:
+    """A shipped model name (case-insensitive, ``default`` = SmolLM2-135M), a config.json or a model folder."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model!r} has no config.json: give a model folder with one, or a shipped name "
+                             f"({', '.join(shipped_models())})")
+    if path.suffix == ".json" and path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{model}: not valid JSON ({exc})") from None
+        return _from_config_dict(path.parent.name if path.name == "config.json" else path.stem, data, str(path))
+    key = ALIASES.get(model.lower(), model)
+    by_lower = {m.lower(): m for m in shipped_models()}
+    if key.lower() not in by_lower:  # a hub id: meta-llama/Llama-3.1-8B-Instruct -> Llama-3.1-8B
+        base = key.split("/")[-1].lower()
+        for suffix in ("-instruct", "-it", "-chat"):
+            base = base.removesuffix(suffix)
+        key = ALIASES.get(base, base)
+    if key.lower() not in by_lower:
+        raise ValueError(f"unknown model {model!r} for kv-estimate: shipped configs are "
+                         f"{', '.join(shipped_models())}; or give a config.json, a model folder, or "
+                         "--layers --kv-heads --head-dim")
+    name = by_lower[key.lower()]
+    data = json.loads((MODELS_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    return _from_config_dict(name, data, f"shipped config {name}.json")
+
+
+@functools.lru_cache(maxsize=1)
+def default_geometry() -> KVGeometry:
+    """The default model's geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), from its shipped config."""
+    return model_geometry("default").geometry
+
+
+def explicit_geometry(layers: int, kv_heads: int, head_dim: int) -> ModelGeometry:
+    for what, val in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
+        if val is None or val < 1:
+            raise ValueError(f"{what} {val} is invalid: give a whole number >= 1")
+    return ModelGeometry("explicit geometry",
+                         KVGeometry(layers, kv_heads, head_dim), None, "explicit")

@@ -1,0 +1,107 @@
+"""Per-step records of a baseline/candidate pair, built in one place, and what validate and compare report
+from them (step agreement, same-context logit comparison, the policy summary, argument checks)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tqbench.engine.events import TokenGenerated
+from tqbench.engine.metrics import DEFAULT_QUALITY_THRESHOLD, logit_stats, match_ratio, same_context_kl
+
+
+@dataclass
+class StepRecord:
+    step: int
+    baseline_token: int | None
+    candidate_token: int | None
+    baseline_top1: int | None
+    candidate_top1: int | None
+    baseline_text: str = ""
+    candidate_text: str = ""
+    kl: float | None = None
+    max_abs_logit_delta: float | None = None
+    baseline_seconds: float | None = None
+    candidate_seconds: float | None = None
+
+    @property
+    def same_token(self) -> bool:
+        return self.baseline_token is not None and self.baseline_token == self.candidate_token
+
+    @property
+    def same_top1(self) -> bool:
+        return self.baseline_top1 is not None and self.baseline_top1 == self.candidate_top1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["same_token"] = self.same_token
+        d["same_top1"] = self.same_top1
+        return d
+
+
+def step_record(step: int, b: TokenGenerated | None, c: TokenGenerated | None) -> StepRecord:
+    """The record of one step from the two runs' token events (either may have finished: None); KL and the
+    largest logit delta when both carry logits."""
+    rec = StepRecord(
+        step,
+        b.token_id if b else None, c.token_id if c else None,
+        b.top1_id if b else None, c.top1_id if c else None,
+        b.text_delta if b else "", c.text_delta if c else "",
+        baseline_seconds=b.step_seconds if b else None, candidate_seconds=c.step_seconds if c else None,
+    )
+    if b is not None and c is not None and b.logits is not None and c.logits is not None:
+        rec.kl, rec.max_abs_logit_delta = logit_stats(b.logits, c.logits)
+    return rec
+
+
+def step_comparison(steps: list[StepRecord]) -> dict:
+    paired = [s for s in steps if s.baseline_token is not None and s.candidate_token is not None]
+    return {
+        "steps": len(steps),
+        "paired_steps": len(paired),
+        "top1_match_ratio": match_ratio([s.same_top1 for s in paired]),
+        "same_token_ratio": match_ratio([s.same_token for s in paired]),
+    }
+
+
+def logit_comparison(steps: list[StepRecord], first_divergence: int | None) -> dict | None:
+    """KL and logit deltas over the steps where both runs saw the same context (``metrics.same_context_kl``);
+    later steps compare different histories and are reported separately."""
+    if not any(s.kl is not None for s in steps):
+        return None
+    k = same_context_kl([s.kl for s in steps], first_divergence)
+    last = len(steps) - 1 if first_divergence is None else first_divergence
+    deltas = [s.max_abs_logit_delta for s in steps if s.kl is not None and s.step <= last]
+    return {
+        "metric": "KL(baseline || candidate) in nats, softmax of the step's logits",
+        "steps_compared": k.steps_compared,
+        "kl_mean": k.kl_mean or 0.0,
+        "kl_max": k.kl_max or 0.0,
+        "max_abs_logit_delta": max(deltas, default=0.0),
+        "after_divergence_steps": k.after_divergence_steps,
+        "after_divergence_kl_mean": k.after_divergence_kl_mean,
+    }
+
+
+def policy_summary(base_result, cand_result) -> dict:
+    """Memory and throughput of a candidate run next to its baseline (``GenerationResult``s)."""
+    rep = cand_result.cache_report
+    b_tps, c_tps = base_result.decode_tokens_per_second, cand_result.decode_tokens_per_second
+    return {
+        "memory_saved_pct": rep.memory_saved_pct if rep else 0.0,
+        "compression_ratio": round(rep.dense_fp16_bytes / rep.compressed_storage_bytes, 4)
+        if rep and rep.compressed_storage_bytes else 1.0,
+        "bits_per_element": rep.bits_per_element if rep else 16.0,
+        "compressed_storage_bytes": rep.compressed_storage_bytes if rep else None,
+        "dense_fp16_bytes": rep.dense_fp16_bytes if rep else None,
+        "active_decode_memory_saved_pct": rep.active_decode_memory_saved_pct if rep else 0.0,
+        "baseline_decode_tokens_per_second": round(b_tps, 3),
+        "candidate_decode_tokens_per_second": round(c_tps, 3),
+        "throughput_ratio": round(c_tps / b_tps, 4) if b_tps > 0 else None,
+    }
+
+
+def check_generation_args(max_new_tokens: int, quality_threshold: float = DEFAULT_QUALITY_THRESHOLD) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
+    if not 0 < quality_threshold <= 1:
+        raise ValueError(f"quality threshold {quality_threshold} is invalid: use a number in (0, 1]")
