@@ -7,7 +7,7 @@ import pytest
 from serverkit import CEILING
 
 from tqbench.engine.generate import Sampling
-from tqbench.engine.policy.spec import parse_policy
+from tqbench.engine.policy import parse_policy
 
 pytestmark = pytest.mark.server
 

@@ -8,7 +8,7 @@ import pytest
 from textual.widgets import Input, Label, OptionList, TabbedContent
 from tui_helpers import notes, plain, wait_for
 
-from tqbench.engine.policy.spec import PRESETS
+from tqbench.engine.policy import PRESETS
 from tqbench.sessions import Session
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 from tqbench.tui.panes.policies import PoliciesPane

@@ -21,8 +21,8 @@ async def test_scan_shows_heatmaps_cells_and_a_suggested_policy(data_dir, steady
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: pane.status == "done", what="the scan")
         expected = scan(steady_engine, pane.query_one("#scan-prompt", Input).value, codecs=["int8", "turbo4", "turbo2"])
-        assert pane.result["metrics"] == expected.to_dict()["metrics"]
-        assert pane.result["suggested_policy"] == expected.suggest_policy()
+        assert pane.result.metrics == expected.metrics
+        assert pane.result.suggest_policy() == expected.suggest_policy()
         heat = pane.query_one("#heatmap", DataTable)
         assert heat.row_count == 4 and len(heat.columns) == 1 + steady_engine.config.num_key_value_heads
         assert heat.border_title == "K error (rel. MSE) · int8 · layers x KV heads"
@@ -36,7 +36,7 @@ async def test_scan_shows_heatmaps_cells_and_a_suggested_policy(data_dir, steady
         k_mse = expected.metrics["k_rel_mse"]["turbo2"][2][1]
         assert detail.startswith("layer 2, KV head 1")
         assert f"turbo2    {k_mse:7.4f}" in detail
-        assert len(app.session.scans) == 1
+        assert app.session.scans == [pane.result]
         pane.action_use_suggested()
         await pilot.pause()
         assert app.query_one(TabbedContent).active == "run"
@@ -80,11 +80,11 @@ async def test_escape_cancels_a_scan_and_keeps_nothing(data_dir, steady_engine, 
         pane.query_one("#scan-prompt", Input).value = "hello"
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: pane.status == "done", what="a scan after the cancel")
-        assert pane.result["codecs"] == ["int8"]
+        assert pane.result.codecs == ["int8"]
 
 
 async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_engine):
-    from tqbench.engine.validate.compare import compare_policies
+    from tqbench.engine.validate import compare_policies
 
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -96,8 +96,8 @@ async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: pane.status == "done", what="the comparison")
         expected = compare_policies(steady_engine, ["turbo4", "q8k-q8v", "turbo2"], pane.prompts(), max_new_tokens=6)
-        assert [r["verdict"] for r in pane.result["rows"]] == [r["verdict"] for r in expected.rows]
-        assert pane.result["recommendation"]["recommended_policy"] == expected.recommendation["recommended_policy"]
+        assert [r["verdict"] for r in pane.result.rows] == [r["verdict"] for r in expected.rows]
+        assert pane.result.recommendation["recommended_policy"] == expected.recommendation["recommended_policy"]
         rec = plain(pane.query_one("#recommendation"))
         assert rec.startswith(f"recommendation: {expected.recommendation['recommended_policy']} (")
         table = pane.query_one("#cmp-table", DataTable)
@@ -118,7 +118,7 @@ async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_
         assert app.query_one(TabbedContent).active == "run"
         assert app.run_pane.query_one("#candidate", Input).value == top["policy_string"]
         assert app.run_pane.query_one("#max-tokens", Input).value == "6"
-        assert len(app.session.compares) == 1
+        assert app.session.compares == [pane.result]
 
 
 @pytest.mark.parametrize("command,extra", [

@@ -95,19 +95,19 @@ async def test_help_screen(steady_engine, data_dir):
 def fixed_scan(tiny_engine):
     from tqbench.engine.scan import scan
 
-    d = scan(tiny_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"]).to_dict()
-    d["seconds"] = 1.0
-    return d
+    res = scan(tiny_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"])
+    res.seconds = 1.0
+    return res
 
 
 @pytest.fixture(scope="module")
 def fixed_compare(tiny_engine):
-    from tqbench.engine.validate.compare import compare_policies
+    from tqbench.engine.validate import compare_policies
 
-    d = compare_policies(tiny_engine, ["turbo4", "q8k-q8v", "turbo2"], [PROMPT], max_new_tokens=6).to_dict()
-    for row in d["rows"]:
+    res = compare_policies(tiny_engine, ["turbo4", "q8k-q8v", "turbo2"], [PROMPT], max_new_tokens=6)
+    for row in res.rows:
         row["throughput_ratio"] = 1.0  # wall-clock: the one column that changes from run to run
-    return d
+    return res
 
 
 async def test_scan_screen(steady_engine, fixed_scan, data_dir):

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tqbench.engine.cache import CACHE_MODES, TQCache
 from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
-from tqbench.engine.cache.tqcache import CACHE_MODES, TQCache
-from tqbench.engine.policy.spec import PRESETS, parse_policy
+from tqbench.engine.policy import PRESETS, parse_policy
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 2
 
@@ -128,7 +128,7 @@ def test_modes_report_resident_bytes_honestly(tiny_engine):
     assert reps["compressed"].resident_decode_bytes > storage
     # the torch reference of the fused path decodes one side of one layer transiently (fp32 rows + the int32
     # code index + the full-precision rows): counted exactly, and it says so
-    from tqbench.engine.cache.tqcache import fused_reference_peak_bytes
+    from tqbench.engine.cache import fused_reference_peak_bytes
 
     cache = caches["fused"]
     layer = cache.layers[0]

@@ -14,11 +14,11 @@ from tqbench.engine.cache import (
     CompressedDynamicCache,
     KVGeometry,
     TQCache,
+    TQLayer,
     default_geometry,
     estimate_kv,
     kv_estimate,
 )
-from tqbench.engine.cache.tqcache import TQLayer
 from tqbench.engine.policy import LayerPlan, Policy
 
 

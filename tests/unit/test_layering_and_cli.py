@@ -11,7 +11,7 @@ def _run(code: str) -> str:
 
 def test_engine_does_not_import_front_ends():
     out = _run(
-        "import sys, tqbench.engine.engine, tqbench.engine.cache.tqcache, tqbench.engine.cache.fused.attention;"
+        "import sys, tqbench.engine.engine, tqbench.engine.cache.tqcache, tqbench.engine.cache.fused;"
         "print(sorted(m for m in ('textual','rich','click','fastapi','starlette','uvicorn') if m in sys.modules))"
     )
     assert out.strip() == "[]"
@@ -96,7 +96,7 @@ def test_bench_json_on_tiny_model():
 
 
 def test_policies_json_lists_every_preset():
-    from tqbench.engine.policy.spec import PRESETS
+    from tqbench.engine.policy import PRESETS
 
     r = cli("--headless", "policies", "--json")
     rows = json.loads(r.stdout)

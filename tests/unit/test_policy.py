@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tqbench.engine.policy.spec import PRESET_TEXT, PRESETS, Policy, get_preset, parse_policy
+from tqbench.engine.policy import PRESET_TEXT, PRESETS, Policy, get_preset, parse_policy
 
 SEED_PRESETS = [
     "fp16", "fp16k-q8v", "boundary-fp16-fp16k-q8v", "boundary-fp16-q8k-q8v", "q8k-q8v", "fp16k-int4v",
@@ -122,7 +122,7 @@ def test_shipped_allocation_policies_load_by_name_and_fit_their_budget():
 
 
 def test_corpus_texts_are_shipped_and_bad_names_are_clear(tiny_engine):
-    from tqbench.engine.validate.quality import corpus_ids
+    from tqbench.engine.validate import corpus_ids
 
     assert corpus_ids(tiny_engine.tokenizer, "bread", 300).shape == (1, 300)
     with pytest.raises(ValueError, match="unknown corpus text 'soup': shipped texts are bread, lighthouses, rivers"):

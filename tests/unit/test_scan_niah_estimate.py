@@ -18,8 +18,15 @@ from tqbench.engine.cache.kv_estimate import (
     shipped_models,
 )
 from tqbench.engine.events import ScanLayerDone
-from tqbench.engine.policy.spec import parse_policy
-from tqbench.engine.scan import capture_qkv, parse_thresholds, resolve_codecs, resolve_layers, scan
+from tqbench.engine.policy import parse_policy
+from tqbench.engine.scan import (
+    ScanResult,
+    capture_qkv,
+    parse_thresholds,
+    resolve_codecs,
+    resolve_layers,
+    scan,
+)
 from tqbench.engine.validate import build_haystack, needle_in_haystack, score_answer
 
 TEXT = "The river rose in the night and the ferry stayed on the far bank until the water fell again. " * 3
@@ -101,6 +108,9 @@ def test_scan_matrices_verdicts_and_policy(tiny_engine):
     plans = policy.plan(4)
     for v in d["verdicts"]:
         assert plans[v["layer"]].k == (v["cheapest"] or "fp16")
+    # from_dict inverts to_dict exactly, in memory and through JSON (a saved session's scan)
+    assert ScanResult.from_dict(res.to_dict()).to_dict() == res.to_dict()
+    assert json.dumps(ScanResult.from_dict(d).to_dict()) == json.dumps(res.to_dict())
 
 
 def test_scan_thresholds_change_the_cheapest(tiny_engine):

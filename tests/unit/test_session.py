@@ -6,6 +6,7 @@ import os
 import pytest
 
 from tqbench.engine.events import CacheBytes, GenerationFinished
+from tqbench.engine.scan import ScanResult
 from tqbench.sessions import (
     RunRecorder,
     Session,
@@ -30,7 +31,11 @@ def record(tiny_engine):
 @pytest.fixture(scope="module")
 def session(tiny_engine, record):
     return Session(model=Session.model_info(tiny_engine, "tiny"), runs=[record], policies={"mine": "k=turbo3,v=int4"},
-                   scans=[{"metrics": {"k_error": {"turbo4": [[0.1, 0.2]]}}}])
+                   scans=[ScanResult(capture={"prompt_tokens": 2}, layers=[0], kv_heads=2, codecs=["turbo4"],
+                                     codec_bits={"turbo4": 4.25}, thresholds={"softmax_kl": 0.01},
+                                     metrics={"k_error": {"turbo4": [[0.1, 0.2]]}}, seconds=1.5,
+                                     verdicts=[{"layer": 0, "passing": ["turbo4"], "cheapest": "turbo4",
+                                                "verdict": "ok", "worst_kl": {"turbo4": 0.002}}])])
 
 
 def test_recorder_matches_a_direct_lockstep(tiny_engine, record):
@@ -72,6 +77,7 @@ def test_round_trip_is_exact(tmp_path, session, record):
     assert r.same_token == record.same_token and r.same_top1 == record.same_top1 and r.kl == record.kl
     assert back.model == session.model and back.model["fingerprint"] == "821ced01b71c0e55"
     assert back.policies == {"mine": "k=turbo3,v=int4"} and back.scans == session.scans
+    assert json.loads(path.read_text())["scans"] == json.loads(json.dumps([session.scans[0].to_dict()]))
     assert diff_runs(record, r).identical
 
 

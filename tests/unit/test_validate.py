@@ -10,6 +10,7 @@ from tqbench.engine.events import GenerationStarted, PairStep, Progress, Validat
 from tqbench.engine.metrics import compare_tokens, decide_verdict
 from tqbench.engine.validate import (
     Cancelled,
+    CompareResult,
     compare_policies,
     recommend_policy,
     self_test,
@@ -172,13 +173,18 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
     cell = [c for c in d["cells"] if c["policy"] == "turbo2" and c["prompt_index"] == 1][0]
     assert cell["text"] == plain.text
     assert d["recommendation"] == recommend_policy(d["rows"])
+    # from_dict inverts to_dict exactly, in memory and through JSON (a saved session's comparison)
+    assert CompareResult.from_dict(res.to_dict()).to_dict() == res.to_dict()
+    assert json.dumps(CompareResult.from_dict(d).to_dict()) == json.dumps(res.to_dict())
+    res.threads = 3  # what the CLI records: the one optional key, last
+    assert list(res.to_dict())[-1] == "threads" and CompareResult.from_dict(res.to_dict()) == res
     with pytest.raises(ValueError, match="listed twice"):
         compare_policies(tiny_engine, ["turbo4", "turbo4"], [PROMPT])
 
 
 def test_next_policy_ladder_on_the_default_geometry():
     from tqbench.engine.cache.estimate import KVGeometry
-    from tqbench.engine.policy.spec import parse_policy
+    from tqbench.engine.policy import parse_policy
     from tqbench.engine.validate import recommend
 
     g = KVGeometry(30, 3, 64)
@@ -198,7 +204,7 @@ def test_next_policy_ladder_on_the_default_geometry():
 
 
 def test_cause_hint_reads_codec_aliases_by_their_bits():
-    from tqbench.engine.policy.spec import parse_policy
+    from tqbench.engine.policy import parse_policy
     from tqbench.engine.validate import recommend
 
     rec = recommend("diverged", parse_policy("k=q8,v=q4"))  # q8 / q4 are int8 / int4: values are the lower side

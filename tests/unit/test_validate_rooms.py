@@ -19,8 +19,6 @@ def test_the_room_exports_its_public_names(room):
 
 
 @pytest.mark.parametrize("old, names", [
-    ("tqbench.engine.scan.scan_run", ["DEFAULT_CODECS", "capture_qkv", "parse_thresholds", "resolve_codecs",
-                                      "resolve_layers", "scan"]),
     ("tqbench.engine.validate.validation", ["check_generation_args", "recommend", "self_test",
                                             "teacher_forced_quality", "validate"]),
     ("tqbench.engine.validate.quality", ["baseline_logprobs", "corpus_ids", "teacher_forced"]),

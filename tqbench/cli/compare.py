@@ -67,9 +67,9 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
         res = run_compare(engine, names, texts, baseline=base, cache_mode=cache_mode,
                           max_new_tokens=max_new_tokens, chat=chat, quality_threshold=quality_threshold,
                           on_event=prog)
+    res.threads = torch_threads()
     payload = res.to_dict()
-    payload["threads"] = torch_threads()
-    save_session_if_asked(engine, model, compares=[payload])
+    save_session_if_asked(engine, model, compares=[res])
     write_reports(payload, compare_md(res), report_json, report_md, as_json)
     if not as_json:
         print_compare(res, summary_only=summary_only)

@@ -64,7 +64,7 @@ def scan(model, device, dtype, threads, prompt, prompt_file, chat, layers, max_p
                        max_prompt_tokens=max_prompt_tokens, generated_tokens=generated_tokens, chat=chat,
                        on_event=prog)
     payload = res.to_dict()
-    save_session_if_asked(engine, model, scans=[payload])
+    save_session_if_asked(engine, model, scans=[res])
     write_reports(payload, scan_md(res), report_json, report_md, as_json)
     if not as_json:
         print_scan(res, summary_only=summary_table)

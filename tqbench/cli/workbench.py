@@ -73,8 +73,8 @@ def workbench_command(screen: str, to_fields=None):
 
 
 def save_session_if_asked(engine, model_spec: str, **results) -> str | None:
-    """Write the session when the command got ``--save-session`` (``runs=``, ``scans=``, ``compares=``,
-    ``validations=``); a validation is its report (``ValidationReport`` / ``TeacherForcedReport``, stored as
+    """Write the session when the command got ``--save-session`` (``runs=``, ``scans=`` (``ScanResult``),
+    ``compares=`` (``CompareResult``), ``validations=``); a validation is its report (``ValidationReport`` / ``TeacherForcedReport``, stored as
     its ``to_dict()``), and a validation's lockstep run also becomes a run the Run screen shows."""
     path = click.get_current_context().meta.get(_META)
     if not path:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import DynamicCache
 
+from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, lockstep, stream_tokens
@@ -43,6 +44,11 @@ class Engine:
     @property
     def name(self) -> str:
         return self.loaded.name
+
+    @property
+    def geometry(self) -> KVGeometry:
+        """The model's KV geometry (layers, KV heads, head size, layer types), read once from its config."""
+        return KVGeometry.from_config(self.config)
 
     @property
     def max_context(self) -> int:

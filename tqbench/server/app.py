@@ -74,10 +74,9 @@ class Server:
         self.max_new_tokens = max_new_tokens
         self.model_id = engine.name
         self.model_names = {engine.name, *[a for a in model_aliases if a]}
-        cfg = engine.config.get_text_config(decoder=True) if hasattr(engine.config, "get_text_config") \
-            else engine.config
-        self._num_layers = cfg.num_hidden_layers
-        self._layer_types = getattr(cfg, "layer_types", None)
+        geometry = engine.geometry
+        self._num_layers = geometry.num_layers
+        self._layer_types = list(geometry.layer_types) if geometry.layer_types else None
         self.policy.plan(self._num_layers, self._layer_types)
         if self.cache_mode == "fused":
             engine.enable_fused()

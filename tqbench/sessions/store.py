@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,10 @@ from tqbench.sessions.schema import (
     run_from,
     run_to_json,
 )
+
+if TYPE_CHECKING:
+    from tqbench.engine.scan import ScanResult
+    from tqbench.engine.validate import CompareResult
 
 
 class SessionError(ValueError):
@@ -78,8 +83,8 @@ class Session:
     model: dict = field(default_factory=dict)  # spec, name, fingerprint, device, dtype, num_params
     runs: list[RunRecord] = field(default_factory=list)
     policies: dict[str, str] = field(default_factory=dict)  # user-named policies: name -> compact form
-    scans: list[dict] = field(default_factory=list)
-    compares: list[dict] = field(default_factory=list)
+    scans: list[ScanResult] = field(default_factory=list)  # typed in memory, to_dict() in the file
+    compares: list[CompareResult] = field(default_factory=list)
     validations: list[dict] = field(default_factory=list)
     environment: dict = field(default_factory=dict)
     created: str = field(default_factory=now_iso)
@@ -104,8 +109,9 @@ class Session:
         return {
             "format": FORMAT, "version": VERSION, "created": self.created, "saved": now_iso(),
             "title": self.title, "model": self.model, "environment": self.environment,
-            "policies": self.policies, "runs": [run_to_json(rec) for rec in self.runs], "scans": self.scans,
-            "compares": self.compares, "validations": self.validations,
+            "policies": self.policies, "runs": [run_to_json(rec) for rec in self.runs],
+            "scans": [s.to_dict() for s in self.scans], "compares": [c.to_dict() for c in self.compares],
+            "validations": self.validations,
             "arrays": {"file": arrays_name, "sha256": arrays_sha256},
         }
 
@@ -140,13 +146,25 @@ class Session:
         try:
             doc = migrate(doc)
             runs = [run_from(i, r, arr) for i, r in enumerate(doc["runs"])]
+            scans, compares = _results_from(doc)
             return cls(model=doc["model"], runs=runs, policies=dict(doc.get("policies", {})),
-                       scans=list(doc.get("scans", [])), compares=list(doc.get("compares", [])),
+                       scans=scans, compares=compares,
                        validations=list(doc.get("validations", [])), environment=doc.get("environment", {}),
                        created=doc.get("created", ""), title=doc.get("title", ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise SessionError(f"session {path.name} is corrupt (bad or missing field {exc}): it cannot be "
                                "opened") from None
+
+
+def _results_from(doc: dict) -> tuple[list[ScanResult], list[CompareResult]]:
+    """A (migrated) document's scans and comparisons as the engine's typed results."""
+    scans, compares = doc.get("scans", []), doc.get("compares", [])
+    if not scans and not compares:
+        return [], []
+    from tqbench.engine.scan import ScanResult
+    from tqbench.engine.validate import CompareResult
+
+    return [ScanResult.from_dict(d) for d in scans], [CompareResult.from_dict(d) for d in compares]
 
 
 def save_session(session: Session, path: str | os.PathLike | None = None, *,

@@ -13,7 +13,7 @@ def _limits(thresholds: dict) -> str:
 
 
 def print_scan(res, summary_only: bool = False) -> None:
-    """``res``: engine.scan.scan_run.ScanResult (``capture``, ``metrics``, ``norms``, ``verdicts`` are dicts)."""
+    """``res``: engine.scan.ScanResult (``capture``, ``metrics``, ``norms``, ``verdicts`` are dicts)."""
     cap = res.capture
     t = Table(title=f"scan: {cap['model']}, {cap['tokens']} tokens, {len(res.layers)} layers x {res.kv_heads} KV "
               f"heads ({round(res.seconds, 3):.1f} s); thresholds " + _limits(res.thresholds))

@@ -143,8 +143,7 @@ def capture_qkv(engine, prompt, layers=None, max_prompt_tokens: int = 512, gener
         raise ValueError(f"max_prompt_tokens={max_prompt_tokens} is invalid: use at least 1")
     if generated_tokens < 0:
         raise ValueError(f"generated_tokens={generated_tokens} is invalid: use 0 or more")
-    cfg = engine.config.get_text_config(decoder=True) if hasattr(engine.config, "get_text_config") else engine.config
-    n_layers = cfg.num_hidden_layers
+    n_layers = engine.geometry.num_layers
     chosen = resolve_layers(layers, n_layers)
     ids = prompt if isinstance(prompt, torch.Tensor) else engine.encode_prompt(prompt, chat)
     truncated = ids.shape[1] > max_prompt_tokens

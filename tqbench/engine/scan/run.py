@@ -109,6 +109,15 @@ class ScanResult:
             "suggested_policy": self.suggest_policy(), "seconds": round(self.seconds, 3),
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> ScanResult:
+        """The inverse of ``to_dict()`` (a saved session's scan): ``cheapest`` and ``suggested_policy`` are
+        recomputed from the verdicts; a missing field raises KeyError."""
+        return cls(capture=dict(d["capture"]), layers=list(d["layers"]), kv_heads=d["kv_heads"],
+                   codecs=list(d["codecs"]), codec_bits=dict(d["codec_bits"]), thresholds=dict(d["thresholds"]),
+                   metrics=dict(d["metrics"]), norms=dict(d["norms"]), verdicts=list(d["verdicts"]),
+                   seconds=d["seconds"])
+
 
 def _measure_layer(d: LayerQKV, codecs: list[str], group: int, cancel: CancelFlag | None) -> dict[str, list[dict]]:
     """codec -> per-KV-head metrics of one captured layer (K and V both through the codec)."""

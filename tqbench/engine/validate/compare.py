@@ -67,15 +67,29 @@ class CompareResult:
     cells: list[dict] = field(default_factory=list)  # one per (policy, prompt)
     recommendation: dict = field(default_factory=dict)
     baseline_texts: list[str] = field(default_factory=list)
+    threads: int | None = None  # torch's CPU threads, when a front end recorded them (the CLI does)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "model": self.model, "baseline": self.baseline, "cache_mode": self.cache_mode,
             "baseline_mode": self.baseline_mode, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
             "quality_threshold": self.quality_threshold, "storage_only": self.storage_only,
             "rows": self.rows, "cells": self.cells, "recommendation": self.recommendation,
             "baseline_texts": self.baseline_texts,
         }
+        if self.threads is not None:
+            d["threads"] = self.threads
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CompareResult:
+        """The inverse of ``to_dict()`` (a saved session's comparison); a missing field raises KeyError."""
+        return cls(model=d["model"], baseline=d["baseline"], cache_mode=d["cache_mode"],
+                   baseline_mode=d["baseline_mode"], prompts=list(d["prompts"]),
+                   max_new_tokens=d["max_new_tokens"], quality_threshold=d["quality_threshold"],
+                   storage_only=d["storage_only"], rows=list(d["rows"]), cells=list(d["cells"]),
+                   recommendation=dict(d["recommendation"]), baseline_texts=list(d["baseline_texts"]),
+                   threads=d.get("threads"))
 
 
 def _collect(stream, cancel: CancelFlag | None) -> _Run:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import on, work
@@ -12,7 +13,10 @@ from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
 from tqbench.constants import COMPARE_PROMPTS
-from tqbench.tui.panes.jobs import cancel_job, finish_job, run_engine_job
+from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
+
+if TYPE_CHECKING:
+    from tqbench.engine.validate import CompareResult
 
 DEFAULT_POLICIES = "turbo4;turbo3;turbo2;q8k-q8v;k4v2"
 DEFAULT_PROMPTS = "\n".join(COMPARE_PROMPTS)
@@ -82,7 +86,7 @@ class ComparePane(Vertical):
         self.initial = params or {}
         self.running = False
         self.status = "idle"
-        self.result: dict | None = None
+        self.result: CompareResult | None = None
         self.sort_key: str | None = None
         self.sort_reverse = False
         self._cancel = threading.Event()
@@ -122,14 +126,10 @@ class ComparePane(Vertical):
 
     @on(Button.Pressed, "#cmp-button")
     def action_compare(self) -> None:
-        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.engine.policy import parse_policy
 
-        if self.running:
-            self.app.notify("a comparison is already going: press escape to cancel it", severity="warning")
-            return
-        engine = getattr(self.app, "engine", None)
+        engine = engine_for_job(self, "comparison")
         if engine is None:
-            self.app.notify("the model is still loading (or failed to load)", severity="warning")
             return
         try:
             policies = _policy_list(self.query_one("#cmp-policies", Input).value)
@@ -159,7 +159,7 @@ class ComparePane(Vertical):
 
     @work(thread=True, exclusive=True, group="compare", exit_on_error=False)
     def _compare(self, engine, policies, prompts, baseline, mode, tokens) -> None:
-        from tqbench.engine.validate.compare import compare_policies
+        from tqbench.engine.validate import compare_policies
 
         result, error, cancelled = run_engine_job(lambda: compare_policies(
             engine, policies, prompts, baseline=baseline, cache_mode=mode, max_new_tokens=tokens,
@@ -189,25 +189,25 @@ class ComparePane(Vertical):
         finish_job(self, msg, "#cmp-status", "compare")
 
     # ---- showing ---------------------------------------------------------------------------------
-    def show_result(self, result: dict, note: str = "") -> None:
+    def show_result(self, result: CompareResult, note: str = "") -> None:
         self.result = result
-        rows = result["rows"]
+        rows = result.rows
         with self.prevent(Select.Changed):  # the form shows what was compared
             self.query_one("#cmp-policies", Input).value = ";".join(r["policy"] for r in rows)
-            self.query_one("#cmp-baseline", Input).value = str(result["baseline"])
-            self.query_one("#cmp-tokens", Input).value = str(result["max_new_tokens"])
-            if result.get("cache_mode") in ("compressed", "simulate", "dense-shadow", "fused"):
-                self.query_one("#cmp-mode", Select).value = result["cache_mode"]
-            prompts = [p for p in (result.get("prompts") or []) if isinstance(p, str)]
+            self.query_one("#cmp-baseline", Input).value = str(result.baseline)
+            self.query_one("#cmp-tokens", Input).value = str(result.max_new_tokens)
+            if result.cache_mode in ("compressed", "simulate", "dense-shadow", "fused"):
+                self.query_one("#cmp-mode", Select).value = result.cache_mode
+            prompts = [p for p in (result.prompts or []) if isinstance(p, str)]
             if prompts:
                 self.query_one("#cmp-prompts", TextArea).text = "\n".join(p.replace("\n", " ") for p in prompts)
-        n = len(result.get("prompts") or []) * (len(rows) + 1)
+        n = len(result.prompts or []) * (len(rows) + 1)
         self.query_one("#cmp-bar", ProgressBar).update(total=n or 1, progress=n or 1)
         self.query_one("#cmp-status", Label).update(
-            note or f"done: {len(rows)} policies x {len(result.get('prompts') or [])} prompts vs "
-            f"{result['baseline']} ({result['cache_mode']})")
+            note or f"done: {len(rows)} policies x {len(result.prompts or [])} prompts vs "
+            f"{result.baseline} ({result.cache_mode})")
         self.fill_table()
-        rec = result.get("recommendation", {})
+        rec = result.recommendation
         text = f"recommendation: [b]{rec.get('recommended_policy')}[/b] ({rec.get('status')}"
         if rec.get("memory_saved_pct"):
             text += f", {rec['memory_saved_pct']:.1f}% saved"
@@ -219,7 +219,7 @@ class ComparePane(Vertical):
         self.query_one("#recommendation", Static).update(text)
 
     def sorted_rows(self) -> list[dict]:
-        rows = list(self.result["rows"]) if self.result else []
+        rows = list(self.result.rows) if self.result else []
         if self.sort_key:
             def key(r):
                 v = r.get(self.sort_key)
@@ -252,7 +252,7 @@ class ComparePane(Vertical):
         if not self.result:
             return
         policy = str(event.row_key.value)
-        row = next(r for r in self.result["rows"] if r["policy"] == policy)
-        prompts = [p for p in (self.result.get("prompts") or []) if isinstance(p, str)] or self.prompts()
+        row = next(r for r in self.result.rows if r["policy"] == policy)
+        prompts = [p for p in (self.result.prompts or []) if isinstance(p, str)] or self.prompts()
         self.post_message(self.OpenInRun(row["policy_string"], prompts[0] if prompts else "",
-                                         int(self.result["max_new_tokens"]), self.result["cache_mode"]))
+                                         int(self.result.max_new_tokens), self.result.cache_mode))

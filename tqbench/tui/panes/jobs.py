@@ -7,8 +7,20 @@ from collections.abc import Callable
 from textual.widgets import Label
 
 
-def run_engine_job(job: Callable[[], object]) -> tuple[dict | None, str | None, bool]:
-    """Run ``job`` (an engine call raising ``Cancelled`` when cancelled) -> ``(result.to_dict(), error, cancelled)``.
+def engine_for_job(pane, what: str):
+    """The loaded engine if ``pane`` may start its job now, else None (and a toast that says why)."""
+    if pane.running:
+        pane.app.notify(f"a {what} is already going: press escape to cancel it", severity="warning")
+        return None
+    engine = getattr(pane.app, "engine", None)
+    if engine is None:
+        pane.app.notify("the model is still loading (or failed to load)", severity="warning")
+    return engine
+
+
+def run_engine_job(job: Callable[[], object]) -> tuple[object | None, str | None, bool]:
+    """Run ``job`` (an engine call raising ``Cancelled`` when cancelled) -> ``(result, error, cancelled)``: the
+    engine's typed result (``ScanResult``, ``CompareResult``), as the pane shows and the session keeps it.
     Any failure becomes a one-line message for the pane; the app keeps running."""
     from tqbench.engine.generate import Cancelled
 
@@ -18,7 +30,7 @@ def run_engine_job(job: Callable[[], object]) -> tuple[dict | None, str | None, 
         return None, None, True
     except Exception as exc:
         return None, (str(exc).splitlines()[0] if str(exc) else type(exc).__name__), False
-    return result.to_dict(), None, False
+    return result, None, False
 
 
 def cancel_job(pane, status_id: str) -> bool:

@@ -51,7 +51,7 @@ class PoliciesPane(Horizontal):
 
     def compose(self) -> ComposeResult:
         from tqbench.engine.codecs import CODEC_SPECS
-        from tqbench.engine.policy.spec import ROTATION_CHOICES
+        from tqbench.engine.policy import ROTATION_CHOICES
 
         codecs = [(c, c) for c in CODEC_SPECS]
         yield OptionList(id="policy-list")
@@ -99,7 +99,7 @@ class PoliciesPane(Horizontal):
     # ---- the list --------------------------------------------------------------------------------
     def reload_list(self) -> None:
         from tqbench.engine.cache.estimate import estimate_kv
-        from tqbench.engine.policy.spec import PRESET_TEXT, parse_policy
+        from tqbench.engine.policy import PRESET_TEXT, parse_policy
 
         ol = self.query_one("#policy-list", OptionList)
         ol.clear_options()
@@ -116,7 +116,7 @@ class PoliciesPane(Horizontal):
         ol.border_title = f"presets · bits/element at {ctx} tokens"
 
     def policy_text(self, name: str) -> str:
-        from tqbench.engine.policy.spec import PRESET_TEXT
+        from tqbench.engine.policy import PRESET_TEXT
 
         return self.kept[name] if name in self.kept else PRESET_TEXT[name][0]
 
@@ -131,7 +131,7 @@ class PoliciesPane(Horizontal):
         self.post_message(self.Chosen(name if name not in self.kept else self.kept[name]))
 
     def load_into_builder(self, name: str) -> None:
-        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.engine.policy import parse_policy
 
         pol = parse_policy(self.policy_text(name))
         with self.prevent(Input.Changed, Select.Changed, Checkbox.Changed):
@@ -191,7 +191,7 @@ class PoliciesPane(Horizontal):
 
     def recompute(self) -> None:
         from tqbench.engine.cache.estimate import estimate_kv
-        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.engine.policy import parse_policy
 
         out = self.query_one("#estimate", Static)
         text = self.built_string()
@@ -220,14 +220,14 @@ class PoliciesPane(Horizontal):
             self.app.notify("the built policy is invalid: fix the fields shown in red", severity="error")
             return
         name = self.query_one("#policy-name", Input).value.strip()
-        from tqbench.engine.policy.spec import PRESET_TEXT, parse_policy
+        from tqbench.engine.policy import PRESET_TEXT, parse_policy
 
         unchanged = name in PRESET_TEXT and parse_policy(name).to_string() == self.current
         self.post_message(self.Chosen(name if unchanged else self.current))
 
     @on(Button.Pressed, "#keep")
     def action_keep(self) -> None:
-        from tqbench.engine.policy.spec import PRESET_TEXT
+        from tqbench.engine.policy import PRESET_TEXT
 
         name = self.query_one("#policy-name", Input).value.strip()
         if not self.current:

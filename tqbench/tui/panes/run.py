@@ -98,7 +98,7 @@ class RunPane(Vertical):
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         p = self.initial
-        from tqbench.engine.policy.spec import PRESETS
+        from tqbench.engine.policy import PRESETS
 
         presets = list(PRESETS)
         yield TextArea(p.prompt if p else DEFAULT_PROMPT, id="prompt", soft_wrap=True, show_line_numbers=False)
@@ -134,7 +134,7 @@ class RunPane(Vertical):
     # ---- reading the form ------------------------------------------------------------------------
     def params(self) -> RunParams:
         """The form as ``RunParams``; bad input raises ``ValueError`` with a message naming the field."""
-        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.engine.policy import parse_policy
 
         def num(widget_id: str, kind, what: str):
             raw = self.query_one(f"#{widget_id}", Input).value.strip()
@@ -228,7 +228,7 @@ class RunPane(Vertical):
         self._start(engine, params)
 
     def _start(self, engine, params: RunParams) -> None:
-        from tqbench.engine.policy.spec import parse_policy
+        from tqbench.engine.policy import parse_policy
 
         self.running = True
         self._cancel.clear()

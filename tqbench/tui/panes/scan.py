@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -11,8 +12,11 @@ from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static
 
 from tqbench.constants import DEFAULT_PROMPT
-from tqbench.tui.panes.jobs import cancel_job, finish_job, run_engine_job
+from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
 from tqbench.tui.widgets.heatmap import Heatmap
+
+if TYPE_CHECKING:
+    from tqbench.engine.scan import ScanResult
 
 #: heatmap choices: (label, metric key, where it lives, higher is worse)
 METRICS = (
@@ -67,7 +71,7 @@ class ScanPane(Vertical):
         self.initial = params or {}
         self.running = False
         self.status = "idle"
-        self.result: dict | None = None  # ScanResult.to_dict()
+        self.result: ScanResult | None = None
         self._cancel = threading.Event()
 
     def compose(self) -> ComposeResult:
@@ -107,12 +111,8 @@ class ScanPane(Vertical):
     def action_scan(self) -> None:
         from tqbench.engine.scan import resolve_codecs
 
-        if self.running:
-            self.app.notify("a scan is already going: press escape to cancel it", severity="warning")
-            return
-        engine = getattr(self.app, "engine", None)
+        engine = engine_for_job(self, "scan")
         if engine is None:
-            self.app.notify("the model is still loading (or failed to load)", severity="warning")
             return
         try:
             prompt = self.query_one("#scan-prompt", Input).value
@@ -163,19 +163,19 @@ class ScanPane(Vertical):
         finish_job(self, msg, "#scan-status", "scan")
 
     # ---- showing ---------------------------------------------------------------------------------
-    def show_result(self, result: dict, note: str = "") -> None:
+    def show_result(self, result: ScanResult, note: str = "") -> None:
         self.result = result
-        self.query_one("#scan-codecs", Input).value = ",".join(result["codecs"])
+        self.query_one("#scan-codecs", Input).value = ",".join(result.codecs)
         codec_sel = self.query_one("#codec", Select)
-        codec_sel.set_options([(c, c) for c in result["codecs"]])
-        codec_sel.value = result["codecs"][0]
-        n = len(result["layers"])
+        codec_sel.set_options([(c, c) for c in result.codecs])
+        codec_sel.value = result.codecs[0]
+        n = len(result.layers)
         self.query_one("#scan-bar", ProgressBar).update(total=n, progress=n)
         self.query_one("#scan-status", Label).update(
-            note or f"done: {n} layers x {result['kv_heads']} KV heads, {len(result['codecs'])} codecs in "
-            f"{result['seconds']:.1f}s")
+            note or f"done: {n} layers x {result.kv_heads} KV heads, {len(result.codecs)} codecs in "
+            f"{result.seconds:.1f}s")
         self.query_one("#suggested", Static).update(
-            f"suggested policy: [b]{result['suggested_policy']}[/b]  (cheapest codec per layer meeting the "
+            f"suggested policy: [b]{result.suggest_policy()}[/b]  (cheapest codec per layer meeting the "
             f"thresholds; fp16 where none did)")
         self.query_one("#use-suggested", Button).disabled = False
         self.redraw()
@@ -189,15 +189,15 @@ class ScanPane(Vertical):
         codec = self.query_one("#codec", Select).value
         spec = next(m for m in METRICS if m[1] == metric)
         if spec[2] == "metrics":
-            values = self.result["metrics"][metric].get(codec)
+            values = self.result.metrics[metric].get(codec)
             if values is None:
                 return
             title = f"{spec[0]} · {codec}"
         else:
-            values = self.result["norms"][metric]
+            values = self.result.norms[metric]
             title = spec[0]
         hm = self.query_one("#heatmap", Heatmap)
-        hm.set_data(values, self.result["layers"], higher_is_worse=spec[3])
+        hm.set_data(values, self.result.layers, higher_is_worse=spec[3])
         hm.border_title = f"{title} · layers x KV heads"
 
     @on(DataTable.CellHighlighted, "#heatmap")
@@ -205,21 +205,21 @@ class ScanPane(Vertical):
         if self.result is None:
             return
         row, col = event.coordinate.row, event.coordinate.column
-        if col == 0 or row >= len(self.result["layers"]):
+        if col == 0 or row >= len(self.result.layers):
             return
         self.show_cell(row, col - 1)
 
     def show_cell(self, row: int, head: int) -> None:
         r = self.result
-        layer = r["layers"][row]
+        layer = r.layers[row]
         lines = [f"[b]layer {layer}, KV head {head}[/b]"]
         for key in ("k_norm", "v_norm", "kv_norm_ratio"):
-            lines.append(f"{key:<16} {r['norms'][key][row][head]:.4g}")
-        verdict = next((v for v in r["verdicts"] if v["layer"] == layer), None)
+            lines.append(f"{key:<16} {r.norms[key][row][head]:.4g}")
+        verdict = next((v for v in r.verdicts if v["layer"] == layer), None)
         lines.append("")
         lines.append(f"{'codec':<10}{'K mse':>7}{'V mse':>7}{'KL':>9}{'out':>7}")
-        for c in r["codecs"]:
-            m = r["metrics"]
+        m = r.metrics
+        for c in r.codecs:
             lines.append(f"{c:<10}{m['k_rel_mse'][c][row][head]:7.4f}{m['v_rel_mse'][c][row][head]:7.4f}"
                          f"{m['softmax_kl'][c][row][head]:9.1e}{m['attn_out_rel_err'][c][row][head]:7.3f}")
         if verdict:
@@ -238,4 +238,4 @@ class ScanPane(Vertical):
         if self.result is None:
             self.app.notify("run a scan first (ctrl+r on this tab)", severity="warning")
             return
-        self.post_message(self.UsePolicy(self.result["suggested_policy"]))
+        self.post_message(self.UsePolicy(self.result.suggest_policy()))
