@@ -66,8 +66,8 @@ def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
         wait(name, lambda s: "presets · bits/element" in s, 600, "the Policies tab")
         tmux("send-keys", "-t", name, "F2")
         # the Run tab is back once its controls and both token views are drawn (a frame may be half drawn)
-        wait(name, lambda s: "presets · bits/element" not in s and "Run ^r" in s and "─ baseline ·" in s
-             and "─ candidate ·" in s, 600, "F2 back to Run")
+        wait(name, lambda s: "presets · bits/element" not in s and "Run ^r" in s and "╭─ baseline" in s
+             and "╭─ candidate" in s, 600, "F2 back to Run")
         tmux("send-keys", "-t", name, "C-r")
         seen: list[str] = []
         done = wait(name, lambda s: "done │ step 16" in s, 600, "the run to finish", seen)
