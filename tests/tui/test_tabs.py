@@ -2,7 +2,7 @@
 
 import pytest
 from textual.command import CommandPalette
-from textual.widgets import Input, TabbedContent
+from textual.widgets import Input, TabbedContent, TextArea
 from tui_helpers import wait_for
 
 from tqbench.tui.app import TABS, WorkbenchApp, WorkbenchOptions
@@ -15,9 +15,11 @@ PALETTE = {"run": "Run tab", "policies": "Policies tab", "scan": "Scan tab", "co
 
 
 def focus_targets(app, tab: str) -> list:
-    """The widget the tab focuses when shown, and the pane's first text input (both must let the keys through)."""
+    """The widget the tab focuses when shown, the pane's first text input and its text box (all must let the keys
+    through)."""
     pane = app.query_one(f"#{tab}")
-    return [app.focused, pane.query(Input).first()]
+    boxes = list(pane.query(TextArea))[:1]  # a text box has key bindings of its own (f6, f7 select)
+    return [app.focused, pane.query(Input).first(), *boxes]
 
 
 def top_command(app) -> str:

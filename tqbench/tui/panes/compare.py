@@ -164,8 +164,6 @@ class ComparePane(Vertical):
         result, error, cancelled = run_engine_job(lambda: compare_policies(
             engine, policies, prompts, baseline=baseline, cache_mode=mode, max_new_tokens=tokens,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
-        if result is not None and self._cancel.is_set():
-            result, cancelled = None, True  # streams stopped early: their rows would be partial
         self.post_message(self.Finished(result, error, cancelled))
 
     def action_cancel(self) -> bool:
