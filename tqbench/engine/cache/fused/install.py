@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from tqbench.engine.cache.fused.choose import choose_impl
+from tqbench.engine.cache.fused.choose import NATIVE, REFERENCE, TRITON, choose_impl
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
 from tqbench.engine.cache.tqcache import FusedKV
 
@@ -50,13 +50,27 @@ def fused_attention_forward(module, query, key, value, attention_mask, dropout=0
     return out.transpose(1, 2).contiguous(), None
 
 
-def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, L, D] over the stored rows plus this call's new rows."""
+def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: float, *,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, L, D] over the stored rows plus this call's new rows.
+
+    Counts which implementation ran (``TQLayer.fused_impl``); a call the native kernel cannot take (a codec
+    without a native form, an additive bias) runs on the torch reference and is counted as a fallback."""
     impl, why = choose_impl(query)
     layer = kv.layer
-    label = "triton" if impl == "triton" else f"torch-reference ({why})"
+    if impl == NATIVE:
+        from tqbench.engine.cache.fused.native_glue import native_fused_attention
+
+        out = native_fused_attention(query, kv, attention_mask, scaling, softcap=softcap, sinks=sinks,
+                                     sparse_v=layer.policy.sparsev)
+        if not isinstance(out, str):
+            layer.fused_impl[NATIVE] = layer.fused_impl.get(NATIVE, 0) + 1
+            return out
+        layer.note_fallback(f"native: {out} (torch reference)")
+        impl, why = REFERENCE, f"native kernel: {out}"
+    label = TRITON if impl == TRITON else f"{REFERENCE} ({why})"
     layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
-    if impl == "triton":
+    if impl == TRITON:
         from tqbench.engine.cache.fused.triton_glue import triton_fused_attention
 
         return triton_fused_attention(query, kv, attention_mask, scaling)
