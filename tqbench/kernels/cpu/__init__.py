@@ -22,7 +22,7 @@ __all__ = ["DISABLE_ENV", "NativeUnavailable", "native_module", "native_status"]
 
 DISABLE_ENV = "TQBENCH_NATIVE"  # "0" turns the native kernel off (the torch reference runs, and says so)
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 _lock = threading.Lock()
 _state: dict = {}
