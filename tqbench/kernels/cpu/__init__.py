@@ -59,6 +59,11 @@ def _build():
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise NativeUnavailable(f"no C++ compiler ({cxx} not found: install g++ to build the native kernel)")
+    import sys
+
+    bindir = os.path.dirname(sys.executable)  # the venv's ninja (a dependency) when the venv is not activated
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
     except Exception as exc:  # pragma: no cover - torch always ships it
