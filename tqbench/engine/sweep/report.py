@@ -1,7 +1,9 @@
 """The sweep report: per model, one row per policy (its cells aggregated), ranked by bits and quality, and the
 recommendation rule's answer (``validate.compare.recommend_policy``, the rule ``compare-policies`` uses).
 
-Ranking: rows sort by measured bits per element (fewest first); a row is on the *frontier* when no other policy
+Ranking: rows sort by bits per element (fewest first): the exact estimate at the first ``[bytes] tokens``
+length when the sweep measured bytes (a deployment's context, not the short test text), else the bits the runs'
+cache reports measured; a row is on the *frontier* when no other policy
 of the model has fewer-or-equal bits and lower-or-equal quality loss with one strictly better. Quality loss is the
 teacher-forced KL when the sweep measured it, else the greedy same-context KL. A policy with a failed cell gets
 no verdict and is left out of the recommendation (named in ``failed_policies``).
@@ -41,7 +43,7 @@ class SweepReport:
     def to_dict(self) -> dict:
         return {"name": self.name, "baseline": self.baseline, "cache_mode": self.cache_mode,
                 "measure": self.measure, "models": self.models, "cells": self.cells, "missing": self.missing,
-                "ranking": "rows by measured bits per element; frontier = no policy with <= bits and <= quality "
+                "ranking": "rows by bits per element (estimate at the first [bytes] length, else measured); frontier = no policy with <= bits and <= quality "
                            "loss (teacher-forced KL, else greedy KL), one strictly"}
 
     @classmethod
@@ -109,6 +111,10 @@ def _row(policy: str, policy_string: str, cells: list[dict]) -> dict:
         "throughput_ratio": _mean([_get(c, "results", "speed", "throughput_ratio") for c in ok]),
         "estimated_bytes": est[0] if est else None,  # the same for every text of a model
     }
+    first = est[0][0] if est and est[0] else None
+    row["est_tokens"] = first["seq_len"] if first else None
+    row["est_bits_per_element"] = first["bits_per_element"] if first else None
+    row["rank_bits"] = row["est_bits_per_element"] if first else row["bits_per_element"]
     return row
 
 
@@ -117,13 +123,13 @@ def _frontier(rows: list[dict]) -> None:
         return r["tf_kl_mean"] if r["tf_kl_mean"] is not None else r["kl_mean"]
 
     for r in rows:
-        b, q = r["bits_per_element"], loss(r)
+        b, q = r["rank_bits"], loss(r)
         if b is None or q is None:
             r["frontier"] = None
             continue
         r["frontier"] = not any(
-            o is not r and o["bits_per_element"] is not None and loss(o) is not None
-            and o["bits_per_element"] <= b and loss(o) <= q and (o["bits_per_element"] < b or loss(o) < q)
+            o is not r and o["rank_bits"] is not None and loss(o) is not None
+            and o["rank_bits"] <= b and loss(o) <= q and (o["rank_bits"] < b or loss(o) < q)
             for o in rows)
 
 
@@ -139,7 +145,7 @@ def build_report(spec, cells: list, docs: dict[str, dict]) -> SweepReport:
             pc = [docs[c.cell_id] for c in mine if c.policy == pol and c.cell_id in docs]
             rows.append(_row(pol.label, pol.policy_string, pc))
         _frontier(rows)
-        rows.sort(key=lambda r: (r["bits_per_element"] is None, r["bits_per_element"] or 0.0,
+        rows.sort(key=lambda r: (r["rank_bits"] is None, r["rank_bits"] or 0.0,
                                  VERDICTS.index(r["verdict"]) if r["verdict"] in VERDICTS else len(VERDICTS)))
         for i, r in enumerate(rows):
             r["rank"] = i + 1
