@@ -57,7 +57,8 @@ def print_sweep(report, where: str) -> None:
         t = Table(title=f"sweep {report.name}: {m['model_name'] or m['model']} vs {report.baseline} "
                         f"({report.cache_mode})")
         for header, (_, key, _) in zip(_headers(m), COLUMNS):
-            t.add_column(header, justify="left" if key in ("policy", "verdict") else "right")
+            t.add_column(header, justify="left" if key in ("policy", "verdict") else "right",
+                         overflow="fold" if key in ("policy", "verdict") else "ellipsis")
         for r in m["rows"]:
             t.add_row(*(_cell(r, key, fmt, True) for _, key, fmt in COLUMNS))
         out.print(t)

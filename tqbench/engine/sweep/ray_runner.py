@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import platform
 
-from tqbench.engine.events import Cancelled, CancelFlag
+from tqbench.engine.events import CancelFlag, Cancelled
 from tqbench.engine.sweep.cells import Cell, shards
 from tqbench.engine.sweep.spec import SweepSpec
 
@@ -36,7 +36,7 @@ def _shard(spec: SweepSpec, model, cells: list[Cell], queue, device: str | None)
     """The Ray task: ``run_cells`` with every message put on the driver's queue."""
     import ray
 
-    from tqbench.engine.sweep.run import run_cells
+    from tqbench.engine.sweep.worker import run_cells
 
     node = ray.get_runtime_context().get_node_id()[:8]
     run_cells(spec, model, cells, queue.put, where=f"ray node {node} ({platform.node()})", device=device)
