@@ -36,20 +36,21 @@ class SweepReport:
     baseline: str
     cache_mode: str
     measure: list[str]
+    max_new_tokens: int = 32  # the greedy runs' length (what 'open in Run' generates)
     models: list[dict] = field(default_factory=list)  # {model, rows, recommendation, failed_policies}
     cells: list[dict] = field(default_factory=list)  # every cell document of the current spec
     missing: list[str] = field(default_factory=list)  # cell ids with no result (a cancelled or partial sweep)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "baseline": self.baseline, "cache_mode": self.cache_mode,
-                "measure": self.measure, "models": self.models, "cells": self.cells, "missing": self.missing,
+                "measure": self.measure, "max_new_tokens": self.max_new_tokens, "models": self.models, "cells": self.cells, "missing": self.missing,
                 "ranking": "rows by bits per element (estimate at the first [bytes] length, else measured); frontier = no policy with <= bits and <= quality "
                            "loss (teacher-forced KL, else greedy KL), one strictly"}
 
     @classmethod
     def from_dict(cls, d: dict) -> SweepReport:
-        return cls(d["name"], d["baseline"], d["cache_mode"], list(d["measure"]), list(d["models"]),
-                   list(d["cells"]), list(d.get("missing", [])))
+        return cls(d["name"], d["baseline"], d["cache_mode"], list(d["measure"]), d.get("max_new_tokens", 32),
+                   list(d["models"]), list(d["cells"]), list(d.get("missing", [])))
 
     @property
     def failed(self) -> list[dict]:
@@ -67,7 +68,7 @@ class SweepReport:
             rows.append({
                 "policy": f"{k['policy']} @ {k['text']['name']} [{k['model']['spec']}]"
                           + ("" if c["status"] == "ok" else " (failed)"),
-                "row_key": c["cell_id"], "policy_string": k["policy_string"],
+                "row_key": c["cell_id"], "policy_string": k["policy_string"], "sweep_policy": k["policy"],
                 "prompt": k["text"].get("prompt") or "",
                 "verdict": v.get("verdict") or ("error" if c["status"] != "ok" else None),
                 "memory_saved_pct": by.get("memory_saved_pct"), "bits_per_element": by.get("bits_per_element"),
@@ -78,8 +79,15 @@ class SweepReport:
             })
         prompts = sorted({r["prompt"] for r in rows if r["prompt"]})
         res = CompareResult(", ".join(m["model"] for m in self.models), self.baseline, self.cache_mode,
-                            self.cache_mode, prompts, 0, 0.9, self.cache_mode == "dense-shadow", rows=rows)
-        res.recommendation = self.models[0]["recommendation"] if len(self.models) == 1 else {
+                            self.cache_mode, prompts, self.max_new_tokens, 0.9, self.cache_mode == "dense-shadow",
+                            rows=rows)
+        if not self.models:
+            res.recommendation = {"status": "unfinished", "recommended_policy": None,
+                                  "note": "the sweep did not finish: run it again with --resume for the report"}
+        elif len(self.models) == 1:
+            res.recommendation = self.models[0]["recommendation"]
+        else:
+            res.recommendation = {
             "status": "per-model", "recommended_policy": "; ".join(
                 f"{m['model']}: {m['recommendation'].get('recommended_policy')}" for m in self.models)}
         return res
@@ -135,7 +143,8 @@ def _frontier(rows: list[dict]) -> None:
 
 def build_report(spec, cells: list, docs: dict[str, dict]) -> SweepReport:
     """``cells``: the spec's expansion; ``docs``: cell id -> stored cell document (missing ids are reported)."""
-    rep = SweepReport(spec.name, spec.baseline.label, spec.cache_mode, list(spec.measure))
+    rep = SweepReport(spec.name, spec.baseline.label, spec.cache_mode, list(spec.measure),
+                      spec.validate.max_new_tokens)
     rep.cells = [docs[c.cell_id] for c in cells if c.cell_id in docs]
     rep.missing = [c.cell_id for c in cells if c.cell_id not in docs]
     for model in spec.models:

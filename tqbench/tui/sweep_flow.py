@@ -1,0 +1,51 @@
+"""A sweep directory opened as a session (``tqbench --session DIR``): the Compare tab shows every cell (one row
+each: policy @ text [model]), sortable by any column, and enter opens a row in Run with that cell's prompt and
+policy. The report is read from ``DIR/report.json``; a sweep that never finished shows the cells it wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqbench.engine.sweep import SweepDir, SweepReport
+
+
+def is_sweep_dir(path) -> bool:
+    return Path(path).is_dir() and SweepDir.is_sweep(path)
+
+
+def sweep_model(path) -> str:
+    """The sweep's first model (the workbench loads it)."""
+    models = SweepDir(path).read_spec()["spec"]["models"]
+    return models[0]["spec"] if models else "default"
+
+
+def read_report(path) -> tuple[SweepReport, str]:
+    """(report, note): the final report, or the cells found when the sweep did not finish."""
+    import json
+
+    store = SweepDir(path)
+    spec = store.read_spec()["spec"]
+    report_file = Path(path) / "report.json"
+    if report_file.is_file():
+        rep = SweepReport.from_dict(json.loads(report_file.read_text(encoding="utf-8")))
+        return rep, f"sweep {rep.name}: {len(rep.cells)} cells"
+    rep = SweepReport(spec["name"], spec["baseline"], spec["cache_mode"], spec["measure"],
+                      max_new_tokens=spec["validate"]["max_new_tokens"], cells=store.all_cells())
+    return rep, f"sweep {rep.name} did not finish (no report.json): {len(rep.cells)} cells written"
+
+
+def open_sweep(app, path) -> bool:
+    if app.busy:
+        app.notify("work is going: press escape first, then open the sweep", severity="warning")
+        return False
+    try:
+        report, note = read_report(path)
+    except (OSError, ValueError, KeyError) as exc:
+        app.notify(f"{path}: {exc}", title="cannot open sweep", severity="error", timeout=10)
+        return False
+    failed = len(report.failed)
+    note += (f", {failed} failed" if failed else "") + " · enter opens a cell in Run"
+    app.compare_pane.show_result(report.as_compare_result(), note=note)
+    app.action_tab("compare")
+    app.notify(f"opened sweep {Path(path).name}: {len(report.cells)} cells", title="sweep opened")
+    return True
