@@ -22,6 +22,7 @@ from tqbench.engine.sweep import (
     SweepDir,
     expand,
     load_spec,
+    numbers,
     parse_spec,
     run_sweep,
 )
@@ -53,14 +54,6 @@ def write_spec(tmp_path: Path, text: str = TINY_SPEC, name: str = "spec.toml") -
     p = tmp_path / name
     p.write_text(textwrap.dedent(text), encoding="utf-8")
     return p
-
-
-def comparable(doc: dict) -> dict:
-    """A cell document without what legitimately differs between two runs: timings and where it ran."""
-    d = {k: v for k, v in doc.items() if k not in ("seconds", "where", "threads")}
-    d["results"] = {k: v for k, v in d.get("results", {}).items() if k != "speed"}
-    d.pop("arrays", None)
-    return d
 
 
 # ---- the spec ---------------------------------------------------------------------------------------------
@@ -245,7 +238,7 @@ def test_ray_gives_the_same_results_as_in_process(local_sweep, tmp_path):
     import ray
 
     spec, out, report, _ = local_sweep
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a new cluster
     try:
         events = []
         ray_report = run_sweep(spec, tmp_path / "ray", ray=True, on_event=events.append)
@@ -255,9 +248,17 @@ def test_ray_gives_the_same_results_as_in_process(local_sweep, tmp_path):
     assert planned[0].runner == "ray (2 shards)"  # 2 CPUs, 1 thread per task
     wheres = {c["where"] for c in ray_report.cells}
     assert all(w.startswith("ray node ") for w in wheres)
-    local_docs = {c["cell_id"]: comparable(c) for c in report.cells}
-    ray_docs = {c["cell_id"]: comparable(c) for c in ray_report.cells}
+    local_docs = {c["cell_id"]: numbers(c) for c in report.cells}
+    ray_docs = {c["cell_id"]: numbers(c) for c in ray_report.cells}
     assert ray_docs == local_docs
+    import numpy as np
+
+    for c in report.cells:  # the per-step arrays too (timings aside)
+        x, y = SweepDir(out).read_arrays(c["cell_id"]), SweepDir(tmp_path / "ray").read_arrays(c["cell_id"])
+        assert sorted(x) == sorted(y)
+        for k in x:
+            if not k.startswith("speed."):
+                assert np.array_equal(x[k], y[k], equal_nan=True), k
     strip = [{**r, "throughput_ratio": None} for m in report.models for r in m["rows"]]
     ray_strip = [{**r, "throughput_ratio": None} for m in ray_report.models for r in m["rows"]]
     assert sorted(ray_strip, key=lambda r: r["policy"]) == sorted(strip, key=lambda r: r["policy"])
@@ -305,6 +306,20 @@ def test_cli_ray_without_ray_says_how_to_install(tmp_path, monkeypatch):
     assert r.exit_code == 2
     assert "--ray needs Ray, which is not installed: pip install 'tqbench[ray]'" in r.stderr
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_benchmark_script_on_a_tiny_spec(tmp_path):
+    spec = write_spec(tmp_path, TINY_SPEC.replace('policies = ["turbo4", "turbo2", "q8k-q8v"]', 'policies = ["turbo4"]'))
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep.py"), "--spec", str(spec), "--json",
+                           str(out), "--keep", str(tmp_path / "runs")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["cells"] == 2 and data["cells_with_equal_numbers"] == 2 and data["cells_that_differ"] == []
+    assert data["runs"]["ray"]["runner"] == "ray (2 shards)" and data["loadavg_before"]
+    assert "cells with equal numbers" in proc.stdout
 
 
 def test_example_spec_parses():

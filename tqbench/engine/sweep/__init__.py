@@ -12,7 +12,7 @@
 from tqbench.engine.sweep.cells import Cell, expand, shards
 from tqbench.engine.sweep.events import SweepCellFinished, SweepCellStarted, SweepModelLoaded, SweepPlanned
 from tqbench.engine.sweep.ray_runner import INSTALL_HINT, RayMissing, check_ray
-from tqbench.engine.sweep.report import SweepReport, build_report
+from tqbench.engine.sweep.report import SweepReport, build_report, numbers
 from tqbench.engine.sweep.run import finish, plan, run_sweep
 from tqbench.engine.sweep.spec import MEASUREMENTS, SpecError, SweepSpec, load_spec, parse_spec
 from tqbench.engine.sweep.store import SweepDir
@@ -35,6 +35,7 @@ __all__ = [
     "expand",
     "finish",
     "load_spec",
+    "numbers",
     "parse_spec",
     "plan",
     "run_sweep",

@@ -16,6 +16,7 @@ cells after it, so a shard computes each baseline once. Every step checks ``canc
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,6 +120,7 @@ class CellRunner:
                                                              "candidate_decode_tokens_per_second",
                                                              "throughput_ratio")}
                 out.results["speed"]["threads"] = _threads()
+                out.results["speed"]["loadavg"] = list(os.getloadavg())  # a shared machine slows any run
                 out.arrays["speed.baseline_step_seconds"] = np.array(base.result.step_seconds, dtype=np.float64)
                 out.arrays["speed.candidate_step_seconds"] = np.array(cand.result.step_seconds, dtype=np.float64)
             rep = cand.result.cache_report

@@ -16,6 +16,17 @@ from dataclasses import dataclass, field
 from tqbench.engine.metrics import VERDICTS, worst_verdict
 from tqbench.engine.validate.compare import CompareResult, recommend_policy
 
+#: what legitimately differs between two runs of the same cell: timings, where and with how many threads it ran
+TIMING_KEYS = ("seconds", "where", "threads")
+
+
+def numbers(doc: dict) -> dict:
+    """A cell document without its timings (``speed`` included), the arrays' file and where it ran: two runs of
+    one spec on the same machine type (in-process and on Ray) must give equal ``numbers``."""
+    d = {k: v for k, v in doc.items() if k not in TIMING_KEYS and k != "arrays"}
+    d["results"] = {k: v for k, v in d.get("results", {}).items() if k != "speed"}
+    return d
+
 
 def _mean(xs):
     xs = [x for x in xs if x is not None]
