@@ -3,6 +3,7 @@ the recommendation rule's answer per model, and the failed cells. Front-end code
 
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 
 from tqbench.cli.render.console import out
@@ -18,6 +19,9 @@ COLUMNS = (
     ("speed ratio", "throughput_ratio", ".2f"), ("frontier", "frontier", None), ("failed", "failed_cells", "d"),
 )
 
+#: measured at the short test texts' lengths: in the JSON and Markdown reports, left out of the terminal table
+TERMINAL_SKIP = ("bits_per_element", "memory_saved_pct")
+
 
 def _cell(row: dict, key: str, fmt: str | None, markup: bool) -> str:
     v = row.get(key)
@@ -32,9 +36,18 @@ def _cell(row: dict, key: str, fmt: str | None, markup: bool) -> str:
     return num(v, fmt)
 
 
-def _headers(m: dict) -> list[str]:
+def _columns(m: dict) -> list[tuple[str, str, str | None]]:
+    """The columns that carry something for this model (a sweep without NIAH shows no NIAH column), with
+    the estimate's context length in its header."""
     n = next((r["est_tokens"] for r in m["rows"] if r.get("est_tokens")), None)
-    return [h.replace("@N", f"@{n}" if n else "est") for h, _, _ in COLUMNS]
+    cols = []
+    for h, key, fmt in COLUMNS:
+        vals = [r.get(key) for r in m["rows"]]
+        if key not in ("rank", "policy", "verdict") and all(v is None or (key == "failed_cells" and v == 0)
+                                                            for v in vals):
+            continue
+        cols.append((h.replace("@N", f"@{n}" if n else "est"), key, fmt))
+    return cols
 
 
 def rec_line(m: dict, baseline: str) -> str:
@@ -55,12 +68,15 @@ def rec_line(m: dict, baseline: str) -> str:
 def print_sweep(report, where: str) -> None:
     for m in report.models:
         t = Table(title=f"sweep {report.name}: {m['model_name'] or m['model']} vs {report.baseline} "
-                        f"({report.cache_mode})")
-        for header, (_, key, _) in zip(_headers(m), COLUMNS):
-            t.add_column(header, justify="left" if key in ("policy", "verdict") else "right",
-                         overflow="fold" if key in ("policy", "verdict") else "ellipsis")
+                        f"({report.cache_mode})", box=box.SIMPLE_HEAD, padding=(0, 1))
+        cols = [c for c in _columns(m) if c[1] not in TERMINAL_SKIP]
+        for header, key, fmt in cols:
+            header = header.replace(" ", "\n", 1) if key not in ("policy", "verdict") else header
+            wide = max([len(_cell(r, key, fmt, False)) for r in m["rows"]] + [len(x) for x in header.split("\n")])
+            t.add_column(header, justify="left" if key in ("policy", "verdict") else "right", no_wrap=True,
+                         min_width=min(wide, 40))
         for r in m["rows"]:
-            t.add_row(*(_cell(r, key, fmt, True) for _, key, fmt in COLUMNS))
+            t.add_row(*(_cell(r, key, fmt, True) for _, key, fmt in cols))
         out.print(t)
         out.print(f"{m['model']}: {rec_line(m, report.baseline)}", markup=False, highlight=False)
     for c in report.failed:
@@ -78,11 +94,12 @@ def sweep_md(report, where: str) -> str:
              "reports measured); frontier = no other policy has fewer-or-equal bits and lower-or-equal quality loss "
              "(teacher-forced KL, else greedy KL).", ""]
     for m in report.models:
+        cols = _columns(m)
         lines += [f"## {m['model_name'] or m['model']}", "",
-                  "| " + " | ".join(_headers(m)) + " |",
-                  "| " + " | ".join("---" if k in ("policy", "verdict") else "---:" for _, k, _ in COLUMNS) + " |"]
+                  "| " + " | ".join(h for h, _, _ in cols) + " |",
+                  "| " + " | ".join("---" if k in ("policy", "verdict") else "---:" for _, k, _ in cols) + " |"]
         for r in m["rows"]:
-            lines.append("| " + " | ".join(_cell(r, key, fmt, False) for _, key, fmt in COLUMNS) + " |")
+            lines.append("| " + " | ".join(_cell(r, key, fmt, False) for _, key, fmt in cols) + " |")
         lines += ["", f"- {rec_line(m, report.baseline)}", ""]
     if report.failed:
         lines += ["## Failed cells", ""] + [f"- `{c['cell_id']}`: {c['error']['type']}: {c['error']['message']}"
