@@ -75,3 +75,86 @@ async def test_a_sweep_opens_in_compare_sorts_and_opens_a_cell_in_run(data_dir, 
         assert app.run_pane.query_one("#candidate", Input).value == cell["policy_string"]
         assert app.run_pane.query_one("#prompt", TextArea).text == cell["text"]["prompt"]
         assert app.run_pane.query_one("#max-tokens", Input).value == "6"
+
+
+async def _palette(app, pilot, title: str) -> None:
+    from textual.command import CommandPalette
+
+    await pilot.press("ctrl+p")
+    await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), what="the command palette")
+    await pilot.press(*title)
+
+    def top() -> str:
+        commands = app.screen.query_one("CommandList")
+        return str(commands.get_option_at_index(0).prompt) if commands.option_count else ""
+
+    await wait_for(pilot, lambda: top().startswith(title), what=f"'{title}' at the top of the palette")
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: not isinstance(app.screen, CommandPalette), what="the palette to close")
+
+
+async def _start_from_palette(app, pilot, spec, out) -> None:
+    from tqbench.tui.screens.sweep import SweepScreen
+
+    await _palette(app, pilot, "Run sweep")
+    await wait_for(pilot, lambda: isinstance(app.screen, SweepScreen), what="the sweep screen")
+    await pilot.press(*str(spec))
+    await pilot.press("tab")
+    await pilot.press(*str(out))
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: not isinstance(app.screen, SweepScreen), what="the sweep screen to close")
+
+
+async def test_a_sweep_runs_from_the_palette_and_streams_into_compare(data_dir, steady_engine, tmp_path):
+    from tqbench.engine.sweep import SweepDir
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent(SPEC), encoding="utf-8")
+    out = tmp_path / "out"
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await _start_from_palette(app, pilot, spec, out)
+        pane = app.compare_pane
+        await wait_for(pilot, lambda: pane.status == "done", what="the sweep")
+        assert app.query_one(TabbedContent).active == "compare"
+        table = pane.query_one("#cmp-table", DataTable)
+        cells = SweepDir(out).all_cells()
+        assert table.row_count == 6 and sorted(str(k.value) for k in table.rows) == sorted(c["cell_id"] for c in cells)
+        assert all(c["status"] == "ok" and c["model_name"] == "tiny-random" for c in cells)
+        assert any(m.startswith("sweep done: 6 cells in") for m in notes(app))
+
+
+async def test_escape_stops_a_running_sweep_and_keeps_the_finished_cells(data_dir, steady_engine, tmp_path,
+                                                                         monkeypatch):
+    import threading
+
+    from textual.widgets import Label
+
+    from tqbench.engine.sweep import SweepDir
+    from tqbench.engine.sweep.measure import CellRunner
+
+    started, release, calls = threading.Event(), threading.Event(), []
+    real = CellRunner.run
+
+    def held(self, cell):  # the second cell waits until the test has pressed escape
+        calls.append(cell.cell_id)
+        if len(calls) == 2:
+            started.set()
+            release.wait(600)
+        return real(self, cell)
+
+    monkeypatch.setattr(CellRunner, "run", held)
+    spec = tmp_path / "spec.toml"
+    spec.write_text(textwrap.dedent(SPEC), encoding="utf-8")
+    out = tmp_path / "out"
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await _start_from_palette(app, pilot, spec, out)
+        pane = app.compare_pane
+        await wait_for(pilot, started.is_set, what="the second cell to start")
+        await pilot.press("escape")
+        release.set()
+        await wait_for(pilot, lambda: pane.status == "cancelled", what="the sweep to stop")
+        assert [c["cell_id"] for c in SweepDir(out).all_cells()] == calls[:1]
+        assert "the finished cells stay in" in str(pane.query_one("#cmp-status", Label).render())
+        assert pane.query_one("#cmp-table", DataTable).row_count == 1

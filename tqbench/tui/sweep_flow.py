@@ -19,14 +19,14 @@ def sweep_model(path) -> str:
     return models[0]["spec"] if models else "default"
 
 
-def read_report(path) -> tuple[SweepReport, str]:
-    """(report, note): the final report, or the cells found when the sweep did not finish."""
+def read_report(path, partial: bool = False) -> tuple[SweepReport, str]:
+    """(report, note): the final report, or (``partial``, or when the sweep did not finish) the cells found."""
     import json
 
     store = SweepDir(path)
     spec = store.read_spec()["spec"]
     report_file = Path(path) / "report.json"
-    if report_file.is_file():
+    if report_file.is_file() and not partial:
         rep = SweepReport.from_dict(json.loads(report_file.read_text(encoding="utf-8")))
         return rep, f"sweep {rep.name}: {len(rep.cells)} cells"
     rep = SweepReport(spec["name"], spec["baseline"], spec["cache_mode"], spec["measure"],

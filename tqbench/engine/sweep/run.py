@@ -72,11 +72,13 @@ def run_sweep(
     ray_address: str | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    engines: dict | None = None,
 ) -> SweepReport:
     """Run ``spec`` into the folder ``out`` and return the report (also written as ``out/report.json``).
 
     ``ray``: schedule one task per (model, shard of cells) on a Ray cluster (``ray_address``, else a running
-    one, else a local one started here). Raises ``Cancelled`` when ``cancel()`` turns true (finished cells stay
+    one, else a local one started here). ``engines``: model spec -> an already loaded ``Engine`` the in-process
+    runner uses instead of loading that model (the workbench passes its own). Raises ``Cancelled`` when ``cancel()`` turns true (finished cells stay
     on disk; ``resume`` continues)."""
     store = SweepDir(out)
     spec_text = Path(spec.source).read_text(encoding="utf-8") if spec.source and Path(spec.source).is_file() else ""
@@ -99,7 +101,8 @@ def run_sweep(
         for model in spec.models:
             mine = [c for c in todo if c.model == model]
             if mine:
-                run_cells(spec, model, mine, driver, cancel, where=f"in-process ({platform.node()})")
+                run_cells(spec, model, mine, driver, cancel, where=f"in-process ({platform.node()})",
+                          engine=(engines or {}).get(model.spec))
     return finish(spec, store, cells)
 
 

@@ -24,14 +24,16 @@ def _error(exc: BaseException) -> dict:
 
 
 def run_cells(spec: SweepSpec, model: ModelEntry, cells: list[Cell], send: Send, cancel: CancelFlag | None = None,
-              where: str = "in-process", device: str | None = None) -> None:
-    """One worker's job: load ``model`` once, run ``cells`` in order, ``send`` each result."""
+              where: str = "in-process", device: str | None = None, engine=None) -> None:
+    """One worker's job: load ``model`` once (or use ``engine``, already loaded), run ``cells`` in order,
+    ``send`` each result."""
     from tqbench.engine.engine import Engine
     from tqbench.engine.sweep.measure import CellRunner
 
     raise_if_cancelled(cancel, "sweep")
     try:
-        engine = Engine.load(model.spec, device=device or model.device, dtype=model.dtype, threads=spec.threads)
+        if engine is None:
+            engine = Engine.load(model.spec, device=device or model.device, dtype=model.dtype, threads=spec.threads)
     except Exception as exc:  # every cell of this model records why it could not run
         err = _error(exc)
         err["message"] = f"model {model.spec!r} did not load: {err['message']}"

@@ -217,6 +217,11 @@ class ComparePane(Vertical):
             text += f" · [yellow]{rec['note']}[/]"
         self.query_one("#recommendation", Static).update(text)
 
+    def fill_cells(self, result: CompareResult) -> None:
+        """A running sweep's cells so far (the form and the status line stay as they are)."""
+        self.result = result
+        self.fill_table()
+
     def sorted_rows(self) -> list[dict]:
         rows = list(self.result.rows) if self.result else []
         if self.sort_key:
