@@ -28,7 +28,14 @@ def sweep(spec_path, out, ray_address, resume, threads, report_json, report_md, 
     from tqbench.cli.render.console import err
     from tqbench.cli.render.progress import EventProgress
     from tqbench.cli.render.sweep import print_sweep, sweep_md
-    from tqbench.engine.sweep import SweepCellFinished, SweepModelLoaded, SweepPlanned, load_spec, run_sweep
+    from tqbench.engine.sweep import (
+        SweepCellFinished,
+        SweepDir,
+        SweepModelLoaded,
+        SweepPlanned,
+        load_spec,
+        run_sweep,
+    )
 
     spec = load_spec(spec_path)
     if threads is not None:
@@ -51,8 +58,7 @@ def sweep(spec_path, out, ray_address, resume, threads, report_json, report_md, 
         report = run_sweep(spec, out, resume=resume, ray=use_ray, ray_address=ray_address or None,
                            on_event=on_event)
     md = sweep_md(report, out)
-    with open(f"{out}/report.md", "w", encoding="utf-8") as fh:
-        fh.write(md)
+    SweepDir(out).write_report(report.to_dict(), md)  # report.json (as run_sweep wrote it) and report.md
     write_reports(report.to_dict(), md, report_json, report_md, as_json)
     if not as_json:
         print_sweep(report, out)
