@@ -153,6 +153,19 @@ def test_in_process_sweep_writes_every_cell_and_ranks(local_sweep):
     assert saved["models"] == report.models
 
 
+def test_two_entries_of_one_model_at_two_dtypes(tmp_path):
+    spec = parse_spec({"models": ["tiny", {"spec": "tiny", "dtype": "float64"}], "policies": ["turbo4"],
+                       "texts": [{"name": "a", "prompt": "hello"}], "measure": ["validate", "bytes"],
+                       "validate": {"max_new_tokens": 4}, "threads": 1})
+    report = run_sweep(spec, tmp_path / "out")
+    assert [m["model"] for m in report.models] == ["tiny", "tiny (float64)"]
+    assert [c["dtype"] for c in report.cells] == ["float32", "float64"]
+    assert [c["cell_id"].split("--")[0] for c in report.cells] == ["tiny", "tiny-float64"]
+    assert all(len(m["rows"]) == 1 and m["rows"][0]["cells"] == 1 for m in report.models)
+    with pytest.raises(SpecError, match=r"models\[1\] \('tiny'\) is listed twice"):
+        parse_spec({**BASE, "models": ["tiny", "tiny"]})
+
+
 def test_sweep_refuses_a_used_folder_without_resume(local_sweep):
     spec, out, _, _ = local_sweep
     with pytest.raises(ValueError, match="already holds 6 cell result"):

@@ -23,12 +23,12 @@ class Cell:
 
     @property
     def cell_id(self) -> str:
-        h = hashlib.sha256(f"{self.model.spec}\0{self.text.name}\0{self.policy.policy_string}".encode()).hexdigest()
+        h = hashlib.sha256(f"{self.model.key}\0{self.text.name}\0{self.policy.policy_string}".encode()).hexdigest()
         return f"{self.model.key}--{slug(self.text.name)}--{self.policy.key}-{h[:6]}"
 
     @property
     def label(self) -> str:
-        return f"{self.policy.label} @ {self.text.name} [{self.model.spec}]"
+        return f"{self.policy.label} @ {self.text.name} [{self.model.label}]"
 
     def key(self, spec: SweepSpec) -> dict:
         settings = {}

@@ -11,7 +11,7 @@ no verdict and is left out of the recommendation (named in ``failed_policies``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from tqbench.engine.metrics import VERDICTS, worst_verdict
 from tqbench.engine.validate.compare import CompareResult, recommend_policy
@@ -77,7 +77,7 @@ class SweepReport:
             tf = _get(c, "results", "teacher_forced") or {}
             by = _get(c, "results", "bytes", "measured") or {}
             rows.append({
-                "policy": f"{k['policy']} @ {k['text']['name']} [{k['model']['spec']}]"
+                "policy": f"{k['policy']} @ {k['text']['name']} [{_model_label(k['model'])}]"
                           + ("" if c["status"] == "ok" else " (failed)"),
                 "row_key": c["cell_id"], "policy_string": k["policy_string"], "sweep_policy": k["policy"],
                 "prompt": k["text"].get("prompt") or "",
@@ -102,6 +102,11 @@ class SweepReport:
             "status": "per-model", "recommended_policy": "; ".join(
                 f"{m['model']}: {m['recommendation'].get('recommended_policy')}" for m in self.models)}
         return res
+
+
+def _model_label(m: dict) -> str:
+    extra = [m[x] for x in ("dtype", "device") if m.get(x, "auto") != "auto"]
+    return m["spec"] + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _row(policy: str, policy_string: str, cells: list[dict]) -> dict:
@@ -181,7 +186,7 @@ def build_report(spec, cells: list, docs: dict[str, dict]) -> SweepReport:
             rec = recommend_policy(usable, spec.baseline.label, spec.cache_mode == "dense-shadow")
         rec["failed_policies"] = failed
         model_names = sorted({c.get("model_name") for c in rep.cells
-                              if c["cell"]["model"]["spec"] == model.spec and c.get("model_name")})
-        rep.models.append({"model": model.spec, "model_name": model_names[0] if model_names else None,
+                              if c["cell"]["model"] == asdict(model) and c.get("model_name")})
+        rep.models.append({"model": model.label, "model_name": model_names[0] if model_names else None,
                            "rows": rows, "recommendation": rec})
     return rep

@@ -78,7 +78,8 @@ def run_sweep(
 
     ``ray``: schedule one task per (model, shard of cells) on a Ray cluster (``ray_address``, else a running
     one, else a local one started here). ``engines``: model spec -> an already loaded ``Engine`` the in-process
-    runner uses instead of loading that model (the workbench passes its own). Raises ``Cancelled`` when ``cancel()`` turns true (finished cells stay
+    runner uses instead of loading that model when the spec leaves its dtype and device on auto (the workbench
+    passes its own). Raises ``Cancelled`` when ``cancel()`` turns true (finished cells stay
     on disk; ``resume`` continues)."""
     store = SweepDir(out)
     spec_text = Path(spec.source).read_text(encoding="utf-8") if spec.source and Path(spec.source).is_file() else ""
@@ -102,7 +103,8 @@ def run_sweep(
             mine = [c for c in todo if c.model == model]
             if mine:
                 run_cells(spec, model, mine, driver, cancel, where=f"in-process ({platform.node()})",
-                          engine=(engines or {}).get(model.spec))
+                          engine=(engines or {}).get(model.spec) if (model.dtype, model.device) == ("auto", "auto")
+                          else None)
     return finish(spec, store, cells)
 
 

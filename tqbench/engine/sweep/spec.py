@@ -47,7 +47,14 @@ class ModelEntry:
 
     @property
     def key(self) -> str:
-        return slug(Path(self.spec).name if ("/" in self.spec and Path(self.spec).exists()) else self.spec)
+        base = Path(self.spec).name if ("/" in self.spec and Path(self.spec).exists()) else self.spec
+        extra = [x for x in (self.dtype, self.device) if x != "auto"]
+        return slug("-".join([base, *extra]))
+
+    @property
+    def label(self) -> str:
+        extra = [x for x in (self.dtype, self.device) if x != "auto"]
+        return self.spec + (f" ({', '.join(extra)})" if extra else "")
 
 
 @dataclass(frozen=True)
