@@ -278,6 +278,18 @@ def test_ray_gives_the_same_results_as_in_process(local_sweep, tmp_path):
     assert ray_report.models[0]["recommendation"] == report.models[0]["recommendation"]
 
 
+def test_ray_task_options_one_gpu_per_task_on_gpu_nodes():
+    from tqbench.engine.sweep.ray_runner import task_options
+
+    assert task_options({"CPU": 64.0, "GPU": 8.0}, None) == ({"num_gpus": 1, "num_cpus": 1}, 8)
+    assert task_options({"CPU": 64.0, "GPU": 8.0}, 4) == ({"num_gpus": 1, "num_cpus": 4}, 8)
+    assert task_options({"CPU": 16.0, "GPU": 1.0}, 32) == ({"num_gpus": 1, "num_cpus": 16}, 1)
+    assert task_options({"CPU": 2.0}, None) == ({"num_cpus": 1}, 2)
+    assert task_options({"CPU": 16.0}, 4) == ({"num_cpus": 4}, 4)
+    with pytest.raises(ValueError, match="threads = 4 but the Ray cluster has 2 CPUs and no GPUs"):
+        task_options({"CPU": 2.0}, 4)  # never schedulable: an error, not a hang
+
+
 # ---- the CLI -------------------------------------------------------------------------------------------------
 def run_cli(*args):
     return CliRunner().invoke(main, ["--headless", "sweep", *args])

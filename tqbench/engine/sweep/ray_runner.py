@@ -32,6 +32,19 @@ def check_ray() -> None:
         raise RayMissing(INSTALL_HINT) from None
 
 
+def task_options(resources: dict, threads: int | None) -> tuple[dict, int]:
+    """(Ray task options, task slots) for a cluster's ``resources``: one GPU per task where there are GPUs
+    (with up to ``threads`` of the CPUs per GPU), else ``threads`` CPUs (default 1) per task."""
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
+    threads = threads or 1
+    if gpus:
+        return {"num_gpus": 1, "num_cpus": min(threads, max(1, cpus // gpus))}, gpus
+    if threads > cpus:  # the task could never be scheduled: say so instead of waiting forever
+        raise ValueError(f"threads = {threads} but the Ray cluster has {cpus} CPUs and no GPUs: lower `threads` "
+                         "(or --threads) to at most the CPUs of one node")
+    return {"num_cpus": threads}, max(1, cpus // threads)
+
+
 def _shard(spec: SweepSpec, model, cells: list[Cell], queue, device: str | None) -> int:
     """The Ray task: ``run_cells`` with every message put on the driver's queue."""
     import ray
@@ -66,13 +79,8 @@ def run_on_ray(spec: SweepSpec, todo: list[Cell], driver, address: str | None, c
         ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
-        res = ray.cluster_resources()
-        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
-        threads = spec.threads or 1
-        if gpus:
-            opts, slots, device = {"num_gpus": 1, "num_cpus": min(threads, max(1, cpus // gpus))}, gpus, None
-        else:
-            opts, slots, device = {"num_cpus": threads}, max(1, cpus // threads), None
+        opts, slots = task_options(ray.cluster_resources(), spec.threads)
+        device = None  # "auto": the GPU Ray gave the task, else the CPU
         by_model = [(m, [c for c in todo if c.model == m]) for m in spec.models]
         by_model = [(m, cs) for m, cs in by_model if cs]
         per_model = spec.shards_per_model or max(1, slots // max(1, len(by_model)))
