@@ -197,6 +197,17 @@ def test_a_raising_cell_is_recorded_and_the_rest_complete(tmp_path):
     assert rec["status"] == "no-verdicts"
 
 
+def test_a_model_that_does_not_load_fails_its_cells_and_the_other_model_runs(tmp_path):
+    spec = parse_spec({"models": [str(tmp_path / "no-such-model"), "tiny"], "policies": ["turbo4"],
+                       "texts": [{"name": "a", "prompt": "hello"}], "measure": ["validate"],
+                       "validate": {"max_new_tokens": 4}, "threads": 1})
+    report = run_sweep(spec, tmp_path / "out")
+    bad, good = report.cells
+    assert bad["status"] == "error" and "did not load" in bad["error"]["message"]
+    assert good["status"] == "ok" and good["results"]["validate"]["baseline_tokens"] == 4
+    assert report.models[0]["recommendation"]["failed_policies"] == ["turbo4"]
+
+
 KILLED = """
 import sys, threading
 from pathlib import Path
