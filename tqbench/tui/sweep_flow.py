@@ -5,16 +5,21 @@ policy. The report is read from ``DIR/report.json``; a sweep that never finished
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqbench.engine.sweep import SweepDir, SweepReport
+if TYPE_CHECKING:
+    from tqbench.engine.sweep import SweepReport
 
 
 def is_sweep_dir(path) -> bool:
-    return Path(path).is_dir() and SweepDir.is_sweep(path)
+    """A sweep's --out folder (it holds ``sweep.json``); checked without importing the engine."""
+    return Path(path).is_dir() and (Path(path) / "sweep.json").is_file()
 
 
 def sweep_model(path) -> str:
     """The sweep's first model (the workbench loads it)."""
+    from tqbench.engine.sweep import SweepDir
+
     models = SweepDir(path).read_spec()["spec"]["models"]
     return models[0]["spec"] if models else "default"
 
@@ -22,6 +27,8 @@ def sweep_model(path) -> str:
 def read_report(path, partial: bool = False) -> tuple[SweepReport, str]:
     """(report, note): the final report, or (``partial``, or when the sweep did not finish) the cells found."""
     import json
+
+    from tqbench.engine.sweep import SweepDir, SweepReport
 
     store = SweepDir(path)
     spec = store.read_spec()["spec"]
