@@ -266,6 +266,17 @@ def test_ray_gives_the_same_results_as_in_process(local_sweep, tmp_path):
     try:
         events = []
         ray_report = run_sweep(spec, tmp_path / "ray", ray=True, on_event=events.append)
+        # resume on Ray: two cells removed, only they run again, with the same numbers
+        gone = [ray_report.cells[1]["cell_id"], ray_report.cells[4]["cell_id"]]
+        for cell_id in gone:
+            (tmp_path / "ray" / "cells" / f"{cell_id}.json").unlink()
+        again = []
+        resumed = run_sweep(spec, tmp_path / "ray", ray=True, resume=True, on_event=again.append)
+        assert sorted(e.cell_id for e in again if isinstance(e, SweepCellStarted)) == sorted(gone)
+        assert [numbers(c) for c in resumed.cells] == [numbers(c) for c in ray_report.cells]
+        nothing = []
+        run_sweep(spec, tmp_path / "ray", ray=True, resume=True, on_event=nothing.append)
+        assert [e.runner for e in nothing if type(e).__name__ == "SweepPlanned"] == ["ray (nothing to run)"]
     finally:
         ray.shutdown()
     planned = [e for e in events if type(e).__name__ == "SweepPlanned"]

@@ -90,7 +90,9 @@ def run_sweep(
     store.prepare(spec.to_dict(), spec_text, resume)
     cells, todo, done = plan(spec, store, resume)
     driver = Driver(store, cells, len(done), on_event)
-    if ray:
+    if ray and not todo:  # every cell reused: no cluster needed
+        emit(on_event, SweepPlanned(len(cells), 0, len(done), "ray (nothing to run)"))
+    elif ray:
         from tqbench.engine.sweep.ray_runner import run_on_ray
 
         run_on_ray(spec, todo, driver, ray_address, cancel,
