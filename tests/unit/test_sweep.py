@@ -365,7 +365,7 @@ def test_benchmark_script_on_a_tiny_spec(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["cells"] == 2 and data["cells_with_equal_numbers"] == 2 and data["cells_that_differ"] == []
-    assert data["runs"]["ray"]["runner"] == "ray (2 shards)" and data["loadavg_before"]
+    assert data["runs"]["ray"]["runner"] in ("ray (1 shard)", "ray (2 shards)") and data["loadavg_before"]
     assert "cells with equal numbers" in proc.stdout
 
 

@@ -97,7 +97,7 @@ def run_sweep(
 
         run_on_ray(spec, todo, driver, ray_address, cancel,
                    lambda shards: emit(on_event, SweepPlanned(len(cells), len(todo), len(done),
-                                                              f"ray ({shards} shards)")))
+                                                              f"ray ({shards} shard{'s' if shards != 1 else ''})")))
     else:
         emit(on_event, SweepPlanned(len(cells), len(todo), len(done), "in-process"))
         emit(on_event, Progress("sweep", len(done), len(cells), f"{len(done)} cells reused" if done else "start"))
