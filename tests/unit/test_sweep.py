@@ -240,8 +240,10 @@ def test_resume_after_a_killed_sweep_reruns_only_the_unfinished_cells(tmp_path):
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the sweep never reached its fourth cell"
             time.sleep(0.05)
-        proc.kill()
+        proc.kill()  # mid-sweep: three cells written, the fourth running
     finally:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
     spec = load_spec(spec_path)
     cells = expand(spec)
