@@ -15,6 +15,7 @@ from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
 from tqbench.cli.scan import scan
 from tqbench.cli.serve import serve
+from tqbench.cli.sweep import sweep
 from tqbench.cli.validate import validate
 from tqbench.cli.workbench import open_workbench
 
@@ -48,7 +49,7 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
         open_workbench(ctx)
 
 
-for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve):
+for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, sweep):
     main.add_command(command)
 
 if __name__ == "__main__":  # pragma: no cover

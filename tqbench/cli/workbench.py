@@ -30,8 +30,10 @@ def open_workbench(ctx: click.Context, screen: str = "run", run: dict | None = N
                    compare: dict | None = None) -> None:
     """Open the Textual workbench with the group's flags (and a subcommand's, filled into its screen)."""
     wb = dict(ctx.find_root().obj["workbench"])
-    if wb["session"] and not os.path.isfile(wb["session"]):
-        _fail(f"session file {wb['session']!r} does not exist: give a saved session's .json path")
+    sweep_dir = wb["session"] and os.path.isfile(os.path.join(wb["session"], "sweep.json"))
+    if wb["session"] and not (os.path.isfile(wb["session"]) or sweep_dir):
+        _fail(f"session file {wb['session']!r} does not exist: give a saved session's .json path "
+              "or a sweep's --out folder")
     if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
         _fail("the workbench needs a terminal: run `tqbench` in one, or use `tqbench --headless <command>`")
     from tqbench.tui.app import RunParams, WorkbenchOptions, run_workbench

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tqbench.engine.atomic import atomic_write
 from tqbench.sessions.schema import (
     FORMAT,
     SUFFIX,
@@ -230,21 +230,6 @@ def _read_arrays(path: Path, doc: dict) -> dict[str, np.ndarray]:
     except Exception as exc:  # safetensors raises its own error types
         raise SessionError(f"session {path.name}: {arrays_path.name} is not a readable safetensors file "
                            f"({exc})") from None
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same folder and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ---- listing -------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from textual.binding import Binding
 from textual.widgets import Footer, TabbedContent, TabPane
 
 from tqbench.sessions import Session, SessionError, diff_runs, load_kept_policies, save_kept_policies
-from tqbench.tui import session_flow
+from tqbench.tui import session_flow, sweep_run
 from tqbench.tui.panes.compare import ComparePane
 from tqbench.tui.panes.policies import PoliciesPane
 from tqbench.tui.panes.run import RunPane, RunParams
@@ -314,6 +314,7 @@ class WorkbenchApp(App):
                             self.scan_pane.action_use_suggested)
         yield SystemCommand("Start comparison", "Compare the listed policies on the prompts",
                             self.compare_pane.action_compare)
+        yield SystemCommand("Run sweep", "Run a sweep spec; its cells stream into Compare", lambda: sweep_run.ask(self))
         yield SystemCommand("Use built policy", "Put the built policy into Run's candidate (ctrl+u)",
                             self.policies_pane.action_use)
         yield SystemCommand("Keep built policy", "Name and keep the built policy (ctrl+k)",

@@ -17,11 +17,15 @@ from tqbench.sessions import (
     restore_token_texts,
     save_session,
 )
+from tqbench.tui import sweep_flow
 
 
 def use_session_model(app, path: str) -> bool:
     """``--session FILE`` without ``--model``: the app loads the session's model; False (and shown) when the
     file cannot be read."""
+    if sweep_flow.is_sweep_dir(path):
+        app.model_spec = sweep_flow.sweep_model(path)
+        return True
     try:
         app.model_spec = read_header(path).get("model", {}).get("spec") or "default"
     except SessionError as exc:
@@ -31,7 +35,10 @@ def use_session_model(app, path: str) -> bool:
 
 
 def open_session(app, path) -> bool:
-    """Load a session and show its last run (and its last scan and comparison); True when it is shown."""
+    """Load a session and show its last run (and its last scan and comparison); True when it is shown.
+    A sweep directory opens in the Compare tab (``sweep_flow``)."""
+    if sweep_flow.is_sweep_dir(path):
+        return sweep_flow.open_sweep(app, path)
     if app.busy:
         app.notify("work is going: press escape first, then open the session", severity="warning")
         return False

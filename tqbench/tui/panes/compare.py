@@ -191,7 +191,8 @@ class ComparePane(Vertical):
         self.result = result
         rows = result.rows
         with self.prevent(Select.Changed):  # the form shows what was compared
-            self.query_one("#cmp-policies", Input).value = ";".join(r["policy"] for r in rows)
+            self.query_one("#cmp-policies", Input).value = ";".join(dict.fromkeys(r.get("sweep_policy", r["policy"])
+                                                                                 for r in rows))
             self.query_one("#cmp-baseline", Input).value = str(result.baseline)
             self.query_one("#cmp-tokens", Input).value = str(result.max_new_tokens)
             if result.cache_mode in ("compressed", "simulate", "dense-shadow", "fused"):
@@ -216,6 +217,11 @@ class ComparePane(Vertical):
             text += f" · [yellow]{rec['note']}[/]"
         self.query_one("#recommendation", Static).update(text)
 
+    def fill_cells(self, result: CompareResult) -> None:
+        """A running sweep's cells so far (the form and the status line stay as they are)."""
+        self.result = result
+        self.fill_table()
+
     def sorted_rows(self) -> list[dict]:
         rows = list(self.result.rows) if self.result else []
         if self.sort_key:
@@ -235,7 +241,7 @@ class ComparePane(Vertical):
                 s = "-" if v is None else fmt.format(v)
                 style = VERDICT_STYLE.get(v, "") if key == "verdict" else ""
                 cells.append(Text(s, style=style, justify="left" if key in ("policy", "verdict") else "right"))
-            table.add_row(*cells, key=r["policy"])
+            table.add_row(*cells, key=r.get("row_key", r["policy"]))  # a sweep's rows are cells
 
     @on(DataTable.HeaderSelected, "#cmp-table")
     def _sort(self, event: DataTable.HeaderSelected) -> None:
@@ -249,8 +255,9 @@ class ComparePane(Vertical):
     def _open(self, event: DataTable.RowSelected) -> None:
         if not self.result:
             return
-        policy = str(event.row_key.value)
-        row = next(r for r in self.result.rows if r["policy"] == policy)
+        key = str(event.row_key.value)
+        row = next(r for r in self.result.rows if r.get("row_key", r["policy"]) == key)
         prompts = [p for p in (self.result.prompts or []) if isinstance(p, str)] or self.prompts()
-        self.post_message(self.OpenInRun(row["policy_string"], prompts[0] if prompts else "",
+        prompt = row.get("prompt") or (prompts[0] if prompts else "")  # a sweep cell carries its own prompt
+        self.post_message(self.OpenInRun(row["policy_string"], prompt,
                                          int(self.result.max_new_tokens), self.result.cache_mode))
