@@ -41,12 +41,15 @@ class KVGeometry:
     def from_config(cls, config) -> KVGeometry:
         cfg = text_config(config)
         lt = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        if not lt and window:  # Mistral, Phi-3: one window on every layer, as transformers' DynamicCache does
+            lt = ("sliding_attention",) * cfg.num_hidden_layers
         return cls(
             num_layers=cfg.num_hidden_layers,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             layer_types=tuple(lt) if lt else None,
-            sliding_window=getattr(cfg, "sliding_window", None),
+            sliding_window=window,
         )
 
 
@@ -81,9 +84,6 @@ def _from_config_dict(name: str, data: dict, source: str) -> ModelGeometry:
     except ValueError as exc:
         raise ValueError(f"{source}: model_type {model_type!r} is unknown to transformers ({exc})") from None
     geo = KVGeometry.from_config(cfg)
-    if geo.layer_types is None and geo.sliding_window:
-        geo = KVGeometry(geo.num_layers, geo.kv_heads, geo.head_dim, ("sliding_attention",) * geo.num_layers,
-                         geo.sliding_window)
     return ModelGeometry(name, geo, getattr(text_config(cfg), "max_position_embeddings", None), source)
 
 

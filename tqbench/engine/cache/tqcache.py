@@ -12,6 +12,7 @@ quantized afterwards); history is read as stored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,13 +84,18 @@ class TQLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, plan: LayerPlan, mode: str, policy: Policy) -> None:
+    def __init__(self, plan: LayerPlan, mode: str, policy: Policy, sliding_window: int | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.mode = check_mode(mode)
         self.policy = policy
         self.k_codec = policy.build_codec(plan.k, "k")
         self.v_codec = policy.build_codec(plan.v, "v")
+        # a sliding-window layer: attention reads the last window - 1 stored rows (as transformers'
+        # DynamicSlidingWindowLayer keeps them), the stores hold at most a codec unit more
+        self.window = sliding_window - 1 if (plan.sliding and sliding_window) else None
+        self.is_sliding = self.window is not None
+        self.align = math.lcm(self.k_codec.tokens_per_unit, self.v_codec.tokens_per_unit)
         self.cumulative_length = 0
         self._new_stores()
         self.fused_calls = 0
@@ -97,8 +103,8 @@ class TQLayer(CacheLayerMixin):
         self.fused_impl: dict[str, int] = {}  # "triton" / "torch-reference (why)" -> calls
 
     def _new_stores(self) -> None:
-        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent)
-        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent)
+        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
         self._sim_k = self._sim_v = None
         self._sim_pending: dict[str, list] = {}
 
@@ -117,18 +123,21 @@ class TQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
+        # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
+        visible = key_states.shape[2] + (self.cumulative_length if self.window is None
+                                         else min(self.cumulative_length, self.window))
         if mode == "dense-shadow":
-            self.keys = torch.cat([self.keys.view(*key_states.shape[:2], -1, key_states.shape[3]), key_states], 2)
-            self.values = torch.cat(
-                [self.values.view(*value_states.shape[:2], -1, value_states.shape[3]), value_states], 2
-            )
+            keys = torch.cat([self.keys.view(*key_states.shape[:2], -1, key_states.shape[3]), key_states], 2)
+            values = torch.cat([self.values.view(*value_states.shape[:2], -1, value_states.shape[3]), value_states], 2)
             self.k_store.append(key_states)
             self.v_store.append(value_states)
-            out = (self.keys, self.values)
+            out = (keys[:, :, -visible:], values[:, :, -visible:])
+            self.keys, self.values = (keys, values) if self.window is None else out
         elif mode == "simulate":
-            out = (self._simulate(key_states, "k"), self._simulate(value_states, "v"))
+            out = (self._simulate(key_states, "k")[:, :, -visible:], self._simulate(value_states, "v")[:, :, -visible:])
         elif mode == "compressed":
-            out = (self._with_history(self.k_store, key_states), self._with_history(self.v_store, value_states))
+            out = (self._with_history(self.k_store, key_states)[:, :, -visible:],
+                   self._with_history(self.v_store, value_states)[:, :, -visible:])
             self.k_store.append(key_states)
             self.v_store.append(value_states)
         else:  # fused
@@ -157,7 +166,8 @@ class TQLayer(CacheLayerMixin):
         packed = store.append(new)
         if packed:
             self._sim_pending[role] = packed
-        setattr(self, f"_sim_{role}", out)
+        # the buffer follows the store's rows (a window-bounded store evicts its oldest)
+        setattr(self, f"_sim_{role}", out[:, :, store.last_evicted:] if store.last_evicted else out)
         return out
 
     def append_read_quantized(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -181,6 +191,8 @@ class TQLayer(CacheLayerMixin):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.window is not None:  # as transformers' DynamicSlidingWindowLayer: the last window - 1 rows
+            return min(self.cumulative_length, self.window) + query_length, max(self.cumulative_length - self.window, 0)
         return self.cumulative_length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -243,7 +255,7 @@ class TQCache(Cache):
             if plan.dense_window:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geo.sliding_window))
             else:
-                layers.append(TQLayer(plan, self.mode, self.policy))
+                layers.append(TQLayer(plan, self.mode, self.policy, geo.sliding_window))
         super().__init__(layers=layers)
 
     def report(self) -> CacheReport:
@@ -255,7 +267,9 @@ class TQCache(Cache):
             if isinstance(layer, TQLayer):
                 kb = layer.k_store.bytes_breakdown()
                 vb = layer.v_store.bytes_breakdown()
-                tokens = layer.cumulative_length
+                tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
+                # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
+                fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
                 batch = batch or _batch_of(layer)
                 for store in (layer.k_store, layer.v_store):
                     if store.n_packed:
@@ -267,7 +281,7 @@ class TQCache(Cache):
                         full_precision_bytes=kb["full_precision"] + vb["full_precision"],
                         packed_bytes=kb["packed"] + vb["packed"], state_bytes=kb["state"] + vb["state"],
                         k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
-                        dense_fp16_bytes=2 * batch * self.num_kv_heads * tokens * self.head_dim * FP_BYTES,
+                        dense_fp16_bytes=2 * batch * self.num_kv_heads * fp16_tokens * self.head_dim * FP_BYTES,
                         reason=plan.reason,
                     )
                 )
