@@ -29,6 +29,41 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelError(ValueError):
+    """The compressed cache cannot hold this model's attention state (raised before any generation)."""
+
+
+def model_label(config) -> str:
+    arch = getattr(config, "architectures", None)
+    return arch[0] if arch else f"a {getattr(config, 'model_type', '?')} model"
+
+
+def unsupported_attention(config) -> str | None:
+    """Why the compressed cache cannot hold ``config``'s attention state, or None when it can."""
+    cfg = text_config(config)
+    if getattr(cfg, "kv_lora_rank", None):
+        dk = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + (getattr(cfg, "qk_rope_head_dim", 0) or 0)
+        return (f"multi-head latent attention (K head dim {dk}, V head dim {getattr(cfg, 'v_head_dim', '?')}, both "
+                f"expanded from a {cfg.kv_lora_rank}-wide latent, which is what should be cached) is not supported")
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t not in SUPPORTED_LAYER_TYPES})
+    if other:
+        return (f"its {', '.join(other)} layers (state-space / linear attention) keep a recurrent state the "
+                f"compressed cache does not hold (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)})")
+    return None
+
+
+def check_supported(config) -> None:
+    why = unsupported_attention(config)
+    if why:
+        raise UnsupportedModelError(
+            f"{model_label(config)} cannot use the compressed cache in any mode: {why}; run it with the plain "
+            "fp16 DynamicCache baseline (no --kv-policy)"
+        )
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
@@ -44,9 +79,13 @@ class KVGeometry:
         window = getattr(cfg, "sliding_window", None)
         if not lt and window:  # Mistral, Phi-3: one window on every layer, as transformers' DynamicCache does
             lt = ("sliding_attention",) * cfg.num_hidden_layers
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if getattr(cfg, "model_type", None) == "falcon":  # Falcon-7B: multi-query (one KV head); 40B/180B: groups
+            kv_heads = cfg.num_kv_heads if cfg.new_decoder_architecture else (1 if cfg.multi_query else
+                                                                               cfg.num_attention_heads)
         return cls(
             num_layers=cfg.num_hidden_layers,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            kv_heads=kv_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             layer_types=tuple(lt) if lt else None,
             sliding_window=window,
@@ -83,6 +122,7 @@ def _from_config_dict(name: str, data: dict, source: str) -> ModelGeometry:
         cfg = AutoConfig.for_model(model_type, **data)
     except ValueError as exc:
         raise ValueError(f"{source}: model_type {model_type!r} is unknown to transformers ({exc})") from None
+    check_supported(cfg)
     geo = KVGeometry.from_config(cfg)
     return ModelGeometry(name, geo, getattr(text_config(cfg), "max_position_embeddings", None), source)
 

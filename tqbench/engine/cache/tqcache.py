@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from tqbench.constants import CACHE_MODES
-from tqbench.engine.cache.geometry import KVGeometry
+from tqbench.engine.cache.geometry import KVGeometry, UnsupportedModelError, check_supported, model_label
 from tqbench.engine.cache.report import CacheReport, LayerBytes
 from tqbench.engine.cache.store import FP_BYTES, KVStore
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
@@ -239,16 +239,12 @@ class TQCache(Cache):
     def __init__(self, policy: Policy | str, config, mode: str = "compressed") -> None:
         self.policy = parse_policy(policy)
         self.mode = check_mode(mode)
+        check_supported(config)
         geo = KVGeometry.from_config(config)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
+        self._label = model_label(config)
+        self._shape_checked = False
         layer_types = list(geo.layer_types) if geo.layer_types else None
-        if layer_types is not None:
-            bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-            if bad:
-                raise ValueError(
-                    f"layer types {', '.join(bad)} are not supported by the compressed cache "
-                    "(supported: full_attention, sliding_attention)"
-                )
         self.plans = self.policy.plan(self.num_layers, layer_types)
         layers = []
         for plan in self.plans:
@@ -257,6 +253,19 @@ class TQCache(Cache):
             else:
                 layers.append(TQLayer(plan, self.mode, self.policy, geo.sliding_window))
         super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not self._shape_checked:  # bytes are counted from the config's geometry: it must be the model's
+            got = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+            if got != (self.num_kv_heads, self.head_dim, self.head_dim):
+                raise UnsupportedModelError(
+                    f"{self._label}: its attention hands the cache K/V with {got[0]} heads, K head dim {got[1]} and "
+                    f"V head dim {got[2]}, but its config reads as {self.num_kv_heads} KV heads of head dim "
+                    f"{self.head_dim}: the compressed cache cannot count its bytes; run it with the plain fp16 "
+                    "DynamicCache baseline"
+                )
+            self._shape_checked = True
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def report(self) -> CacheReport:
         rows = []

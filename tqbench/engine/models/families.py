@@ -4,7 +4,7 @@ config class (``AutoConfig.for_model`` + ``from_config``: no download), with the
 ``family_model("gemma2")`` is what the family matrix tests run and what ``--model tiny-gemma2`` loads: the
 family's attention features stay as its config sets them (Gemma-2's soft-capping and alternating
 sliding/global layers, gpt-oss's sinks, Mistral's sliding window, ...), at a small size (4 layers, 4 query
-heads / 2 KV heads, head size 16, window 8 where the family has one so short prompts cross it).
+heads / 2 KV heads, head size 32, window 8 where the family has one so short prompts cross it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FAMILIES: dict[str, dict] = {
     "gemma3_text": {"sliding_window": 8, "layer_types": list(SLIDING), "query_pre_attn_scalar": 16},
     "phi3": {"sliding_window": 8},
     "gpt_oss": {"sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2},  # sinks
-    "granite": {},
+    "granite": {"attention_multiplier": 1 / 32},  # as the real ones: 1 / head_dim (the default 1.0 is untrained)
     "cohere": {},
     "starcoder2": {},
     "gpt_neox": {},
@@ -38,6 +38,7 @@ FAMILIES: dict[str, dict] = {
 }
 _MOE = ("gpt_oss",)
 _NO_HEAD_DIM = ("falcon",)  # head_dim is derived (a read-only property) in these configs
+_MHA = ("gpt_neox", "falcon")  # KV heads derived by the family (GPT-NeoX: all heads; Falcon-7B style: one)
 TINY_PREFIX = "tiny-"
 
 
@@ -47,13 +48,15 @@ def family_config(model_type: str, **overrides):
     if model_type not in FAMILIES:
         raise ValueError(f"unknown family {model_type!r}: known families are {', '.join(FAMILIES)}")
     fields = {
-        "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+        "vocab_size": 320, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
         "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "tie_word_embeddings": False,
     }
     fields |= FAMILIES[model_type] | overrides
     if model_type in _NO_HEAD_DIM:
         fields.pop("head_dim")
+    if model_type in _MHA:
+        fields.pop("num_key_value_heads")
     return AutoConfig.for_model(model_type, **fields)
 
 

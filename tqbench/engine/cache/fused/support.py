@@ -10,7 +10,7 @@ any generation, naming the model class, the reason and the modes that work.
 
 from __future__ import annotations
 
-from tqbench.engine.cache.geometry import text_config
+from tqbench.engine.cache.geometry import unsupported_attention
 
 #: config attribute holding the attention implementation a model had before fused was installed
 PREVIOUS_ATTR = "_tqbench_previous_attn"
@@ -51,10 +51,6 @@ def check_fused_support(model, current: str | None) -> None:
             name, f"it was loaded with attn_implementation={current!r}, whose masks the fused attention cannot "
             f"read; load it with one of {', '.join(ROUTABLE)}",
         )
-    layer_types = getattr(text_config(model.config), "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if other:
-        raise FusedUnsupportedError(
-            name, f"it has {', '.join(other)} layers (state-space / linear attention), whose state the "
-            "compressed cache does not hold", modes=(),
-        )
+    why = unsupported_attention(model.config)
+    if why:
+        raise FusedUnsupportedError(name, why, modes=())
