@@ -33,22 +33,22 @@ KL_POLICY = "turbo4,recent=4"
 CELLS = [(f, m, p) for f in FAMILIES for m in CACHE_MODES for p in POLICIES if not (f == "falcon" and m == "fused")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def engine(family: str) -> Engine:
     return Engine(family_model(family, dtype=torch.float64))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def prompt(family: str, n: int = PROMPT_TOKENS) -> torch.Tensor:
     return corpus_ids(engine(family).tokenizer, "rivers", n)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def baseline(family: str) -> list[int]:
     return engine(family).generate(prompt(family), None, max_new_tokens=NEW, stop_at_eos=False).token_ids
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def manual(family: str, mode: str, policy: str):
     r = engine(family).generate(prompt(family), policy, mode, max_new_tokens=NEW, stop_at_eos=False)
     return r.token_ids, r.cache_report
@@ -57,7 +57,7 @@ def manual(family: str, mode: str, policy: str):
 SHORT = 27
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def padded_batch(family: str, mode: str | None, policy: str | None) -> list[list[int]]:
     """[the prompt, its first SHORT tokens left-padded] -> the new tokens of each row."""
     eng, ids = engine(family), prompt(family)
