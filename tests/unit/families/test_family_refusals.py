@@ -203,3 +203,13 @@ def test_a_config_that_does_not_match_the_models_kv_is_refused():
     model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(UnsupportedModelError, match="hands the cache K/V with 4 heads, K head dim 32"):
         model(torch.tensor([[5, 6, 7]]), cache=TQCache("turbo4", cfg))
+
+
+def test_the_previous_implementation_is_kept_beside_the_config_not_in_it():
+    """save_pretrained / to_dict of a model with fused installed write nothing of tqbench's."""
+    eng = Engine(family_model("gemma2"))
+    eng.enable_fused()
+    from tqbench.engine.cache.fused.support import recorded_previous
+
+    assert recorded_previous(eng.config) == "eager"
+    assert not [k for k in eng.config.to_dict() if "tqbench" in k]

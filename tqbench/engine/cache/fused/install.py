@@ -2,8 +2,8 @@
 
 ``install_fused_attention(model)`` registers an attention implementation with transformers
 (``AttentionInterface`` + a mask builder) and switches the model to it, so plain ``model.generate()`` and a
-manual decode loop both use it. The implementation the model had before (eager, sdpa, ...) is remembered on
-its config: calls that carry plain tensors (a ``DynamicCache`` baseline, no cache, a bypassed sliding-window
+manual decode loop both use it. The implementation the model had before (eager, sdpa, ...) is remembered for
+its config (``support.remember_previous``, beside the config, not in it): calls that carry plain tensors (a ``DynamicCache`` baseline, no cache, a bypassed sliding-window
 layer) go to that implementation unchanged (for eager, the model's own ``eager_attention_forward``, which
 knows the family's soft-capping or sinks), and the mask builder is that implementation's, so the baseline's
 numbers do not change when fused is installed. Calls that carry a ``FusedKV`` handle are computed from the
@@ -28,10 +28,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from tqbench.engine.cache.fused.choose import choose_impl
 from tqbench.engine.cache.fused.support import (
-    PREVIOUS_ATTR,
     FusedUnsupportedError,
     check_fused_support,
+    forget_previous,
     previous_implementation,
+    recorded_previous,
+    remember_previous,
 )
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
 from tqbench.engine.cache.tqcache import FusedKV
@@ -57,11 +59,11 @@ def install_fused_attention(model) -> None:
     check_fused_support(model, current)
     configs = _configs(model)
     for cfg in configs:
-        setattr(cfg, PREVIOUS_ATTR, getattr(cfg, "_attn_implementation", None) or current)
+        remember_previous(cfg, getattr(cfg, "_attn_implementation", None) or current)
     model.set_attn_implementation(ATTN_NAME)
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:  # transformers declined the switch
         for cfg in configs:
-            cfg.__dict__.pop(PREVIOUS_ATTR, None)
+            forget_previous(cfg)
         raise FusedUnsupportedError(
             type(model).__name__, "transformers did not switch its attention implementation "
             f"(it stayed {model.config._attn_implementation!r})",
@@ -83,7 +85,7 @@ def _configs(model) -> list:
 def fused_mask(*args, config=None, **kwargs):
     """The mask builder of the implementation the model had before (eager: additive float masks; sdpa and
     the rest: boolean masks). The fused path reads either kind."""
-    prev = getattr(config, PREVIOUS_ATTR, None) if config is not None else None
+    prev = recorded_previous(config)
     builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(prev, sdpa_mask) if prev else sdpa_mask
     return builder(*args, config=config, **kwargs)
 

@@ -10,10 +10,13 @@ any generation, naming the model class, the reason and the modes that work.
 
 from __future__ import annotations
 
+import weakref
+
 from tqbench.engine.cache.geometry import unsupported_attention
 
-#: config attribute holding the attention implementation a model had before fused was installed
-PREVIOUS_ATTR = "_tqbench_previous_attn"
+#: config id -> (weak reference to the config, the attention implementation it had before fused was
+#: installed); kept beside the config, not on it, so ``config.to_dict()`` / ``save_pretrained`` stay clean
+_PREVIOUS: dict[int, tuple[weakref.ref, str]] = {}
 #: previous implementations whose masks the fused path can read, and that plain tensors are routed back to
 ROUTABLE = ("eager", "sdpa")
 #: the cache modes that do not replace the model's attention function
@@ -32,9 +35,24 @@ class FusedUnsupportedError(ValueError):
         super().__init__(f"{model_class} cannot run the fused cache mode: {reason}; {works}")
 
 
+def remember_previous(config, implementation: str) -> None:
+    key = id(config)
+    _PREVIOUS[key] = (weakref.ref(config, lambda _ref: _PREVIOUS.pop(key, None)), implementation)
+
+
+def forget_previous(config) -> None:
+    _PREVIOUS.pop(id(config), None)
+
+
+def recorded_previous(config) -> str | None:
+    """The implementation ``config`` had before fused was installed, or None when none was recorded."""
+    entry = _PREVIOUS.get(id(config)) if config is not None else None
+    return entry[1] if entry is not None and entry[0]() is config else None
+
+
 def previous_implementation(config) -> str:
     """The implementation plain tensors go to (``sdpa`` when nothing was recorded)."""
-    return (getattr(config, PREVIOUS_ATTR, None) if config is not None else None) or "sdpa"
+    return recorded_previous(config) or "sdpa"
 
 
 def check_fused_support(model, current: str | None) -> None:
