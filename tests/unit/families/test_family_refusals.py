@@ -213,3 +213,11 @@ def test_the_previous_implementation_is_kept_beside_the_config_not_in_it():
 
     assert recorded_previous(eng.config) == "eager"
     assert not [k for k in eng.config.to_dict() if "tqbench" in k]
+
+
+def test_serving_falcon_fused_is_refused_at_startup():
+    pytest.importorskip("fastapi")
+    from tqbench.server import create_app
+
+    with pytest.raises(FusedUnsupportedError, match="^FalconForCausalLM cannot run the fused cache mode"):
+        create_app(Engine(family_model("falcon")), cache_mode="fused")
