@@ -159,31 +159,24 @@ def test_flex_attention_models_are_refused_for_fused():
         eng.enable_fused()
 
 
-def _mla_config():
-    return AutoConfig.for_model(
-        "deepseek_v3", vocab_size=320, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
-    )
+def test_mla_caches_its_latent_and_refuses_only_fused(tmp_path):
+    """DeepSeek-V3 hands the cache its kv_lora_rank-wide latent (K) and the shared RoPE key (V): one "head",
+    K and V of different widths, counted to the byte from the config alone; the fused mode is refused (K/V
+    are expanded from the latent after the cache)."""
+    from tqbench.engine.cache.estimate import estimate_kv
 
-
-def test_mla_is_refused_clearly_in_every_mode_and_in_kv_estimate(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    cfg = _mla_config()
-    with pytest.raises(UnsupportedModelError, match="multi-head latent attention \\(K head dim 24, V head dim 16"):
-        TQCache("turbo4", cfg)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(FusedUnsupportedError, match="DeepseekV3ForCausalLM cannot run the fused cache mode: "
-                                                    "multi-head latent attention"):
-        from tqbench.engine.cache.fused import check_fused_support
-
-        check_fused_support(model, "sdpa")
+    eng = Engine(family_model("deepseek_v3"))
+    geo = eng.geometry
+    assert (geo.kv_heads, geo.head_dim, geo.v_dim) == (1, 32, 8)
+    r = _gen(eng, "q8k-int4v", "compressed")
+    assert r.cache_report.compressed_storage_bytes == estimate_kv("q8k-int4v", geo, 41).total_bytes
+    assert r.cache_report.dense_fp16_bytes == 4 * 41 * (32 + 8) * 2
+    with pytest.raises(FusedUnsupportedError, match="^DeepseekV3ForCausalLM cannot run the fused cache mode: it "
+                                                    "caches its multi-head latent attention latent"):
+        _gen(eng, "turbo4", "fused")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.to_dict()))
-    with pytest.raises(UnsupportedModelError, match="cannot use the compressed cache in any mode"):
-        model_geometry(str(path))
+    path.write_text(json.dumps(eng.config.to_dict()))
+    assert model_geometry(str(path)).geometry == geo
 
 
 @pytest.mark.parametrize("model_type", ["jamba", "bamba", "qwen3_next"])

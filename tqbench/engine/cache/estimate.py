@@ -93,7 +93,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         if plan.dense_window:
             # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
             held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
-            dense = 2 * batch * g.kv_heads * held * g.head_dim * FP_BYTES
+            dense = batch * g.kv_heads * held * g.row_dims * FP_BYTES
             per_layer.append(dense)
             dense_total += dense
             continue
@@ -105,13 +105,13 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
             held = seq_len - window_start(seq_len, keep, align)
             fp16_held = min(seq_len, keep)
-        for codec, _ in codecs:
-            nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, g.head_dim)
+        for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
+            nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += nbytes
             if packed:
-                shared.update(codec.shared_items(g.head_dim))
+                shared.update(codec.shared_items(dim))
         per_layer.append(total)
-        dense_total += 2 * batch * g.kv_heads * fp16_held * g.head_dim * FP_BYTES
+        dense_total += batch * g.kv_heads * fp16_held * g.row_dims * FP_BYTES
     sb = sum(shared.values())
     return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
 

@@ -41,13 +41,14 @@ def model_label(config) -> str:
     return arch[0] if arch else f"a {getattr(config, 'model_type', '?')} model"
 
 
+def is_mla(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3 style): the cache holds the latent, not per-head K/V."""
+    return bool(getattr(text_config(config), "kv_lora_rank", None))
+
+
 def unsupported_attention(config) -> str | None:
     """Why the compressed cache cannot hold ``config``'s attention state, or None when it can."""
     cfg = text_config(config)
-    if getattr(cfg, "kv_lora_rank", None):
-        dk = (getattr(cfg, "qk_nope_head_dim", 0) or 0) + (getattr(cfg, "qk_rope_head_dim", 0) or 0)
-        return (f"multi-head latent attention (K head dim {dk}, V head dim {getattr(cfg, 'v_head_dim', '?')}, both "
-                f"expanded from a {cfg.kv_lora_rank}-wide latent, which is what should be cached) is not supported")
     other = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t not in SUPPORTED_LAYER_TYPES})
     if other:
         return (f"its {', '.join(other)} layers (state-space / linear attention) keep a recurrent state the "
@@ -71,6 +72,16 @@ class KVGeometry:
     head_dim: int
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    v_head_dim: int | None = None  # V rows' width where it differs from K's (MLA: the RoPE key part)
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def row_dims(self) -> int:
+        """K width + V width: the fp16 bytes of one token of one KV head are 2 * row_dims."""
+        return self.head_dim + self.v_dim
 
     @classmethod
     def from_config(cls, config) -> KVGeometry:
@@ -79,6 +90,8 @@ class KVGeometry:
         window = getattr(cfg, "sliding_window", None)
         if not lt and window:  # Mistral, Phi-3: one window on every layer, as transformers' DynamicCache does
             lt = ("sliding_attention",) * cfg.num_hidden_layers
+        if is_mla(cfg):  # the cache holds one "head": K = the kv_lora_rank latent, V = the shared RoPE key
+            return cls(cfg.num_hidden_layers, 1, cfg.kv_lora_rank, None, None, cfg.qk_rope_head_dim)
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         if getattr(cfg, "model_type", None) == "falcon":  # Falcon-7B: multi-query (one KV head); 40B/180B: groups
             kv_heads = cfg.num_kv_heads if cfg.new_decoder_architecture else (1 if cfg.multi_query else
@@ -106,7 +119,7 @@ class ModelGeometry:
     def to_dict(self) -> dict:
         g = self.geometry
         return {"name": self.name, "source": self.source, "num_layers": g.num_layers, "kv_heads": g.kv_heads,
-                "head_dim": g.head_dim, "sliding_window": g.sliding_window,
+                "head_dim": g.head_dim, "v_head_dim": g.v_dim, "sliding_window": g.sliding_window,
                 "sliding_layers": sum(t == "sliding_attention" for t in g.layer_types) if g.layer_types else 0,
                 "max_context": self.max_context}
 

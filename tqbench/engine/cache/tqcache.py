@@ -242,6 +242,7 @@ class TQCache(Cache):
         check_supported(config)
         geo = KVGeometry.from_config(config)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
+        self.v_head_dim = geo.v_dim
         self._label = model_label(config)
         self._shape_checked = False
         layer_types = list(geo.layer_types) if geo.layer_types else None
@@ -257,12 +258,12 @@ class TQCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not self._shape_checked:  # bytes are counted from the config's geometry: it must be the model's
             got = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
-            if got != (self.num_kv_heads, self.head_dim, self.head_dim):
+            if got != (self.num_kv_heads, self.head_dim, self.v_head_dim):
                 raise UnsupportedModelError(
                     f"{self._label}: its attention hands the cache K/V with {got[0]} heads, K head dim {got[1]} and "
-                    f"V head dim {got[2]}, but its config reads as {self.num_kv_heads} KV heads of head dim "
-                    f"{self.head_dim}: the compressed cache cannot count its bytes; run it with the plain fp16 "
-                    "DynamicCache baseline"
+                    f"V head dim {got[2]}, but its config reads as {self.num_kv_heads} KV heads, K head dim "
+                    f"{self.head_dim} and V head dim {self.v_head_dim}: the compressed cache cannot count its "
+                    "bytes; run it with the plain fp16 DynamicCache baseline"
                 )
             self._shape_checked = True
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -280,9 +281,9 @@ class TQCache(Cache):
                 # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
                 fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
                 batch = batch or _batch_of(layer)
-                for store in (layer.k_store, layer.v_store):
+                for store, dim in ((layer.k_store, self.head_dim), (layer.v_store, self.v_head_dim)):
                     if store.n_packed:
-                        shared.update(store.codec.shared_items(self.head_dim))
+                        shared.update(store.codec.shared_items(dim))
                 rows.append(
                     LayerBytes(
                         layer=plan.layer, k_codec=plan.k, v_codec=plan.v, tokens=tokens,
@@ -290,7 +291,8 @@ class TQCache(Cache):
                         full_precision_bytes=kb["full_precision"] + vb["full_precision"],
                         packed_bytes=kb["packed"] + vb["packed"], state_bytes=kb["state"] + vb["state"],
                         k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
-                        dense_fp16_bytes=2 * batch * self.num_kv_heads * fp16_tokens * self.head_dim * FP_BYTES,
+                        dense_fp16_bytes=batch * self.num_kv_heads * fp16_tokens * (self.head_dim + self.v_head_dim)
+                        * FP_BYTES,
                         reason=plan.reason,
                     )
                 )
@@ -298,11 +300,13 @@ class TQCache(Cache):
             else:  # transformers' sliding window layer: dense, bounded
                 held = layer.keys.shape[2] if layer.is_initialized and layer.keys.dim() == 4 else 0
                 b = layer.keys.shape[0] if held else 0
-                dense = 2 * b * self.num_kv_heads * held * self.head_dim * FP_BYTES
+                k_dense = b * self.num_kv_heads * held * self.head_dim * FP_BYTES
+                v_dense = b * self.num_kv_heads * held * self.v_head_dim * FP_BYTES
+                dense = k_dense + v_dense
                 rows.append(
                     LayerBytes(
-                        layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=dense // 2,
-                        v_bytes=dense // 2, full_precision_bytes=dense, packed_bytes=0, state_bytes=0,
+                        layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=k_dense,
+                        v_bytes=v_dense, full_precision_bytes=dense, packed_bytes=0, state_bytes=0,
                         k_packed_tokens=0, v_packed_tokens=0, dense_fp16_bytes=dense, reason=plan.reason,
                     )
                 )
@@ -321,7 +325,7 @@ class TQCache(Cache):
                 max_layer_dense = 0  # the kernels keep only split-K partials, no decoded rows
             else:  # the torch reference's peak: one side of one layer decoded, with its int32 code index
                 max_layer_dense = max(
-                    (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim)
+                    (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim, self.v_head_dim)
                      for layer in self.layers if isinstance(layer, TQLayer)),
                     default=0,
                 )
@@ -332,7 +336,7 @@ class TQCache(Cache):
         )
 
 
-def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> int:
+def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:
     """Transient bytes the fused torch reference holds while reading one side of ``layer``: the decoded rows
     (rotated-domain or dequantized, compute dtype), the int32 copy of the codes that indexes the byte table
     (plus the unpacked codes for widths that do not divide 8), and the concatenated full-precision rows.
@@ -342,9 +346,9 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> 
     elem = torch.promote_types(layer.dtype, torch.float32).itemsize
     bh = _batch_of(layer) * kv_heads
     peak = 0
-    for store in (layer.k_store, layer.v_store):
-        fp_rows = bh * (store.n_full_precision + 1) * head_dim * elem
-        rows = bh * store.n_packed * head_dim * elem
+    for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim or head_dim)):
+        fp_rows = bh * (store.n_full_precision + 1) * dim * elem
+        rows = bh * store.n_packed * dim * elem
         codec = store.codec
         if not store.n_packed:
             side = 0
@@ -355,7 +359,7 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> 
             elif 8 % codec.bits == 0:
                 side = rows + 4 * code_bytes
             else:
-                side = rows + 5 * bh * store.n_packed * head_dim
+                side = rows + 5 * bh * store.n_packed * dim
         else:
             side = 2 * rows
         peak = max(peak, side + fp_rows)

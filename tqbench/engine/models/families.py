@@ -35,9 +35,13 @@ FAMILIES: dict[str, dict] = {
     "gpt_neox": {},
     "olmo2": {},
     "falcon": {},  # no AttentionInterface: fused mode is refused
+    # multi-head latent attention: the cache holds a 32-wide latent (K) and the 8-wide shared RoPE key (V)
+    "deepseek_v3": {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 24, "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 64},
 }
-_MOE = ("gpt_oss",)
-_NO_HEAD_DIM = ("falcon",)  # head_dim is derived (a read-only property) in these configs
+_MOE = ("gpt_oss", "deepseek_v3")
+_NO_HEAD_DIM = ("falcon", "deepseek_v3")  # head_dim is derived (Falcon: read-only; DeepSeek: the RoPE part)
 _MHA = ("gpt_neox", "falcon")  # KV heads derived by the family (GPT-NeoX: all heads; Falcon-7B style: one)
 TINY_PREFIX = "tiny-"
 

@@ -3,8 +3,9 @@
 The fused mode swaps the model's attention function through transformers' ``AttentionInterface``, so a
 model must (1) route its attention through that interface (Falcon, for one, calls SDPA directly), (2) have
 had an implementation whose masks are tensors (eager, sdpa; flex attention's block masks and flash
-attention's varlen metadata are not) and (3) be a plain attention decoder (no state-space / linear-attention
-layers, whose state the compressed cache does not hold). ``check_fused_support`` refuses the others before
+attention's varlen metadata are not), (3) be a plain attention decoder (no state-space / linear-attention
+layers, whose state the compressed cache does not hold) and (4) hand the cache the K/V rows attention reads
+(multi-head latent attention caches a latent and expands it afterwards: compressed modes only). ``check_fused_support`` refuses the others before
 any generation, naming the model class, the reason and the modes that work.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-from tqbench.engine.cache.geometry import unsupported_attention
+from tqbench.engine.cache.geometry import is_mla, unsupported_attention
 
 #: config id -> (weak reference to the config, the attention implementation it had before fused was
 #: installed); kept beside the config, not on it, so ``config.to_dict()`` / ``save_pretrained`` stay clean
@@ -72,3 +73,8 @@ def check_fused_support(model, current: str | None) -> None:
     why = unsupported_attention(model.config)
     if why:
         raise FusedUnsupportedError(name, why, modes=())
+    if is_mla(model.config):
+        raise FusedUnsupportedError(
+            name, "it caches its multi-head latent attention latent and expands K and V from it after the cache, "
+            "so attention never sees the store (the fused attention reads K/V rows from it)",
+        )
