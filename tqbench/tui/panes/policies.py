@@ -236,7 +236,8 @@ class PoliciesPane(Horizontal):
             f"[b]{est.bits_per_element:.2f}[/b] bits/element · KV at {est.seq_len} tokens: "
             f"[b]{_mib(est.total_bytes)}[/b] vs fp16 {_mib(est.dense_fp16_bytes)} "
             f"([b green]{est.saved_pct:.1f}% saved[/]) · shared {est.shared_bytes} B\n"
-            f"[dim]geometry: {g.num_layers} layers{sliding} × {g.kv_heads} KV heads × head_dim {g.head_dim}; every byte "
+            f"[dim]geometry: {g.num_layers} layers{sliding} × {g.kv_heads} KV heads × head_dim {g.head_dim}"
+            f"{f' (V {g.v_dim})' if g.v_dim != g.head_dim else ''}; every byte "
             f"counted (norms, scales, fp16 sink/window rows, rotations and codebooks once)[/dim]"
         )
 
