@@ -2,7 +2,7 @@
 
 ``python benchmarks/attention.py`` (one command; see ``--help``). On a CUDA device it times the Triton
 kernel (``tqbench.kernels.packed_attention``) against fp16 SDPA over contexts 1K..128K; on CPU it times the
-torch reference (the CPU implementation) against fp32 SDPA over 1K..16K. For every point it prints the time,
+native kernel (``tqbench.kernels.cpu``, C++) and the torch reference against fp32 SDPA over 1K..16K. For every point it prints the time,
 the bytes each path must read (dense K+V vs packed codes + norms/scales), the achieved GB/s, the fraction
 of the measured copy bandwidth, the speedup over SDPA and the byte-ratio limit of that speedup; JSON goes
 to ``benchmarks/results/attention-<device>.json``.
@@ -131,16 +131,32 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    console = Console() if sys.stdout.isatty() else Console(width=170)
     dev = args.device
     gpu = dev == "cuda"
     dense_dtype = torch.float16 if gpu else torch.float32
     if gpu:
-        from tqbench.kernels.packed_attention import packed_attention as fused
-        impl = "triton"
+        from tqbench.kernels.packed_attention import packed_attention
+        impls = {"triton": packed_attention}
     else:
-        from tqbench.kernels.reference import packed_attention_partials as fused
-        impl = "torch-reference"
+        from tqbench.kernels.cpu import native_status
+        from tqbench.kernels.reference import packed_attention_partials
+
+        impls = {}
+        ok, why = native_status()
+        if ok:
+            from tqbench.kernels.cpu.attention import native_attention
+
+            def native(q, ks, vs, mask, scale):
+                empty = torch.empty(q.shape[0], ks.payload["idx" if ks.kind == "turbo" else "q"].shape[1], 0,
+                                    q.shape[-1])
+                return native_attention(q, ks, vs, empty, empty, 0, 0, mask, scale)
+
+            impls["native-cpu"] = native
+        else:
+            console.print(f"[yellow]native CPU kernel unavailable: {why}[/]")
+        impls["torch-reference"] = packed_attention_partials
+    impl = ", ".join(impls)
     load_before = os.getloadavg()
     run = timer(dev, args.repeats)
     bw = copy_bandwidth(dev, run)
@@ -163,18 +179,19 @@ def main(argv=None) -> int:
                     ks, kb = make_side(kspec, "k", k, torch.float32)
                     vs, vb = make_side(vspec, "v", v, torch.float32)
                     scale = d ** -0.5
-                    t = run(lambda q=q, ks=ks, vs=vs, scale=scale: fused(q, ks, vs, None, scale))
                     packed = kb + vb
-                    rows.append({
-                        "head_dim": d, "batch": b, "context": n, "kv_heads": args.kv_heads, "q_heads": hq,
-                        "codec": f"{kspec}:{vspec}", "impl": impl,
-                        "dense_ms": round(t_dense * 1e3, 4), "fused_ms": round(t * 1e3, 4),
-                        "speedup": round(t_dense / t, 3), "byte_limit": round(dense_bytes / packed, 3),
-                        "dense_bytes": dense_bytes, "packed_bytes": packed,
-                        "dense_gbs": round(dense_bytes / t_dense / 1e9, 2), "fused_gbs": round(packed / t / 1e9, 2),
-                        "dense_frac_copy_bw": round(dense_bytes / t_dense / 1e9 / bw, 3),
-                        "fused_frac_copy_bw": round(packed / t / 1e9 / bw, 3),
-                    })
+                    for impl_name, fused in impls.items():
+                        t = run(lambda q=q, ks=ks, vs=vs, scale=scale, fused=fused: fused(q, ks, vs, None, scale))
+                        rows.append({
+                            "head_dim": d, "batch": b, "context": n, "kv_heads": args.kv_heads, "q_heads": hq,
+                            "codec": f"{kspec}:{vspec}", "impl": impl_name,
+                            "dense_ms": round(t_dense * 1e3, 4), "fused_ms": round(t * 1e3, 4),
+                            "speedup": round(t_dense / t, 3), "byte_limit": round(dense_bytes / packed, 3),
+                            "dense_bytes": dense_bytes, "packed_bytes": packed,
+                            "dense_gbs": round(dense_bytes / t_dense / 1e9, 2), "fused_gbs": round(packed / t / 1e9, 2),
+                            "dense_frac_copy_bw": round(dense_bytes / t_dense / 1e9 / bw, 3),
+                            "fused_frac_copy_bw": round(packed / t / 1e9 / bw, 3),
+                        })
                     del ks, vs
                 del k, v
                 if gpu:
@@ -182,11 +199,12 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
     table = Table(title=f"decode attention, {args.kv_heads} kv heads x GQA {args.gqa}, 1 query token, "
                         f"median of {args.repeats} ({dev}, {torch.get_num_threads() if not gpu else 'gpu'} threads)")
-    for col in ("d", "batch", "context", "codec", "SDPA ms", "fused ms", "speedup", "byte limit",
+    for col in ("d", "batch", "context", "codec", "impl", "SDPA ms", "fused ms", "speedup", "byte limit",
                 "SDPA GB/s", "fused GB/s", "fused % copy bw"):
         table.add_column(col, justify="left" if col == "codec" else "right")
     for r in rows:
-        table.add_row(str(r["head_dim"]), str(r["batch"]), str(r["context"]), r["codec"], f"{r['dense_ms']:.3f}",
+        table.add_row(str(r["head_dim"]), str(r["batch"]), str(r["context"]), r["codec"], r["impl"],
+                      f"{r['dense_ms']:.3f}",
                       f"{r['fused_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['byte_limit']:.2f}x",
                       f"{r['dense_gbs']:.1f}", f"{r['fused_gbs']:.1f}", f"{100 * r['fused_frac_copy_bw']:.0f}%")
     console.print(table)
@@ -195,7 +213,7 @@ def main(argv=None) -> int:
         "command": [sys.executable, *sys.argv] if argv is None else ["attention.py", *argv],
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": dev, "device_name": torch.cuda.get_device_name() if gpu else cpu_model(),
-        "impl": impl, "dense_dtype": str(dense_dtype).replace("torch.", ""), "copy_bandwidth_gbs": round(bw, 2),
+        "impl": impl, "impls": list(impls), "dense_dtype": str(dense_dtype).replace("torch.", ""), "copy_bandwidth_gbs": round(bw, 2),
         "threads": torch.get_num_threads(), "repeats": args.repeats, "torch": torch.__version__,
         "python": platform.python_version(), "loadavg_before": list(load_before), "loadavg_after": list(load_after),
         "rows": rows,

@@ -102,15 +102,15 @@ def test_plain_model_generate_uses_the_fused_path(tiny_engine64):
     assert outs["fused"] == outs["compressed"]
     rep = reps["fused"]
     assert rep.fused_calls > 0 and rep.fallbacks == {}
-    assert rep.fused_impl == {"torch-reference (float64 activations (the kernels compute in fp32))": rep.fused_calls}
-    assert any(n.startswith("fused: torch-reference") for n in rep.notes)
+    assert rep.fused_impl == {"native-cpu": rep.fused_calls}  # the native kernel computes in float64 too
+    assert any(n.startswith("fused: native-cpu") for n in rep.notes)
 
 
 def test_fused_report_says_which_implementation_ran(tiny_engine):
     r = tiny_engine.generate(tiny_engine.encode_prompt(PROMPT, chat=False), "turbo4", "fused", max_new_tokens=4,
                              stop_at_eos=False)
     rep = r.cache_report
-    assert rep.fused_impl == {"torch-reference (cpu device (the triton kernels need a GPU))": rep.fused_calls}
+    assert rep.fused_impl == {"native-cpu": rep.fused_calls}
     assert rep.to_dict()["fused_impl"] == rep.fused_impl
 
 
@@ -119,15 +119,17 @@ def test_choose_impl_env(monkeypatch):
     monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
     assert choose_impl(q) == ("torch-reference", "TQBENCH_FUSED_IMPL=torch")
     monkeypatch.setenv("TQBENCH_FUSED_IMPL", "fast")
-    with pytest.raises(ValueError, match="TQBENCH_FUSED_IMPL='fast' is invalid: use auto, torch or triton"):
+    with pytest.raises(ValueError, match="TQBENCH_FUSED_IMPL='fast' is invalid: use auto, torch, native, triton"):
         choose_impl(q)
     monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
     assert choose_impl(q.double())[0] == "torch-reference"
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "native")
+    assert choose_impl(q) == ("native-cpu", "native CPU kernel (C++, -march=native)")
 
 
 def test_engine_runs_fused_without_triton():
-    """With triton unimportable, the engine imports and runs the fused mode on the torch reference, and says
-    why; on CPU no kernel module is ever imported (transformers itself may import triton when installed)."""
+    """With triton unimportable, the engine imports and runs the fused mode on CPU (the native kernel); no
+    Triton kernel module is ever imported there (transformers itself may import triton when installed)."""
     code = ("import sys; sys.modules['triton'] = None; import torch; from tqbench.engine.engine import Engine; "
             "from tqbench.kernels import triton_status; print(triton_status()); e = Engine.tiny(); "
             "r = e.generate(torch.randint(5, 200, (1, 30)), 'turbo4', 'fused', max_new_tokens=3, stop_at_eos=False); "
@@ -137,8 +139,9 @@ def test_engine_runs_fused_without_triton():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:3] == [
         "(False, 'triton is not installed (pip install triton)')",
-        "['torch-reference (cpu device (the triton kernels need a GPU))']",
-        "['tqbench.kernels', 'tqbench.kernels.packing', 'tqbench.kernels.reference']",
+        "['native-cpu']",
+        "['tqbench.kernels', 'tqbench.kernels.cpu', 'tqbench.kernels.cpu.attention', 'tqbench.kernels.packing', "
+        "'tqbench.kernels.reference']",
     ]
 
 
@@ -154,8 +157,9 @@ def test_attention_benchmark_quick_on_cpu(tmp_path):
     import json
 
     data = json.loads(out.read_text())
-    assert data["impl"] == "torch-reference" and data["copy_bandwidth_gbs"] > 0
-    assert {r["codec"] for r in data["rows"]} == {"turbo4:turbo4", "turbo2:turbo2", "int8:int4"}
+    assert data["impls"] == ["native-cpu", "torch-reference"] and data["copy_bandwidth_gbs"] > 0
+    assert {(r["codec"], r["impl"]) for r in data["rows"]} == {
+        (c, i) for c in ("turbo4:turbo4", "turbo2:turbo2", "int8:int4") for i in data["impls"]}
     for r in data["rows"]:
         assert r["fused_ms"] > 0 and r["dense_ms"] > 0 and r["packed_bytes"] < r["dense_bytes"]
     turbo4 = next(r for r in data["rows"] if r["codec"] == "turbo4:turbo4")

@@ -49,11 +49,12 @@ class CacheReport:
     fused_calls: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
     fused_impl: dict[str, int] = field(default_factory=dict)  # which implementation ran, calls per case
+    sparse_v: dict | None = None  # fused Sparse-V: threshold, skipped / weighted value rows, share
     notes: list[str] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, mode, policy, layers, shared, transient_layer_bytes, fused_calls, fallbacks, held_dtype,
-              fused_impl=None):
+              fused_impl=None, sparse_v=None):
         fused_impl = dict(fused_impl or {})
         storage = sum(r.total_bytes for r in layers) + sum(shared.values())
         dense = sum(r.dense_fp16_bytes for r in layers)
@@ -74,13 +75,22 @@ class CacheReport:
             notes.append("compressed: one layer's K/V is dequantized transiently per step (counted in resident)")
         if mode == "fused":
             ran = ", ".join(f"{k} x{v}" for k, v in sorted(fused_impl.items())) or "no fused call yet"
-            if transient_layer_bytes:
+            if fused_impl and all(k in ("native-cpu", "triton") for k in fused_impl) and not fallbacks:
+                notes.append(f"fused: {ran}; the kernels read the packed codes in place and hold only split-K "
+                             "partials (+ the call's full-precision rows), counted in resident")
+            elif transient_layer_bytes:
                 notes.append(
                     f"fused: {ran}; the torch reference decodes one side of one layer (codes to rotated-domain "
                     "or dequantized rows) transiently per step, counted in resident"
                 )
             else:
                 notes.append(f"fused: {ran}; the kernels hold only split-K partials (nothing decoded resident)")
+        if sparse_v:
+            notes.append(
+                f"sparse-V (threshold {sparse_v['threshold']:g}): skipped {sparse_v['skipped_rows']} of "
+                f"{sparse_v['weighted_rows']} weighted value rows ({100 * sparse_v['skipped_share']:.1f}%)"
+                + ("" if "native-cpu" in fused_impl else "; only the native CPU kernel skips rows")
+            )
         if fallbacks:
             notes.append(
                 "fused fallbacks: " + ", ".join(f"{k} x{v}" for k, v in sorted(fallbacks.items()))
@@ -109,6 +119,7 @@ class CacheReport:
             fused_calls=fused_calls,
             fallbacks=dict(fallbacks),
             fused_impl=fused_impl,
+            sparse_v=sparse_v,
             notes=notes,
         )
 

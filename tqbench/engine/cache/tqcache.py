@@ -100,7 +100,9 @@ class TQLayer(CacheLayerMixin):
         self._new_stores()
         self.fused_calls = 0
         self.fallbacks: dict[str, int] = {}
-        self.fused_impl: dict[str, int] = {}  # "triton" / "torch-reference (why)" -> calls
+        self.fused_impl: dict[str, int] = {}  # "native-cpu" / "triton" / "torch-reference (why)" -> calls
+        self.native_workspace = 0  # largest transient bytes of one native call (partials + full-precision rows)
+        self.sparse_v_rows = [0, 0]  # Sparse-V: value rows skipped, value rows with weight (native kernel)
 
     def _new_stores(self) -> None:
         self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
@@ -313,16 +315,19 @@ class TQCache(Cache):
         fallbacks: dict[str, int] = {}
         impls: dict[str, int] = {}
         fused_calls = 0
+        sparse = [0, 0]
         for layer in self.layers:
             if isinstance(layer, TQLayer):
                 fused_calls += layer.fused_calls
+                sparse = [sparse[0] + layer.sparse_v_rows[0], sparse[1] + layer.sparse_v_rows[1]]
                 for case, n in layer.fallbacks.items():
                     fallbacks[case] = fallbacks.get(case, 0) + n
                 for case, n in layer.fused_impl.items():
                     impls[case] = impls.get(case, 0) + n
         if self.mode == "fused":
-            if impls and all(k == "triton" for k in impls) and not fallbacks:
-                max_layer_dense = 0  # the kernels keep only split-K partials, no decoded rows
+            if impls and all(k in ("triton", "native-cpu") for k in impls) and not fallbacks:
+                # the kernels keep split-K partials (+ the native call's joined full-precision rows), nothing decoded
+                max_layer_dense = max((getattr(la, "native_workspace", 0) for la in self.layers), default=0)
             else:  # the torch reference's peak: one side of one layer decoded, with its int32 code index
                 max_layer_dense = max(
                     (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim, self.v_head_dim)
@@ -332,8 +337,18 @@ class TQCache(Cache):
         return CacheReport.build(
             mode=self.mode, policy=self.policy, layers=rows, shared=shared,
             transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks, fused_impl=impls,
+            sparse_v=_sparse_v_summary(self.policy, sparse) if self.mode == "fused" else None,
             held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
         )
+
+
+def _sparse_v_summary(policy: Policy, rows: list[int]) -> dict | None:
+    """What Sparse-V skipped (value rows, over the rows with any softmax weight), or None when it is off."""
+    if not policy.sparsev:
+        return None
+    skipped, visited = rows
+    return {"threshold": policy.sparsev, "skipped_rows": skipped, "weighted_rows": visited,
+            "skipped_share": round(skipped / visited, 4) if visited else 0.0}
 
 
 def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:

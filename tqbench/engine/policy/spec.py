@@ -67,6 +67,7 @@ class Policy:
     normfix: bool = True  # least-squares norm correction for turbo rows
     group: int = 32  # per-token affine group (V)
     kblock: int = 32  # per-channel affine token block (K)
+    sparsev: float = 0.0  # fused mode: skip value rows whose softmax weight is below this (0 = off)
     seed: int = 0
     name: str | None = field(default=None, compare=False)
 
@@ -79,6 +80,10 @@ class Policy:
         for what, val in (("group", self.group), ("kblock", self.kblock)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number >= 1")
+        if isinstance(self.sparsev, bool) or not isinstance(self.sparsev, (int, float)) or not 0 <= self.sparsev < 1:
+            raise ValueError(f"sparsev={self.sparsev!r} is invalid: use a softmax-weight threshold in [0, 1), "
+                             "e.g. 0.001 (0 turns Sparse-V off)")
+        object.__setattr__(self, "sparsev", float(self.sparsev))
         if self.protect:
             object.__setattr__(self, "protect", validate_selector(self.protect))
         if self.bypass not in BYPASS_CHOICES:
@@ -101,8 +106,8 @@ class Policy:
     def to_string(self) -> str:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
-        for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix", "group",
-                    "kblock", "seed"):
+        for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
+                    "group", "kblock", "seed", "sparsev"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")
@@ -215,7 +220,8 @@ def _check_codec(spec: str, role: str) -> None:
 _INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
 _STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
-_VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
+_FLOAT_KEYS = ("sparsev",)
+_VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
 
 
 def parse_compact(text: str) -> Policy:
@@ -248,6 +254,11 @@ def parse_compact(text: str) -> Policy:
                 kw[key] = int(val)
             except ValueError:
                 raise ValueError(f"policy part {item!r}: {key} must be a whole number") from None
+        elif key in _FLOAT_KEYS:
+            try:
+                kw[key] = float(val)
+            except ValueError:
+                raise ValueError(f"policy part {item!r}: {key} must be a number such as 0.001") from None
         elif key in _BOOL_KEYS:
             if val.lower() not in _BOOL:
                 raise ValueError(f"policy part {item!r}: {key} must be on or off")

@@ -26,7 +26,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
-from tqbench.engine.cache.fused.choose import choose_impl
+from tqbench.engine.cache.fused.choose import NATIVE, REFERENCE, TRITON, choose_impl
 from tqbench.engine.cache.fused.support import (
     FusedUnsupportedError,
     check_fused_support,
@@ -141,14 +141,27 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, L, D] over the stored rows plus this call's new rows; ``softcap``:
     scores -> tanh(s / cap) * cap before masking; ``sinks`` [Hq]: one extra logit per query head in the
-    softmax denominator (it takes no value)."""
+    softmax denominator (it takes no value).
+
+    Counts which implementation ran (``TQLayer.fused_impl``); a call the native kernel cannot take (a codec
+    without a native form, an additive bias) runs on the torch reference and is counted as a fallback."""
     impl, why = choose_impl(query)
     layer = kv.layer
-    if impl == "triton" and (softcap is not None or sinks is not None):
-        impl, why = "torch-reference", "soft-capping or sink logits (the triton kernels have neither)"
-    label = "triton" if impl == "triton" else f"torch-reference ({why})"
+    if impl == NATIVE:
+        from tqbench.engine.cache.fused.native_glue import native_fused_attention
+
+        out = native_fused_attention(query, kv, attention_mask, scaling, softcap=softcap, sinks=sinks,
+                                     sparse_v=layer.policy.sparsev)
+        if not isinstance(out, str):
+            layer.fused_impl[NATIVE] = layer.fused_impl.get(NATIVE, 0) + 1
+            return out
+        layer.note_fallback(f"native: {out} (torch reference)")
+        impl, why = REFERENCE, f"native kernel: {out}"
+    if impl == TRITON and (softcap is not None or sinks is not None):  # (the triton kernels have neither)
+        impl, why = REFERENCE, "soft-capping or sink logits (the triton kernels have neither)"
+    label = TRITON if impl == TRITON else f"{REFERENCE} ({why})"
     layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
-    if impl == "triton":
+    if impl == TRITON:
         from tqbench.engine.cache.fused.triton_glue import triton_fused_attention
 
         return triton_fused_attention(query, kv, attention_mask, scaling)

@@ -1,0 +1,89 @@
+"""The native CPU kernel of the ``fused`` cache mode: C++ built on first use (or by ``make setup``).
+
+``fused_attention.cpp`` attends straight from the packed codes (see its header); it is compiled with torch's
+extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set under
+``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded with torch's own pool.
+
+``native_status()`` says whether it can run and why not (no compiler, a failed build, ``TQBENCH_NATIVE=0``);
+``native_module()`` returns the loaded module or raises ``NativeUnavailable`` with that reason. The first
+call in a process pays the build (about a minute on 2 cores) or the cached load (milliseconds).
+Run ``python -m tqbench.kernels.cpu`` to build it ahead of time and print the status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+from pathlib import Path
+
+__all__ = ["DISABLE_ENV", "NativeUnavailable", "native_module", "native_status"]
+
+DISABLE_ENV = "TQBENCH_NATIVE"  # "0" turns the native kernel off (the torch reference runs, and says so)
+SOURCE = Path(__file__).with_name("fused_attention.cpp")
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernel cannot run here; the message says why and what to do."""
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags: a build for one CPU is never loaded on another."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    import platform
+
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def _build():
+    if os.environ.get(DISABLE_ENV, "").strip() == "0":
+        raise NativeUnavailable(f"{DISABLE_ENV}=0")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise NativeUnavailable(f"no C++ compiler ({cxx} not found: install g++ to build the native kernel)")
+    try:
+        from torch.utils.cpp_extension import load
+    except Exception as exc:  # pragma: no cover - torch always ships it
+        raise NativeUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
+    try:
+        return load(
+            name=f"tqbench_fused_cpu_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise NativeUnavailable(f"the native kernel failed to build: {first[:300]}") from exc
+
+
+def native_module():
+    """The built extension (built or loaded once per process), or ``NativeUnavailable`` saying why."""
+    with _lock:
+        if "module" not in _state and "error" not in _state:
+            try:
+                _state["module"] = _build()
+            except NativeUnavailable as exc:
+                _state["error"] = exc
+        if "error" in _state:
+            raise _state["error"]
+        return _state["module"]
+
+
+def native_status() -> tuple[bool, str]:
+    """``(usable, why)``; builds or loads the kernel the first time it is asked."""
+    try:
+        native_module()
+    except NativeUnavailable as exc:
+        return False, str(exc)
+    return True, "native CPU kernel (C++, -march=native)"
