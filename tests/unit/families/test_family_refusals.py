@@ -53,15 +53,22 @@ def test_reference_softcap_sinks_and_v_head_dim_match_the_formula(spec, dk, dv):
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("impl", ["auto", "torch"])
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 @pytest.mark.parametrize("policy", ["turbo4", "q8k-int4v", "turbo4,sliding=compress,recent=2"])
-def test_softcap_and_sink_families_fused_equal_compressed_in_float64(family, policy):
+def test_softcap_and_sink_families_fused_equal_compressed_in_float64(family, policy, impl, monkeypatch):
     """Gemma-2 (soft-capping 50, eager) and gpt-oss (sink logits): fused reads the packed store with the
-    family's feature and gives compressed's greedy tokens."""
+    family's feature and gives compressed's greedy tokens, on the default CPU implementation (the native
+    kernel) and on the torch reference."""
+    from tqbench.engine.cache.fused import IMPL_ENV
+
+    monkeypatch.setenv(IMPL_ENV, impl)
     eng = Engine(family_model(family, dtype=torch.float64))
     comp, fused = _gen(eng, policy, "compressed", 20), _gen(eng, policy, "fused", 20)
     assert fused.token_ids == comp.token_ids
-    assert fused.cache_report.fused_calls > 0
+    rep = fused.cache_report
+    assert rep.fused_calls > 0 and rep.fallbacks == {}
+    assert all(k.startswith("torch-reference") for k in rep.fused_impl) == (impl == "torch")
 
 
 def test_gemma2_loads_on_its_own_eager_attention():
