@@ -221,3 +221,10 @@ def test_serving_falcon_fused_is_refused_at_startup():
 
     with pytest.raises(FusedUnsupportedError, match="^FalconForCausalLM cannot run the fused cache mode"):
         create_app(Engine(family_model("falcon")), cache_mode="fused")
+
+
+def test_a_changed_preset_is_labelled_by_its_string():
+    """``turbo4,sliding=compress`` is not ``turbo4``: reports and tables must not label it so."""
+    assert parse_policy("turbo4").label == "turbo4"
+    assert parse_policy("turbo4,sliding=compress").label == "k=turbo4,v=turbo4,sink=4,recent=16,sliding=compress"
+    assert parse_policy("turbo4,sliding=compress,name=t4w").label == "t4w"

@@ -271,7 +271,9 @@ def parse_compact(text: str) -> Policy:
     pol = replace(base, overrides=tuple(overrides), **kw)
     if name is not None:
         return pol.with_name(name)
-    return pol if (kw or overrides != list(base.overrides)) else base
+    if kw or overrides != list(base.overrides):  # a changed preset is no longer that preset: label by its string
+        return pol.with_name(None)
+    return base
 
 
 def load_policy_file(path: str) -> Policy:
