@@ -128,6 +128,10 @@ def test_window_bounded_layers_hold_their_window_and_match_the_estimate(spec, to
     align = 4 if "kblock=4" in spec else 1
     assert rep.layers[0].tokens <= 7 + align - 1 and rep.layers[1].tokens == tokens
     assert rep.layers[0].tokens >= min(tokens, 7)
+    bounded = [n for n in rep.notes if "sliding-window layers hold only their window" in n]
+    assert bounded == ([] if "bypass," in spec else ["2 sliding-window layers hold only their window (7 tokens, plus "
+                                                     "up to one codec unit): their bytes and tokens stay bounded at "
+                                                     "any context"])
 
 
 def test_sliding_option_in_plans_and_strings():

@@ -245,6 +245,7 @@ class TQCache(Cache):
         geo = KVGeometry.from_config(config)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
         self.v_head_dim = geo.v_dim
+        self.sliding_window = geo.sliding_window
         self._label = model_label(config)
         self._shape_checked = False
         layer_types = list(geo.layer_types) if geo.layer_types else None
@@ -334,12 +335,19 @@ class TQCache(Cache):
                      for layer in self.layers if isinstance(layer, TQLayer)),
                     default=0,
                 )
-        return CacheReport.build(
+        windowed = [la.plan.layer for la in self.layers if isinstance(la, TQLayer) and la.window is not None]
+        rep = CacheReport.build(
             mode=self.mode, policy=self.policy, layers=rows, shared=shared,
             transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks, fused_impl=impls,
             sparse_v=_sparse_v_summary(self.policy, sparse) if self.mode == "fused" else None,
             held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
         )
+        if windowed:
+            rep.notes.append(
+                f"{len(windowed)} sliding-window layers hold only their window ({self.sliding_window - 1} tokens, "
+                f"plus up to one codec unit): their bytes and tokens stay bounded at any context"
+            )
+        return rep
 
 
 def _sparse_v_summary(policy: Policy, rows: list[int]) -> dict | None:
