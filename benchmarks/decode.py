@@ -81,6 +81,34 @@ def corpus_ids(engine, n: int):
     return ids[:, :n].contiguous()
 
 
+class AppendClock:
+    """Time spent in ``KVStore.append`` on one-token calls (the decode step's quantize + pack + append)."""
+
+    def __init__(self) -> None:
+        import time
+
+        from tqbench.engine.cache.store import KVStore
+
+        self.seconds = 0.0
+        original = KVStore.append
+        clock = self
+
+        def timed(store, x, *a, **kw):
+            if x.shape[2] != 1:
+                return original(store, x, *a, **kw)
+            t = time.perf_counter()
+            try:
+                return original(store, x, *a, **kw)
+            finally:
+                clock.seconds += time.perf_counter() - t
+
+        KVStore.append = timed
+
+    def lap(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
 def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
     """Interleaved repeats of the baseline and every policy x mode at one context: (baseline row, rows)."""
     ids = corpus_ids(engine, context)
@@ -95,12 +123,18 @@ def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
         for policy, mode in configs:
             run(policy, mode, ids[:, : min(64, context)], 3)
     results: dict[tuple, list] = {c: [] for c in configs}
+    append: dict[tuple, list] = {c: [] for c in configs}
+    clock = AppendClock()
     with console.status("measuring ...") as status:
         for r in range(args.repeats):
             for i, (policy, mode) in enumerate(configs):
                 status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {policy or 'dynamic-cache'} "
                               f"{mode} ({i + 1}/{len(configs)})")
-                results[(policy, mode)].append(run(policy, mode, ids, args.new_tokens))
+                clock.lap()
+                res = run(policy, mode, ids, args.new_tokens)
+                results[(policy, mode)].append(res)
+                steps = args.new_tokens - 1  # decode steps (the prefill token excluded)
+                append[(policy, mode)].append((clock.lap(), steps / res.decode_tokens_per_second, steps))
 
     def median_tps(runs):
         return statistics.median(x.decode_tokens_per_second for x in runs)
@@ -114,6 +148,9 @@ def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
             "decode_tok_s_runs": [round(x.decode_tokens_per_second, 3) for x in runs],
             "ratio_vs_dense": round(tps / base_tps, 4) if base_tps else None,
             "prefill_s": round(statistics.median(x.prefill_seconds for x in runs), 4),
+            # quantize + pack + append of the step's new rows (every layer, K and V), per decode step
+            "append_ms_per_step": round(1e3 * statistics.median(a / n for a, _, n in append[(policy, mode)]), 4),
+            "append_share": round(statistics.median(a / t for a, t, _ in append[(policy, mode)]), 4),
         } | {k: getattr(rep, k, None) for k in REPORT_KEYS})
         if rep is not None and mode == "fused":
             rows[-1]["fused_impl"] = rep.fused_impl
@@ -144,7 +181,7 @@ def main(argv=None) -> int:
 
     from tqbench.engine.engine import Engine
 
-    console = Console() if sys.stdout.isatty() else Console(width=120)  # no wrapped cells in logs
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # no wrapped cells in logs
     engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads)
     if engine.max_context and max(args.contexts) + args.new_tokens > engine.max_context:
         raise SystemExit(f"contexts + --new-tokens exceed {engine.name}'s context of {engine.max_context}")
@@ -154,13 +191,16 @@ def main(argv=None) -> int:
         per_context.append({"context": context, "baseline": baseline, "rows": rows})
         table = Table(title=f"decode: {engine.name}, {context} ctx + {args.new_tokens} new, "
                             f"{torch.get_num_threads()} threads, median of {args.repeats}")
-        for col in ("policy", "mode", "decode tok/s", "vs dense", "prefill s", "resident KV", "saved", "bits/el"):
+        for col in ("policy", "mode", "decode tok/s", "vs dense", "prefill s", "append/step", "resident KV", "saved",
+                    "bits/el"):
             table.add_column(col, justify="left" if col in ("policy", "mode") else "right")
         for row in [baseline, *rows]:
             res = row["resident_decode_bytes"]
             table.add_row(
                 row["policy"], row["mode"], f"{row['decode_tok_s']:.2f}", f"{row['ratio_vs_dense']:.2f}x",
-                f"{row['prefill_s']:.2f}", "-" if res is None else f"{res / 2**20:.2f} MiB",
+                f"{row['prefill_s']:.2f}",
+                "-" if res is None else f"{row['append_ms_per_step']:.2f} ms ({100 * row['append_share']:.0f}%)",
+                "-" if res is None else f"{res / 2**20:.2f} MiB",
                 "-" if res is None else f"{row['active_decode_memory_saved_pct']:.1f}%",
                 "-" if res is None else f"{row['bits_per_element']:.2f}",
             )

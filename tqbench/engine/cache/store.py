@@ -23,13 +23,17 @@ FP_BYTES = 2
 
 
 class GrowBuffer:
-    """A tensor that grows along dim 2 with amortised doubling."""
+    """A tensor that grows along dim 2 with amortised doubling; ``drop_front`` only moves a start offset.
 
-    __slots__ = ("data", "n")
+    Views handed out earlier stay valid: rows are only ever written past the current end, and a buffer that
+    runs out of room is copied into a new tensor (never compacted in place)."""
+
+    __slots__ = ("data", "n", "start")
 
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
         self.n = 0
+        self.start = 0
 
     def append(self, x: torch.Tensor) -> None:
         t = x.shape[2]
@@ -38,25 +42,26 @@ class GrowBuffer:
         if self.data is None:
             shape = list(x.shape)
             shape[2] = max(t, 16)
-            self.data = x.new_empty(shape)
-        elif self.n + t > self.data.shape[2]:
+            self.data, self.start = x.new_empty(shape), 0
+        elif self.start + self.n + t > self.data.shape[2]:
             shape = list(self.data.shape)
-            shape[2] = max(self.n + t, 2 * shape[2])
+            shape[2] = max(self.n + t, 2 * shape[2]) if self.start == 0 else max(16, 2 * (self.n + t))
             grown = self.data.new_empty(shape)
-            grown[:, :, : self.n] = self.data[:, :, : self.n]
-            self.data = grown
-        self.data[:, :, self.n : self.n + t] = x
+            grown[:, :, : self.n] = self.data[:, :, self.start : self.start + self.n]
+            self.data, self.start = grown, 0
+        end = self.start + self.n
+        self.data[:, :, end : end + t] = x
         self.n += t
 
     def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[:, :, : self.n]
+        return None if self.data is None else self.data[:, :, self.start : self.start + self.n]
 
     def drop_front(self, t: int) -> None:
         if t <= 0:
             return
-        rest = self.data[:, :, t : self.n].clone()
-        self.data, self.n = None, 0
-        self.append(rest)
+        t = min(t, self.n)
+        self.start += t
+        self.n -= t
 
     def nbytes(self) -> int:
         if self.data is None:

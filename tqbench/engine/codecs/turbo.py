@@ -174,8 +174,28 @@ class TurboCodec(_Centered):
                 f"{self.spec}: head_dim {d} cannot be unpacked unambiguously "
                 f"(head_dim*{self.bits} must be a multiple of 8, or use center=True)"
             )
-        idx, norm = self._quantize(self._center(x, state))
+        xc = self._center(x, state)
+        native = self._native_quantize_pack(xc)
+        if native is not None:
+            return native
+        idx, norm = self._quantize(xc)
         return {"idx": pack_bits(idx, self.bits, check=False), "norm": norm}
+
+    def _native_quantize_pack(self, xc: torch.Tensor) -> Encoded | None:
+        """``_quantize`` + ``pack_bits`` in one native CPU call (the decode step's append path), or None when the
+        native kernel is not available here (the torch path above runs; ``native_status`` says why)."""
+        if xc.device.type != "cpu" or xc.dtype not in (torch.float32, torch.float64):
+            return None
+        from tqbench.kernels.cpu import NativeUnavailable, native_module
+
+        try:
+            mod = native_module()
+        except NativeUnavailable:
+            return None
+        rot, levels, bounds = self._tables(xc.shape[-1], xc.device, xc.dtype)
+        codes, norm = mod.turbo_encode(xc.contiguous(), rot.contiguous(), levels.contiguous(), bounds.contiguous(),
+                                       self.bits, self.norm_correction)
+        return {"idx": codes, "norm": norm}
 
     def codebook_values(self, enc: Encoded, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         """``c[idx]`` ``[B, H, T, D]``: the rotated-domain unit rows, straight from the packed bytes."""

@@ -1,8 +1,9 @@
 """The native CPU kernel of the ``fused`` cache mode: C++ built on first use (or by ``make setup``).
 
-``fused_attention.cpp`` attends straight from the packed codes (see its header); it is compiled with torch's
-extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set under
-``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded with torch's own pool.
+``fused_attention.cpp`` attends straight from the packed codes and quantizes + packs new TurboQuant rows (the
+append path; see its header); it is compiled with torch's
+extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set and
+source hash under ``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded with torch's own pool.
 
 ``native_status()`` says whether it can run and why not (no compiler, a failed build, ``TQBENCH_NATIVE=0``);
 ``native_module()`` returns the loaded module or raises ``NativeUnavailable`` with that reason. The first
@@ -47,6 +48,11 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _source_tag() -> str:
+    """A short hash of the source and flags: checkouts with different kernels never share (or overwrite) a build."""
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:8]
+
+
 def _build():
     if os.environ.get(DISABLE_ENV, "").strip() == "0":
         raise NativeUnavailable(f"{DISABLE_ENV}=0")
@@ -59,7 +65,7 @@ def _build():
         raise NativeUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
     try:
         return load(
-            name=f"tqbench_fused_cpu_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            name=f"tqbench_fused_cpu_{_cpu_tag()}_{_source_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:
