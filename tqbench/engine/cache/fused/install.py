@@ -3,8 +3,8 @@
 ``install_fused_attention(model)`` registers an attention implementation with transformers
 (``AttentionInterface`` + a mask builder) and switches the model to it, so plain ``model.generate()`` and a
 manual decode loop both use it. The implementation the model had before (eager, sdpa, ...) is remembered for
-its config (``support.remember_previous``, beside the config, not in it): calls that carry plain tensors (a ``DynamicCache`` baseline, no cache, a bypassed sliding-window
-layer) go to that implementation unchanged (for eager, the model's own ``eager_attention_forward``, which
+its config (``support.remember_previous``, beside the config, not in it): calls that carry plain tensors (a
+``DynamicCache`` baseline, no cache, a bypassed sliding-window layer) go to that implementation unchanged (for eager, the model's own ``eager_attention_forward``, which
 knows the family's soft-capping or sinks), and the mask builder is that implementation's, so the baseline's
 numbers do not change when fused is installed. Calls that carry a ``FusedKV`` handle are computed from the
 store by ``fused_attention``, with the call's soft-cap (Gemma-2) and sink logits (gpt-oss).
@@ -12,9 +12,9 @@ store by ``fused_attention``, with the call's soft-cap (Gemma-2) and sink logits
 Models that cannot run fused are refused before generation (``FusedUnsupportedError``: model class, reason,
 the modes that work): ``support.check_fused_support``.
 
-Which implementation ran is counted per call (``TQLayer.fused_impl``): ``triton`` (GPU kernels in
-``tqbench.kernels``, through ``triton_glue``, imported lazily, only when a call could use it) or
-``torch-reference`` (``torch_ref``) with the reason (``choose.choose_impl``). A prefill with no history
+Which implementation ran is counted per call (``TQLayer.fused_impl``): ``native-cpu`` (the C++ kernel,
+through ``native_glue``), ``triton`` (GPU kernels in ``tqbench.kernels``, through ``triton_glue``, imported
+lazily, only when a call could use it) or ``torch-reference`` (``torch_ref``) with the reason (``choose.choose_impl``). A prefill with no history
 attends exactly over the new rows through the model's previous implementation.
 """
 
@@ -116,12 +116,12 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     key.layer.fused_calls += 1
     total = key.k_store_tokens + key.new_k.shape[2]
-    mask = window_mask(attention_mask, query.shape[2], total, query.device)
+    mask = window_mask(attention_mask, total)
     out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
-def window_mask(attention_mask, seq: int, total: int, device) -> torch.Tensor | None:
+def window_mask(attention_mask, total: int) -> torch.Tensor | None:
     """The call's mask over all ``total`` rows the fused call reads. A window-bounded store can hold a few
     rows older than the window transformers' mask covers (whole codec units are evicted): those rows are
     out of every query's window, so they are masked here."""
