@@ -232,3 +232,17 @@ def test_a_changed_preset_is_labelled_by_its_string():
     assert parse_policy("turbo4").label == "turbo4"
     assert parse_policy("turbo4,sliding=compress").label == "k=turbo4,v=turbo4,sink=4,recent=16,sliding=compress"
     assert parse_policy("turbo4,sliding=compress,name=t4w").label == "t4w"
+
+
+def test_scan_capture_on_gemma2_uses_its_eager_attention_after_fused_install():
+    """Q/K/V capture (the Scan tab) attends through the model's own eager function (soft-capping) even when
+    the fused switch is installed: the baseline logits do not move either."""
+    from tqbench.engine.scan.capture import capture_qkv
+
+    eng = Engine(family_model("gemma2"))
+    before = capture_qkv(eng, "the river runs to the sea", chat=False)
+    eng.enable_fused()
+    after = capture_qkv(eng, "the river runs to the sea", chat=False)
+    assert eng.model.config._attn_implementation == "tqbench_fused"
+    for layer in before.layers:
+        assert torch.equal(before.layers[layer].k, after.layers[layer].k)
