@@ -246,3 +246,14 @@ def test_scan_capture_on_gemma2_uses_its_eager_attention_after_fused_install():
     assert eng.model.config._attn_implementation == "tqbench_fused"
     for layer in before.layers:
         assert torch.equal(before.layers[layer].k, after.layers[layer].k)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_fused_cache_without_the_fused_attention_says_what_to_do(attn):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(family_config("llama"), attn_implementation=attn)
+    cache = TQCache("turbo4", model.config, "fused")
+    with pytest.raises(TypeError, match="the model's attention is not the fused one; call "
+                                        "tqbench.engine.cache.fused.install_fused_attention\\(model\\)"):
+        model(torch.randint(4, 260, (1, 30)), cache=cache)

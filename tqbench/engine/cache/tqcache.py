@@ -56,6 +56,19 @@ class FusedKV:
     def k_store_tokens(self) -> int:
         return sum(p[1] for p in self.k_parts)
 
+    # a handle that reaches a plain attention function (fused mode without the fused attention installed)
+    # says what to do instead of failing deep inside torch
+    _MISUSE = ("a fused-mode TQCache handed its packed store to {name}, which needs dense K/V: the model's "
+               "attention is not the fused one; call tqbench.engine.cache.fused.install_fused_attention(model) "
+               "(Engine.make_cache does) before generating, or use cache mode compressed")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(cls._MISUSE.format(name=getattr(func, "__name__", str(func))))
+
+    def __getitem__(self, item):
+        raise TypeError(self._MISUSE.format(name="an attention function"))
+
 
 def _put_dequantized(rows: torch.Tensor | None, store: KVStore, packed: list, offset: int = 0) -> None:
     """Write the dequantized values of ``packed`` (``(start_token, encoded)`` chunks from ``store.append``) over
