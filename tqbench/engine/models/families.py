@@ -15,7 +15,7 @@ import torch
 
 from tqbench.engine.models.fingerprint import model_config_summary, model_fingerprint
 from tqbench.engine.models.loaded import LoadedModel
-from tqbench.engine.models.resolve import ResolvedModel
+from tqbench.engine.models.resolve import TINY_FAMILY_PREFIX, ResolvedModel
 from tqbench.engine.models.tiny import BOS_ID, EOS_ID, PAD_ID, init_weights, tiny_tokenizer
 
 SLIDING = ("sliding_attention", "full_attention") * 2
@@ -43,7 +43,6 @@ FAMILIES: dict[str, dict] = {
 _MOE = ("gpt_oss", "deepseek_v3")
 _NO_HEAD_DIM = ("falcon", "deepseek_v3")  # head_dim is derived (Falcon: read-only; DeepSeek: the RoPE part)
 _MHA = ("gpt_neox", "falcon")  # KV heads derived by the family (GPT-NeoX: all heads; Falcon-7B style: one)
-TINY_PREFIX = "tiny-"
 
 
 def family_config(model_type: str, **overrides):
@@ -77,7 +76,7 @@ def family_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int 
     init_weights(model, seed)
     model.to(dtype).eval()
     model.generation_config.pad_token_id = PAD_ID
-    name = TINY_PREFIX + model_type
+    name = TINY_FAMILY_PREFIX + model_type
     return LoadedModel(
         model=model, tokenizer=tiny_tokenizer(), name=name, source=ResolvedModel("tiny", name, None, name),
         device=torch.device("cpu"), dtype=dtype, num_params=sum(p.numel() for p in model.parameters()),
