@@ -51,7 +51,7 @@ def model_options(fn):
                       help="auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16, bfloat16, float64.")(fn)
     fn = click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, mps.")(fn)
     fn = click.option("--model", "model", default="default", show_default=True,
-                      help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a hub id, a folder or a .gguf.")(fn)
+                      help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), 'tiny-<family>' (a random gemma2, falcon, ... model), a hub id, a folder or a .gguf.")(fn)
     return fn
 
 

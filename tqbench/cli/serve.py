@@ -15,7 +15,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @click.command()
 @click.option("--model", "model", default="default", show_default=True,
-              help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a hub id, a folder or a .gguf.")
+              help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), 'tiny-<family>' (a random gemma2, falcon, ... model), a hub id, a folder or a .gguf.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda > mps > cpu), cpu, cuda, mps.")
 @click.option("--dtype", default="auto", show_default=True,
               help="auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16, bfloat16, float64.")

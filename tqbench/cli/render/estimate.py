@@ -19,7 +19,8 @@ def print_kv_estimate(rep) -> None:
     """``rep``: engine.cache.kv_estimate.KVEstimateReport (``rows`` are the engine's dicts)."""
     m, g = rep.model, rep.model.geometry
     sliding = _sliding_layers(m)
-    title = (f"kv-estimate: {m.name} ({g.num_layers} layers, {g.kv_heads} KV heads, head_dim {g.head_dim}"
+    dims = f"head_dim {g.head_dim}" + (f" (V {g.v_dim})" if g.v_dim != g.head_dim else "")
+    title = (f"kv-estimate: {m.name} ({g.num_layers} layers, {g.kv_heads} KV heads, {dims}"
              + (f", {sliding} sliding layers of {g.sliding_window}" if sliding else "")
              + f"), {rep.seq_len} tokens, batch {rep.batch}")
     t = Table(title=title)

@@ -18,6 +18,7 @@ from tqbench.engine.cache.estimate import (
 from tqbench.engine.cache.geometry import (
     KVGeometry,
     ModelGeometry,
+    UnsupportedModelError,
     default_geometry,
     explicit_geometry,
     model_geometry,
@@ -38,6 +39,7 @@ __all__ = [
     "ModelGeometry",
     "TQCache",
     "TQLayer",
+    "UnsupportedModelError",
     "check_mode",
     "default_geometry",
     "estimate_kv",

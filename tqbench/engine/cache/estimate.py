@@ -9,13 +9,14 @@ the rest is packed in whole codec units, per-layer codec state is counted per la
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 import torch
 
 from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
-from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.cache.store import FP_BYTES, window_start
 from tqbench.engine.policy.spec import Policy, parse_policy
 
 __all__ = [
@@ -92,19 +93,25 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         if plan.dense_window:
             # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
             held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
-            dense = 2 * batch * g.kv_heads * held * g.head_dim * FP_BYTES
+            dense = batch * g.kv_heads * held * g.row_dims * FP_BYTES
             per_layer.append(dense)
             dense_total += dense
             continue
         total = 0
-        for spec, role in ((plan.k, "k"), (plan.v, "v")):
-            codec = pol.build_codec(spec, role)
-            nbytes, packed = store_bytes(codec, plan.sink, plan.recent, seq_len, batch, g.kv_heads, g.head_dim)
+        codecs = [(pol.build_codec(spec, role), spec) for spec, role in ((plan.k, "k"), (plan.v, "v"))]
+        held, fp16_held = seq_len, seq_len
+        if plan.sliding and g.sliding_window:  # a window-bounded store (store.window_start)
+            keep = g.sliding_window - 1
+            align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
+            held = seq_len - window_start(seq_len, keep, align)
+            fp16_held = min(seq_len, keep)
+        for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
+            nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += nbytes
             if packed:
-                shared.update(codec.shared_items(g.head_dim))
+                shared.update(codec.shared_items(dim))
         per_layer.append(total)
-        dense_total += 2 * batch * g.kv_heads * seq_len * g.head_dim * FP_BYTES
+        dense_total += batch * g.kv_heads * fp16_held * g.row_dims * FP_BYTES
     sb = sum(shared.values())
     return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
 

@@ -29,6 +29,42 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedModelError(ValueError):
+    """The compressed cache cannot hold this model's attention state (raised before any generation)."""
+
+
+def model_label(config) -> str:
+    arch = getattr(config, "architectures", None)
+    return arch[0] if arch else f"a {getattr(config, 'model_type', '?')} model"
+
+
+def is_mla(config) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3 style): the cache holds the latent, not per-head K/V."""
+    return bool(getattr(text_config(config), "kv_lora_rank", None))
+
+
+def unsupported_attention(config) -> str | None:
+    """Why the compressed cache cannot hold ``config``'s attention state, or None when it can."""
+    cfg = text_config(config)
+    other = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t not in SUPPORTED_LAYER_TYPES})
+    if other:
+        return (f"its {', '.join(other)} layers (state-space / linear attention) keep a recurrent state the "
+                f"compressed cache does not hold (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)})")
+    return None
+
+
+def check_supported(config) -> None:
+    why = unsupported_attention(config)
+    if why:
+        raise UnsupportedModelError(
+            f"{model_label(config)} cannot use the compressed cache in any mode: {why}; run it with the plain "
+            "fp16 DynamicCache baseline (no --kv-policy)"
+        )
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
@@ -36,17 +72,36 @@ class KVGeometry:
     head_dim: int
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    v_head_dim: int | None = None  # V rows' width where it differs from K's (MLA: the RoPE key part)
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def row_dims(self) -> int:
+        """K width + V width: the fp16 bytes of one token of one KV head are 2 * row_dims."""
+        return self.head_dim + self.v_dim
 
     @classmethod
     def from_config(cls, config) -> KVGeometry:
         cfg = text_config(config)
         lt = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        if not lt and window:  # Mistral, Phi-3: one window on every layer, as transformers' DynamicCache does
+            lt = ("sliding_attention",) * cfg.num_hidden_layers
+        if is_mla(cfg):  # the cache holds one "head": K = the kv_lora_rank latent, V = the shared RoPE key
+            return cls(cfg.num_hidden_layers, 1, cfg.kv_lora_rank, None, None, cfg.qk_rope_head_dim)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if getattr(cfg, "model_type", None) == "falcon":  # Falcon-7B: multi-query (one KV head); 40B/180B: groups
+            kv_heads = cfg.num_kv_heads if cfg.new_decoder_architecture else (1 if cfg.multi_query else
+                                                                               cfg.num_attention_heads)
         return cls(
             num_layers=cfg.num_hidden_layers,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            kv_heads=kv_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             layer_types=tuple(lt) if lt else None,
-            sliding_window=getattr(cfg, "sliding_window", None),
+            sliding_window=window,
         )
 
 
@@ -64,7 +119,7 @@ class ModelGeometry:
     def to_dict(self) -> dict:
         g = self.geometry
         return {"name": self.name, "source": self.source, "num_layers": g.num_layers, "kv_heads": g.kv_heads,
-                "head_dim": g.head_dim, "sliding_window": g.sliding_window,
+                "head_dim": g.head_dim, "v_head_dim": g.v_dim, "sliding_window": g.sliding_window,
                 "sliding_layers": sum(t == "sliding_attention" for t in g.layer_types) if g.layer_types else 0,
                 "max_context": self.max_context}
 
@@ -80,10 +135,8 @@ def _from_config_dict(name: str, data: dict, source: str) -> ModelGeometry:
         cfg = AutoConfig.for_model(model_type, **data)
     except ValueError as exc:
         raise ValueError(f"{source}: model_type {model_type!r} is unknown to transformers ({exc})") from None
+    check_supported(cfg)
     geo = KVGeometry.from_config(cfg)
-    if geo.layer_types is None and geo.sliding_window:
-        geo = KVGeometry(geo.num_layers, geo.kv_heads, geo.head_dim, ("sliding_attention",) * geo.num_layers,
-                         geo.sliding_window)
     return ModelGeometry(name, geo, getattr(text_config(cfg), "max_position_embeddings", None), source)
 
 

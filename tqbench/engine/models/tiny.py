@@ -88,8 +88,9 @@ def _config(num_layers, num_heads, num_kv_heads, head_dim, vocab_size, layer_typ
     )
 
 
-def _init_weights(model: torch.nn.Module, seed: int) -> None:
-    """Unit-variance embeddings, linears with std 1.6/sqrt(fan_in), a softer lm_head, unit norms.
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Unit-variance embeddings, linears with std 1.6/sqrt(fan_in), a softer lm_head, unit norms, biases
+    and other vectors std 0.02, gpt-oss's sink logits std 1.
 
     Measured on the default shape: greedy output stays varied and depends on the prompt (std 0.02
     everywhere settles into one repeated token within a few steps).
@@ -97,12 +98,14 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # registration order: deterministic
-            if "norm" in name:
+            if "norm" in name or (param.dim() < 2 and name.endswith("weight")):  # norm scales (ln_f too)
                 param.fill_(1.0)
                 continue
             if "embed_tokens" in name:
                 std = 1.0
-            elif name.endswith("bias"):
+            elif name.endswith("sinks"):
+                std = 1.0
+            elif name.endswith("bias") or param.dim() < 2:
                 std = 0.02
             else:
                 std = (0.8 if "lm_head" in name else 1.6) / param.shape[1] ** 0.5
@@ -134,7 +137,7 @@ def tiny_model(
     config = _config(num_layers, num_heads, num_kv_heads, head_dim, vocab_size, layer_types, sliding_window)
     with torch.random.fork_rng(devices=[]):  # construction draws from the global RNG; keep it untouched
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
-    _init_weights(model, seed)
+    init_weights(model, seed)
     model.to(dtype).eval()
     model.generation_config.pad_token_id = PAD_ID
     source = ResolvedModel("tiny", TINY_NAME, None, TINY_NAME)

@@ -21,6 +21,10 @@ FULL_PRECISION = "fp16"
 #: model-specific policies shipped with the package (per-layer allocations), usable by name
 SHIPPED_POLICY_DIR = POLICIES_DATA_DIR
 BYPASS_CHOICES = ("none", "global")
+#: what a sliding-window layer does: compress (the policy's codecs in a window-bounded store), dense (fp16 in
+#: a window-bounded store), bypass (transformers' own bounded dense window), auto (compress when every layer
+#: slides, else bypass)
+SLIDING_CHOICES = ("auto", "compress", "dense", "bypass")
 ROTATION_CHOICES = ("qr", "hadamard")
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
 _ROLES = ("k", "v", "kv")
@@ -37,6 +41,7 @@ class LayerPlan:
     recent: int
     reason: str | None = None  # why this layer differs from the policy's default codecs
     dense_window: bool = False  # sliding-window layer kept as transformers' own bounded dense window
+    sliding: bool = False  # sliding-window layer in a window-bounded tqbench store (sliding=compress/dense)
 
     @property
     def compressed(self) -> bool:
@@ -55,6 +60,7 @@ class Policy:
     protect: str = ""  # layer selector whose layers keep fp16 K and V
     overrides: tuple[tuple[str, str, str], ...] = ()  # (role, selector, codec) applied in order
     bypass: str = "none"  # "global": keep full-attention layers dense in mixed sliding/full models
+    sliding: str = "auto"  # sliding-window layers: see SLIDING_CHOICES
     rotation: str = "qr"
     center: bool = True  # center turbo keys per head (softmax ignores the shift)
     vcenter: bool = False  # center turbo values per head (the mean is added back exactly: sum p = 1)
@@ -82,6 +88,8 @@ class Policy:
             object.__setattr__(self, "protect", validate_selector(self.protect))
         if self.bypass not in BYPASS_CHOICES:
             raise ValueError(f"bypass={self.bypass!r} is invalid: valid choices are {', '.join(BYPASS_CHOICES)}")
+        if self.sliding not in SLIDING_CHOICES:
+            raise ValueError(f"sliding={self.sliding!r} is invalid: valid choices are {', '.join(SLIDING_CHOICES)}")
         if self.rotation not in ROTATION_CHOICES:
             raise ValueError(
                 f"rotation={self.rotation!r} is invalid: valid choices are {', '.join(ROTATION_CHOICES)}"
@@ -98,8 +106,8 @@ class Policy:
     def to_string(self) -> str:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
-        for key in ("sink", "recent", "protect", "bypass", "rotation", "center", "vcenter", "normfix", "group",
-                    "kblock", "seed", "sparsev"):
+        for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
+                    "group", "kblock", "seed", "sparsev"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")
@@ -157,19 +165,27 @@ class Policy:
                 k[i] = v[i] = FULL_PRECISION
                 reason[i] = f"protected ({self.protect}): fp16 K and V"
         window = [False] * num_layers
+        sliding = [False] * num_layers
         if layer_types is not None:
             if len(layer_types) != num_layers:
                 raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
             mixed = len(set(layer_types)) > 1
+            how = self.sliding if self.sliding != "auto" else ("bypass" if mixed else "compress")
             for i, kind in enumerate(layer_types):
-                if kind == "sliding_attention":
+                if kind == "sliding_attention" and how == "bypass":
                     window[i] = True
                     reason[i] = "bypassed: sliding-window layer keeps transformers' bounded dense window"
+                elif kind == "sliding_attention":
+                    sliding[i] = True
+                    if how == "dense":
+                        k[i] = v[i] = FULL_PRECISION
+                        reason[i] = "sliding-window layer kept fp16 in a window-bounded store (sliding=dense)"
                 elif mixed and self.bypass == "global" and kind == "full_attention":
                     k[i] = v[i] = FULL_PRECISION
                     reason[i] = "bypassed: global (full-attention) layer in a mixed model (bypass=global)"
         return [
-            LayerPlan(i, k[i], v[i], self.sink, self.recent, reason[i], window[i]) for i in range(num_layers)
+            LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.recent, reason[i], window[i], sliding[i])
+            for i in range(num_layers)
         ]
 
     def codec_options(self, role: str) -> dict:
@@ -202,7 +218,7 @@ def _check_codec(spec: str, role: str) -> None:
 
 # ---- compact text ----------------------------------------------------------------------------------
 _INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
-_STR_KEYS = ("protect", "bypass", "rotation", "name")
+_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
 _FLOAT_KEYS = ("sparsev",)
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
@@ -255,7 +271,9 @@ def parse_compact(text: str) -> Policy:
     pol = replace(base, overrides=tuple(overrides), **kw)
     if name is not None:
         return pol.with_name(name)
-    return pol if (kw or overrides != list(base.overrides)) else base
+    if kw or overrides != list(base.overrides):  # a changed preset is no longer that preset: label by its string
+        return pol.with_name(None)
+    return base
 
 
 def load_policy_file(path: str) -> Policy:

@@ -100,6 +100,15 @@ def _install_capture() -> None:
         _active["registered"] = True
 
 
+def _base_attention(model) -> str | None:
+    """The model's own attention implementation: under the fused mode's switch, the one it had before."""
+    from tqbench.engine.cache.fused.install import ATTN_NAME
+    from tqbench.engine.cache.fused.support import recorded_previous
+
+    current = model.config._attn_implementation
+    return recorded_previous(model.config) if current == ATTN_NAME else current
+
+
 def resolve_layers(layers, num_layers: int) -> list[int]:
     """``None`` = all layers; a selector string (``0,3,-1`` or ``first2+last2``) or a list of indices."""
     if layers is None:
@@ -123,7 +132,7 @@ def _forward_recording(model, ids: torch.Tensor, chosen: list[int]) -> tuple[dic
     scaling: dict[int, float] = {}
     with _lock:
         previous = model.config._attn_implementation
-        model.set_attn_implementation(CAPTURE_ATTN_EAGER if previous == "eager" else CAPTURE_ATTN)
+        model.set_attn_implementation(CAPTURE_ATTN_EAGER if _base_attention(model) == "eager" else CAPTURE_ATTN)
         _active["capture"] = {"layers": set(chosen), "out": raw, "scaling": scaling}
         try:
             with torch.inference_mode():

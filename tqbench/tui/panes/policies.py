@@ -51,7 +51,7 @@ class PoliciesPane(Horizontal):
 
     def compose(self) -> ComposeResult:
         from tqbench.engine.codecs import CODEC_SPECS
-        from tqbench.engine.policy import ROTATION_CHOICES
+        from tqbench.engine.policy import ROTATION_CHOICES, SLIDING_CHOICES
 
         codecs = [(c, c) for c in CODEC_SPECS]
         yield OptionList(id="policy-list")
@@ -82,8 +82,16 @@ class PoliciesPane(Horizontal):
                 yield Label("overrides")
                 yield Input("", id="overrides", compact=True, placeholder="v@last8=int8 k@0-3=fp16")
             with Horizontal(classes="row"):
+                yield Label("sliding layers")
+                yield Select([(c, c) for c in SLIDING_CHOICES], value="auto", id="sliding", compact=True,
+                             allow_blank=False)
+            with Horizontal(classes="row"):
                 yield Label("context tokens")
                 yield Input("1024", id="context", compact=True, type="integer")
+            with Horizontal(classes="row"):
+                yield Label("geometry of")
+                yield Input("", id="geometry-model", compact=True,
+                            placeholder="loaded model · Gemma-2-9B · path/to/config.json")
             with Horizontal(classes="row"):
                 yield Label("name")
                 yield Input("", id="policy-name", compact=True, placeholder="my-policy")
@@ -101,9 +109,9 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.cache.estimate import estimate_kv
         from tqbench.engine.policy import PRESET_TEXT, parse_policy
 
+        geo, ctx = self.geometry(), self.context()
         ol = self.query_one("#policy-list", OptionList)
         ol.clear_options()
-        geo, ctx = self.geometry(), self.context()
         entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + list(self.kept.items())
         for name, text in entries:
             try:
@@ -139,6 +147,7 @@ class PoliciesPane(Horizontal):
             self.query_one("#v-codec", Select).value = pol.v
             self.query_one("#rotation", Select).value = pol.rotation
             self.query_one("#center", Checkbox).value = pol.center
+            self.query_one("#sliding", Select).value = pol.sliding
             self.query_one("#sink", Input).value = str(pol.sink)
             self.query_one("#recent", Input).value = str(pol.recent)
             self.query_one("#protect", Input).value = pol.protect
@@ -148,9 +157,14 @@ class PoliciesPane(Horizontal):
 
     # ---- the builder -----------------------------------------------------------------------------
     def geometry(self):
-        """The loaded model's KV geometry; until a model is loaded, the default model's (its shipped config)."""
-        from tqbench.engine.cache import KVGeometry, default_geometry
+        """The KV geometry estimates use: the model named in "geometry of" (a shipped config name, a local
+        config.json or model folder: no weights needed), else the loaded model's, else the default model's.
+        A name that does not resolve raises ValueError (shown in place of the estimate)."""
+        from tqbench.engine.cache import KVGeometry, default_geometry, model_geometry
 
+        named = self.query_one("#geometry-model", Input).value.strip()
+        if named:
+            return model_geometry(named).geometry
         engine = getattr(self.app, "engine", None)
         if engine is not None:
             return KVGeometry.from_config(engine.config)
@@ -176,6 +190,8 @@ class PoliciesPane(Horizontal):
             parts.append(f"rotation={self.query_one('#rotation', Select).value}")
         if not self.query_one("#center", Checkbox).value:
             parts.append("center=off")
+        if self.query_one("#sliding", Select).value != "auto":
+            parts.append(f"sliding={self.query_one('#sliding', Select).value}")
         parts += [o for o in val("overrides").replace(",", " ").split() if o]
         return ",".join(parts)
 
@@ -183,8 +199,11 @@ class PoliciesPane(Horizontal):
     @on(Select.Changed)
     @on(Checkbox.Changed)
     def _changed(self, event) -> None:
-        if getattr(event, "input", None) is not None and event.input.id == "context":
-            self.reload_list()
+        if getattr(event, "input", None) is not None and event.input.id in ("context", "geometry-model"):
+            try:
+                self.reload_list()
+            except ValueError:  # a geometry name being typed: the estimate below says what is wrong
+                pass
         if getattr(event, "input", None) is not None and event.input.id == "policy-name":
             return
         self.recompute()
@@ -196,20 +215,29 @@ class PoliciesPane(Horizontal):
         out = self.query_one("#estimate", Static)
         text = self.built_string()
         try:
+            geo = self.geometry()
+        except ValueError as exc:
+            self.current, self.estimate = "", None
+            out.update(f"[b red]no geometry for \"geometry of\"[/]: {exc}")
+            return
+        try:
             pol = parse_policy(text)
-            est = estimate_kv(pol, self.geometry(), self.context())
+            est = estimate_kv(pol, geo, self.context())
         except ValueError as exc:
             self.current, self.estimate = "", None
             out.update(f"[b red]invalid policy[/]: {exc}")
             return
         self.current, self.estimate = pol.to_string(), est
-        g = self.geometry()
+        g = geo
+        n_sliding = sum(t == "sliding_attention" for t in g.layer_types or ())
+        sliding = f", {n_sliding} sliding (window {g.sliding_window})" if n_sliding else ""
         out.update(
             f"[b]{pol.to_string()}[/b]\n"
             f"[b]{est.bits_per_element:.2f}[/b] bits/element · KV at {est.seq_len} tokens: "
             f"[b]{_mib(est.total_bytes)}[/b] vs fp16 {_mib(est.dense_fp16_bytes)} "
             f"([b green]{est.saved_pct:.1f}% saved[/]) · shared {est.shared_bytes} B\n"
-            f"[dim]geometry: {g.num_layers} layers × {g.kv_heads} KV heads × head_dim {g.head_dim}; every byte "
+            f"[dim]geometry: {g.num_layers} layers{sliding} × {g.kv_heads} KV heads × head_dim {g.head_dim}"
+            f"{f' (V {g.v_dim})' if g.v_dim != g.head_dim else ''}; every byte "
             f"counted (norms, scales, fp16 sink/window rows, rotations and codebooks once)[/dim]"
         )
 

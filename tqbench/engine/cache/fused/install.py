@@ -1,58 +1,147 @@
 """The ``fused`` cache mode's attention: read the packed store directly, never a dense K/V copy.
 
 ``install_fused_attention(model)`` registers an attention implementation with transformers
-(``AttentionInterface`` + the sdpa mask builder) and switches the model to it, so plain ``model.generate()``
-and a manual decode loop both use it. Calls that carry plain tensors (a ``DynamicCache`` baseline, no
-cache) go to transformers' own SDPA unchanged, so one model serves baseline and candidate runs alike.
-Calls that carry a ``FusedKV`` handle are computed from the store by ``fused_attention``.
+(``AttentionInterface`` + a mask builder) and switches the model to it, so plain ``model.generate()`` and a
+manual decode loop both use it. The implementation the model had before (eager, sdpa, ...) is remembered for
+its config (``support.remember_previous``, beside the config, not in it): calls that carry plain tensors (a
+``DynamicCache`` baseline, no cache, a bypassed sliding-window layer) go to that implementation unchanged (for eager, the model's own ``eager_attention_forward``, which
+knows the family's soft-capping or sinks), and the mask builder is that implementation's, so the baseline's
+numbers do not change when fused is installed. Calls that carry a ``FusedKV`` handle are computed from the
+store by ``fused_attention``, with the call's soft-cap (Gemma-2) and sink logits (gpt-oss).
 
-Which implementation ran is counted per call (``TQLayer.fused_impl``): ``triton`` (GPU kernels in
-``tqbench.kernels``, through ``triton_glue``, imported lazily, only when a call could use it) or
-``torch-reference`` (``torch_ref``) with the reason (``choose.choose_impl``). A prefill with no history
-attends exactly over the new rows through SDPA.
+Models that cannot run fused are refused before generation (``FusedUnsupportedError``: model class, reason,
+the modes that work): ``support.check_fused_support``.
+
+Which implementation ran is counted per call (``TQLayer.fused_impl``): ``native-cpu`` (the C++ kernel,
+through ``native_glue``), ``triton`` (GPU kernels in ``tqbench.kernels``, through ``triton_glue``, imported
+lazily, only when a call could use it) or ``torch-reference`` (``torch_ref``) with the reason (``choose.choose_impl``). A prefill with no history
+attends exactly over the new rows through the model's previous implementation.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from tqbench.engine.cache.fused.choose import NATIVE, REFERENCE, TRITON, choose_impl
+from tqbench.engine.cache.fused.support import (
+    FusedUnsupportedError,
+    check_fused_support,
+    forget_previous,
+    previous_implementation,
+    recorded_previous,
+    remember_previous,
+)
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
 from tqbench.engine.cache.tqcache import FusedKV
 
 ATTN_NAME = "tqbench_fused"
 _registered = False
 
+__all__ = ["ATTN_NAME", "FusedUnsupportedError", "fused_attention", "fused_attention_forward",
+           "install_fused_attention"]
+
 
 def install_fused_attention(model) -> None:
+    """Switch ``model`` to the fused attention, remembering its previous implementation; refuse (before any
+    generation) a model that cannot run fused."""
     global _registered
     if not _registered:
         AttentionInterface.register(ATTN_NAME, fused_attention_forward)
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        AttentionMaskInterface.register(ATTN_NAME, fused_mask)
         _registered = True
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
-        model.set_attn_implementation(ATTN_NAME)
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == ATTN_NAME:
+        return
+    check_fused_support(model, current)
+    configs = _configs(model)
+    for cfg in configs:
+        remember_previous(cfg, getattr(cfg, "_attn_implementation", None) or current)
+    model.set_attn_implementation(ATTN_NAME)
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:  # transformers declined the switch
+        for cfg in configs:
+            forget_previous(cfg)
+        raise FusedUnsupportedError(
+            type(model).__name__, "transformers did not switch its attention implementation "
+            f"(it stayed {model.config._attn_implementation!r})",
+        )
 
 
-def fused_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                            is_causal=None, **kwargs):
-    if not isinstance(key, FusedKV):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+def _configs(model) -> list:
+    """The model's config and every sub-config (multimodal models nest the decoder's)."""
+    out, todo = [], [model.config]
+    while todo:
+        cfg = todo.pop()
+        if any(cfg is c for c in out):
+            continue
+        out.append(cfg)
+        todo += [getattr(cfg, k) for k in getattr(cfg, "sub_configs", {}) if getattr(cfg, k, None) is not None]
+    return out
+
+
+def fused_mask(*args, config=None, **kwargs):
+    """The mask builder of the implementation the model had before (eager: additive float masks; sdpa and
+    the rest: boolean masks). The fused path reads either kind."""
+    prev = recorded_previous(config)
+    builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(prev, sdpa_mask) if prev else sdpa_mask
+    return builder(*args, config=config, **kwargs)
+
+
+def _previous_forward(module):
+    """The attention function the module's model used before fused was installed."""
+    prev = previous_implementation(getattr(module, "config", None))
+    if prev == "eager":
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"{type(module).__name__}: its module has no eager_attention_forward to route "
+                               "plain tensors to")
+        return fn
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[prev]
+
+
+def fused_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+    if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
+        return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
     if not key.k_parts and not key.v_parts:  # prefill with no history: exact attention on the new rows
-        return sdpa_attention_forward(module, query, key.new_k, key.new_v, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return _previous_forward(module)(module, query, key.new_k, key.new_v, attention_mask, *args, **kwargs)
+    scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     key.layer.fused_calls += 1
-    out = fused_attention(query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
+    total = key.k_store_tokens + key.new_k.shape[2]
+    mask = window_mask(attention_mask, total)
+    out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def window_mask(attention_mask, total: int) -> torch.Tensor | None:
+    """The call's mask over all ``total`` rows the fused call reads. A window-bounded store can hold a few
+    rows older than the window transformers' mask covers (whole codec units are evicted): those rows are
+    out of every query's window, so they are masked here."""
+    if attention_mask is None or attention_mask.shape[-1] >= total:
+        return attention_mask
+    extra = total - attention_mask.shape[-1]
+    shape = (*attention_mask.shape[:-1], extra)
+    if attention_mask.dtype == torch.bool:
+        pad = torch.zeros(shape, dtype=torch.bool, device=attention_mask.device)
+    else:
+        pad = torch.full(shape, torch.finfo(attention_mask.dtype).min, dtype=attention_mask.dtype,
+                         device=attention_mask.device)
+    return torch.cat([pad, attention_mask], dim=-1)
 
 
 def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: float, *,
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, L, D] over the stored rows plus this call's new rows.
+    """Attention of ``query`` [B, Hq, L, D] over the stored rows plus this call's new rows; ``softcap``:
+    scores -> tanh(s / cap) * cap before masking; ``sinks`` [Hq]: one extra logit per query head in the
+    softmax denominator (it takes no value).
 
     Counts which implementation ran (``TQLayer.fused_impl``); a call the native kernel cannot take (a codec
     without a native form, an additive bias) runs on the torch reference and is counted as a fallback."""
@@ -68,10 +157,12 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
             return out
         layer.note_fallback(f"native: {out} (torch reference)")
         impl, why = REFERENCE, f"native kernel: {out}"
+    if impl == TRITON and (softcap is not None or sinks is not None):  # (the triton kernels have neither)
+        impl, why = REFERENCE, "soft-capping or sink logits (the triton kernels have neither)"
     label = TRITON if impl == TRITON else f"{REFERENCE} ({why})"
     layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
     if impl == TRITON:
         from tqbench.engine.cache.fused.triton_glue import triton_fused_attention
 
         return triton_fused_attention(query, kv, attention_mask, scaling)
-    return reference_fused_attention(query, kv, attention_mask, scaling)
+    return reference_fused_attention(query, kv, attention_mask, scaling, softcap=softcap, sinks=sinks)

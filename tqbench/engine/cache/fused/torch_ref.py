@@ -5,6 +5,10 @@ One softmax over ``[dense before | packed | dense after + new]``: turbo keys sco
 a per-codec byte table; turbo values accumulate in the rotated domain and the output is rotated back once;
 affine keys/values are dequantized in blocks inside the call. Codecs without a fused form (QJL, outlier
 split) are decoded inside the call and counted as a fallback.
+
+Per-call attention features of the families: ``softcap`` (Gemma-2: scores -> tanh(s / cap) * cap, before the
+mask), ``sinks`` (gpt-oss: one logit per query head in the softmax denominator, taking no value), K and V
+with different head dims (the output has V's). Sliding windows arrive in the mask.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from tqbench.engine.codecs.base import compute_dtype
 from tqbench.kernels.reference import packed_scores, packed_values
 
 
-def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: float) -> torch.Tensor:
+def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: float, *,
+                              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The torch implementation (CPU): one softmax over [dense before | packed | dense after + new]."""
     b, hq, seq, d = query.shape
     hkv = kv.new_k.shape[1]
+    dv = kv.new_v.shape[-1]
     g = hq // hkv
     dt = compute_dtype(query.dtype)
     layer = kv.layer
@@ -43,6 +49,8 @@ def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, 
         scores = torch.cat([s_fp[..., :nb], s_p, s_fp[..., nb:]], dim=-1) if nb else torch.cat([s_p, s_fp], -1)
     total = scores.shape[-1]
     scores = scores.view(b, hkv, g, seq, total)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[:, :, -seq:, -total:]
         if mask.dtype == torch.bool:
@@ -52,7 +60,11 @@ def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, 
     elif seq > 1:
         causal = torch.ones(seq, total, dtype=torch.bool, device=q.device).tril(total - seq)
         scores = scores.masked_fill(~causal, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.to(device=scores.device, dtype=dt).view(1, hkv, g, 1, 1).expand(b, hkv, g, seq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :total]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     if attention_mask is not None:  # fully masked rows (left padding) give zeros, as SDPA does
         probs = probs.nan_to_num(0.0)
     probs = probs.view(b, hkv, g * seq, total)
@@ -64,10 +76,10 @@ def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, 
         p_p = probs[..., nb : nb + vp[1]]
         p_fp = torch.cat([probs[..., :nb], probs[..., nb + vp[1]:]], dim=-1) if nb else probs[..., vp[1]:]
         out = p_fp @ cat_rows(vb + va, dt)
-        side = packed_side(kv.v_store, vp[2], vp[1], d, dt)
+        side = packed_side(kv.v_store, vp[2], vp[1], dv, dt)
         if side is None:
             layer.note_fallback(f"dequantize-in-attention:{kv.v_store.codec.spec}")
             out = out + p_p @ kv.v_store.codec.decode(vp[2], kv.v_store.state, dt)
         else:
             out = out + packed_values(p_p, side)
-    return out.view(b, hq, seq, d).to(query.dtype)
+    return out.view(b, hq, seq, dv).to(query.dtype)
