@@ -284,4 +284,4 @@ def test_missing_session_flag_is_a_clean_error(args):
     r = subprocess.run([sys.executable, "-m", "tqbench.cli", *args], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 2
-    assert r.stderr.strip() == "error: session file '/no/such.json' does not exist: give a saved session's .json path"
+    assert r.stderr.strip() == "error: session file '/no/such.json' does not exist: give a saved session's .json path or a sweep's --out folder"

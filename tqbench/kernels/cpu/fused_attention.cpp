@@ -100,7 +100,7 @@ inline void decode_codes(const Side<T>& s, const uint8_t* p, int64_t bitoff, int
 // once, so queries and rotated-domain sums are already in this order and nothing is shuffled per row).
 inline bool simd_turbo(int64_t bits, int64_t D) { return D % 64 == 0 && bits >= 2 && bits <= 4; }
 
-inline void decode_turbo_simd(const uint8_t* p, int64_t bits, int64_t D, const float* lut, float* out) {
+inline __attribute__((always_inline)) void decode_turbo_simd(const uint8_t* p, int64_t bits, int64_t D, const float* lut, float* out) {
   const __m512 cb = _mm512_loadu_ps(lut);  // 2**bits <= 16 entries (the table is padded to 16)
   for (int64_t c = 0; c < D / 64; ++c, out += 64) {
     if (bits == 4) {
@@ -145,8 +145,10 @@ inline bool decode_turbo_fast<float>(const Side<float>& s, const uint8_t* p, flo
 
 // Row `t` (store order) of one side for (b, h): a pointer to D values, `scale` (turbo norm, else 1) and
 // whether it lives in the rotated domain (turbo packed rows).
+#define TQ_INLINE inline __attribute__((always_inline))
+
 template <typename T>
-inline const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, T* buf, T& scale, bool& rot) {
+TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, T* buf, T& scale, bool& rot) {
   scale = T(1);
   rot = false;
   if (t < s.nb || t >= s.nb + s.np) {
@@ -540,6 +542,7 @@ std::vector<torch::Tensor> attend_impl(
   const T* sinkp = sinks.defined() && sinks.numel() ? sinks.data_ptr<T>() : nullptr;
   const T cap = static_cast<T>(softcap);
   const T thr = static_cast<T>(sparse_v);
+  const bool dense_all = thr <= 0 && mp == nullptr && seq == 1;
   const T NEG = -std::numeric_limits<T>::infinity();
 
   const int64_t nblk = std::max<int64_t>(1, std::min<int64_t>(blocks_per_head, (total + 31) / 32));
@@ -597,7 +600,8 @@ std::vector<torch::Tensor> attend_impl(
       for (int64_t m = 0; m < M; ++m) {
         T* s = sbuf.data() + m * blk;
         T mm = NEG;
-        for (int64_t i = 0; i < n; ++i) mm = std::max(mm, s[i]);
+#pragma omp simd reduction(max : mm)
+        for (int64_t i = 0; i < n; ++i) mm = s[i] > mm ? s[i] : mm;
         mx[m] = mm;
         if (mm == NEG) {
           std::fill(s, s + n, T(0));
@@ -611,6 +615,13 @@ std::vector<torch::Tensor> attend_impl(
         const int64_t nt = std::min(TILE, n - i0);
         for (int64_t j = 0; j < nt; ++j) {
           const int64_t i = i0 + j;
+          if (dense_all) {  // no mask, no Sparse-V: every row carries weight (a row whose weights underflow adds 0)
+            bool r;
+            rows[j] = fetch_row(V, b, h, t0 + i, tbuf.data() + j * tld, tscale[j], r);
+            trot[j] = r;
+            visited[it] += 1;
+            continue;
+          }
           bool any = false, keep = false;
           for (int64_t m = 0; m < M; ++m) {
             const T p = sbuf[m * blk + i];
