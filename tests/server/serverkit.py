@@ -120,7 +120,8 @@ def wait_for(predicate, timeout: float = CEILING) -> bool:
 
 
 class GatedEngine:
-    """Delegates ``stream`` to the real engine, but every generation first waits until ``gate`` is set.
+    """Delegates to the real engine, but every new sequence (a request the worker starts) first waits until
+    ``gate`` is set.
 
     Swap it in as ``worker.engine`` to hold the worker on a known job while a test builds a queue, without
     depending on how fast the machine generates.
@@ -130,6 +131,9 @@ class GatedEngine:
         self.engine = engine
         self.gate = gate or threading.Event()
 
-    def stream(self, *args, **kwargs):
+    def sequence(self, *args, **kwargs):
         self.gate.wait(CEILING)
-        yield from self.engine.stream(*args, **kwargs)
+        return self.engine.sequence(*args, **kwargs)
+
+    def decode_step(self, seqs):
+        return self.engine.decode_step(seqs)
