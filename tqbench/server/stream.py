@@ -145,7 +145,10 @@ def completion_logprobs(generated: list, texts: TokenTexts, prompt=None, start_o
     for s in [*(prompt.scores if prompt is not None else ()), *generated]:
         ids.append(s.token_id)
         lps.append(s.logprob)
-        tops.append({texts(i): lp for i, lp in s.top})
+        top: dict[str, float] = {}
+        for i, lp in s.top:  # best first: where two ids share a text, the likelier one keeps the key
+            top.setdefault(texts(i), lp)
+        tops.append(top)
     tokens = [texts(i) for i in ids]
     offsets, at = [], start_offset
     for t in tokens:
