@@ -35,7 +35,16 @@ from tqbench.server.stream import (
     full_response,
     new_id,
 )
-from tqbench.server.worker import DEFAULT_MAX_BATCH, END, Job, JobFailed, JobStarted, QueueFull, ShuttingDown, Worker
+from tqbench.server.worker import (
+    DEFAULT_MAX_BATCH,
+    END,
+    Job,
+    JobFailed,
+    JobStarted,
+    QueueFull,
+    ShuttingDown,
+    Worker,
+)
 
 MAX_TEMPERATURE = 2.0
 POLL_SECONDS = 0.2
