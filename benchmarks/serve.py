@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=None, help="spawned server's queue (default: --concurrency)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
     p.add_argument("--max-batch", type=int, default=None, help="spawned server's --max-batch (default: its own)")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="spawned server's --prefill-chunk")
     a = p.parse_args(argv)
     try:
         a.concurrencies = [int(c) for c in str(a.concurrency).split(",")]
@@ -112,6 +113,8 @@ def spawn_server(a, policy: str | None = None) -> tuple[subprocess.Popen, str]:
            "--max-queue", str(a.max_queue or max(a.concurrencies)), "--log-level", "warning"]
     if a.max_batch:
         cmd += ["--max-batch", str(a.max_batch)]
+    if getattr(a, "prefill_chunk", 0):
+        cmd += ["--prefill-chunk", str(a.prefill_chunk)]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
     log = tempfile.TemporaryFile(mode="w+")
