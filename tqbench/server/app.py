@@ -357,7 +357,12 @@ class Server:
             if req.prompt is not None:
                 raise APIError(400, "send either prompt or messages, not both", param="prompt",
                                code="invalid_value")
-            tokens = self.engine.encode_prompt(chat_messages(req), chat=True)[0].tolist()
+            messages = chat_messages(req)
+            if req.add_generation_prompt:  # exactly what a chat request's prompt becomes
+                tokens = self.engine.encode_prompt(messages, chat=True)[0].tolist()
+            else:
+                enc = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+                tokens = list(enc["input_ids"] if not isinstance(enc, list) else enc)
         elif req.prompt is not None:
             tokens = self.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         else:
