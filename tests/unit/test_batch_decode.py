@@ -111,3 +111,22 @@ def test_generated_token_logprobs_are_the_log_softmax_of_their_logits(tiny_engin
         list(tiny_engine.stream(_messages("hi"), "fp16", max_new_tokens=0))
     with pytest.raises(ValueError, match="prefill_chunk=-1 is invalid"):
         list(tiny_engine.stream(_messages("hi"), "fp16", prefill_chunk=-1))
+
+
+def test_float32_batched_tokens_differ_from_solo_only_at_near_ties(tiny_engine):
+    """In float32 a batch sums in another order than a solo step, so a near tie may flip; anything else is a bug.
+    Every request either matches its solo tokens or first differs where the solo step's top two logits are
+    within 1e-3. (benchmarks/serve.py counts the requests whose float32 tokens differ on the default model.)"""
+    solo = []
+    for p, n in zip(PROMPTS, BUDGETS):
+        events = list(tiny_engine.stream(_messages(p), "turbo4", max_new_tokens=n, stop_at_eos=False,
+                                         collect_logits=True))
+        solo.append([e for e in events if isinstance(e, TokenGenerated)])
+    seqs, _ = _batched(tiny_engine, "turbo4", "compressed")
+    for s, ref in zip(seqs, solo):
+        want = [e.token_id for e in ref]
+        if s.result.token_ids == want:
+            continue
+        d = next(i for i, (a, b) in enumerate(zip(s.result.token_ids, want)) if a != b)
+        top2 = ref[d].logits.topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-3, f"request {s.run} flipped at step {d} without a near tie"
