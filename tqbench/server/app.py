@@ -309,8 +309,6 @@ class Server:
         logprobs = None
         if top is not None:
             logprobs = chat_logprobs(generated, self.texts) if chat else completion_logprobs(generated, self.texts, scored)
-        elif scored is not None:  # echo without logprobs: the prompt's tokens only, as text
-            logprobs = None
         text = trimmer.final_text if echo_text is None else echo_text + trimmer.final_text
         body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=text,
                              result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk),
