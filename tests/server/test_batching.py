@@ -95,7 +95,10 @@ def test_other_policies_wait_their_turn_and_never_share_a_step(tiny_engine64):
     assert all(len(labels) == 1 for _, labels in steps)  # every forward call served one policy
 
 
-def test_fused_mode_decodes_one_at_a_time_and_says_why(tiny_engine):
+def test_fused_mode_decodes_one_at_a_time_and_says_why():
+    from tqbench.engine.engine import Engine
+
+    tiny_engine = Engine.tiny()  # its own model: the fused mode reroutes the model's attention
     bodies = _bodies(["turbo4"] * 3)
     solo = [tiny_engine.generate(b["messages"], "turbo4", "fused", max_new_tokens=b["max_tokens"],
                                  stop_at_eos=False) for b in bodies]
