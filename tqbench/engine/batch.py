@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tqbench.engine.cache.tqcache import TQCache, TQLayer
@@ -56,13 +55,15 @@ class _RowsLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         total = self.width + key_states.shape[2]
-        ks, vs = [], []
+        keys = values = None
         for b, member in enumerate(self.members):
             k, v = member.update(key_states[b : b + 1], value_states[b : b + 1], *args, **kwargs)
-            pad = total - k.shape[2]
-            ks.append(F.pad(k, (0, 0, pad, 0)) if pad else k)
-            vs.append(F.pad(v, (0, 0, pad, 0)) if pad else v)
-        return torch.cat(ks, 0), torch.cat(vs, 0)
+            if keys is None:  # zeros under the padding (masked out), each history right-aligned
+                keys = k.new_zeros((len(self.members), k.shape[1], total, k.shape[3]))
+                values = v.new_zeros((len(self.members), v.shape[1], total, v.shape[3]))
+            keys[b, :, total - k.shape[2] :] = k[0]
+            values[b, :, total - v.shape[2] :] = v[0]
+        return keys, values
 
     def lazy_initialization(self, key_states, value_states) -> None:
         return None
