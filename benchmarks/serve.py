@@ -7,6 +7,13 @@ running instead. Bounded: at most ``--requests`` requests, none started after ``
 Prints requests/s, TTFT (time to the first content chunk) and time per output token (after the first)
 p50/p95, and errors by status; writes JSON (default ``benchmarks/results/serve.json``).
 ``ignore_eos`` is sent so every request generates exactly ``--max-tokens`` tokens.
+
+Sweep: ``--concurrency 1,4,8 --kv-policy fp16,turbo4`` runs every concurrency against one spawned server per
+policy (the first concurrency's tokens are each prompt's reference: with concurrency 1 that is the solo run)
+and adds, per run, the aggregate decode tokens/s from the server's ``/metrics`` (decode rows per second of
+decode forward calls), the mean batch size, the peak resident KV bytes of all running requests (``/metrics``,
+polled), each request's resident KV bytes (its cache report), the share of requests whose tokens equal the
+reference, and each run's speed-up over the first concurrency.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server (default: start one on a free loopback port)")
     p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--concurrency", default="4", help="one number, or a comma list to sweep (1,4,8)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--time-limit", type=float, default=600.0, help="start no request after this many seconds")
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -50,14 +57,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--request-kv-policy", default=None, help="send this kv_policy extension with every request")
     p.add_argument("--model", default="default", help="for the spawned server")
-    p.add_argument("--kv-policy", default="turbo4", help="for the spawned server")
+    p.add_argument("--kv-policy", default="turbo4", help="for the spawned server; a comma list sweeps policies")
     p.add_argument("--cache-mode", default="compressed", help="for the spawned server")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the spawned server")
     p.add_argument("--max-queue", type=int, default=None, help="spawned server's queue (default: --concurrency)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
+    p.add_argument("--max-batch", type=int, default=None, help="spawned server's --max-batch (default: its own)")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="spawned server's --prefill-chunk")
     a = p.parse_args(argv)
-    if a.requests < 1 or a.concurrency < 1 or a.max_tokens < 2:
-        p.error("need --requests >= 1, --concurrency >= 1, --max-tokens >= 2")
+    try:
+        a.concurrencies = [int(c) for c in str(a.concurrency).split(",")]
+    except ValueError:
+        p.error(f"--concurrency {a.concurrency!r}: give a number or a comma list such as 1,4,8")
+    a.policies = [x for x in a.kv_policy.split(",") if x]
+    if a.requests < 1 or min(a.concurrencies) < 1 or a.max_tokens < 2 or not a.policies:
+        p.error("need --requests >= 1, --concurrency >= 1, --max-tokens >= 2, a --kv-policy")
+    if a.url and len(a.policies) > 1:
+        p.error("--url measures one running server: give one --kv-policy (or none)")
+    a.concurrency = a.concurrencies[0]
     return a
 
 
@@ -88,12 +105,16 @@ def get_json(host: str, port: int, path: str, headers: dict, timeout: float = 5.
         conn.close()
 
 
-def spawn_server(a) -> tuple[subprocess.Popen, str]:
+def spawn_server(a, policy: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "tqbench", "serve", "--model", a.model, "--kv-policy", a.kv_policy,
+    cmd = [sys.executable, "-m", "tqbench", "serve", "--model", a.model, "--kv-policy", policy or a.policies[0],
            "--cache-mode", a.cache_mode, "--threads", str(a.threads), "--port", str(port),
-           "--max-new-tokens", str(max(a.max_tokens, 1)), "--max-queue", str(a.max_queue or a.concurrency),
-           "--log-level", "warning"]
+           "--max-new-tokens", str(max(a.max_tokens, 1)),
+           "--max-queue", str(a.max_queue or max(a.concurrencies)), "--log-level", "warning"]
+    if a.max_batch:
+        cmd += ["--max-batch", str(a.max_batch)]
+    if getattr(a, "prefill_chunk", 0):
+        cmd += ["--prefill-chunk", str(a.prefill_chunk)]
     if a.api_key:
         cmd += ["--api-key", a.api_key]
     log = tempfile.TemporaryFile(mode="w+")
@@ -121,8 +142,8 @@ def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
     }
     if a.request_kv_policy:
         body["kv_policy"] = a.request_kv_policy
-    row = {"index": i, "status": None, "ttft_s": None, "tpot_s": None, "queue_s": None, "completion_tokens": 0,
-           "error": None}
+    row = {"index": i, "prompt": i % len(PROMPTS), "status": None, "ttft_s": None, "tpot_s": None,
+           "queue_s": None, "completion_tokens": 0, "token_ids": None, "resident_kv_bytes": None, "error": None}
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=a.request_timeout)
     try:
@@ -151,6 +172,9 @@ def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
                 row["completion_tokens"] = event["usage"]["completion_tokens"]
             if event.get("tqbench"):
                 row["queue_s"] = event["tqbench"]["queue_seconds"]
+                row["token_ids"] = event["tqbench"]["token_ids"]
+                report = event["tqbench"].get("cache_report") or {}
+                row["resident_kv_bytes"] = report.get("resident_decode_bytes")
             if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
@@ -167,7 +191,26 @@ def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
     return row
 
 
-def run(a, url: str) -> tuple[list[dict], float]:
+def scrape(host: str, port: int, headers: dict) -> dict[str, float]:
+    """The unlabelled samples of ``/metrics`` (name -> value)."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", "/metrics", headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        if resp.status != 200:
+            return {}
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
+    return out
+
+
+def run(a, url: str, concurrency: int | None = None) -> tuple[list[dict], float]:
     parsed = urllib.parse.urlparse(url)
     host, port = parsed.hostname, parsed.port or 80
     headers = {"Content-Type": "application/json"}
@@ -188,7 +231,7 @@ def run(a, url: str) -> tuple[list[dict], float]:
             with lock:
                 rows.append(row)
 
-    threads = [threading.Thread(target=client) for _ in range(a.concurrency)]
+    threads = [threading.Thread(target=client) for _ in range(concurrency or a.concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -221,8 +264,124 @@ def summarize(rows: list[dict], wall: float) -> dict:
     }
 
 
+def sweep_level(a, url: str, concurrency: int, auth: dict) -> dict:
+    """One concurrency against a running server: the summary plus the server-side decode figures."""
+    parsed = urllib.parse.urlparse(url)
+    host, port = parsed.hostname, parsed.port or 80
+    before = scrape(host, port, auth)
+    peak = {"kv": 0.0, "batch": 0.0}
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.25):
+            try:
+                m = scrape(host, port, auth)
+            except OSError:
+                continue
+            peak["kv"] = max(peak["kv"], m.get("tqbench_kv_resident_bytes", 0.0))
+            peak["batch"] = max(peak["batch"], m.get("tqbench_batch_size", 0.0))
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    load_before = os.getloadavg()
+    rows, wall = run(a, url, concurrency)
+    load_after = os.getloadavg()
+    stop.set()
+    poller.join()
+    after = scrape(host, port, auth)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    rows_decoded, decode_s, steps = delta("tqbench_decode_rows_total"), delta("tqbench_decode_seconds_total"), \
+        delta("tqbench_decode_steps_total")
+    resident = [r["resident_kv_bytes"] for r in rows if r["resident_kv_bytes"] is not None]
+    return {"concurrency": concurrency, **summarize(rows, wall),
+            "decode_tokens_per_s": round(rows_decoded / decode_s, 2) if decode_s > 0 else None,
+            "mean_batch": round(rows_decoded / steps, 2) if steps else None, "peak_batch": int(peak["batch"]),
+            "peak_resident_kv_bytes": int(peak["kv"]),
+            "request_resident_kv_bytes_p50": pct(resident, 50),
+            "loadavg_before": list(load_before), "loadavg_after": list(load_after), "rows": rows}
+
+
+def main_sweep(a) -> int:
+    auth = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    runs, servers = [], {}
+    for policy in a.policies:
+        proc, url = (None, a.url) if a.url else spawn_server(a, policy)
+        try:
+            parsed = urllib.parse.urlparse(url)
+            _, health = get_json(parsed.hostname, parsed.port or 80, "/health", auth)
+            servers[policy] = health
+            reference: dict[int, list] = {}
+            for c in a.concurrencies:
+                r = sweep_level(a, url, c, auth)
+                r["kv_policy"] = health.get("kv_policy")
+                for row in r["rows"]:
+                    if row["token_ids"] is not None:
+                        reference.setdefault(row["prompt"], row["token_ids"])
+                same = [row["token_ids"] == reference.get(row["prompt"]) for row in r["rows"]
+                        if row["token_ids"] is not None]
+                r["same_tokens_as_reference"] = f"{sum(same)}/{len(same)}"
+                flips = [_first_diff(row["token_ids"], reference[row["prompt"]]) for row in r["rows"]
+                         if row["token_ids"] is not None and row["token_ids"] != reference.get(row["prompt"])]
+                r["first_divergence_steps"] = flips
+                runs.append(r)
+                print(f"  {policy} c={c}: {r['completed']}/{r['sent']} ok, decode {r['decode_tokens_per_s']} tok/s, "
+                      f"mean batch {r['mean_batch']}, same tokens {r['same_tokens_as_reference']}", flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    base = {}
+    for r in runs:
+        b = base.setdefault(r["kv_policy"], r)
+        r["decode_speedup"] = round(r["decode_tokens_per_s"] / b["decode_tokens_per_s"], 2) \
+            if r["decode_tokens_per_s"] and b["decode_tokens_per_s"] else None
+        r["output_speedup"] = round(r["output_tokens_per_s"] / b["output_tokens_per_s"], 2) \
+            if b["output_tokens_per_s"] else None
+    any_health = next(iter(servers.values()))
+    print(f"tqbench serve sweep: {any_health.get('model')} ({any_health.get('cache_mode')}), {a.requests} requests x "
+          f"{a.max_tokens} tokens per run, server threads {a.threads if not a.url else 'n/a (external)'}")
+    header = ("policy", "conc", "done", "out tok/s", "decode tok/s", "x c1", "batch", "TTFT p50/p95 ms",
+              "TPOT p50/p95 ms", "KV peak KiB", "KV/req KiB", "same tokens", "errors")
+    table = []
+    for r in runs:
+        kv_req = r["request_resident_kv_bytes_p50"]
+        table.append((r["kv_policy"], r["concurrency"], f"{r['completed']}/{r['sent']}", r["output_tokens_per_s"],
+                      r["decode_tokens_per_s"], r["decode_speedup"], r["mean_batch"],
+                      f"{r['ttft_ms_p50']}/{r['ttft_ms_p95']}", f"{r['tpot_ms_p50']}/{r['tpot_ms_p95']}",
+                      round(r["peak_resident_kv_bytes"] / 1024, 1), round(kv_req / 1024, 1) if kv_req else None,
+                      r["same_tokens_as_reference"],
+                      ", ".join(f"{k} x{v}" for k, v in sorted(r["errors"].items())) or "none"))
+    widths = [max(len(str(h)), *(len(str(t[i])) for t in table)) for i, h in enumerate(header)]
+    print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
+    for t in table:
+        print("  ".join(str(v).rjust(w) for v, w in zip(t, widths)))
+    print(f"load average {runs[0]['loadavg_before'][0]:.2f} -> {runs[-1]['loadavg_after'][0]:.2f} (1 min), "
+          f"{cpu_model()}, {os.cpu_count()} CPUs")
+    payload = {
+        "benchmark": "serve-sweep", "command": [sys.executable, *sys.argv],
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "servers": servers, "requests": a.requests, "concurrencies": a.concurrencies, "max_tokens": a.max_tokens,
+        "server_threads": a.threads if not a.url else None, "python": platform.python_version(),
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "runs": runs,
+    }
+    write_json(a.json, payload)
+    return 0 if all(r["completed"] == r["sent"] for r in runs) else 1
+
+
+def _first_diff(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if len(a.concurrencies) > 1 or len(a.policies) > 1:
+        return main_sweep(a)
     proc = None
     url = a.url
     if url is None:

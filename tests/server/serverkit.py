@@ -120,7 +120,8 @@ def wait_for(predicate, timeout: float = CEILING) -> bool:
 
 
 class GatedEngine:
-    """Delegates ``stream`` to the real engine, but every generation first waits until ``gate`` is set.
+    """Delegates to the real engine, but every new sequence (a request the worker starts) first waits until
+    ``gate`` is set.
 
     Swap it in as ``worker.engine`` to hold the worker on a known job while a test builds a queue, without
     depending on how fast the machine generates.
@@ -130,6 +131,44 @@ class GatedEngine:
         self.engine = engine
         self.gate = gate or threading.Event()
 
-    def stream(self, *args, **kwargs):
+    def sequence(self, *args, **kwargs):
         self.gate.wait(CEILING)
-        yield from self.engine.stream(*args, **kwargs)
+        return self.engine.sequence(*args, **kwargs)
+
+    def decode_step(self, seqs):
+        return self.engine.decode_step(seqs)
+
+
+LM_EVAL_TASKS = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "lm_eval"
+
+
+def run_lm_eval(base_url: str, model_type: str, model: str, task: str, out_dir, *extra: str,
+                limit: int | None = None, timeout: float = CEILING) -> tuple[dict, list[dict]]:
+    """Run ``lm_eval`` as a user would (a subprocess, offline) against ``base_url``; (results, samples).
+
+    ``local-completions`` talks to ``/v1/completions`` and tokenizes through the server's ``/tokenize``
+    (auto-detected: no tokenizer download); ``local-chat-completions`` sends chat messages.
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    endpoint = "/v1/completions" if model_type == "local-completions" else "/v1/chat/completions"
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model_type,
+           "--model_args", f"base_url={base_url}{endpoint},model={model},max_retries=1,timeout={int(timeout)}",
+           "--tasks", task, "--include_path", str(LM_EVAL_TASKS), "--output_path", str(out_dir),
+           "--log_samples", *extra]
+    if limit is not None:
+        cmd += ["--limit", str(limit)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(Path(out_dir) / "datasets-cache")}
+    done = subprocess.run(cmd, cwd=LM_EVAL_TASKS, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"lm_eval failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    results = sorted(Path(out_dir).rglob("results_*.json"))
+    samples = sorted(Path(out_dir).rglob(f"samples_{task}_*.jsonl"))
+    assert results and samples, f"lm_eval wrote no results under {out_dir}:\n{done.stderr[-3000:]}"
+    data = json.loads(results[-1].read_text())
+    rows = [json.loads(line) for line in samples[-1].read_text().splitlines() if line.strip()]
+    return data["results"][task], rows

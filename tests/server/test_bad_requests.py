@@ -134,18 +134,25 @@ def test_server_survives_the_table(live_server):
 
 
 class _Exploding:
-    """Delegates to the real engine but raises after the first generated token."""
+    """Delegates to the real engine, but a sequence's step raises after its first generated token."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    def stream(self, *args, **kwargs):
-        from tqbench.engine.events import TokenGenerated
+    def sequence(self, *args, **kwargs):
+        seq = self.engine.sequence(*args, **kwargs)
+        step = seq.step
 
-        for ev in self.engine.stream(*args, **kwargs):
-            yield ev
-            if isinstance(ev, TokenGenerated):
+        def exploding_step():
+            if seq.result.output_tokens >= 1:
                 raise RuntimeError("boom")
+            return step()
+
+        seq.step = exploding_step
+        return seq
+
+    def decode_step(self, seqs):
+        return self.engine.decode_step(seqs)
 
 
 def test_engine_failure_is_a_500_in_openai_shape_and_the_server_lives_on(live_server):

@@ -30,12 +30,18 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="Cap on max_tokens per request (also the default when a request sends none).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests allowed to wait behind the running one; more get 429 with Retry-After.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Most requests decoding together (one forward per step) when they share policy and cache mode.")
+@click.option("--prefill-chunk", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Prompt tokens per prefill forward call; 0 = the whole prompt in one call (it attends over "
+                   "exact K/V). With N > 0 later chunks read earlier ones compressed, so echo/logprob scores "
+                   "show the policy's cost.")
 @click.option("--api-key", default=None, envvar="TQBENCH_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 (env TQBENCH_API_KEY).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, api_key,
-          log_level):
+def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, max_batch,
+          prefill_chunk, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API with a chosen KV policy."""
     from tqbench.engine import ModelLoadError
 
@@ -56,7 +62,8 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
 
         engine = load_engine(model, device, dtype, threads)
         app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, max_new_tokens=max_new_tokens,
-                         max_queue=max_queue, api_key=api_key, model_aliases=(model,))
+                         max_queue=max_queue, api_key=api_key, model_aliases=(model,), max_batch=max_batch,
+                         prefill_chunk=prefill_chunk)
     except (ValueError, ModelLoadError, FileNotFoundError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     if host not in LOOPBACK:
@@ -64,7 +71,8 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
                    + ("" if api_key else " and has no --api-key"), err=True)
     auth = "Bearer key required" if api_key else "no key"
     click.echo(f"tqbench serve: {engine.name}, kv_policy {app.state.server.policy.label}, cache mode {cache_mode}, "
-               f"max_new_tokens {max_new_tokens}, queue {max_queue}, {auth}", err=True)
+               f"max_new_tokens {max_new_tokens}, queue {max_queue}, batch {max_batch}, "
+               f"prefill chunk {prefill_chunk or 'whole prompt'}, {auth}", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
     worker = app.state.server.worker
 

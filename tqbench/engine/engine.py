@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
-from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, lockstep, stream_tokens
+from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
 from tqbench.engine.policy.spec import Policy, parse_policy
 
@@ -122,10 +122,16 @@ class Engine:
         cancel: Callable[[], bool] | None = None,
         run: str = "candidate",
         track_bytes: bool = False,
+        logprobs: int | None = None,
+        echo: bool = False,
+        prefill_chunk: int = 0,
     ) -> Iterator[object]:
         """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
 
         With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only).
+        ``logprobs`` (the number of top alternatives, 0 for none) adds a ``TokenLogprob`` to every
+        ``TokenGenerated``; ``echo`` adds a ``PromptScored`` after the prefill (and allows
+        ``max_new_tokens=0``); ``prefill_chunk`` feeds the prompt in forward calls of that many tokens.
         """
         pol = parse_policy(policy) if policy is not None else None
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
@@ -137,10 +143,44 @@ class Engine:
             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
             stop=stop, collect_logits=collect_logits, cancel=cancel,
             report=cache.report if isinstance(cache, TQCache) else None,
+            logprobs=logprobs, echo=echo, prefill_chunk=prefill_chunk,
         )
         if track_bytes and isinstance(cache, TQCache):
             return _with_cache_bytes(events, cache)
         return events
+
+    def sequence(
+        self,
+        ids: torch.Tensor,
+        policy: Policy | str,
+        cache_mode: str = "compressed",
+        *,
+        max_new_tokens: int = 64,
+        sampling: Sampling = GREEDY,
+        stop_at_eos: bool = True,
+        stop: list[str] | None = None,
+        cancel: Callable[[], bool] | None = None,
+        run: str = "candidate",
+        logprobs: int | None = None,
+        echo: bool = False,
+        prefill_chunk: int = 0,
+    ) -> Sequence:
+        """The step machine behind ``stream`` (its own ``TQCache``), for a driver that batches decode steps
+        across sequences (``tqbench.engine.batch.decode_step``); same arguments as ``stream``."""
+        pol = parse_policy(policy)
+        cache = self.make_cache(pol, cache_mode)
+        return Sequence(
+            self.model, self.tokenizer, ids, cache, run=run, kv_policy=pol.label, cache_mode=cache_mode,
+            max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
+            stop=stop, cancel=cancel, report=cache.report, logprobs=logprobs, echo=echo,
+            prefill_chunk=prefill_chunk,
+        )
+
+    def decode_step(self, seqs: list[Sequence]) -> float:
+        """One forward call over every sequence's ``next_token`` (batched when more than one); returns seconds."""
+        from tqbench.engine.batch import decode_step
+
+        return decode_step(self.model, seqs)
 
     def generate(self, prompt: Prompt | torch.Tensor, policy: Policy | str | None = "fp16",
                  cache_mode: str = "compressed", **kwargs) -> GenerationResult:

@@ -48,6 +48,26 @@ class PrefillDone:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the distribution that produced (or, for a prompt token, predicted) it,
+    and the ``top`` most likely tokens of that distribution as ``(token_id, logprob)``, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptScored:
+    """The prompt's tokens scored by the prefill (``echo``): entry i is token i+1's log-probability given
+    tokens 0..i, read through the request's cache exactly as generation reads it; token 0 has none."""
+
+    run: str
+    first_token_id: int
+    scores: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class TokenGenerated:
     run: str
     step: int  # 0-based index of the generated token
@@ -56,6 +76,7 @@ class TokenGenerated:
     step_seconds: float  # wall time of the forward call that produced this token
     top1_id: int  # argmax of the logits that produced this token (== token_id when greedy)
     logits: Any = field(default=None, repr=False)  # float32 vector when collect_logits=True
+    logprob: TokenLogprob | None = None  # when the generation was asked for logprobs
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,13 @@ from tqbench.engine.events import (
     GenerationStarted,
     PairStep,
     PrefillDone,
+    PromptScored,
     TokenGenerated,
 )
-from tqbench.engine.metrics import kl_divergence
+from tqbench.engine.metrics import kl_divergence, token_logprobs
 
-__all__ = ["GREEDY", "Cancelled", "GenerationResult", "Sampling", "TextStreamer", "lockstep", "stream_tokens"]
+__all__ = ["GREEDY", "Cancelled", "GenerationResult", "Sampling", "Sequence", "TextStreamer", "lockstep", "prefill",
+           "stream_tokens"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,127 @@ class TextStreamer:
         return self.tok.decode(self.ids, skip_special_tokens=True)
 
 
+class Sequence:
+    """One generation as a step machine, so that a driver can run its forward calls alone or in a batch.
+
+    ``start()`` prefills the prompt (in forward calls of ``prefill_chunk`` tokens; 0 = one call) and, with
+    ``echo``, scores every prompt token on the way; then each ``step()`` picks a token from the current logits
+    and either finishes or names ``next_token``, whose forward call (solo: ``stream_tokens``; batched:
+    ``tqbench.engine.batch.decode_step``) hands the next logits back through ``feed()``. Every method returns
+    the events it produced, in order.
+    """
+
+    def __init__(self, model, tokenizer, input_ids: torch.Tensor, cache, *, run: str, kv_policy: str,
+                 cache_mode: str, max_new_tokens: int, sampling: Sampling = GREEDY, eos_ids: set[int] | None = None,
+                 stop: list[str] | None = None, collect_logits: bool = False, cancel: Callable[[], bool] | None = None,
+                 report: Callable[[], object] | None = None, logprobs: int | None = None, echo: bool = False,
+                 prefill_chunk: int = 0) -> None:
+        if max_new_tokens < 0 or (max_new_tokens == 0 and not echo):
+            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={prefill_chunk} is invalid: use 0 (the whole prompt in one forward "
+                             "call) or a positive number of tokens per call")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs={logprobs} is invalid: ask for 0 or more top alternatives")
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.device = next(model.parameters()).device
+        self.ids = input_ids.to(self.device)
+        self.run, self.max_new_tokens, self.sampling = run, max_new_tokens, sampling
+        self.eos_ids = eos_ids or set()
+        self.stop, self.collect_logits, self.cancel, self.report = stop, collect_logits, cancel, report
+        self.logprobs, self.echo, self.prefill_chunk = logprobs, echo, prefill_chunk
+        self.gen = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(sampling.seed)
+        self.result = GenerationResult(run, kv_policy, cache_mode, int(input_ids.shape[1]))
+        self.streamer = TextStreamer(tokenizer)
+        self.logits: torch.Tensor | None = None  # the distribution the next step picks from
+        self.dt = 0.0  # wall time of the forward call that produced ``logits``
+        self.next_token: int | None = None
+        self.done = False
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the cache holds (prompt + fed tokens): the position of ``next_token``."""
+        return self.result.input_tokens + max(0, self.result.output_tokens - 1)
+
+    def start(self) -> list:
+        events: list = [GenerationStarted(self.run, self.result.kv_policy, self.result.cache_mode,
+                                          self.result.input_tokens)]
+        t0 = time.perf_counter()
+        self.logits, scores = prefill(self.model, self.ids, self.cache, chunk=self.prefill_chunk,
+                                      score_top=self.logprobs or 0 if self.echo else None)
+        self.dt = time.perf_counter() - t0
+        self.result.prefill_seconds = self.dt
+        events.append(PrefillDone(self.run, self.result.input_tokens, self.dt))
+        if scores is not None:
+            events.append(PromptScored(self.run, int(self.ids[0, 0]), tuple(scores)))
+        if self.max_new_tokens == 0:
+            events.append(self._finish())
+        return events
+
+    def step(self) -> list:
+        """Pick the next token from the current logits; the events of this step (and the finish, if it ends)."""
+        assert not self.done and self.logits is not None
+        step = self.result.output_tokens
+        if self.cancel is not None and self.cancel():
+            self.result.stopped_by = "cancelled"
+            return [self._finish()]
+        logits_cpu = self.logits.detach().float().cpu()
+        tok = _pick(logits_cpu, self.sampling, self.gen)
+        self.result.token_ids.append(tok)
+        if step > 0:
+            self.result.step_seconds.append(self.dt)
+        final = tok in self.eos_ids or step == self.max_new_tokens - 1
+        delta = self.streamer.push(tok, final)
+        lp = None
+        if self.logprobs is not None:
+            lp = token_logprobs(self.logits.view(1, -1), [tok], self.logprobs)[0]
+        events: list = [TokenGenerated(self.run, step, tok, delta, self.dt, int(torch.argmax(logits_cpu)),
+                                       logits_cpu if self.collect_logits else None, lp)]
+        if tok in self.eos_ids:
+            self.result.stopped_by = "eos"
+        elif self.stop and any(s in self.streamer.emitted for s in self.stop):
+            self.result.stopped_by = "stop"
+        elif step < self.max_new_tokens - 1:
+            self.next_token = tok
+            return events
+        events.append(self._finish())
+        return events
+
+    def feed(self, logits: torch.Tensor, seconds: float) -> None:
+        """The logits of the forward call over ``next_token`` (and how long that call took)."""
+        self.logits, self.dt, self.next_token = logits, seconds, None
+
+    def _finish(self) -> GenerationFinished:
+        self.done = True
+        self.next_token = None
+        self.logits = None
+        self.result.text = self.streamer.emitted
+        if self.report is not None:
+            self.result.cache_report = self.report()
+        return GenerationFinished(self.run, self.result)
+
+
+def prefill(model, ids: torch.Tensor, cache, *, chunk: int = 0, score_top: int | None = None):
+    """Feed the prompt ``ids`` ([1, T]) into ``cache``; (logits of the last position, prompt scores or None).
+
+    ``chunk`` > 0 feeds it in forward calls of that many tokens, so a call attends exactly over its own rows and
+    reads earlier calls' rows as the cache stored them (compressed history); 0 is one call (exact K/V
+    throughout). With ``score_top`` (the number of top alternatives, 0 for none) the result also scores every
+    prompt token after the first: ``TokenLogprob`` of token i+1 under position i's distribution.
+    """
+    n = ids.shape[1]
+    step = chunk if chunk > 0 else n
+    scores: list | None = [] if score_top is not None else None
+    last = None
+    for a in range(0, n, step):
+        logits = _forward(model, ids[:, a : a + step], cache).logits[0]
+        if scores is not None:
+            targets = ids[0, a + 1 : a + step + 1]
+            scores.extend(token_logprobs(logits[: targets.shape[0]], targets, score_top))
+        last = logits[-1]
+    return last, scores
+
+
 def stream_tokens(
     model,
     tokenizer,
@@ -160,61 +283,29 @@ def stream_tokens(
     collect_logits: bool = False,
     cancel: Callable[[], bool] | None = None,
     report: Callable[[], object] | None = None,
+    logprobs: int | None = None,
+    echo: bool = False,
+    prefill_chunk: int = 0,
 ) -> Iterator[object]:
     """Prefill ``input_ids`` ([1, T]) into ``cache``, then decode token by token, yielding events."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
-    gen = None
-    if not sampling.greedy:
-        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
-    result = GenerationResult(run, kv_policy, cache_mode, int(input_ids.shape[1]))
-    yield GenerationStarted(run, kv_policy, cache_mode, result.input_tokens)
-    streamer = TextStreamer(tokenizer)
-    eos_ids = eos_ids or set()
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    # inference mode per forward call, not around the loop: a generator suspended inside a `with` block leaves
-    # the thread's grad mode to whichever interleaved stream (lockstep) exits last
-    t0 = time.perf_counter()
-    logits = _forward(model, ids, cache).logits[0, -1]
-    dt = time.perf_counter() - t0
-    result.prefill_seconds = dt
-    yield PrefillDone(run, result.input_tokens, dt)
-    for step in range(max_new_tokens):
-        if cancel is not None and cancel():
-            result.stopped_by = "cancelled"
-            break
-        logits_cpu = logits.detach().float().cpu()
-        tok = _pick(logits_cpu, sampling, gen)
-        result.token_ids.append(tok)
-        if step > 0:
-            result.step_seconds.append(dt)
-        final = tok in eos_ids or step == max_new_tokens - 1
-        delta = streamer.push(tok, final)
-        yield TokenGenerated(
-            run, step, tok, delta, dt, int(torch.argmax(logits_cpu)), logits_cpu if collect_logits else None
-        )
-        if tok in eos_ids:
-            result.stopped_by = "eos"
-            break
-        if stop and any(s in streamer.emitted for s in stop):
-            result.stopped_by = "stop"
-            break
-        if step == max_new_tokens - 1:
-            break
-        t0 = time.perf_counter()
-        nxt = torch.tensor([[tok]], device=device)
-        logits = _forward(model, nxt, cache).logits[0, -1]
-        dt = time.perf_counter() - t0
-    result.text = streamer.emitted
-    if report is not None:
-        result.cache_report = report()
-    yield GenerationFinished(run, result)
+    seq = Sequence(model, tokenizer, input_ids, cache, run=run, kv_policy=kv_policy, cache_mode=cache_mode,
+                   max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, stop=stop,
+                   collect_logits=collect_logits, cancel=cancel, report=report, logprobs=logprobs, echo=echo,
+                   prefill_chunk=prefill_chunk)
+    yield from seq.start()
+    while not seq.done:
+        yield from seq.step()
+        if seq.next_token is not None:
+            # inference mode per forward call, not around the loop: a generator suspended inside a `with` block
+            # leaves the thread's grad mode to whichever interleaved stream (lockstep) exits last
+            t0 = time.perf_counter()
+            logits = _forward(model, torch.tensor([[seq.next_token]], device=seq.device), cache).logits[0, -1]
+            seq.feed(logits, time.perf_counter() - t0)
 
 
 @torch.inference_mode()
-def _forward(model, ids: torch.Tensor, cache):
-    return model(input_ids=ids, cache=cache, use_cache=True)
+def _forward(model, ids: torch.Tensor, cache, **kwargs):
+    return model(input_ids=ids, cache=cache, use_cache=True, **kwargs)
 
 
 def lockstep(baseline: Iterator[object], candidate: Iterator[object]) -> Iterator[object]:

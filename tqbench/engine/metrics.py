@@ -7,6 +7,9 @@ run gets one number wherever it is shown.
   the one KL formula; the per-step, teacher-forced and attention (scan) KLs all call it.
 - ``kl_divergence`` / ``logit_stats``: KL(baseline || candidate) of one step's softmax, in nats (computed in
   float64, clamped at 0 against rounding), and the largest |logit delta|.
+- ``log_probs`` / ``token_logprobs``: the log-softmax of logits (in at least float32) and, per position, the
+  log-probability of a given token plus the top-N alternatives: what the server's ``logprobs`` report, for
+  generated tokens and for echoed prompt tokens alike.
 - ``match_ratio``: the fraction of steps that agree (token match, top-1 agreement).
 - ``perplexity`` / ``teacher_forced_stats``: teacher-forced quality of a candidate fed the baseline's tokens
   (KL of the float32 log-softmax rows, top-1 agreement, perplexity of the real next token under each).
@@ -63,6 +66,31 @@ def logit_stats(base_logits, cand_logits) -> tuple[float, float]:
 def kl_divergence(base_logits, cand_logits) -> float:
     """KL(baseline || candidate) of the softmax distributions of one step, in nats."""
     return logit_stats(base_logits, cand_logits)[0]
+
+
+def log_probs(logits):
+    """log-softmax over the last dimension, in ``promote_types(dtype, float32)`` (a float64 model stays float64)."""
+    import torch
+
+    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+
+
+def token_logprobs(logits, targets, top: int = 0) -> list:
+    """One ``TokenLogprob`` per row of ``logits`` ([T, V]): the log-probability of ``targets[t]`` under row t and
+    the ``top`` most likely tokens of that row (best first; ties keep the lower id first, as ``torch.topk``)."""
+    import torch
+
+    from tqbench.engine.events import TokenLogprob
+
+    lp = log_probs(logits.detach()).cpu()
+    ids = torch.as_tensor(targets, dtype=torch.long).view(-1)
+    chosen = lp.gather(-1, ids.view(-1, 1)).view(-1).tolist()
+    if top > 0:
+        values, indices = lp.topk(min(top, lp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(chosen)
+    return [TokenLogprob(int(t), float(c), tp) for t, c, tp in zip(ids.tolist(), chosen, tops)]
 
 
 def match_ratio(agree: list[bool], empty: float | None = 1.0) -> float | None:

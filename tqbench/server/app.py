@@ -8,31 +8,49 @@ import secrets
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tqbench import __version__
 from tqbench.engine import PRESETS, Policy, PromptTooLongError, Sampling, parse_policy
 from tqbench.engine.cache import check_mode
-from tqbench.engine.events import GenerationFinished, GenerationStarted, TokenGenerated
+from tqbench.engine.events import GenerationFinished, GenerationStarted, PromptScored, TokenGenerated
 from tqbench.server.errors import APIError, error_body, install_error_handlers
+from tqbench.server.metrics import prometheus_text
 from tqbench.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_messages,
     completion_prompt,
 )
 from tqbench.server.stream import (
     ChunkWriter,
     StopTrimmer,
+    TokenTexts,
     cache_report_body,
+    chat_logprobs,
+    completion_logprobs,
     extension,
     full_response,
     new_id,
 )
-from tqbench.server.worker import END, Job, JobFailed, JobStarted, QueueFull, ShuttingDown, Worker
+from tqbench.server.worker import (
+    DEFAULT_MAX_BATCH,
+    END,
+    Job,
+    JobFailed,
+    JobStarted,
+    QueueFull,
+    ShuttingDown,
+    Worker,
+)
 
 MAX_TEMPERATURE = 2.0
 POLL_SECONDS = 0.2
+
+
+TOKENIZER_PATHS = ("/tokenizer_info", "/tokenize", "/detokenize")  # vLLM's, which lm-eval's remote tokenizer reads
 
 
 class BearerAuth:
@@ -43,7 +61,7 @@ class BearerAuth:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in TOKENIZER_PATHS):
             headers = dict(scope.get("headers") or [])
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
@@ -65,9 +83,15 @@ class Server:
     """Validates requests, queues them on the worker and turns engine events into OpenAI responses."""
 
     def __init__(self, engine, *, kv_policy: str | Policy, cache_mode: str, max_new_tokens: int,
-                 max_queue: int, model_aliases: tuple[str, ...] = ()) -> None:
+                 max_queue: int, model_aliases: tuple[str, ...] = (), max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = 0) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: allow at least 1 token")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={prefill_chunk} is invalid: use 0 (the whole prompt in one forward "
+                             "call) or a positive number of tokens per call")
+        self.prefill_chunk = prefill_chunk
+        self.texts = TokenTexts(engine.tokenizer)
         self.engine = engine
         self.policy = parse_policy(kv_policy)
         self.cache_mode = check_mode(cache_mode)
@@ -80,7 +104,7 @@ class Server:
         self.policy.plan(self._num_layers, self._layer_types)
         if self.cache_mode == "fused":
             engine.enable_fused()
-        self.worker = Worker(engine, max_queue)
+        self.worker = Worker(engine, max_queue, max_batch)
         self.started = int(time.time())
         self.last: tuple[str, int, object] | None = None  # (response id, created, result) of the last finish
 
@@ -119,15 +143,16 @@ class Server:
             seed = secrets.randbelow(2**31)
         return Sampling(temperature=temperature, top_p=top_p, seed=seed or 0), seed
 
-    def token_budget(self, req) -> tuple[int | None, str]:
+    def token_budget(self, req, allow_zero: bool = False) -> tuple[int | None, str]:
         if req.max_completion_tokens is not None:
             value, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             value, param = req.max_tokens, "max_tokens"
         if value is None:
             return None, param
-        if value <= 0:
-            raise APIError(400, f"{param}={value} is invalid: ask for at least 1 token", param=param,
+        if value < 0 or (value == 0 and not allow_zero):
+            more = " (0 is allowed with echo=true: score the prompt only)" if value == 0 else ""
+            raise APIError(400, f"{param}={value} is invalid: ask for at least 1 token{more}", param=param,
                            code="invalid_value")
         if value > self.max_new_tokens:
             raise APIError(400, f"{param}={value} is above this server's cap of {self.max_new_tokens} tokens "
@@ -138,11 +163,16 @@ class Server:
     def encode(self, prompt, chat: bool, budget: int | None, param: str):
         limit = self.engine.max_context
         try:
-            ids = self.engine.encode_prompt(prompt, chat=chat, max_new_tokens=0)
+            ids = self.prompt_ids(prompt) if isinstance(prompt, list) and not chat else \
+                self.engine.encode_prompt(prompt, chat=chat, max_new_tokens=0)
+            if limit and ids.shape[1] > limit:
+                raise PromptTooLongError(f"{ids.shape[1]} tokens")
         except PromptTooLongError:
             raise APIError(400, f"the prompt is longer than {self.model_id}'s context of {limit} tokens: "
                            "shorten it", param="messages" if chat else "prompt",
                            code="context_length_exceeded") from None
+        except APIError:
+            raise
         except Exception as exc:  # e.g. a chat template that refuses a role order
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise APIError(400, f"the prompt could not be encoded: {first}",
@@ -161,19 +191,32 @@ class Server:
                            code="context_length_exceeded")
         return ids, budget
 
+    def prompt_ids(self, ids: list[int]):
+        """A ``[1, T]`` tensor of client-sent token ids, each checked against the vocabulary."""
+        import torch
+
+        vocab = len(self.engine.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt has token id {bad[0]}, outside {self.model_id}'s vocabulary of {vocab} "
+                           f"tokens (ids 0-{vocab - 1}): tokenize with this model's tokenizer (POST /tokenize)",
+                           param="prompt", code="invalid_value")
+        return torch.tensor([ids], dtype=torch.long)
+
     # -- running a request --------------------------------------------------------------------------
     async def handle(self, request: Request, req, chat: bool):
         req.check_supported()
         self.check_model(req.model)
         prompt = chat_messages(req) if chat else completion_prompt(req)
         stop = req.stop_list()
-        budget, param = self.token_budget(req)
+        top, echo = req.logprob_options(chat)
+        budget, param = self.token_budget(req, allow_zero=echo)
         sampling, seed = self.sampling(req)
         policy = self.request_policy(req.kv_policy)
         detail = req.report_detail()
         ids, budget = self.encode(prompt, chat, budget, param)
         job = Job(ids, policy, self.cache_mode, budget, sampling, stop, not req.ignore_eos,
-                  asyncio.get_running_loop())
+                  asyncio.get_running_loop(), logprobs=top, echo=echo, prefill_chunk=self.prefill_chunk)
         try:
             self.worker.submit(job)
         except QueueFull as full:
@@ -197,7 +240,10 @@ class Server:
             return StreamingResponse(self._sse(job, writer, stop, seed, waited, detail),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._collect(job, request, chat, stop, seed, waited, detail)
+        echo_text = None
+        if echo:
+            echo_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        return await self._collect(job, request, chat, stop, seed, waited, detail, top, echo_text)
 
     async def _next(self, job: Job, request: Request | None):
         """The job's next event; with ``request``, poll for a client disconnect meanwhile (cancels the job)."""
@@ -235,16 +281,23 @@ class Server:
         while await job.events.get() is not END:
             pass
 
-    async def _collect(self, job: Job, request: Request, chat: bool, stop, seed, waited: float, detail: str):
+    async def _collect(self, job: Job, request: Request, chat: bool, stop, seed, waited: float, detail: str,
+                       top: int | None = None, echo_text: str | None = None):
         trimmer = StopTrimmer(stop)
         result = None
         failure = None
+        scored = None
+        generated = []
         while True:
             item = await self._next(job, request)
             if item is END:
                 break
             if isinstance(item, TokenGenerated):
                 trimmer.push(item.text_delta)
+                if item.logprob is not None:
+                    generated.append(item.logprob)
+            elif isinstance(item, PromptScored):
+                scored = item
             elif isinstance(item, GenerationFinished):
                 result = item.result
             elif isinstance(item, JobFailed):
@@ -253,8 +306,13 @@ class Server:
             raise _engine_error(failure or RuntimeError("the generation ended without a result"))
         rid, created = new_id(chat), int(time.time())
         self.last = (rid, created, result)
-        body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=trimmer.final_text,
-                             result=result, ext=extension(result, seed, waited, detail))
+        logprobs = None
+        if top is not None:
+            logprobs = chat_logprobs(generated, self.texts) if chat else completion_logprobs(generated, self.texts, scored)
+        text = trimmer.final_text if echo_text is None else echo_text + trimmer.final_text
+        body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=text,
+                             result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk),
+                             logprobs=logprobs)
         return JSONResponse(body)
 
     async def _sse(self, job: Job, writer: ChunkWriter, stop, seed, waited: float, detail: str):
@@ -275,12 +333,45 @@ class Server:
                     if rest:
                         yield writer.text(rest)
                     self.last = (writer.id, writer.created, item.result)
-                    yield writer.finish(item.result, extension(item.result, seed, waited, detail))
+                    yield writer.finish(item.result, extension(item.result, seed, waited, detail,
+                                                               self.prefill_chunk))
                 elif isinstance(item, JobFailed):
                     yield writer.error(_engine_error(item.error).body())
             yield writer.done()
         finally:  # normal end, or the client went away (starlette cancels this generator)
             job.cancelled.set()
+
+    # -- the tokenizer (vLLM's /tokenize and /detokenize shapes) -----------------------------------------
+    def tokenizer_info(self) -> dict:
+        tok = self.engine.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "model": self.model_id,
+                "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                "vocab_size": len(tok), "model_max_length": self.engine.max_context,
+                "chat_template": getattr(tok, "chat_template", None)}
+
+    def tokenize(self, req) -> dict:
+        self.check_model(req.model)
+        if req.messages is not None:
+            if req.prompt is not None:
+                raise APIError(400, "send either prompt or messages, not both", param="prompt",
+                               code="invalid_value")
+            messages = chat_messages(req)
+            if req.add_generation_prompt:  # exactly what a chat request's prompt becomes
+                tokens = self.engine.encode_prompt(messages, chat=True)[0].tolist()
+            else:
+                enc = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+                tokens = list(enc["input_ids"] if not isinstance(enc, list) else enc)
+        elif req.prompt is not None:
+            tokens = self.engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        else:
+            raise APIError(422, "prompt: Field required (add it to the request)", param="prompt",
+                           code="missing_field")
+        return {"tokens": list(tokens), "count": len(tokens), "max_model_len": self.engine.max_context}
+
+    def detokenize(self, req) -> dict:
+        self.check_model(req.model)
+        self.prompt_ids(req.tokens)  # the same vocabulary check as a token-id prompt
+        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
 
     def last_report(self) -> dict:
         """The last finished request's full cache report (per-layer rows included), named by its response id."""
@@ -301,6 +392,11 @@ class Server:
             "max_new_tokens": self.max_new_tokens,
             "queue": {"waiting": self.worker.waiting, "max": self.worker.max_queue,
                       "running": self.worker.running is not None},
+            "batch": {"running": len(self.worker.running or ()), "max": self.worker.max_batch,
+                      "last_step_size": self.worker.batch_size,
+                      "kind": "/".join(self.worker.batch_key) if self.worker.batch_key else None,
+                      "unbatched_reason": self.worker.unbatched_reason},
+            "prefill_chunk": self.prefill_chunk,
             "requests": dict(self.worker.stats),
             "version": __version__,
         }
@@ -315,10 +411,12 @@ def _engine_error(exc: BaseException) -> APIError:
 
 def create_app(engine, *, kv_policy: str | Policy = "turbo4", cache_mode: str = "compressed",
                max_new_tokens: int = 256, max_queue: int = 8, api_key: str | None = None,
-               model_aliases: tuple[str, ...] = ()) -> FastAPI:
+               model_aliases: tuple[str, ...] = (), max_batch: int = DEFAULT_MAX_BATCH,
+               prefill_chunk: int = 0) -> FastAPI:
     """A FastAPI app serving ``engine``; the worker thread starts and stops with the app's lifespan."""
     server = Server(engine, kv_policy=kv_policy, cache_mode=cache_mode, max_new_tokens=max_new_tokens,
-                    max_queue=max_queue, model_aliases=model_aliases)
+                    max_queue=max_queue, model_aliases=model_aliases, max_batch=max_batch,
+                    prefill_chunk=prefill_chunk)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -338,6 +436,22 @@ def create_app(engine, *, kv_policy: str | Policy = "turbo4", cache_mode: str = 
     async def health():
         body = server.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(server), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return server.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return server.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return server.detokenize(req)
 
     @app.get("/v1/models")
     async def models():

@@ -78,7 +78,7 @@ def validation_message(errors: list[dict], content_type: str = "application/json
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return 400, "the request body must be a JSON object", None, "invalid_json"
     # Union members add their type name to the location ("messages.0.content.str"); drop those.
-    loc = [p for p in loc if p not in ("str", "list[str]", "list[int]", "int", "list[ChatContentPart]")]
+    loc = [p for p in loc if p not in ("str", "list[str]", "list[int]", "list[list[int]]", "int", "list[ChatContentPart]")]
     param = ".".join(loc) if loc else None
     hint = _HINTS.get(first.get("type", ""), "")
     msg = first.get("msg", "invalid value")

@@ -1,6 +1,6 @@
 """Request models: what ``/v1/chat/completions`` and ``/v1/completions`` accept, validated by pydantic.
 
-Fields tqbench cannot honour (penalties, logprobs, tools, n > 1 ...) are accepted only at their neutral
+Fields tqbench cannot honour (penalties, tools, n > 1 ...) are accepted only at their neutral
 value; any other value is refused with a message, never silently ignored. Unknown fields are refused.
 Extensions: ``kv_policy`` (a preset name or compact policy), ``ignore_eos`` and ``cache_report``
 (``"summary"``, the default, or ``"layers"`` to add the per-layer rows to the response's cache report).
@@ -67,22 +67,20 @@ class StreamOptions(_Strict):
     include_obfuscation: StrictBool | None = None
 
 
-REPORT_DETAILS = ("summary", "layers")  # values of the cache_report extension
+REPORT_DETAILS = ("summary", "layers")
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's limit for chat)  # values of the cache_report extension
 
 # field -> (neutral values accepted, what to do instead)
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented: remove it or send 0"),
     "presence_penalty": ((None, 0, 0.0), "penalties are not implemented: remove it or send 0"),
     "logit_bias": ((None, {}), "logit_bias is not implemented: remove it"),
-    "logprobs": ((None, False, 0), "logprobs are not implemented: remove it"),
-    "top_logprobs": ((None, 0), "logprobs are not implemented: remove it"),
     "tools": ((None, []), "tool calling is not implemented: remove tools"),
     "tool_choice": ((None, "none"), "tool calling is not implemented: remove tool_choice"),
     "functions": ((None, []), "function calling is not implemented: remove functions"),
     "function_call": ((None, "none"), "function calling is not implemented: remove function_call"),
     "response_format": ((None, {"type": "text"}), "only plain text output is supported: remove response_format"),
     "best_of": ((None, 1), "best_of > 1 is not supported: remove it or send 1"),
-    "echo": ((None, False), "echo is not supported: remove it"),
     "suffix": ((None, ""), "suffix is not supported: remove it"),
 }
 
@@ -157,6 +155,48 @@ class _Common(_Strict):
                            "rows)", param="cache_report", code="invalid_value")
         return detail
 
+    def logprob_options(self, chat: bool) -> tuple[int | None, bool]:
+        """(top alternatives per token, or None for no logprobs; echo) after checking the fields' shapes.
+
+        Chat: ``logprobs: true`` with ``top_logprobs`` 0-20. Completions: ``logprobs: N`` (0-20) and ``echo``.
+        """
+        if chat:
+            if self.echo:
+                raise APIError(400, "echo is a /v1/completions field: chat completions do not echo the prompt; "
+                               "remove it or send the prompt to /v1/completions", param="echo",
+                               code="unsupported_parameter")
+            if self.logprobs is not None and not isinstance(self.logprobs, bool):
+                raise APIError(400, f"logprobs={self.logprobs!r} is invalid for chat completions: send true or "
+                               "false, and the number of alternatives as top_logprobs", param="logprobs",
+                               code="invalid_value")
+            top = self.top_logprobs
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"top_logprobs={top} is invalid: send an integer from 0 to {MAX_TOP_LOGPROBS}",
+                               param="top_logprobs", code="invalid_value")
+            if not self.logprobs:
+                if top:
+                    raise APIError(400, "top_logprobs needs logprobs=true: add \"logprobs\": true",
+                                   param="top_logprobs", code="invalid_value")
+                return None, False
+            wanted, echo = top or 0, False
+        else:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs is a chat completions field: on /v1/completions send the number "
+                               "of alternatives as logprobs (an integer)", param="top_logprobs",
+                               code="unsupported_parameter")
+            if isinstance(self.logprobs, bool):
+                raise APIError(400, f"logprobs={self.logprobs!r} is invalid for /v1/completions: send an integer, "
+                               f"the number of alternatives per token (0-{MAX_TOP_LOGPROBS})", param="logprobs",
+                               code="invalid_value")
+            if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"logprobs={self.logprobs} is invalid: send an integer from 0 to "
+                               f"{MAX_TOP_LOGPROBS}", param="logprobs", code="invalid_value")
+            wanted, echo = self.logprobs, bool(self.echo)
+        if self.stream and (wanted is not None or echo):
+            raise APIError(400, "logprobs and echo are not supported with stream=true: send stream=false",
+                           param="logprobs" if wanted is not None else "echo", code="unsupported_parameter")
+        return wanted, echo
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -167,7 +207,23 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr]
+    # a string, or token ids (what lm-evaluation-harness sends); a one-element list of either
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a prompt string, or chat messages rendered by the chat template."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -199,13 +255,21 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str:
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The prompt text, or its token ids when the client sent ids."""
     prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
     if isinstance(prompt, list):
         if len(prompt) != 1:
             raise APIError(400, f"prompt is a list of {len(prompt)} prompts: send one prompt (a string) per "
                            "request", param="prompt", code="invalid_value")
         prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt:
+                raise APIError(400, "prompt is an empty list of token ids: send at least one token", param="prompt",
+                               code="invalid_value")
+            return list(prompt)
     if not prompt.strip():
         raise APIError(400, "prompt is empty: send some text", param="prompt", code="invalid_value")
     return prompt

@@ -86,7 +86,7 @@ def cache_report_body(report, detail: str = "summary") -> dict | None:
     return body
 
 
-def extension(result, seed: int | None, waited: float, detail: str = "summary") -> dict:
+def extension(result, seed: int | None, waited: float, detail: str = "summary", prefill_chunk: int = 0) -> dict:
     """The ``tqbench`` extension field: the request's KV policy, its cache report and timings."""
     return {
         "kv_policy": result.kv_policy,
@@ -99,16 +99,72 @@ def extension(result, seed: int | None, waited: float, detail: str = "summary") 
         "decode_seconds": round(result.decode_seconds, 6),
         "decode_tokens_per_second": round(result.decode_tokens_per_second, 3),
         "cache_report": cache_report_body(result.cache_report, detail),
+        "prefill_chunk": prefill_chunk,  # prompt tokens per prefill forward call (0: the whole prompt in one)
     }
 
 
-def full_response(*, chat: bool, rid: str, model: str, created: int, text: str, result, ext: dict) -> dict:
+class TokenTexts:
+    """Each token id's own text (``tokenizer.decode([id])``, cached): the ``token`` strings of a logprobs body.
+
+    A byte-level token that is part of a multi-byte character decodes to U+FFFD on its own, as in OpenAI's
+    responses; its ``bytes`` are then those of the replacement character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tok.decode([token_id])
+        return text
+
+
+def chat_logprobs(generated: list, texts: TokenTexts) -> dict:
+    """``choices[0].logprobs`` of a chat completion: one entry per generated token (``TokenLogprob``s)."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = texts(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(g.token_id, g.logprob), "top_logprobs": [entry(i, lp) for i, lp in g.top]}
+                        for g in generated],
+            "refusal": None}
+
+
+def completion_logprobs(generated: list, texts: TokenTexts, prompt=None, start_offset: int = 0) -> dict:
+    """``choices[0].logprobs`` of a legacy completion: ``tokens``, ``token_logprobs``, ``top_logprobs`` and
+    ``text_offset``; with ``prompt`` (a ``PromptScored``, for ``echo``) the prompt's tokens come first, the
+    first of them with null log-probability and null alternatives (nothing predicts it)."""
+    ids: list[int] = []
+    lps: list[float | None] = []
+    tops: list[dict | None] = []
+    if prompt is not None:
+        ids.append(prompt.first_token_id)
+        lps.append(None)
+        tops.append(None)
+    for s in [*(prompt.scores if prompt is not None else ()), *generated]:
+        ids.append(s.token_id)
+        lps.append(s.logprob)
+        top: dict[str, float] = {}
+        for i, lp in s.top:  # best first: where two ids share a text, the likelier one keeps the key
+            top.setdefault(texts(i), lp)
+        tops.append(top)
+    tokens = [texts(i) for i in ids]
+    offsets, at = [], start_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def full_response(*, chat: bool, rid: str, model: str, created: int, text: str, result, ext: dict,
+                  logprobs: dict | None = None) -> dict:
     finish = FINISH_REASONS.get(result.stopped_by, "stop")
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",

@@ -1,0 +1,79 @@
+"""``GET /metrics``: what the server is doing, in the Prometheus text exposition format (version 0.0.4).
+
+Counters end in ``_total`` (a scraper takes their rate); gauges are the state now. Resident KV bytes are
+re-read from the running requests' caches at most once a second by the worker (a cache report walks every
+layer), so they may lag the batch by up to a second.
+"""
+
+from __future__ import annotations
+
+from tqbench import __version__
+
+
+def _line(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> list[str]:
+    out = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        tag = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+        out.append(f"{name}{{{tag}}} {_number(value)}" if tag else f"{name} {_number(value)}")
+    return out
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+def prometheus_text(server) -> str:
+    """The exposition text for ``server`` (a ``tqbench.server.app.Server``)."""
+    w = server.worker
+    stats = dict(w.stats)
+    c = dict(w.counters)
+    running = w.running or []
+    lines: list[str] = []
+    lines += _line("tqbench_info", "gauge", "The served model, default KV policy and cache mode (always 1).",
+                   [({"model": server.model_id, "kv_policy": server.policy.label, "cache_mode": server.cache_mode,
+                      "version": __version__}, 1)])
+    lines += _line("tqbench_requests_total", "counter",
+                   "Requests by outcome: completed, cancelled (client left or shutdown), failed (engine error), "
+                   "rejected (429, queue full), skipped (client left while queued).",
+                   [({"outcome": k}, v) for k, v in sorted(stats.items())])
+    lines += _line("tqbench_queue_depth", "gauge", "Requests waiting for the engine.", [({}, w.waiting)])
+    lines += _line("tqbench_queue_capacity", "gauge", "Most requests allowed to wait (--max-queue).",
+                   [({}, w.max_queue)])
+    lines += _line("tqbench_running_requests", "gauge", "Requests the engine is running (prefill or decode batch).",
+                   [({}, len(running))])
+    lines += _line("tqbench_batch_size", "gauge", "Sequences in the last decode step (0 when idle).",
+                   [({}, w.batch_size)])
+    lines += _line("tqbench_batch_capacity", "gauge", "Most sequences per decode step (--max-batch).",
+                   [({}, w.max_batch)])
+    lines += _line("tqbench_decode_steps_total", "counter", "Decode forward calls (one per step of the batch).",
+                   [({}, c["decode_steps"])])
+    lines += _line("tqbench_decode_rows_total", "counter",
+                   "Sequences summed over decode steps (divided by steps: the mean batch size).",
+                   [({}, c["decode_rows"])])
+    lines += _line("tqbench_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, c["prompt_tokens"])])
+    lines += _line("tqbench_generated_tokens_total", "counter", "Tokens generated.", [({}, c["generated_tokens"])])
+    lines += _line("tqbench_prefill_seconds_total", "counter", "Wall time spent in prefills.",
+                   [({}, c["prefill_seconds"])])
+    lines += _line("tqbench_decode_seconds_total", "counter", "Wall time spent in decode forward calls.",
+                   [({}, c["decode_seconds"])])
+    lines += _line("tqbench_decode_tokens_per_second", "gauge",
+                   "Tokens decoded per second over the last 10 s, all running requests together.",
+                   [({}, round(w.tokens_per_second(), 3))])
+    kv = dict(w.kv_bytes)
+    lines += _line("tqbench_kv_resident_bytes", "gauge",
+                   "KV bytes resident during decode, summed over the running requests (cache report).",
+                   [({}, kv["resident"])])
+    lines += _line("tqbench_kv_packed_bytes", "gauge",
+                   "KV storage bytes (packed + full-precision rows + metadata) of the running requests.",
+                   [({}, kv["packed"])])
+    lines += _line("tqbench_kv_dense_fp16_bytes", "gauge",
+                   "What the running requests' K/V would take as dense fp16.", [({}, kv["dense_fp16"])])
+    return "\n".join(lines) + "\n"
