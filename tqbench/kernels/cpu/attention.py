@@ -81,7 +81,7 @@ def _side_args(side: PackedSide | None, n_before: int, dt: torch.dtype) -> list:
         codes, a, z = p["idx"], p["norm"], empty
     else:
         lut = code_values(side.bits, dt, p["q"].device)
-        codes, a, z = p["q"], p["scale"], p["zero"]
+        codes, a, z = p["q"], p["scale"].to(dt), p["zero"].to(dt)  # read per element: converted once per call
     return [KIND_CODES[side.kind], side.bits, side.group, n_before, side.n_tokens, codes, a, z, lut,
             _byte_table(lut, side.bits)]
 

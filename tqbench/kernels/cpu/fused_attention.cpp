@@ -44,7 +44,8 @@ struct Side {
   int64_t c_b = 0, c_h = 0, c_r = 0;  // codes [B, H, R, bytes] (R = tokens, or blocks for KIVI)
   const at::Half* a = nullptr;  // turbo: norm [B, H, N, 1]; affine: scale [B, H, R, G | D]
   int64_t a_b = 0, a_h = 0, a_r = 0;
-  const at::Half* z = nullptr;  // affine: zero, same shape as scale
+  const T* af = nullptr;  // affine: scale [B, H, R, G | D] in the compute dtype (converted once per call)
+  const T* z = nullptr;   // affine: zero, same shape as scale
   int64_t z_b = 0, z_h = 0, z_r = 0;
   const T* lut = nullptr;   // value of each code: turbo codebook, or 0..2^bits-1 for affine
   float lutpad[16] = {0};
@@ -58,6 +59,29 @@ struct Side {
 template <typename T>
 inline void decode_codes(const Side<T>& s, const uint8_t* p, int64_t bitoff, int64_t n, T* out) {
   const int64_t bits = s.bits;
+  if (s.kind != TURBO && (bitoff & 7) == 0 && (bits == 8 || bits == 4 || bits == 2) && n % (8 / bits) == 0) {
+    // affine codes are their own values: unpack and convert (vectorizes), no table
+    const uint8_t* q = p + (bitoff >> 3);
+    if (bits == 8) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(q[i]);
+    } else if (bits == 4) {
+#pragma omp simd
+      for (int64_t i = 0; i < n / 2; ++i) {
+        out[2 * i] = static_cast<T>(q[i] & 15);
+        out[2 * i + 1] = static_cast<T>(q[i] >> 4);
+      }
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < n / 4; ++i) {
+        out[4 * i] = static_cast<T>(q[i] & 3);
+        out[4 * i + 1] = static_cast<T>((q[i] >> 2) & 3);
+        out[4 * i + 2] = static_cast<T>((q[i] >> 4) & 3);
+        out[4 * i + 3] = static_cast<T>(q[i] >> 6);
+      }
+    }
+    return;
+  }
   if (s.btab != nullptr && (bitoff & 7) == 0 && n % s.per_byte == 0) {
     p += bitoff >> 3;
     const int64_t nbytes = n / s.per_byte;
@@ -166,22 +190,24 @@ TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, 
   }
   if (s.kind == AFFINE_TOKEN) {
     decode_codes(s, s.codes + b * s.c_b + h * s.c_h + n * s.c_r, 0, D, buf);
-    const at::Half* sc = s.a + b * s.a_b + h * s.a_h + n * s.a_r;
-    const at::Half* ze = s.z + b * s.z_b + h * s.z_h + n * s.z_r;
+    const T* sc = s.af + b * s.a_b + h * s.a_h + n * s.a_r;
+    const T* ze = s.z + b * s.z_b + h * s.z_h + n * s.z_r;
     const int64_t gs = s.group;
     for (int64_t g = 0; g < D / gs; ++g) {
-      const T a = static_cast<T>(static_cast<float>(sc[g])), z = static_cast<T>(static_cast<float>(ze[g]));
-      for (int64_t j = g * gs; j < (g + 1) * gs; ++j) buf[j] = buf[j] * a + z;
+      const T a = sc[g], z = ze[g];
+      T* bg = buf + g * gs;
+#pragma omp simd
+      for (int64_t j = 0; j < gs; ++j) bg[j] = bg[j] * a + z;
     }
     return buf;
   }
   // AFFINE_CHANNEL (KIVI): blocks of `group` tokens, token-major codes, scale/zero per (block, channel)
   const int64_t u = n / s.group, k = n % s.group;
   decode_codes(s, s.codes + b * s.c_b + h * s.c_h + u * s.c_r, k * D * s.bits, D, buf);
-  const at::Half* sc = s.a + b * s.a_b + h * s.a_h + u * s.a_r;
-  const at::Half* ze = s.z + b * s.z_b + h * s.z_h + u * s.z_r;
-  for (int64_t j = 0; j < D; ++j)
-    buf[j] = buf[j] * static_cast<T>(static_cast<float>(sc[j])) + static_cast<T>(static_cast<float>(ze[j]));
+  const T* sc = s.af + b * s.a_b + h * s.a_h + u * s.a_r;
+  const T* ze = s.z + b * s.z_b + h * s.z_h + u * s.z_r;
+#pragma omp simd
+  for (int64_t j = 0; j < D; ++j) buf[j] = buf[j] * sc[j] + ze[j];
   return buf;
 }
 
@@ -260,14 +286,21 @@ Side<T> make_side(int64_t kind, int64_t bits, int64_t group, int64_t nb, int64_t
   s.c_b = codes.stride(0);
   s.c_h = codes.stride(1);
   s.c_r = codes.stride(2);
-  TORCH_CHECK(a.scalar_type() == torch::kHalf && a.dim() == 4 && a.stride(3) == 1, "norm/scale must be fp16");
-  s.a = a.data_ptr<at::Half>();
+  TORCH_CHECK(a.dim() == 4 && a.stride(3) == 1, "norm/scale must be [B, H, R, n] with unit last stride");
+  if (kind == TURBO) {
+    TORCH_CHECK(a.scalar_type() == torch::kHalf, "turbo norms must be fp16");
+    s.a = a.data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(a.scalar_type() == c10::CppTypeToScalarType<T>::value, "affine scale must be in the compute dtype");
+    s.af = a.data_ptr<T>();
+  }
   s.a_b = a.stride(0);
   s.a_h = a.stride(1);
   s.a_r = a.stride(2);
   if (kind != TURBO) {
-    TORCH_CHECK(z.scalar_type() == torch::kHalf && z.dim() == 4 && z.stride(3) == 1, "zero must be fp16");
-    s.z = z.data_ptr<at::Half>();
+    TORCH_CHECK(z.scalar_type() == c10::CppTypeToScalarType<T>::value && z.dim() == 4 && z.stride(3) == 1,
+                "affine zero must be in the compute dtype");
+    s.z = z.data_ptr<T>();
     s.z_b = z.stride(0);
     s.z_h = z.stride(1);
     s.z_r = z.stride(2);
