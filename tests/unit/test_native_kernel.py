@@ -204,11 +204,12 @@ def test_sparse_v_skips_light_rows_within_its_bound():
 
 
 def test_simd_order_is_a_permutation():
-    for bits in (2, 3, 4):
+    for bits in (1, 2, 3, 4):
         for d in (64, 128):
             assert sorted(simd_order(bits, d).tolist()) == list(range(d))
-    with pytest.raises(ValueError, match="no SIMD order for 1-bit codes"):
-        simd_order(1, 64)
+    assert simd_order(1, 64).tolist() == list(range(64))
+    with pytest.raises(ValueError, match="no SIMD order for 5-bit codes"):
+        simd_order(5, 64)
 
 
 # -- in the model -------------------------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ def _byte_table(lut: torch.Tensor, bits: int) -> torch.Tensor:
 def simd_order(bits: int, d: int) -> torch.Tensor:
     """The coordinate each position holds when the kernel decodes ``bits``-bit turbo rows 64 codes at a time."""
     p = torch.arange(64)
-    if bits == 4:
+    if bits == 1:
+        one = p  # a mask blend per 16 codes keeps the natural order
+    elif bits == 4:
         one = torch.where(p < 32, 2 * p, 2 * (p - 32) + 1)
     elif bits == 2:
         one = 4 * (p % 16) + p // 16

@@ -122,12 +122,19 @@ inline void decode_codes(const Side<T>& s, const uint8_t* p, int64_t bitoff, int
 // TurboQuant 2/3/4-bit rows with D % 64 == 0 decode in "SIMD order": 64 codes at a time, position order
 // as the unpack produces it (simd_order() gives the permutation; the caller permutes the rotation's rows
 // once, so queries and rotated-domain sums are already in this order and nothing is shuffled per row).
-inline bool simd_turbo(int64_t bits, int64_t D) { return D % 64 == 0 && bits >= 2 && bits <= 4; }
+inline bool simd_turbo(int64_t bits, int64_t D) { return D % 64 == 0 && bits >= 1 && bits <= 4; }
 
 inline __attribute__((always_inline)) void decode_turbo_simd(const uint8_t* p, int64_t bits, int64_t D, const float* lut, float* out) {
   const __m512 cb = _mm512_loadu_ps(lut);  // 2**bits <= 16 entries (the table is padded to 16)
   for (int64_t c = 0; c < D / 64; ++c, out += 64) {
-    if (bits == 4) {
+    if (bits == 1) {  // bit j of the stream picks level 1 for code j: a mask blend per 16 codes, natural order
+      const uint8_t* q = p + 8 * c;
+      const __m512 c0 = _mm512_set1_ps(lut[0]), c1 = _mm512_set1_ps(lut[1]);
+      for (int k = 0; k < 4; ++k) {
+        const __mmask16 m = static_cast<__mmask16>(q[2 * k] | (q[2 * k + 1] << 8));
+        _mm512_storeu_ps(out + 16 * k, _mm512_mask_blend_ps(m, c0, c1));
+      }
+    } else if (bits == 4) {
       const uint8_t* q = p + 32 * c;
       const __m512i x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
       const __m512i x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
@@ -825,7 +832,7 @@ std::vector<torch::Tensor> turbo_encode(torch::Tensor x, torch::Tensor rotation,
 
 std::vector<int64_t> simd_turbo_bits() {
 #if TQ_SIMD
-  return {2, 3, 4};
+  return {1, 2, 3, 4};
 #else
   return {};
 #endif
