@@ -44,6 +44,17 @@ PROMPTS = [
 ]
 
 
+
+def stop_server(proc) -> None:
+    """Terminate a server this script started (kill it if it does not stop within 15 s)."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running server (default: start one on a free loopback port)")
@@ -330,12 +341,7 @@ def main_sweep(a) -> int:
                 print(f"  {policy} c={c}: {r['completed']}/{r['sent']} ok, decode {r['decode_tokens_per_s']} tok/s, "
                       f"mean batch {r['mean_batch']}, same tokens {r['same_tokens_as_reference']}", flush=True)
         finally:
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_server(proc)
     base = {}
     for r in runs:
         b = base.setdefault(r["kv_policy"], r)
@@ -394,12 +400,7 @@ def main(argv=None) -> int:
         rows, wall = run(a, url)
         load_after = os.getloadavg()
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
     summary = summarize(rows, wall)
     print(f"tqbench serve benchmark: {health.get('model')} kv_policy {a.request_kv_policy or health.get('kv_policy')} "
           f"({health.get('cache_mode')}), {a.requests} requests x {a.max_tokens} tokens at concurrency "

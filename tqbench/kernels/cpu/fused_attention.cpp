@@ -330,7 +330,7 @@ constexpr int64_t TILE = 16;  // rows per tile: scores of a tile reduce together
 
 // Scores of one tile: s[m * ld + j] = scale_j * <q_m or qr_m, row_j> + (rot_j ? qmu_m : 0).
 template <typename T>
-inline void tile_scores(const T* const* rows, const T* scale, const bool* rot, int64_t nt, const T* q,
+inline void tile_scores_generic(const T* const* rows, const T* scale, const bool* rot, int64_t nt, const T* q,
                         const T* qr, const T* qmu, int64_t M, int64_t D, T* s, int64_t ld) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < nt; ++j)
@@ -340,7 +340,7 @@ inline void tile_scores(const T* const* rows, const T* scale, const bool* rot, i
 
 // Values of one tile: acc_m += w_mj * row_j, w_mj = p_mj * scale_j, into accP (rotated rows) or accD.
 template <typename T>
-inline void tile_values(const T* const* rows, const T* scale, const bool* rot, int64_t nt, const T* p,
+inline void tile_values_generic(const T* const* rows, const T* scale, const bool* rot, int64_t nt, const T* p,
                         int64_t ld, int64_t M, int64_t Dv, T* accD, T* accP, T* ps) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < nt; ++j) {
@@ -353,6 +353,18 @@ inline void tile_values(const T* const* rows, const T* scale, const bool* rot, i
         axpy(w, rows[j], accD + m * Dv, Dv);
       }
     }
+}
+
+template <typename T>
+inline void tile_scores(const T* const* rows, const T* scale, const bool* rot, int64_t nt, const T* q,
+                        const T* qr, const T* qmu, int64_t M, int64_t D, T* s, int64_t ld) {
+  tile_scores_generic(rows, scale, rot, nt, q, qr, qmu, M, D, s, ld);
+}
+
+template <typename T>
+inline void tile_values(const T* const* rows, const T* scale, const bool* rot, int64_t nt, const T* p,
+                        int64_t ld, int64_t M, int64_t Dv, T* accD, T* accP, T* ps) {
+  tile_values_generic(rows, scale, rot, nt, p, ld, M, Dv, accD, accP, ps);
 }
 
 #if TQ_SIMD
@@ -437,13 +449,7 @@ template <>
 inline void tile_scores<float>(const float* const* rows, const float* scale, const bool* rot, int64_t nt,
                                const float* q, const float* qr, const float* qmu, int64_t M, int64_t D,
                                float* s, int64_t ld) {
-  if (D % 16) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < nt; ++j)
-        s[m * ld + j] = rot[j] ? scale[j] * dot(qr + m * D, rows[j], D) + (qmu ? qmu[m] : 0.f)
-                               : dot(q + m * D, rows[j], D);
-    return;
-  }
+  if (D % 16) return tile_scores_generic(rows, scale, rot, nt, q, qr, qmu, M, D, s, ld);
   bool same = true;
   for (int64_t j = 1; j < nt; ++j) same = same && rot[j] == rot[0];
   if (same && (D == 64 || D == 128)) {
@@ -491,20 +497,7 @@ template <>
 inline void tile_values<float>(const float* const* rows, const float* scale, const bool* rot, int64_t nt,
                                const float* p, int64_t ld, int64_t M, int64_t Dv, float* accD, float* accP,
                                float* ps) {
-  if (Dv % 16 || Dv > 256) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < nt; ++j) {
-        const float w = p[m * ld + j];
-        if (rows[j] == nullptr || w == 0) continue;
-        if (rot[j]) {
-          axpy(w * scale[j], rows[j], accP + m * Dv, Dv);
-          ps[m] += w;
-        } else {
-          axpy(w, rows[j], accD + m * Dv, Dv);
-        }
-      }
-    return;
-  }
+  if (Dv % 16 || Dv > 256) return tile_values_generic(rows, scale, rot, nt, p, ld, M, Dv, accD, accP, ps);
   if (Dv == 64 || Dv == 128) {  // compact the rows that carry weight, then one register pass per query
     const float* live[TILE];
     int64_t idx[TILE];
