@@ -12,6 +12,7 @@ quantized afterwards); history is read as stored.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.report import CacheReport, LayerBytes
 from tqbench.engine.cache.store import FP_BYTES, KVStore
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.engine.policy.artifact import artifact_warning_for
 from tqbench.engine.policy.spec import LayerPlan, Policy, parse_policy
 
 __all__ = ["CACHE_MODES", "FusedKV", "TQCache", "TQLayer", "check_mode", "fused_reference_peak_bytes"]
@@ -228,6 +230,10 @@ class TQCache(Cache):
         self.policy = parse_policy(policy)
         self.mode = check_mode(mode)
         geo = KVGeometry.from_config(config)
+        #: set when ``policy`` is a saved artifact fitted on a model of another KV geometry (also warned)
+        self.policy_warning = artifact_warning_for(policy, geometry=geo)
+        if self.policy_warning:
+            warnings.warn(self.policy_warning, stacklevel=2)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
         layer_types = list(geo.layer_types) if geo.layer_types else None
         if layer_types is not None:

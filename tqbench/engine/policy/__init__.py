@@ -5,6 +5,14 @@
 """
 
 from tqbench.engine.policy.allocate import KL_RATIO, MSE_RATIO, allocate_bits, allocation_policy, row_bits
+from tqbench.engine.policy.artifact import (
+    PolicyArtifact,
+    artifact_warning_for,
+    is_policy_artifact,
+    load_policy_artifact,
+    policy_model_warning,
+    save_policy_artifact,
+)
 from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.policy.spec import (
     BYPASS_CHOICES,
@@ -20,6 +28,8 @@ from tqbench.engine.policy.spec import (
     load_policy_file,
     parse_compact,
     parse_policy,
+    shipped_policy_names,
+    shipped_policy_path,
 )
 
 __all__ = [
@@ -33,6 +43,14 @@ __all__ = [
     "ROTATION_CHOICES",
     "SHIPPED_POLICY_DIR",
     "LayerPlan",
+    "PolicyArtifact",
+    "artifact_warning_for",
+    "is_policy_artifact",
+    "load_policy_artifact",
+    "policy_model_warning",
+    "save_policy_artifact",
+    "shipped_policy_names",
+    "shipped_policy_path",
     "Policy",
     "allocate_bits",
     "allocation_policy",
