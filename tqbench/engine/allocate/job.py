@@ -11,6 +11,7 @@ Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"verify", ...)``, `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -126,13 +127,15 @@ def allocate_policy(
     verify_steps: int = 256,
     name: str | None = None,
     partial_path: str | None = None,
+    partial_dir: str | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on ``verify_text``.
 
     ``base`` gives the token protection (sink, recent) and codec options every layer shares; ``codecs`` the
-    choices per layer and role. ``verify_text=None`` skips verification.
+    choices per layer and role. ``verify_text=None`` skips verification. ``partial_path``: the partial results
+    file (read if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is not available: only per-layer allocation is implemented "
@@ -151,6 +154,10 @@ def allocate_policy(
              "codecs": specs, "granularity": granularity, "sink": base_pol.sink, "recent": base_pol.recent,
              "codec_options": base_pol.to_string(), "model_fingerprint": engine.loaded.fingerprint,
              "measure": "one-layer chunk KL"}
+    if partial_path is None and partial_dir is not None:
+        digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:12]
+        os.makedirs(partial_dir, exist_ok=True)
+        partial_path = os.path.join(partial_dir, f"{digest}.partial.json")
     known = _read_partial(partial_path, setup) if partial_path else {}
     cells = dict(known)
 

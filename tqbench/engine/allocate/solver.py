@@ -6,8 +6,9 @@ norms/scales, per-layer codec state (centering means), shared rotations and code
 layers' dense windows. Every (layer, role, codec) has an exact byte cost (``store_bytes``); the choice is a
 multiple-choice knapsack, solved by dynamic programming over byte costs rounded *up* to a quantum (so the
 solution never exceeds the budget by rounding). Shared objects are counted once for the whole cache: the
-solver first reserves those of the codecs the previous solution used (all candidates on the first pass), and
-the result is checked with ``estimate_kv`` itself; a solution over the exact budget is never returned.
+solver reserves those of all candidate codecs first, then those the previous solution used (or the cheapest
+choices' when nothing fitted), until the reserve repeats; each solution is
+checked with ``estimate_kv`` itself, and one over the exact budget is never returned.
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         tried.add(frozenset(reserve_specs))
         room = budget_bytes - fixed - _shared(base, reserve_specs, g.head_dim)
         picks = _solve_dp(costs, kls, room // quantum) if room >= 0 else None
-        if picks is None:
-            break
+        if picks is None:  # try again reserving only what the cheapest choices share
+            reserve_specs = {(role, table.codecs[min(range(len(row)), key=row.__getitem__)])
+                             for (_, role), row in zip(items, exact)}
+            continue
         k = ["fp16"] * g.num_layers
         v = ["fp16"] * g.num_layers
         for (layer, role), j in zip(items, picks):
@@ -162,8 +165,9 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
             best = Allocation(pol, tuple(k), tuple(v), pred, budget_bits, est)
         reserve_specs = {(role, table.codecs[j]) for (_, role), j in zip(items, picks)}
     if best is None:
-        cheapest = [min(row) for row in exact]
-        floor = (sum(cheapest) + fixed) * 8 / dense_elems
+        cheapest = [min(range(len(row)), key=row.__getitem__) for row in exact]
+        shared = _shared(base, {(role, table.codecs[j]) for (_, role), j in zip(items, cheapest)}, g.head_dim)
+        floor = (sum(row[j] for row, j in zip(exact, cheapest)) + fixed + shared) * 8 / dense_elems
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "

@@ -1,0 +1,81 @@
+"""The KL-vs-bits frontier: allocated policies against the uniform presets, on texts the allocator did not see.
+
+Each policy is measured by the engine's ``frontier`` (teacher-forced: prefill, then single-token steps, KL of the
+next-token distributions against a dense baseline; bits per element exact at --context tokens, and the
+policy's own cache report after a real prefill of that many tokens). For every allocated policy the table
+names the best uniform preset of no more bytes and whether the allocation is at or below its KL.
+
+    python benchmarks/frontier.py --allocated tqbench/data/policies/smollm2-alloc-2.5bit.toml,... \\
+        --texts rivers,bread --json benchmarks/results/frontier-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from _common import cpu_model, write_json
+from rich.console import Console
+from rich.table import Table
+
+from tqbench.engine.allocate import frontier
+from tqbench.engine.engine import Engine
+
+UNIFORM = ["turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", "turbo4", "q8k-int4v", "q8k-turbo4v"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--allocated", required=True, help="comma-separated policy artifacts (.toml) or names")
+    ap.add_argument("--uniform", default=",".join(UNIFORM), help="comma-separated uniform presets")
+    ap.add_argument("--texts", default="rivers", help="comma-separated shipped corpus texts (not the calibration text)")
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    console = Console()
+    engine = Engine.load(args.model, threads=args.threads)
+    allocated = [p for p in args.allocated.split(",") if p]
+    uniform = [p for p in args.uniform.split(",") if p]
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    results = {}
+    for text in args.texts.split(","):
+        pts = frontier(engine, allocated + uniform, text=text, prefill=args.prefill, steps=args.steps,
+                       context=args.context)
+        results[text] = [p.to_dict() | {"kind": "allocated" if i < len(allocated) else "uniform"}
+                         for i, p in enumerate(pts)]
+        table = Table(title=f"frontier on {text}: {args.prefill} prefill + {args.steps} teacher-forced steps, "
+                            f"bits at {args.context} tokens")
+        for col in ("policy", "kind", "bits/el", "KL", "top-1", "ppl delta", "best uniform <= bytes", "its KL", "at/below"):
+            table.add_column(col, justify="left" if col in ("policy", "kind", "best uniform <= bytes") else "right")
+        uni = [r for r in results[text] if r["kind"] == "uniform"]
+        for r in sorted(results[text], key=lambda r: r["bits_per_element"]):
+            cheaper = [u for u in uni if u["bits_per_element"] <= r["bits_per_element"] + 1e-9]
+            best = min(cheaper, key=lambda u: u["kl_mean"]) if cheaper and r["kind"] == "allocated" else None
+            if best is not None:
+                r["best_uniform_no_more_bytes"] = best["kv_policy"]
+                r["at_or_below_best_uniform"] = r["kl_mean"] <= best["kl_mean"]
+            table.add_row(r["kv_policy"], r["kind"], f"{r['bits_per_element']:.3f}", f"{r['kl_mean']:.4f}",
+                          f"{r['top1_agreement']:.3f}", f"{r['ppl_delta']:+.3f}",
+                          best["kv_policy"] if best else "", f"{best['kl_mean']:.4f}" if best else "",
+                          ("yes" if r["at_or_below_best_uniform"] else "NO") if best else "")
+        console.print(table)
+    payload = {
+        "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "model": engine.name,
+        "threads": torch.get_num_threads(), "cpu": cpu_model(), "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(), "seconds": round(time.perf_counter() - t0, 1),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prefill": args.prefill,
+        "steps": args.steps, "context": args.context, "results": results,
+    }
+    write_json(args.json, payload, console)
+
+
+if __name__ == "__main__":
+    main()
