@@ -46,7 +46,7 @@ class AllocatePanel(Vertical):
     AllocatePanel #alloc-bar { width: 30; margin-left: 2; }
     AllocatePanel #alloc-status { width: 1fr; height: auto; }
     AllocatePanel #alloc-body { height: 18; }
-    AllocatePanel #alloc-heatmap { width: 32; height: 18; }
+    AllocatePanel #alloc-heatmap { width: 40; height: 18; }
     AllocatePanel #frontier-plot { width: 1fr; height: 18; }
     """
 

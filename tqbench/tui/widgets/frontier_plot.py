@@ -23,7 +23,7 @@ class FrontierPlot(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.points: dict[str, tuple[float, float, str]] = {}
-        self.border_title = "frontier: log10 teacher-forced KL vs bits/element · o presets · * allocations"
+        self.border_title = "frontier: log10 KL vs bits/element · o presets · * allocations"
 
     def set_points(self, points: dict[str, tuple[float, float, str]], subtitle: str = "") -> None:
         self.points = dict(points)
@@ -42,11 +42,11 @@ class FrontierPlot(Static):
         fig = plt.figure
         fig.clear()
         fig.plot_size(w, h)
-        for kind, marker, label in (("preset", "o", "presets"), ("allocation", "*", "allocations")):
+        for kind, marker in (("preset", "o"), ("allocation", "*")):
             pts = sorted((b, math.log10(max(kl, KL_FLOOR))) for b, kl, k in self.points.values() if k == kind)
             if pts:
                 sig = fig.signal([p[0] for p in pts], [p[1] for p in pts], marker=marker)
-                sig.label(label)
                 fig.draw(sig)
+        fig.legend(active=False)  # the border title names the markers; a legend box would hide points
         fig.label("bits/element", "x")
         return Text.from_ansi(_BG.sub("", fig.build().string()))
