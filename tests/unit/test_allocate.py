@@ -119,8 +119,12 @@ def test_allocate_cancels_and_resumes_from_its_partial_file(tiny_engine, tmp_pat
     fresh = allocate_policy(tiny_engine, 4.0, codecs=CODECS, **SMALL)
     assert fresh.table.kl == resumed.table.kl and fresh.allocation.policy == resumed.allocation.policy
     assert fresh.verified.kl_mean == resumed.verified.kl_mean
-    with pytest.raises(ValueError, match=r"measured with another setup \(codecs differ\)"):
-        allocate_policy(tiny_engine, 4.0, codecs=["turbo1", "turbo3"], partial_path=str(partial), **SMALL)
+    other = allocate_policy(tiny_engine, 4.0, codecs=["turbo1", "turbo3"], partial_path=str(partial), **SMALL)
+    assert (other.resumed_cells, other.measured_cells) == (8, 8)  # the turbo1 cells are reused
+    assert other.table.kl[(2, "v")]["turbo1"] == fresh.table.kl[(2, "v")]["turbo1"]
+    with pytest.raises(ValueError, match=r"measured with another setup \(codec_options, recent differ\)"):
+        allocate_policy(tiny_engine, 4.0, codecs=CODECS, partial_path=str(partial),
+                        **{**SMALL, "base": "sink=2,recent=8"})
 
 
 def test_allocation_is_verified_and_its_cache_report_is_within_budget(tiny_engine):

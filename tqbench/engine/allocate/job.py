@@ -2,7 +2,7 @@
 
 1. sensitivity (``sensitivity.measure_sensitivity``) on a calibration text, every cell persisted to a partial
    results file as it is measured, so a cancelled or killed job resumes where it stopped (and another budget
-   for the same setup reuses every cell);
+   or codec list for the same calibration and token protection reuses every cell it shares);
 2. the exact-bytes solve (``solver.solve_allocation``) at the stated context;
 3. verification (``verify.frontier``) teacher-forced on a shipped text that was not the calibration text.
 Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"verify", ...)``, ``TeacherForcedStep``;
@@ -97,8 +97,9 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
         raise ValueError(f"partial results file {path!r} is not valid JSON ({exc}): delete it to start over") from None
     if data.get("format") != PARTIAL_FORMAT:
         raise ValueError(f"{path!r} is not an allocate partial results file: give another --resume path")
-    if data.get("setup") != setup:
-        diff = sorted(k for k in set(setup) | set(data.get("setup", {})) if setup.get(k) != data["setup"].get(k))
+    old = data.get("setup", {})
+    diff = sorted(k for k in set(setup) | set(old) if k != "codecs" and setup.get(k) != old.get(k))
+    if diff:  # cells are keyed by codec: another codec list reuses the cells of the codecs it shares
         raise ValueError(f"partial results file {path!r} was measured with another setup ({', '.join(diff)} "
                          "differ): delete it, or give another --resume path")
     return {k: float(v) for k, v in data.get("cells", {}).items()}
@@ -106,8 +107,9 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
 
 def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
     tmp = f"{path}.tmp"
+    codecs = sorted({key.split("/")[2] for key in cells})
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"format": PARTIAL_FORMAT, "setup": setup, "cells": cells}, fh)
+        json.dump({"format": PARTIAL_FORMAT, "setup": setup | {"codecs": codecs}, "cells": cells}, fh)
     os.replace(tmp, path)
 
 

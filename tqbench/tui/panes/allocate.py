@@ -86,9 +86,9 @@ class AllocatePanel(Vertical):
 
     # ---- running ---------------------------------------------------------------------------------
     def _builder(self):
-        from tqbench.tui.panes.policies import PoliciesPane
-
-        return next(a for a in self.ancestors if isinstance(a, PoliciesPane))
+        """The Policies pane holding this panel (found by what it offers: no import of policies.py, which
+        imports this module)."""
+        return next(a for a in self.ancestors if hasattr(a, "keep_policy") and hasattr(a, "context"))
 
     def _settings(self) -> tuple[float, int, int, int]:
         pane = self._builder()
