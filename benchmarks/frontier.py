@@ -12,7 +12,8 @@ Points already measured with the same engine function, text, prefill and steps a
 again (the machine is shared and a teacher-forced run costs minutes under load): an allocation's own
 ``[verified]`` table (``allocate`` verifies on the same settings), and ``--reuse`` JSON files written by
 ``benchmarks/quality.py`` (their bits are at prefill + steps tokens, so bits are recomputed at --context with
-``estimate_kv``, exact to the byte). Each row says where its numbers came from.
+``estimate_kv``, exact to the byte), or earlier frontier.py files (rows measured at the same context). Each
+row says where its numbers came from.
 """
 
 from __future__ import annotations
@@ -46,11 +47,21 @@ def _reused(pol: str, kind: str, text: str, args, engine, reuse: list[dict]) -> 
                 (f"corpus:{text}", args.prefill, args.steps, args.context):
             return dict(v) | {"kind": kind, "source": f"{pol} [verified]"}
         return None
+    label = parse_policy(pol).label
     for data in reuse:
-        if "--texts" not in data.get("command", "") or f"--texts {text}" not in data["command"]:
+        if isinstance(data.get("results"), dict):  # an earlier frontier.py file: rows at the same context
+            if data.get("context") != args.context:
+                continue
+            for r in data["results"].get(text, []):
+                if r["kv_policy"] == label and (r["prefill_tokens"], r["steps"]) == (args.prefill, args.steps) \
+                        and r["source"] == "measured":
+                    keep = {k: v for k, v in r.items() if k not in ("best_uniform_no_more_bytes",
+                                                                     "at_or_below_best_uniform")}
+                    return keep | {"kind": kind, "source": f"measured (reused from {data['command'].split()[-1]})"}
             continue
-        for r in data.get("results", []):
-            if r["kv_policy"] == parse_policy(pol).label and (r["prefill_tokens"], r["steps"]) == (args.prefill, args.steps):
+        for r in data.get("rows", []):  # benchmarks/quality.py: bits at prefill + steps tokens
+            if r.get("text") == text and r["kv_policy"] == label and \
+                    (r["prefill_tokens"], r["steps"]) == (args.prefill, args.steps):
                 est = estimate_kv(parse_policy(pol), engine.geometry, args.context)
                 return {"kv_policy": r["kv_policy"], "text": f"corpus:{text}", "context_tokens": args.context,
                         "bits_per_element": est.bits_per_element, "report_bits_per_element": None,
@@ -58,7 +69,7 @@ def _reused(pol: str, kind: str, text: str, args, engine, reuse: list[dict]) -> 
                         "kl_mean": r["kl_mean"], "kl_max": r["kl_max"], "top1_agreement": r["top1_agreement"],
                         "ppl_baseline": r["ppl_baseline"], "ppl_candidate": r["ppl_candidate"],
                         "ppl_delta": r["ppl_candidate"] - r["ppl_baseline"], "kind": kind,
-                        "source": f"{data['command'].split('--json')[-1].strip()} (bits at {args.context} by estimate_kv)"}
+                        "source": f"{data['command'].split()[-1]} (bits at {args.context} by estimate_kv)"}
     return None
 
 
