@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from tqbench import __version__
+from tqbench.cli.allocate import allocate
 from tqbench.cli.bench import bench, policies
 from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
@@ -49,7 +50,7 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
         open_workbench(ctx)
 
 
-for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, sweep):
+for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep):
     main.add_command(command)
 
 if __name__ == "__main__":  # pragma: no cover

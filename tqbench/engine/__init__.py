@@ -3,7 +3,7 @@
 This package is the one door the front ends (CLI, TUI, server, sessions) use: ``from tqbench.engine import
 Engine, parse_policy, run_validate ...``. Names load lazily, so ``import tqbench.engine`` does not import
 torch; each name comes from its room's package (``tqbench.engine.policy``, ``.cache``, ``.validate``,
-``.scan``, ``.models``) or from a top-level engine module (``engine``, ``generate``, ``metrics``), never
+``.scan``, ``.models``, ``.allocate``) or from a top-level engine module (``engine``, ``generate``, ``metrics``), never
 from a module inside a room, so rooms may rearrange their modules freely.
 
 ``validate`` and ``scan`` are rooms (subpackages), so their main functions come through the door as
@@ -19,6 +19,7 @@ _VALIDATE = "tqbench.engine.validate"
 _SCAN = "tqbench.engine.scan"
 _METRICS = "tqbench.engine.metrics"
 _GENERATE = "tqbench.engine.generate"
+_ALLOCATE = "tqbench.engine.allocate"
 
 # public name -> (module, attribute in that module)
 _LAZY: dict[str, tuple[str, str]] = {
@@ -52,6 +53,10 @@ _LAZY: dict[str, tuple[str, str]] = {
     "needle_in_haystack": (_VALIDATE, "needle_in_haystack"),
     "run_scan": (_SCAN, "scan"),
     "capture_qkv": (_SCAN, "capture_qkv"),
+    "allocate_policy": (_ALLOCATE, "allocate_policy"),
+    "frontier": (_ALLOCATE, "frontier"),
+    "save_policy_artifact": (_ALLOCATE, "save_policy_artifact"),
+    "load_policy_artifact": (_ALLOCATE, "load_policy_artifact"),
 }
 
 __all__ = list(_LAZY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -12,6 +13,7 @@ from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
+from tqbench.engine.policy.artifact import artifact_warning_for
 from tqbench.engine.policy.spec import Policy, parse_policy
 
 Prompt = str | list[dict]
@@ -97,7 +99,17 @@ class Engine:
         check_mode(cache_mode)
         if cache_mode == "fused":
             self.enable_fused()
+        warning = self.policy_warning(policy)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
         return TQCache(parse_policy(policy), self.config, mode=cache_mode)
+
+    def policy_warning(self, policy: Policy | str | None) -> str | None:
+        """Why ``policy`` may not suit this model: a saved artifact fitted on another model (its fingerprint
+        differs), else None. Front ends show it; ``make_cache`` also warns (and ``TQCache`` on another KV geometry)."""
+        if policy is None or isinstance(policy, Policy):
+            return None
+        return artifact_warning_for(policy, self.loaded.fingerprint)  # TQCache checks the geometry
 
     def enable_fused(self) -> None:
         if not self._fused_ready:

@@ -172,3 +172,16 @@ class NiahCell:
     depth: float
     recalled: bool
     answer: str
+
+
+@dataclass(frozen=True)
+class SensitivityMeasured(Progress):
+    """``allocate`` measured one (layer, role, codec) cell: the KL its quantization alone costs. A ``Progress``
+    (``task`` "sensitivity", ``done`` of ``total`` cells), so a progress bar draws it as one; ``resumed`` when
+    the cell came from the job's partial results file instead of a new measurement."""
+
+    layer: int = 0
+    role: str = ""
+    codec: str = ""
+    kl: float = 0.0
+    resumed: bool = False

@@ -13,6 +13,7 @@ quantized afterwards); history is read as stored.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from tqbench.engine.cache.geometry import KVGeometry, UnsupportedModelError, che
 from tqbench.engine.cache.report import CacheReport, LayerBytes
 from tqbench.engine.cache.store import FP_BYTES, KVStore
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.engine.policy.artifact import artifact_warning_for
 from tqbench.engine.policy.spec import LayerPlan, Policy, parse_policy
 
 __all__ = ["CACHE_MODES", "FusedKV", "TQCache", "TQLayer", "check_mode", "fused_reference_peak_bytes"]
@@ -256,6 +258,10 @@ class TQCache(Cache):
         self.mode = check_mode(mode)
         check_supported(config)
         geo = KVGeometry.from_config(config)
+        #: set when ``policy`` is a saved artifact fitted on a model of another KV geometry (also warned)
+        self.policy_warning = artifact_warning_for(policy, geometry=geo)
+        if self.policy_warning:
+            warnings.warn(self.policy_warning, stacklevel=2)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
         self.v_head_dim = geo.v_dim
         self.sliding_window = geo.sliding_window

@@ -1,10 +1,18 @@
 """Policies: which codec K and V get per layer, plus token- and layer-level protection.
 
 ``spec.py`` (the ``Policy`` dataclass, its compact/TOML/JSON forms, the presets registry), ``layers.py``
-(layer selectors) and ``allocate.py`` (per-layer bits from measured sensitivity).
+(layer selectors) and ``artifact.py`` (a saved policy: TOML + safetensors, the model it was fitted on; the
+allocation that writes one lives in ``tqbench.engine.allocate``).
 """
 
-from tqbench.engine.policy.allocate import KL_RATIO, MSE_RATIO, allocate_bits, allocation_policy, row_bits
+from tqbench.engine.policy.artifact import (
+    PolicyArtifact,
+    artifact_warning_for,
+    is_policy_artifact,
+    load_policy_artifact,
+    policy_model_warning,
+    save_policy_artifact,
+)
 from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.policy.spec import (
     BYPASS_CHOICES,
@@ -21,28 +29,33 @@ from tqbench.engine.policy.spec import (
     load_policy_file,
     parse_compact,
     parse_policy,
+    shipped_policy_names,
+    shipped_policy_path,
 )
 
 __all__ = [
     "BYPASS_CHOICES",
     "DENSE_SPECS",
     "FULL_PRECISION",
-    "KL_RATIO",
-    "MSE_RATIO",
     "PRESETS",
     "PRESET_TEXT",
     "ROTATION_CHOICES",
     "SLIDING_CHOICES",
     "SHIPPED_POLICY_DIR",
     "LayerPlan",
+    "PolicyArtifact",
+    "artifact_warning_for",
+    "is_policy_artifact",
+    "load_policy_artifact",
+    "policy_model_warning",
+    "save_policy_artifact",
+    "shipped_policy_names",
+    "shipped_policy_path",
     "Policy",
-    "allocate_bits",
-    "allocation_policy",
     "get_preset",
     "load_policy_file",
     "parse_compact",
     "parse_policy",
-    "row_bits",
     "select_layers",
     "validate_selector",
 ]

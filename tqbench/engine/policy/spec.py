@@ -297,6 +297,20 @@ def load_policy_file(path: str) -> Policy:
     return pol if pol.name else pol.with_name(os.path.splitext(os.path.basename(path))[0])
 
 
+def shipped_policy_names() -> list[str]:
+    """Names of the policy files shipped with the package (``tqbench/data/policies/*.toml|json``)."""
+    return sorted({p.stem for ext in ("toml", "json") for p in SHIPPED_POLICY_DIR.glob(f"*.{ext}")})
+
+
+def shipped_policy_path(name: str):
+    """The shipped policy file named ``name`` (TOML preferred), or None."""
+    for ext in ("toml", "json"):
+        path = SHIPPED_POLICY_DIR / f"{name}.{ext}"
+        if path.is_file():
+            return path
+    return None
+
+
 def parse_policy(text: str | Policy) -> Policy:
     """A preset name, a compact string, or a path to a .json/.toml policy file."""
     if isinstance(text, Policy):
@@ -304,9 +318,10 @@ def parse_policy(text: str | Policy) -> Policy:
     text = text.strip()
     if text in PRESETS:
         return get_preset(text)
-    shipped = SHIPPED_POLICY_DIR / f"{text}.json"
-    if "," not in text and "=" not in text and shipped.is_file():
-        return load_policy_file(str(shipped))
+    if "," not in text and "=" not in text:
+        shipped = shipped_policy_path(text)
+        if shipped is not None:
+            return load_policy_file(str(shipped))
     if text.endswith((".json", ".toml")):
         if not os.path.exists(text):
             raise ValueError(f"policy file {text!r} does not exist")
@@ -346,7 +361,7 @@ PRESET_TEXT: dict[str, tuple[str, str]] = {
 
 def get_preset(name: str) -> Policy:
     if name not in PRESET_TEXT:
-        shipped = sorted(p.stem for p in SHIPPED_POLICY_DIR.glob("*.json"))
+        shipped = shipped_policy_names()
         raise ValueError(
             f"unknown policy preset {name!r}: valid presets are {', '.join(PRESET_TEXT)}"
             + (f" (shipped policy files: {', '.join(shipped)})" if shipped else "")

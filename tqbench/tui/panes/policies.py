@@ -10,6 +10,8 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
+from tqbench.tui.panes.allocate import AllocatePanel
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
@@ -99,6 +101,7 @@ class PoliciesPane(Horizontal):
             with Horizontal(id="policy-buttons"):
                 yield Button("Use as candidate ^u", id="use", compact=True, variant="primary")
                 yield Button("Keep ^k", id="keep", compact=True)
+            yield AllocatePanel(id="allocate-panel")
 
     def on_mount(self) -> None:
         self.reload_list()
@@ -107,12 +110,13 @@ class PoliciesPane(Horizontal):
     # ---- the list --------------------------------------------------------------------------------
     def reload_list(self) -> None:
         from tqbench.engine.cache.estimate import estimate_kv
-        from tqbench.engine.policy import PRESET_TEXT, parse_policy
+        from tqbench.engine.policy import PRESET_TEXT, parse_policy, shipped_policy_names
 
         geo, ctx = self.geometry(), self.context()
         ol = self.query_one("#policy-list", OptionList)
         ol.clear_options()
-        entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + list(self.kept.items())
+        entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + \
+            [(name, name) for name in shipped_policy_names()] + list(self.kept.items())
         for name, text in entries:
             try:
                 est = estimate_kv(parse_policy(text), geo, ctx)
@@ -126,7 +130,9 @@ class PoliciesPane(Horizontal):
     def policy_text(self, name: str) -> str:
         from tqbench.engine.policy import PRESET_TEXT
 
-        return self.kept[name] if name in self.kept else PRESET_TEXT[name][0]
+        if name in self.kept:
+            return self.kept[name]
+        return PRESET_TEXT[name][0] if name in PRESET_TEXT else name  # a shipped policy file, by name
 
     @on(OptionList.OptionHighlighted, "#policy-list")
     def _highlighted(self, event: OptionList.OptionHighlighted) -> None:
@@ -265,12 +271,16 @@ class PoliciesPane(Horizontal):
             self.app.notify("give the policy a new name (not a preset's, no ',' or '=') in the name field",
                             severity="error")
             return
-        self.kept[name] = self.current
-        self.reload_list()
+        self.keep_policy(name, self.current)
         self.app.notify(f"kept policy {name}: {self.current}")
+
+    def keep_policy(self, name: str, text: str) -> None:
+        """List ``name`` as a kept policy and keep it in the session (the app's ``policy_kept``)."""
+        self.kept[name] = text
+        self.reload_list()
         keep = getattr(self.app, "policy_kept", None)
         if keep is not None:
-            keep(name, self.current)
+            keep(name, text)
 
     def set_kept(self, kept: dict[str, str]) -> None:
         self.kept = dict(kept)

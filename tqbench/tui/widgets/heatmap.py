@@ -34,13 +34,15 @@ class Heatmap(DataTable):
         self.values: list[list[float]] = []
         self.layer_ids: list[int] = []
 
-    def set_data(self, values: list[list[float]], layers: list[int], higher_is_worse: bool = True) -> None:
+    def set_data(self, values: list[list[float]], layers: list[int], higher_is_worse: bool = True,
+                 columns: list[str] | None = None) -> None:
+        """``columns``: the value columns' titles (default ``head 0``, ``head 1``, ...)."""
         self.values, self.layer_ids = values, layers
         self.clear(columns=True)
         heads = max((len(r) for r in values), default=0)
         self.add_column("layer", width=5)
         for h in range(heads):
-            self.add_column(f"head {h}", width=11)  # fixed: auto widths race with the redraws
+            self.add_column(columns[h] if columns else f"head {h}", width=11)  # fixed: auto widths race with redraws
         flat = [v for row in values for v in row]
         lo, hi, use_log = _scale(flat)
         for layer, row in zip(layers, values):

@@ -1,0 +1,139 @@
+"""The KL-vs-bits frontier: allocated policies against the uniform presets, on texts the allocator did not see.
+
+Each policy is measured by the engine's ``frontier`` (teacher-forced: prefill, then single-token steps, KL of the
+next-token distributions against a dense baseline; bits per element exact at --context tokens, and the
+policy's own cache report after a real prefill of that many tokens). For every allocated policy the table
+names the best uniform preset of no more bytes and whether the allocation is at or below its KL.
+
+    python benchmarks/frontier.py --allocated tqbench/data/policies/smollm2-alloc-2.5bit.toml,... \\
+        --texts rivers --reuse benchmarks/results/quality-rivers.json --json benchmarks/results/frontier-smollm2.json
+
+Points already measured with the same engine function, text, prefill and steps are reused instead of measured
+again (the machine is shared and a teacher-forced run costs minutes under load): an allocation's own
+``[verified]`` table (``allocate`` verifies on the same settings), and ``--reuse`` JSON files written by
+``benchmarks/quality.py`` (their bits are at prefill + steps tokens, so bits are recomputed at --context with
+``estimate_kv``, exact to the byte), or earlier frontier.py files (rows measured at the same context). Each
+row says where its numbers came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _common import cpu_model, write_json
+from rich.console import Console
+from rich.table import Table
+
+from tqbench.engine.allocate import frontier, is_policy_artifact, load_policy_artifact
+from tqbench.engine.cache.estimate import estimate_kv
+from tqbench.engine.engine import Engine
+from tqbench.engine.policy import parse_policy
+
+UNIFORM = ["turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", "turbo4", "q8k-int4v", "q8k-turbo4v"]
+
+
+def _reused(pol: str, kind: str, text: str, args, engine, reuse: list[dict]) -> dict | None:
+    """A point measured before on the same settings, or None."""
+    if pol.endswith(".toml") and is_policy_artifact(pol):
+        art = load_policy_artifact(pol)
+        v = art.verified
+        if v and (v["text"], v["prefill_tokens"], v["steps"], v["context_tokens"]) == \
+                (f"corpus:{text}", args.prefill, args.steps, args.context):
+            return dict(v) | {"kind": kind, "source": f"{pol} [verified]"}
+        return None
+    label = parse_policy(pol).label
+    for data in reuse:
+        if isinstance(data.get("results"), dict):  # an earlier frontier.py file: rows at the same context
+            if data.get("context") != args.context:
+                continue
+            for r in data["results"].get(text, []):
+                if r["kv_policy"] == label and (r["prefill_tokens"], r["steps"]) == (args.prefill, args.steps) \
+                        and r["source"] == "measured":
+                    keep = {k: v for k, v in r.items() if k not in ("best_uniform_no_more_bytes",
+                                                                     "at_or_below_best_uniform")}
+                    return keep | {"kind": kind, "source": f"measured (reused from {data['command'].split()[-1]})"}
+            continue
+        for r in data.get("rows", []):  # benchmarks/quality.py: bits at prefill + steps tokens
+            if r.get("text") == text and r["kv_policy"] == label and \
+                    (r["prefill_tokens"], r["steps"]) == (args.prefill, args.steps):
+                est = estimate_kv(parse_policy(pol), engine.geometry, args.context)
+                return {"kv_policy": r["kv_policy"], "text": f"corpus:{text}", "context_tokens": args.context,
+                        "bits_per_element": est.bits_per_element, "report_bits_per_element": None,
+                        "report_bytes": None, "prefill_tokens": r["prefill_tokens"], "steps": r["steps"],
+                        "kl_mean": r["kl_mean"], "kl_max": r["kl_max"], "top1_agreement": r["top1_agreement"],
+                        "ppl_baseline": r["ppl_baseline"], "ppl_candidate": r["ppl_candidate"],
+                        "ppl_delta": r["ppl_candidate"] - r["ppl_baseline"], "kind": kind,
+                        "source": f"{data['command'].split()[-1]} (bits at {args.context} by estimate_kv)"}
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--allocated", required=True, help="comma-separated policy artifacts (.toml) or names")
+    ap.add_argument("--uniform", default=",".join(UNIFORM), help="comma-separated uniform presets")
+    ap.add_argument("--texts", default="rivers", help="comma-separated shipped corpus texts (not the calibration text)")
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reuse", default=None, help="comma-separated benchmarks/quality.py JSON files to reuse")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    console = Console(width=220)
+    engine = Engine.load(args.model, threads=args.threads)
+    allocated = [p for p in args.allocated.split(",") if p]
+    uniform = [p for p in args.uniform.split(",") if p]
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    results = {}
+    reuse = [json.loads(Path(f).read_text()) for f in (args.reuse.split(",") if args.reuse else [])]
+    for text in args.texts.split(","):
+        rows, todo = [], []
+        for i, pol in enumerate(allocated + uniform):
+            kind = "allocated" if i < len(allocated) else "uniform"
+            row = _reused(pol, kind, text, args, engine, reuse)
+            if row is None:
+                todo.append((pol, kind))
+            else:
+                rows.append(row)
+        if todo:
+            pts = frontier(engine, [p for p, _ in todo], text=text, prefill=args.prefill, steps=args.steps,
+                           context=args.context)
+            rows += [p.to_dict() | {"kind": kind, "source": "measured"} for p, (_, kind) in zip(pts, todo)]
+        results[text] = rows
+        table = Table(title=f"frontier on {text}: {args.prefill} prefill + {args.steps} teacher-forced steps, "
+                            f"bits at {args.context} tokens")
+        for col in ("policy", "kind", "bits/el", "KL", "top-1", "ppl delta", "best uniform <= bytes", "its KL", "at/below",
+                    "source"):
+            table.add_column(col, justify="left" if col in ("policy", "kind", "best uniform <= bytes") else "right")
+        uni = [r for r in results[text] if r["kind"] == "uniform"]
+        for r in sorted(results[text], key=lambda r: r["bits_per_element"]):
+            cheaper = [u for u in uni if u["bits_per_element"] <= r["bits_per_element"] + 1e-9]
+            best = min(cheaper, key=lambda u: u["kl_mean"]) if cheaper and r["kind"] == "allocated" else None
+            if best is not None:
+                r["best_uniform_no_more_bytes"] = best["kv_policy"]
+                r["at_or_below_best_uniform"] = r["kl_mean"] <= best["kl_mean"]
+            table.add_row(r["kv_policy"], r["kind"], f"{r['bits_per_element']:.3f}", f"{r['kl_mean']:.4f}",
+                          f"{r['top1_agreement']:.3f}", f"{r['ppl_delta']:+.3f}",
+                          best["kv_policy"] if best else "", f"{best['kl_mean']:.4f}" if best else "",
+                          ("yes" if r["at_or_below_best_uniform"] else "NO") if best else "", r["source"])
+        console.print(table)
+    payload = {
+        "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "model": engine.name,
+        "threads": torch.get_num_threads(), "cpu": cpu_model(), "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(), "seconds": round(time.perf_counter() - t0, 1),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prefill": args.prefill,
+        "steps": args.steps, "context": args.context, "results": results,
+    }
+    write_json(args.json, payload, console)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Auto-policy in the Policies tab (tiny model): budget + enter allocates in a worker, the bits heatmap, the
+frontier of presets and allocations (ctrl+t), escape cancels, a budget that cannot fit is named."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from textual.widgets import DataTable, Label
+
+from tests.tui.tui_helpers import plain, wait_for
+from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
+
+pytestmark = pytest.mark.anyio
+SIZE = (160, 50)
+SMALL_FRONTIER = {"text": "rivers", "prefill": 48, "steps": 6}
+SMALL_CALIBRATION = {"calibration": "bread", "calib_prefill": 48, "calib_steps": 8}
+
+
+async def open_panel(pilot, app):
+    await pilot.press("f3")
+    panel = app.policies_pane.query_one("#allocate-panel")
+    panel.frontier = dict(SMALL_FRONTIER)
+    panel.calibration = dict(SMALL_CALIBRATION)
+    pane = app.policies_pane
+    for field, value in (("context", "96"), ("sink", "2"), ("recent", "4")):
+        await pilot.click(f"#{field}")
+        await pilot.press("end", "ctrl+u", *value)  # ctrl+u: delete everything left of the cursor
+    await pilot.click("#budget")
+    await pilot.press("end", "ctrl+u")
+    await pilot.pause()
+    return pane, panel
+
+
+async def test_budget_enter_allocates_shows_bits_and_the_frontier(data_dir, steady_engine):
+    from tqbench.engine import allocate_policy, frontier
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        pane, panel = await open_panel(pilot, app)
+        await pilot.press("4", ".", "5", "enter")
+        await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the allocation")
+        assert panel.status == "done", plain(panel.query_one("#alloc-status", Label))
+        expected = allocate_policy(steady_engine, 4.5, base="sink=2,recent=4", context=96, name="alloc-4.5bit",
+                                   verify_text="rivers", verify_prefill=48, verify_steps=6, **SMALL_CALIBRATION)
+        a = panel.result.allocation
+        assert a.policy == expected.allocation.policy and a.bits_per_element <= 4.5
+        hm = panel.query_one("#alloc-heatmap", DataTable)
+        assert hm.row_count == 4 and [c.label.plain for c in hm.columns.values()] == ["layer", "K bits", "V bits"]
+        assert panel.query_one("#alloc-heatmap").values == a.bits_grid()
+        assert pane.kept["alloc-4.5bit"] == a.policy.to_string()
+        assert app.session.policies["alloc-4.5bit"] == a.policy.to_string()
+        assert panel.points["alloc-4.5bit"][0].kl_mean == expected.verified.kl_mean
+        assert "verified KL" in plain(panel.query_one("#alloc-status", Label))
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: not panel.running, what="the frontier")
+        assert panel.status == "done" and len(panel.points) == 9, plain(panel.query_one("#alloc-status", Label))
+        (turbo4,) = frontier(steady_engine, ["turbo4"], context=96, **SMALL_FRONTIER)
+        assert panel.points["turbo4"] == (turbo4, "preset")
+        plot = panel.query_one("#frontier-plot")
+        assert set(plot.points) == set(panel.points) and plot.points["alloc-4.5bit"][2] == "allocation"
+
+
+async def test_escape_cancels_an_allocation_and_keeps_nothing(data_dir, steady_engine, monkeypatch):
+    import tqbench.engine.allocate as allocate_module
+
+    first, gate, real = threading.Event(), threading.Event(), allocate_module.allocate_policy
+
+    def gated(*args, on_event, **kwargs):
+        def event(ev):
+            on_event(ev)
+            first.set()
+            gate.wait(600)
+
+        return real(*args, on_event=event, **kwargs)
+
+    monkeypatch.setattr(allocate_module, "allocate_policy", gated)
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        pane, panel = await open_panel(pilot, app)
+        await pilot.press("4", "enter")
+        await wait_for(pilot, first.is_set, what="the first sensitivity cell")
+        await pilot.press("escape")
+        gate.set()
+        await wait_for(pilot, lambda: not panel.running, what="the cancelled allocation to stop")
+        assert panel.status == "cancelled" and panel.result is None and "alloc-4bit" not in pane.kept
+        assert plain(panel.query_one("#alloc-status", Label)) == "cancelled: nothing was kept"
+
+
+async def test_a_budget_that_cannot_fit_is_named(data_dir, steady_engine):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        _, panel = await open_panel(pilot, app)
+        await pilot.press("1", "enter")
+        await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the failed allocation")
+        text = plain(panel.query_one("#alloc-status", Label))
+        assert text.startswith("allocation failed: budget 1.0 bits/element does not fit at 96 tokens")

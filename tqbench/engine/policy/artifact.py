@@ -1,0 +1,145 @@
+"""A saved policy as a first-class artifact: ``POLICY.toml`` (+ ``POLICY.safetensors``).
+
+The TOML holds ``[policy]`` (the ``Policy`` fields: ``parse_policy("POLICY.toml")``, ``TQCache(policy=PATH)``
+and every front end load it), ``[model]`` (the name, fingerprint and KV geometry it was fitted on),
+``[allocation]`` (budget, stated context, exact bytes, predicted KL, calibration text and settings) and
+``[verified]`` (the held-out frontier point). The safetensors sidecar holds tensors: the measured sensitivity
+table ``sensitivity`` ``[layers, 2, codecs]`` (so another budget can be solved without measuring again). The
+codecs' own calibration state (key-centering means, outlier channels) is fitted per prompt on the prefill by the
+cache at run time, so there is none to save.
+
+``policy_model_warning`` is the one rule for "this policy was fitted on another model".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tqbench.engine.policy.spec import Policy
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: reading TOML policies needs 3.11 (as load_policy_file says)
+    tomllib = None
+
+FORMAT = "tqbench-policy/1"
+
+
+@dataclass
+class PolicyArtifact:
+    policy: Policy
+    model: dict = field(default_factory=dict)  # name, fingerprint, num_layers, kv_heads, head_dim
+    allocation: dict = field(default_factory=dict)
+    verified: dict = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    path: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "policy": self.policy.to_dict(), "model": self.model,
+                "allocation": self.allocation, "verified": self.verified, "path": self.path,
+                "tensors": {k: list(t.shape) for k, t in self.tensors.items()}}
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    return Path(path).with_suffix(".safetensors")
+
+
+def _toml_safe(value):
+    """TOML has no null: drop None values (recursively)."""
+    if isinstance(value, dict):
+        return {k: _toml_safe(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_toml_safe(v) for v in value if v is not None]
+    return value
+
+
+def save_policy_artifact(artifact: PolicyArtifact, path: str | os.PathLike) -> Path:
+    """Write ``path`` (.toml) and, when the artifact has tensors, its ``.safetensors`` sidecar."""
+    import tomli_w
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.suffix != ".toml":
+        raise ValueError(f"policy artifact {str(path)!r} must end in .toml")
+    if not path.parent.is_dir():
+        raise ValueError(f"folder {str(path.parent)!r} does not exist: create it or pick another --out path")
+    body = {"format": FORMAT, "policy": artifact.policy.to_dict(), "model": artifact.model,
+            "allocation": artifact.allocation, "verified": artifact.verified}
+    if artifact.tensors:
+        side = sidecar_path(path)
+        save_file({k: t.contiguous() for k, t in artifact.tensors.items()}, str(side))
+        body["files"] = {"tensors": side.name}
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(f"# {FORMAT}: written by tqbench --headless allocate\n" + tomli_w.dumps(_toml_safe(body)),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+    artifact.path = str(path)
+    return path
+
+
+def is_policy_artifact(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    if tomllib is None or p.suffix != ".toml" or not p.is_file():
+        return False
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
+
+
+def load_policy_artifact(path: str | os.PathLike) -> PolicyArtifact:
+    """Read an artifact written by ``save_policy_artifact`` (any policy TOML works: missing tables are empty)."""
+    from safetensors.torch import load_file
+
+    from tqbench.engine.policy.spec import load_policy_file
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"policy file {str(p)!r} does not exist")
+    if tomllib is None:
+        raise ValueError(f"{p}: TOML policies need Python >= 3.11")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{p}: not valid TOML ({exc})") from None
+    tensors = {}
+    side = (data.get("files") or {}).get("tensors")
+    if side:
+        side_path = p.parent / side
+        if not side_path.is_file():
+            raise ValueError(f"{p} names tensors file {side!r}, which is missing next to it")
+        tensors = load_file(str(side_path))
+    return PolicyArtifact(load_policy_file(str(p)), data.get("model", {}), data.get("allocation", {}),
+                          data.get("verified", {}), tensors, str(p))
+
+
+def policy_model_warning(model_info: dict, fingerprint: str | None, geometry=None) -> str | None:
+    """A warning when an artifact fitted on ``model_info`` is used on a model with another ``fingerprint``
+    (or, when only a config is known, another KV ``geometry``); None when it matches or nothing is recorded."""
+    if not model_info:
+        return None
+    fitted = f"{model_info.get('name', '?')} (fingerprint {model_info.get('fingerprint', '?')})"
+    if fingerprint is not None and model_info.get("fingerprint") and model_info["fingerprint"] != fingerprint:
+        return (f"this policy was fitted on {fitted}, not on this model (fingerprint {fingerprint}): its "
+                "allocation may not suit it; run `tqbench --headless allocate` for this model")
+    if geometry is not None:
+        want = (model_info.get("num_layers"), model_info.get("kv_heads"), model_info.get("head_dim"))
+        have = (geometry.num_layers, geometry.kv_heads, geometry.head_dim)
+        if None not in want and want != have:
+            return (f"this policy was fitted on {fitted} with {want[0]} layers x {want[1]} KV heads x "
+                    f"head_dim {want[2]}, but this model has {have[0]} x {have[1]} x {have[2]}")
+    return None
+
+
+def artifact_warning_for(policy_text, fingerprint: str | None = None, geometry=None) -> str | None:
+    """``policy_model_warning`` for a policy given by text when it names an artifact TOML, else None."""
+    if not isinstance(policy_text, (str, os.PathLike)) or not str(policy_text).endswith(".toml"):
+        return None
+    if not is_policy_artifact(policy_text):
+        return None
+    data = tomllib.loads(Path(policy_text).read_text(encoding="utf-8"))
+    return policy_model_warning(data.get("model", {}), fingerprint, geometry)

@@ -1,0 +1,232 @@
+"""Auto-policy in the Policies tab: a budget field that runs ``allocate_policy`` in a worker, then the per-layer
+K/V bits as a heatmap and the KL-vs-bits frontier of every preset and allocation measured on the loaded model.
+
+The allocation takes its sink, recent window and context from the Policies builder's fields; its verified point
+and the presets' points (ctrl+t) are measured once per model on the same held-out text (``FRONTIER``) and kept
+for the workbench session. The allocated policy is kept (listed in Policies, saved with the session).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Button, Input, Label, ProgressBar
+
+from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
+from tqbench.tui.widgets.frontier_plot import FrontierPlot
+from tqbench.tui.widgets.heatmap import Heatmap
+
+#: the presets the frontier measures (uniform bits, cheapest first)
+FRONTIER_PRESETS = ("turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", "turbo4", "q8k-int4v")
+#: where every frontier point is measured: a held-out shipped text (not the calibration text)
+FRONTIER = {"text": "rivers", "prefill": 1024, "steps": 256}
+#: the allocation's calibration (``allocate_policy`` arguments)
+CALIBRATION = {"calibration": "lighthouses", "calib_prefill": 1024, "calib_steps": 64}
+
+
+class AllocatePanel(Vertical):
+    BINDINGS = [
+        Binding("ctrl+t", "frontier", "Measure frontier",
+                tooltip="Measure every preset on the held-out text and plot it beside the allocations",
+                id="policies.frontier"),
+        Binding("escape", "cancel", "Cancel", tooltip="Stop the running allocation or frontier",
+                id="policies.cancel_allocate"),
+    ]
+
+    DEFAULT_CSS = """
+    AllocatePanel { height: auto; border: round $panel; padding: 0 1; margin-top: 1; }
+    AllocatePanel .row { height: 1; }
+    AllocatePanel .row Label { width: 16; color: $text-muted; }
+    AllocatePanel #budget { width: 10; }
+    AllocatePanel #alloc-bar { width: 30; margin-left: 2; }
+    AllocatePanel #alloc-status { width: 1fr; height: auto; }
+    AllocatePanel #alloc-body { height: 18; }
+    AllocatePanel #alloc-heatmap { width: 40; height: 18; }
+    AllocatePanel #frontier-plot { width: 1fr; height: 18; }
+    """
+
+    class Finished(Message):
+        def __init__(self, result, error: str | None, cancelled: bool, kind: str) -> None:
+            super().__init__()
+            self.result, self.error, self.cancelled, self.kind = result, error, cancelled, kind
+
+    class _Event(Message):
+        def __init__(self, event) -> None:
+            super().__init__()
+            self.event = event
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.running = False
+        self.status = "idle"
+        self.result = None  # the last AllocationReport
+        self.points: dict[str, tuple] = {}  # label -> FrontierPoint, kind ("preset" / "allocation")
+        self.frontier = dict(FRONTIER)
+        self.calibration = dict(CALIBRATION)
+        self._cancel = threading.Event()
+        self._points_model: str | None = None
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="row"):
+            yield Label("budget bits/el")
+            yield Input("3.0", id="budget", compact=True, type="number",
+                        tooltip="Enter: allocate the best per-layer policy within this budget")
+            yield Button("Allocate ⏎", id="allocate", compact=True, variant="primary")
+            yield Button("Frontier ^t", id="frontier-button", compact=True)
+            yield ProgressBar(total=None, show_eta=False, id="alloc-bar")
+        yield Label("enter a budget: the allocation uses the sink, recent window and context above", id="alloc-status")
+        with Horizontal(id="alloc-body"):
+            yield Heatmap(id="alloc-heatmap")
+            yield FrontierPlot(id="frontier-plot")
+
+    # ---- running ---------------------------------------------------------------------------------
+    def _builder(self):
+        """The Policies pane holding this panel (found by what it offers: no import of policies.py, which
+        imports this module)."""
+        return next(a for a in self.ancestors if hasattr(a, "keep_policy") and hasattr(a, "context"))
+
+    def _settings(self) -> tuple[float, int, int, int]:
+        pane = self._builder()
+        text = self.query_one("#budget", Input).value.strip()
+        try:
+            budget = float(text)
+        except ValueError:
+            raise ValueError(f"budget {text!r} is not a number: type bits per element, e.g. 3.0") from None
+        if budget <= 0:
+            raise ValueError(f"budget {budget} is invalid: type a positive number of bits per element")
+        ints = []
+        for field in ("sink", "recent"):
+            val = pane.query_one(f"#{field}", Input).value.strip() or "0"
+            try:
+                ints.append(int(val))
+            except ValueError:
+                raise ValueError(f"{field} {val!r} is not a whole number: fix it in the builder") from None
+        return budget, ints[0], ints[1], pane.context()
+
+    def _start(self, kind: str, engine) -> None:
+        self.running = True
+        self.status = "running"
+        self._cancel.clear()
+        self.query_one("#alloc-bar", ProgressBar).update(total=None, progress=0)
+        self._forget_other_model(engine)
+
+    @on(Input.Submitted, "#budget")
+    @on(Button.Pressed, "#allocate")
+    def action_allocate(self) -> None:
+        engine = engine_for_job(self, "allocation")
+        if engine is None:
+            return
+        try:
+            budget, sink, recent, context = self._settings()
+        except ValueError as exc:
+            self.app.notify(str(exc), title="cannot allocate", severity="error")
+            return
+        self._start("allocate", engine)
+        self.query_one("#alloc-status", Label).update(f"allocating {budget:g} bits/element at {context} tokens ...")
+        self._allocate(engine, budget, sink, recent, context)
+
+    @work(thread=True, exclusive=True, group="allocate", exit_on_error=False)
+    def _allocate(self, engine, budget, sink, recent, context) -> None:
+        from tqbench.engine import allocate_policy
+        from tqbench.sessions.store import data_dir
+
+        result, error, cancelled = run_engine_job(lambda: allocate_policy(
+            engine, budget, base=f"sink={sink},recent={recent}", context=context, name=f"alloc-{budget:g}bit",
+            verify_text=self.frontier["text"], verify_prefill=self.frontier["prefill"],
+            verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration,
+            on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
+        self.post_message(self.Finished(result, error, cancelled, "allocate"))
+
+    def action_frontier(self) -> None:
+        engine = engine_for_job(self, "frontier")
+        if engine is None:
+            return
+        try:
+            context = self._settings()[3]
+        except ValueError as exc:
+            self.app.notify(str(exc), title="cannot measure the frontier", severity="error")
+            return
+        self._start("frontier", engine)
+        todo = [p for p in FRONTIER_PRESETS if p not in self.points]
+        self.query_one("#alloc-status", Label).update(f"measuring {len(todo)} presets on {self.frontier['text']} ...")
+        self._frontier(engine, todo, context)
+
+    @on(Button.Pressed, "#frontier-button")
+    def _frontier_pressed(self) -> None:
+        self.action_frontier()
+
+    @work(thread=True, exclusive=True, group="allocate", exit_on_error=False)
+    def _frontier(self, engine, todo, context) -> None:
+        from tqbench.engine import frontier
+
+        result, error, cancelled = run_engine_job(lambda: frontier(
+            engine, todo, context=context, **self.frontier,
+            on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set) if todo else [])
+        self.post_message(self.Finished(result, error, cancelled, "frontier"))
+
+    def action_cancel(self) -> bool:
+        return cancel_job(self, "#alloc-status")
+
+    @on(_Event)
+    def _event(self, msg: _Event) -> None:
+        from tqbench.engine.events import Progress, SensitivityMeasured, TeacherForcedStep
+
+        ev = msg.event
+        bar = self.query_one("#alloc-bar", ProgressBar)
+        status = self.query_one("#alloc-status", Label)
+        if isinstance(ev, SensitivityMeasured):
+            bar.update(total=ev.total, progress=ev.done)
+            status.update(f"sensitivity {ev.done}/{ev.total}: {ev.message}" + (" (resumed)" if ev.resumed else ""))
+        elif isinstance(ev, TeacherForcedStep):
+            bar.update(total=ev.total, progress=ev.done)
+            status.update(f"verifying on {self.frontier['text']}: {ev.task} step {ev.done}/{ev.total}")
+        elif isinstance(ev, Progress):
+            status.update(f"{ev.task}: {ev.message}")
+
+    @on(Finished)
+    def _finished(self, msg: Finished) -> None:
+        if msg.kind == "frontier" and not msg.error and not msg.cancelled:
+            self.running = False
+            self.status = "done"
+            for p in msg.result:
+                self.points[p.kv_policy] = (p, "preset")
+            self.query_one("#alloc-status", Label).update(f"frontier: {len(self.points)} policies measured")
+            self.redraw_plot()
+            return
+        finish_job(self, msg, "#alloc-status", "allocation" if msg.kind == "allocate" else "frontier")
+
+    # ---- showing ---------------------------------------------------------------------------------
+    def _forget_other_model(self, engine) -> None:
+        if self._points_model != engine.loaded.fingerprint:
+            self.points.clear()
+            self._points_model = engine.loaded.fingerprint
+
+    def show_result(self, rep) -> None:
+        """An ``AllocationReport``: its bits heatmap, its frontier point; the policy is kept (Policies list)."""
+        self.result = rep
+        a = rep.allocation
+        hm = self.query_one("#alloc-heatmap", Heatmap)
+        hm.set_data(a.bits_grid(), list(range(len(a.k))), higher_is_worse=False, columns=["K bits", "V bits"])
+        hm.border_title = f"{a.policy.label}: bits per layer"
+        v = rep.verified
+        if v is not None:
+            self.points[a.policy.label] = (v, "allocation")
+        self.query_one("#alloc-bar", ProgressBar).update(total=1, progress=1)
+        self.query_one("#alloc-status", Label).update(
+            f"[b]{a.policy.label}[/b]: {a.bits_per_element:.3f} bits/element at {a.estimate.seq_len} tokens "
+            f"({a.estimate.total_bytes} B)" + (f" · verified KL [b]{v.kl_mean:.4f}[/b], top-1 {v.top1_agreement:.3f}"
+                                                  f" on {v.text}" if v else "")
+            + f" · {rep.measured_cells} cells measured, {rep.resumed_cells} reused · kept as {a.policy.label}")
+        self._builder().keep_policy(a.policy.label, a.policy.to_string())
+        self.redraw_plot()
+
+    def redraw_plot(self) -> None:
+        pts = {label: (p.bits_per_element, p.kl_mean, kind) for label, (p, kind) in self.points.items()}
+        f = self.frontier
+        self.query_one("#frontier-plot", FrontierPlot).set_points(
+            pts, f"{f['text']}: {f['prefill']} prefill + {f['steps']} steps · {len(pts)} points")
