@@ -76,7 +76,8 @@ def corpus_ids(engine, n: int):
     while len(text) < 16 * n:
         text += "\n\n" + text
     chars = 2 * n
-    while (ids := engine.encode_prompt(text[:chars], chat=False)).shape[1] < n:  # a prefix: stay in context
+    # the tokenizer itself (not encode_prompt): a prefix longer than the model's context is cut to n below
+    while (ids := engine.tokenizer(text[:chars], return_tensors="pt")["input_ids"]).shape[1] < n:
         chars *= 2
     return ids[:, :n].contiguous()
 
