@@ -87,7 +87,7 @@ async def test_pick_a_policy_run_and_see_the_divergence_marks(data_dir, steady_e
         assert any("on #af005f" in str(span.style) for span in rendered.spans)
         strip = plain(app.run_pane.query_one("#strip"))
         assert f"▶ first divergence @ {diff[0]}" in strip
-        assert f"token match {16 - len(diff)}/16" in strip and "cache mode simulate" in strip
+        assert f"token match {16 - len(diff)}/16" in strip and "cache mode fused" in strip
         graph = app.run_pane.query_one("#graph")
         assert len(graph.tps["candidate"]) == 15 and len(graph.kv["candidate"]) == 16
 

@@ -107,8 +107,8 @@ async def test_the_candidate_defaults_to_the_fastest_quality_mode_and_says_what_
         await pilot.pause()
         mode = app.run_pane.query_one("#mode", Select)
         note = app.run_pane.query_one("#mode-note", Label)
-        assert mode.value == fastest_quality_mode("cpu") == "simulate" and mode.value in QUALITY_MODES
-        assert str(note.render()) == CACHE_MODE_RESIDENT["simulate"]
+        assert mode.value == fastest_quality_mode("cpu") == "fused" and mode.value in QUALITY_MODES
+        assert str(note.render()) == CACHE_MODE_RESIDENT["fused"]
         for m in CACHE_MODES:  # every mode stays selectable, and the note follows it
             mode.value = m
             await pilot.pause()
