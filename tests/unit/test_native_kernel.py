@@ -287,3 +287,16 @@ def test_disabled_native_kernel_says_why_in_the_report():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "['torch-reference (TQBENCH_NATIVE=0)']"
+
+
+def test_disabled_native_append_path_says_so_in_the_report():
+    code = ("import torch; from tqbench.engine.engine import Engine; e = Engine.tiny(); "
+            "r = e.generate(torch.randint(5, 200, (1, 40)), 'turbo4', 'compressed', max_new_tokens=3, "
+            "stop_at_eos=False); print([n for n in r.cache_report.notes if n.startswith('quantize-and-pack')])")
+    import os
+
+    env = dict(os.environ, TQBENCH_NATIVE="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ("['quantize-and-pack ran in torch (the native CPU kernel is unavailable: "
+                                  "TQBENCH_NATIVE=0)']")

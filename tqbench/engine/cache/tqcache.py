@@ -361,6 +361,9 @@ class TQCache(Cache):
             sparse_v=_sparse_v_summary(self.policy, sparse) if self.mode == "fused" else None,
             held_dtype=str(getattr(self.layers[0], "dtype", "")).replace("torch.", ""),
         )
+        slow = sorted({why for la in self.layers if isinstance(la, TQLayer)
+                       for c in (la.k_codec, la.v_codec) if (why := getattr(c, "encoder_fallback", None))})
+        rep.notes.extend(slow)  # the append path's fast path did not run: say so, and why
         if windowed:
             rep.notes.append(
                 f"{len(windowed)} sliding-window layers hold only their window ({self.sliding_window - 1} tokens, "

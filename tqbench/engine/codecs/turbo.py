@@ -190,7 +190,8 @@ class TurboCodec(_Centered):
 
         try:
             mod = native_module()
-        except NativeUnavailable:
+        except NativeUnavailable as exc:
+            self.encoder_fallback = f"quantize-and-pack ran in torch (the native CPU kernel is unavailable: {exc})"
             return None
         rot, levels, bounds = self._tables(xc.shape[-1], xc.device, xc.dtype)
         codes, norm = mod.turbo_encode(xc.contiguous(), rot.contiguous(), levels.contiguous(), bounds.contiguous(),

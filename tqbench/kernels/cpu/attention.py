@@ -59,12 +59,20 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
 
 
 _rotations: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_SIMD_BITS: list[tuple[int, ...]] = []
+
+
+def _simd_bits() -> tuple[int, ...]:
+    """The turbo widths the built kernel decodes in SIMD order (asked once per process)."""
+    if not _SIMD_BITS:
+        _SIMD_BITS.append(tuple(native_module().simd_turbo_bits()))
+    return _SIMD_BITS[0]
 
 
 def _rotation(side: PackedSide, dt: torch.dtype) -> torch.Tensor:
     """The side's rotation, its rows in the kernel's decode order when it decodes in SIMD order."""
     rot = side.rotation.to(dt)
-    if dt != torch.float32 or side.head_dim % 64 or side.bits not in native_module().simd_turbo_bits():
+    if dt != torch.float32 or side.head_dim % 64 or side.bits not in _simd_bits():
         return rot
     key = (side.rotation.data_ptr(), tuple(side.rotation.shape), dt, side.bits)
     hit = _rotations.get(key)
