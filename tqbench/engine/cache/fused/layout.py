@@ -3,7 +3,8 @@
 A layer's store is ``[sinks | packed | tail]`` (``FusedKV.k_parts`` / ``v_parts``: ``(kind, n_tokens,
 payload)`` tuples captured before this call's rows were appended). ``layout`` splits the parts around the
 packed run; ``packed_side`` describes the packed run for the kernels (``tqbench.kernels.reference.PackedSide``),
-or says there is no fused form for its codec.
+or says there is no fused form for its codec; ``kernel_sides`` describes a layer's K and V for the native CPU
+kernel (``tqbench.kernels.cpu.attention.kernel_side``), the full-precision rows as chunks where they are.
 """
 
 from __future__ import annotations
@@ -47,3 +48,24 @@ def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
     """Dense rows ``[B, H, n_i, D]`` joined along the tokens, in ``dt``."""
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
     return out if out.dtype == dt else out.to(dt)
+
+
+def kernel_sides(kv, d: int, dt: torch.dtype):
+    """``(k_side, v_side, total_rows, extra_bytes)`` of a ``FusedKV`` for the native kernel, or ``str`` (why not).
+
+    The dense chunks are ``[sinks..., tail..., new rows]`` in token order, passed as they are stored
+    (converted to ``dt`` only where they are in another dtype; ``extra_bytes`` counts those copies)."""
+    from tqbench.kernels.cpu.attention import kernel_side
+
+    dv = kv.new_v.shape[-1]
+    out = []
+    for store, parts, new, dim in ((kv.k_store, kv.k_parts, kv.new_k, d), (kv.v_store, kv.v_parts, kv.new_v, dv)):
+        before, packed, after = layout(parts)
+        side = None
+        if packed is not None and (side := packed_side(store, packed[2], packed[1], dim, dt)) is None:
+            return f"no native kernel for {store.codec.spec}"
+        n_before = sum(x.shape[2] for x in before) if packed is not None else 0
+        out.append(kernel_side(side, [*before, *after, new], n_before, dim, dt))
+    (ks, xk), (vs, xv) = out
+    total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts)
+    return ks, vs, total, xk + xv
