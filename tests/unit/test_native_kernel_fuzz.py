@@ -284,3 +284,54 @@ def test_one_store_wrapper_still_takes_padded_batches():
     out, call = native_attention(q, ks, vs, kd, vd, nb, nb, mask, 0.125)
     torch.testing.assert_close(out, _exact(q, k_rows, v_rows, mask, 0.125), atol=1e-12, rtol=1e-12)
     assert len(call.weighted_per_sequence) == 3
+
+
+# -- the ragged batch at the layer level (serving's fused batching) --------------------------------------------------
+def _frozen(kv):
+    """A copy of a ``FusedKV`` whose tensors no later append can touch."""
+    import dataclasses
+
+    def clone(part):
+        kind, n, payload = part
+        return kind, n, ({k: t.clone() for k, t in payload.items()} if isinstance(payload, dict) else payload.clone())
+
+    return dataclasses.replace(kv, new_k=kv.new_k.clone(), new_v=kv.new_v.clone(),
+                               k_parts=tuple(clone(p) for p in kv.k_parts), v_parts=tuple(clone(p) for p in kv.v_parts))
+
+
+def test_ragged_glue_over_real_caches_equals_each_sequence_decoded_alone(tiny_engine64, monkeypatch):
+    """Two sequences with their own caches (different prompt lengths, different policies) decode one step each;
+    one ragged call over their captured layer-0 stores gives what each solo call gave (float64)."""
+    from tqbench.engine.cache.fused import native_glue
+
+    seen = []
+    solo = native_glue.native_fused_attention
+
+    def recording(query, kv, attention_mask, scaling, **kw):
+        out = solo(query, kv, attention_mask, scaling, **kw)
+        if not seen or seen[-1][1].layer is not kv.layer:
+            seen.append((query.clone(), _frozen(kv), None if attention_mask is None else attention_mask.clone(),
+                         scaling, out.clone()))
+        return out
+
+    model = tiny_engine64.model
+    prompts = [torch.randint(5, 200, (1, n), generator=torch.Generator().manual_seed(n)) for n in (40, 57)]
+    captured = []
+    for ids, policy in zip(prompts, ["k=turbo3,v=turbo2,sink=2,recent=4", "k=int4,v=turbo4,sink=2,recent=4,kblock=8"]):
+        cache = tiny_engine64.make_cache(policy, "fused")
+        with torch.inference_mode():
+            model(input_ids=ids, cache=cache)
+            monkeypatch.setattr(native_glue, "native_fused_attention", recording)
+            seen.clear()
+            model(input_ids=ids[:, -1:], cache=cache)
+            monkeypatch.setattr(native_glue, "native_fused_attention", solo)
+        captured.append(seen[0])  # layer 0 of the decode step
+    (qa, kva, ma, sc, oa), (qb, kvb, mb, _, ob) = captured
+    assert kva.new_k.shape[2] == 1 and sum(p[1] for p in kva.k_parts) != sum(p[1] for p in kvb.k_parts)
+    assert any(p[0] == "packed" for p in kva.k_parts) and any(p[0] == "packed" for p in kvb.k_parts)
+    out = native_glue.native_fused_attention_ragged(torch.cat([qa, qb]), [kva, kvb], [ma, mb], sc)
+    assert not isinstance(out, str), out
+    torch.testing.assert_close(out[:1], oa, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out[1:], ob, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="masks has 1 entries for 2 sequences"):
+        native_glue.native_fused_attention_ragged(torch.cat([qa, qb]), [kva, kvb], [ma], sc)
