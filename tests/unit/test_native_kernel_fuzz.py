@@ -335,3 +335,27 @@ def test_ragged_glue_over_real_caches_equals_each_sequence_decoded_alone(tiny_en
     torch.testing.assert_close(out[1:], ob, atol=1e-12, rtol=1e-12)
     with pytest.raises(ValueError, match="masks has 1 entries for 2 sequences"):
         native_glue.native_fused_attention_ragged(torch.cat([qa, qb]), [kva, kvb], [ma], sc)
+
+
+def test_packed_side_descriptions_live_and_die_with_their_stores(tiny_engine):
+    """The per-store kernel description is rebuilt when the packed run changes and is dropped with the cache."""
+    import gc
+
+    from tqbench.engine.cache.fused.layout import _SIDES
+
+    gc.collect()
+    before = len(_SIDES)
+    ids = torch.randint(5, 200, (1, 50), generator=torch.Generator().manual_seed(9))
+    cache = tiny_engine.make_cache("turbo4,recent=4", "fused")
+    with torch.inference_mode():
+        tiny_engine.model(input_ids=ids[:, :40], cache=cache)
+        for t in range(40, 50):  # the tail fills and flushes: the packed run grows under the cached descriptions
+            tiny_engine.model(input_ids=ids[:, t:t + 1], cache=cache)
+    assert cache.report().fused_impl == {"native-cpu": cache.report().fused_calls}
+    layers = len(cache.layers)
+    assert len(_SIDES) == before + 2 * layers  # one K and one V description per layer's store
+    n_packed = [key[0] for key, _ in _SIDES.values()]
+    assert min(n_packed) > 36  # rebuilt after the flushes (the prefill packed 36 rows)
+    del cache
+    gc.collect()
+    assert len(_SIDES) == before

@@ -21,7 +21,7 @@ import torch
 from tqbench.kernels.cpu import native_module
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch", "simd_order"]
+__all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch", "simd_order"]
 
 _RULES: list[dict] = []
 
@@ -51,7 +51,7 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
     return torch.tensor(native_module().simd_order(bits, d))
 
 
-def _dense(rows: Sequence[torch.Tensor], dt: torch.dtype) -> tuple[list[torch.Tensor], int]:
+def dense_chunks(rows: Sequence[torch.Tensor], dt: torch.dtype) -> tuple[list[torch.Tensor], int]:
     """Row chunks in the compute dtype (converted only where needed) and the bytes the conversions hold."""
     out, extra = [], 0
     for r in rows:
@@ -70,7 +70,7 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
     ``[Bs, H, n_i, head_dim]`` in token order, the first ``n_before`` rows of which come before the packed run;
     ``dt``: the compute dtype (float32 or float64). ``extra_bytes``: what converting the dense rows held.
     """
-    chunks, extra = _dense(dense, dt)
+    chunks, extra = dense_chunks(dense, dt)
     side = native_module().Side
     if packed is None:
         return side(head_dim=head_dim, dense=chunks), extra

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from tqbench.engine.cache.fused.layout import kernel_sides
+from tqbench.kernels.cpu.attention import native_attention_batch
 
 
 def _bool_mask(attention_mask, seq: int, total: int):
@@ -42,8 +43,6 @@ def _record(layer, call, seq: slice) -> None:
 def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: float, *, softcap=None,
                            sinks=None, sparse_v: float = 0.0):
     """Attention of ``query`` [B, Hq, L, D] over the stored + new rows, or ``str`` (why not) when it cannot run."""
-    from tqbench.kernels.cpu.attention import native_attention_batch
-
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
     sides = kernel_sides(kv, query.shape[-1], dt)
     if isinstance(sides, str):
@@ -67,8 +66,6 @@ def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Seq
     sequence's 4-D attention mask ``[1, 1, L, >= rows_i]`` (its last ``rows_i`` columns are read) or None
     (causal over its last ``L`` rows). Returns ``[len(kvs), Hq, L, Dv]``, or ``str`` (why not).
     """
-    from tqbench.kernels.cpu.attention import native_attention_batch
-
     if masks is not None and len(masks) != len(kvs):
         raise ValueError(f"masks has {len(masks)} entries for {len(kvs)} sequences: give one per sequence or None")
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
