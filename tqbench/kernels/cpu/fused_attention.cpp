@@ -387,6 +387,24 @@ TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, 
   return buf;
 }
 
+// Rows [t, t + nt) of one side when they all lie in its packed turbo run and decode in SIMD order: one tight
+// loop (no per-row branches); false otherwise (the caller fetches row by row).
+template <typename T>
+TQ_INLINE bool fetch_tile_turbo(const Side<T>& s, int64_t b, int64_t h, int64_t t, int64_t nt, T* buf, int64_t ld,
+                                const T** rows, T* scale, bool* rot) {
+  if (s.kind != TURBO || s.order.empty() || t < s.nb || t + nt > s.nb + s.np) return false;
+  const int64_t n = t - s.nb;
+  const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + n * s.c_r;
+  const at::Half* a = s.a + b * s.a_b + h * s.a_h + n * s.a_r;
+  for (int64_t j = 0; j < nt; ++j) {
+    decode_turbo_fast(s, p + j * s.c_r, buf + j * ld);
+    rows[j] = buf + j * ld;
+    scale[j] = static_cast<T>(static_cast<float>(a[j * s.a_r]));
+    rot[j] = true;
+  }
+  return true;
+}
+
 // exp for the softmax: float uses a vectorizable 2^x polynomial (relative error ~2e-7; exactly 0 below
 // -87, so masked scores give weight 0), double uses std::exp (the float64 path is the exact reference).
 inline float fast_exp(float x) {
@@ -502,7 +520,7 @@ inline __m512 reduce16(__m512* a) {
 // Scores of a full-width tile whose rows all use the same query side, NV = D / 16 vectors per row (kept in
 // registers), four rows in flight so the FMA chains overlap.
 template <int NV>
-inline void tile_scores_nv(const float* const* rows, const float* qv_ptr, float* out16, int64_t nt) {
+inline __m512 tile_scores_nv(const float* const* rows, const float* qv_ptr, int64_t nt) {
   __m512 qv[NV];
   for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qv_ptr + 16 * c);
   __m512 acc[16];
@@ -527,7 +545,7 @@ inline void tile_scores_nv(const float* const* rows, const float* qv_ptr, float*
     acc[j + 2] = a2;
     acc[j + 3] = a3;
   }
-  _mm512_storeu_ps(out16, reduce16(acc));
+  return reduce16(acc);
 }
 
 // Values of a tile for one query: acc += sum_j w_j row_j, two accumulator sets (even / odd rows).
@@ -561,18 +579,14 @@ inline void tile_scores<float>(const float* const* rows, const float* scale, con
   bool same = true;
   for (int64_t j = 1; j < nt; ++j) same = same && rot[j] == rot[0];
   if (same && (D == 64 || D == 128)) {
-    alignas(64) float r[16];
     const bool rr = rot[0];
+    const __mmask16 keep = static_cast<__mmask16>((1u << nt) - 1u);
+    const __m512 scv = _mm512_maskz_loadu_ps(keep, scale);
     for (int64_t m = 0; m < M; ++m) {
       const float* qq = rr ? qr + m * D : q + m * D;
-      if (D == 64) tile_scores_nv<4>(rows, qq, r, nt); else tile_scores_nv<8>(rows, qq, r, nt);
-      const float mu = rr && qmu ? qmu[m] : 0.f;
-      float* out = s + m * ld;
-      if (rr) {
-        for (int64_t j = 0; j < nt; ++j) out[j] = scale[j] * r[j] + mu;
-      } else {
-        for (int64_t j = 0; j < nt; ++j) out[j] = r[j];
-      }
+      __m512 r = D == 64 ? tile_scores_nv<4>(rows, qq, nt) : tile_scores_nv<8>(rows, qq, nt);
+      if (rr) r = _mm512_fmadd_ps(r, scv, _mm512_set1_ps(qmu ? qmu[m] : 0.f));
+      _mm512_mask_storeu_ps(s + m * ld, keep, r);
     }
     return;
   }
@@ -618,6 +632,19 @@ inline void tile_values<float>(const float* const* rows, const float* scale, con
       idx[nl++] = j;
     }
     if (nl == 0) return;
+    if (same && nl == nt) {  // every row of the tile weighs: vector weights and sums
+      alignas(64) float w[TILE];
+      const __mmask16 keep = static_cast<__mmask16>((1u << nt) - 1u);
+      const __m512 scv = _mm512_maskz_loadu_ps(keep, scale);
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 pv = _mm512_maskz_loadu_ps(keep, p + m * ld);
+        _mm512_store_ps(w, rr ? _mm512_mul_ps(pv, scv) : pv);
+        float* acc = (rr ? accP : accD) + m * Dv;
+        if (Dv == 64) tile_values_nv<4>(live, w, nl, acc); else tile_values_nv<8>(live, w, nl, acc);
+        if (rr) ps[m] += _mm512_reduce_add_ps(pv);
+      }
+      return;
+    }
     if (same) {
       alignas(64) float w[TILE];
       for (int64_t m = 0; m < M; ++m) {
@@ -976,10 +1003,12 @@ std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t> a
       // scores, a tile of rows at a time: decode (or point at) 16 rows, then every query of the kv head
       for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t nt = std::min(TILE, n - i0);
-        for (int64_t j = 0; j < nt; ++j) {
-          bool r;
-          rows[j] = fetch_row(Ks, b, h, t0 + i0 + j, tbuf.data() + j * tld, tscale[j], r);
-          trot[j] = r;
+        if (!fetch_tile_turbo(Ks, b, h, t0 + i0, nt, tbuf.data(), tld, rows, tscale, trot)) {
+          for (int64_t j = 0; j < nt; ++j) {
+            bool r;
+            rows[j] = fetch_row(Ks, b, h, t0 + i0 + j, tbuf.data() + j * tld, tscale[j], r);
+            trot[j] = r;
+          }
         }
         tile_scores<T>(rows, tscale, trot, nt, qb, qrb, qmb, M, D, sbuf.data() + i0, blk);
       }
@@ -1016,6 +1045,11 @@ std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t> a
       // values, a tile at a time; rows no query weighs (masked, or below the Sparse-V threshold) are not read
       for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t nt = std::min(TILE, n - i0);
+        if (dense_all && fetch_tile_turbo(Vs, b, h, t0 + i0, nt, tbuf.data(), tld, rows, tscale, trot)) {
+          visited[it] += nt;
+          tile_values<T>(rows, tscale, trot, nt, sbuf.data() + i0, blk, M, Dv, accD, accP, ps);
+          continue;
+        }
         for (int64_t j = 0; j < nt; ++j) {
           const int64_t i = i0 + j;
           if (dense_all) {  // no mask, no Sparse-V: every row carries weight (a row whose weights underflow adds 0)
