@@ -24,9 +24,16 @@ from tqbench.kernels.reference import PackedSide
 __all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch", "simd_order"]
 
 _RULES: list[dict] = []
+_MODULE: list = []  # the loaded extension, once native_module() has returned it (the per-call path skips its lock)
 
 
-@dataclass(frozen=True)
+def _mod():
+    if not _MODULE:
+        _MODULE.append(native_module())
+    return _MODULE[0]
+
+
+@dataclass(slots=True)
 class NativeCall:
     """What one call did: Sparse-V counts (in all and per sequence) and every transient byte it held (C++
     workspace: queries, partials, per-thread scores and decoded rows, tables; + the caller's converted rows)."""
@@ -54,9 +61,9 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
 def dense_chunks(rows: Sequence[torch.Tensor], dt: torch.dtype) -> tuple[list[torch.Tensor], int]:
     """Row chunks in the compute dtype (converted only where needed) and the bytes the conversions hold."""
     out, extra = [], 0
-    for r in rows:
-        if r.dtype != dt or (r.shape[-1] > 1 and r.stride(-1) != 1):
-            r = r.to(dt).contiguous()
+    for r in rows:  # (strides are the kernel's to check: a chunk it cannot read is refused by name)
+        if r.dtype != dt:
+            r = r.to(dt)
             extra += r.numel() * r.element_size()
         out.append(r)
     return out, extra
@@ -71,7 +78,7 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
     ``dt``: the compute dtype (float32 or float64). ``extra_bytes``: what converting the dense rows held.
     """
     chunks, extra = dense_chunks(dense, dt)
-    side = native_module().Side
+    side = _mod().Side
     if packed is None:
         return side(head_dim=head_dim, dense=chunks), extra
     p = packed.payload
@@ -107,7 +114,7 @@ def native_attention_batch(
     q = query if query.dtype == dt else query.to(dt)
     if sinks is not None and (sinks.dtype != dt or not sinks.is_contiguous()):
         sinks = sinks.to(dt).contiguous()
-    out, skipped, weighted, ws = native_module().attend(
+    out, skipped, weighted, ws = _mod().attend(
         q, float(scale), k_sides, v_sides, [] if masks is None else list(masks), float(softcap or 0.0), sinks,
         float(sparse_v))
     if out.dtype != query.dtype:
