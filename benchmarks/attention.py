@@ -34,7 +34,9 @@ from _shapes import SHAPES, load_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+INTERPRETED = "triton"  # on CPU: the Triton kernels under TRITON_INTERPRET=1 (slow; never timed by default)
 COLD_FACTOR = 4  # the copies a cold timing rotates through cover this many times the last-level cache
+MAX_COPIES = 64
 
 
 def ints(text: str) -> list[int]:
@@ -117,8 +119,9 @@ def last_level_cache_bytes(device: str) -> int:
 
 
 def n_copies(nbytes: int, llc: int) -> int:
-    """Copies of an ``nbytes`` working set that together cover ``COLD_FACTOR`` x the last-level cache."""
-    return max(1, math.ceil(COLD_FACTOR * llc / max(1, nbytes)))
+    """Copies of an ``nbytes`` working set that together cover ``COLD_FACTOR`` x the last-level cache (at most
+    ``MAX_COPIES``: a row whose copies cover less says so, ``cold: false``)."""
+    return max(1, min(MAX_COPIES, math.ceil(COLD_FACTOR * llc / max(1, nbytes))))
 
 
 def timer(device: str, repeats: int):
@@ -127,8 +130,7 @@ def timer(device: str, repeats: int):
 
     def run(fns) -> float:
         fns = fns if isinstance(fns, list) else [fns]
-        for fn in fns:  # warm up (and compile) every copy once
-            fn()
+        fns[0]()  # warm up (and compile)
         times = []
         for i in range(repeats):
             fn = fns[i % len(fns)]
@@ -215,7 +217,13 @@ def fused_impls(dev: str, console) -> dict:
     else:
         console.print(f"[yellow]native CPU kernel unavailable: {why}[/]")
     impls["torch-reference"] = packed_attention_partials
-    del torch
+    if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+        try:  # the Triton kernels under the interpreter: only when asked for (--impls triton), e.g. gpu_check's dry run
+            from tqbench.kernels.packed_attention import packed_attention
+
+            impls[INTERPRETED] = packed_attention
+        except ImportError as e:
+            console.print(f"[yellow]triton unavailable: {e}[/]")
     return impls
 
 
@@ -251,6 +259,8 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"--impls {unknown}: available here are {', '.join(impls)}")
         impls = {k: v for k, v in impls.items() if k in args.impls}
+    elif not gpu:
+        impls.pop(INTERPRETED, None)
     if args.sparsev and "native-cpu" not in impls:
         console.print("[yellow]--sparsev rows need the native CPU kernel, which is not timed here[/]")
     flash = flash_attention() if gpu else None
@@ -322,6 +332,7 @@ def main(argv=None) -> int:
                                 "fused_frac_copy_bw": round(packed / t / 1e9 / bw, 3),
                                 "rel_err_vs_sdpa": round(rel_err(out[0], ref), 5), "sparsev_skipped_share": skipped,
                                 "dense_copies": len(dense_copies), "packed_copies": len(sides),
+                                "cold": min(len(dense_copies) * dense_bytes, len(sides) * packed) >= COLD_FACTOR * llc,
                             })
                         del ks, vs, sides
                     del q, ref
@@ -341,7 +352,7 @@ def main(argv=None) -> int:
         table.add_column(col, justify="left" if col in ("codec", "impl") else "right")
     for r in rows:
         cells = [str(r["head_dim"]), str(r["batch"]), str(r["context"]), str(r["queries"]), r["codec"], r["impl"],
-                 f"{r['dense_ms']:.3f}", f"{r['fused_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['byte_limit']:.2f}x",
+                 f"{r['dense_ms']:.3f}{'' if r['cold'] else '*'}", f"{r['fused_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['byte_limit']:.2f}x",
                  f"{100 * r['dense_frac_copy_bw']:.0f}%", f"{r['fused_gbs']:.1f}",
                  f"{100 * r['fused_frac_copy_bw']:.0f}%", f"{r['rel_err_vs_sdpa']:.4f}",
                  "-" if r["sparsev_skipped_share"] is None else f"{100 * r['sparsev_skipped_share']:.1f}%"]
@@ -349,6 +360,8 @@ def main(argv=None) -> int:
             cells.insert(7, "-" if r["flash_ms"] is None else f"{r['flash_ms']:.3f}")
         table.add_row(*cells)
     console.print(table)
+    if not all(r["cold"] for r in rows):
+        console.print(f"* warm: at most {MAX_COPIES} copies, which cover less than {COLD_FACTOR}x the last-level cache")
     console.print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), {threads} threads")
     out = {
         "command": [sys.executable, *sys.argv] if argv is None else ["attention.py", *argv],
