@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     q.add_argument("--context", type=int, default=1024, help="prefill tokens")
     q.add_argument("--tokens", type=int, default=128, help="scored tokens after the prefill")
     q.add_argument("--chunks", default="0,128,256", help="prefill chunk sizes (0 = one call)")
-    q.add_argument("--policy", default="turbo4")
+    q.add_argument("--policy", default="turbo4", help="';'-separated policies, e.g. 'turbo4;turbo4,sparsev=0.001'")
     q.add_argument("--mode", default="fused")
     for sp in (m, q):
         sp.add_argument("--threads", type=int, default=None)
@@ -142,17 +142,24 @@ def quality(args, console) -> dict:
     if code.shape[1] >= n:
         texts["code:tqcache.py"] = code[:, :n]
     rows = []
+    policies = [x.strip() for x in args.policy.split(";") if x.strip()]
     for name, ids in texts.items():
         base = baseline_logprobs(engine, ids, args.context)
-        for chunk in args.chunks:
-            with console.status(f"{name}: chunk {chunk} ..."):
+        for policy in policies:
+            for chunk in args.chunks:
                 t = time.perf_counter()
-                r = teacher_forced(engine, ids, args.context, args.policy, args.mode, baseline=base, prefill_chunk=chunk)
-            rows.append({"text": name, "chunk": chunk, "kl_mean": r.kl_mean, "kl_max": r.kl_max,
-                         "top1_agreement": r.top1_agreement, "ppl_baseline": r.ppl_baseline,
-                         "ppl_candidate": r.ppl_candidate, "seconds": round(time.perf_counter() - t, 2)})
+                r = teacher_forced(engine, ids, args.context, policy, args.mode, baseline=base, prefill_chunk=chunk)
+                rows.append(row(name, policy, chunk, r, t))
+                console.print(f"{name} {policy} chunk {chunk}: KL {r.kl_mean:.5f} top-1 {r.top1_agreement:.3f} "
+                              f"({rows[-1]['seconds']} s)")
     del torch
     return {"model": engine.name, "rows": rows}
+
+
+def row(name, policy, chunk, r, t) -> dict:
+    return {"text": name, "policy": policy, "chunk": chunk, "kl_mean": r.kl_mean, "kl_max": r.kl_max,
+            "top1_agreement": r.top1_agreement, "ppl_baseline": r.ppl_baseline, "ppl_candidate": r.ppl_candidate,
+            "seconds": round(time.perf_counter() - t, 2)}
 
 
 def main(argv=None) -> int:
@@ -184,12 +191,12 @@ def main(argv=None) -> int:
                       f"{r['rss_after_model_bytes'] / gib:.2f} GiB", f"{r['weights_bytes'] / gib:.2f} GiB",
                       "-" if store is None else f"{store / 2**20:.1f} MiB", f"{r['prefill_s']:.1f}")
     else:
-        t = Table(title=f"teacher-forced KL vs the dense baseline, {res['model']}, {args.policy} {args.mode}, "
+        t = Table(title=f"teacher-forced KL vs the dense baseline, {res['model']}, {args.mode} mode, "
                         f"prefill {args.context} + {args.tokens} scored")
-        for col in ("text", "prefill chunk", "KL mean", "KL max", "top-1", "ppl base", "ppl cand"):
-            t.add_column(col, justify="left" if col == "text" else "right")
+        for col in ("text", "policy", "prefill chunk", "KL mean", "KL max", "top-1", "ppl base", "ppl cand"):
+            t.add_column(col, justify="left" if col in ("text", "policy") else "right")
         for r in res["rows"]:
-            t.add_row(r["text"], str(r["chunk"] or "one call"), f"{r['kl_mean']:.5f}", f"{r['kl_max']:.4f}",
+            t.add_row(r["text"], r["policy"], str(r["chunk"] or "one call"), f"{r['kl_mean']:.5f}", f"{r['kl_max']:.4f}",
                       f"{r['top1_agreement']:.3f}", f"{r['ppl_baseline']:.3f}", f"{r['ppl_candidate']:.3f}")
     console.print(t)
     console.print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), {torch.get_num_threads()} "
