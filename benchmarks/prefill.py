@@ -54,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     q.add_argument("--chunks", default="0,128,256", help="prefill chunk sizes (0 = one call)")
     q.add_argument("--policy", default="turbo4", help="';'-separated policies, e.g. 'turbo4;turbo4,sparsev=0.001'")
     q.add_argument("--mode", default="fused")
+    q.add_argument("--texts", default="bread,lighthouses,rivers,code", help="corpus texts (+ code: a tqbench source)")
     for sp in (m, q):
         sp.add_argument("--threads", type=int, default=None)
         sp.add_argument("--json", default=None)
@@ -137,9 +138,12 @@ def quality(args, console) -> dict:
 
     engine = Engine.load(args.model, threads=args.threads)
     n = args.context + args.tokens + 1
-    texts = {name: corpus_ids(engine.tokenizer, name, n) for name in ("bread", "lighthouses", "rivers")}
-    code = engine.tokenizer(CODE_TEXT.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
-    if code.shape[1] >= n:
+    wanted = [x.strip() for x in args.texts.split(",") if x.strip()]
+    texts = {name: corpus_ids(engine.tokenizer, name, n) for name in wanted if name != "code"}
+    if "code" in wanted:
+        code = engine.tokenizer(CODE_TEXT.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
+        if code.shape[1] < n:
+            raise SystemExit(f"{CODE_TEXT.name} has {code.shape[1]} tokens, fewer than the {n} needed")
         texts["code:tqcache.py"] = code[:, :n]
     rows = []
     policies = [x.strip() for x in args.policy.split(";") if x.strip()]
