@@ -9,7 +9,13 @@ import json
 
 import click
 
-from tqbench.cli.options import friendly_errors, model_options, prefill_chunk_option, read_prompt, torch_threads
+from tqbench.cli.options import (
+    friendly_errors,
+    model_options,
+    prefill_chunk_option,
+    read_prompt,
+    torch_threads,
+)
 from tqbench.cli.workbench import open_workbench
 from tqbench.constants import CACHE_MODES
 

@@ -57,7 +57,12 @@ def model_options(fn):
 
 def prefill_chunk_option(fn):
     """``--prefill-chunk auto|0|N`` (the engine's ``prefill_chunk``: None, 0 or N; ``constants.auto_prefill_chunk``)."""
-    from tqbench.constants import PREFILL_CHUNK_ABOVE, PREFILL_CHUNK_AUTO, PREFILL_CHUNK_TOKENS, parse_prefill_chunk
+    from tqbench.constants import (
+        PREFILL_CHUNK_ABOVE,
+        PREFILL_CHUNK_AUTO,
+        PREFILL_CHUNK_TOKENS,
+        parse_prefill_chunk,
+    )
 
     def convert(ctx, param, value):
         try:
