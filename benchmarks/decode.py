@@ -1,7 +1,14 @@
 """Decode tokens/s of every cache mode, as ratios against a dense ``DynamicCache`` run in the same process.
 
 ``python benchmarks/decode.py [--contexts 1024,4096] [--policies turbo4,q8k-int4v] [--threads N] [--quick]``
-(see ``--help``). For each context, runs are interleaved (per repeat: the baseline, then every policy x
+(see ``--help``).
+
+``--shape llama3-8b`` (qwen3-8b, mistral-7b, smollm2: ``_shapes.SHAPES``) times a random-weight model of that
+family with the real attention shapes (hidden size, query/KV heads, head size) and ``--layers`` layers (4;
+vocabulary 512 so it fits in memory; the real MLP width unless ``--intermediate``) at contexts up to 128K:
+every cache (the dense ``DynamicCache`` baseline and each policy x mode) is filled to the context with the
+same random K/V rows through its own ``update`` (the cache's real append path; no model prefill, which takes
+minutes per 32K prompt on a CPU), then ``--new-tokens`` decode steps of the model are timed. For each context, runs are interleaved (per repeat: the baseline, then every policy x
 mode) and the median decode tok/s is reported (``GenerationResult.decode_tokens_per_second``: decode steps
 only, the prefill token excluded); a summary gives fused vs dense and fused vs compressed per context.
 Every configuration is warmed up once on a short prompt first, so one-time costs (codebooks, rotations,
@@ -19,6 +26,7 @@ import sys
 from pathlib import Path
 
 from _common import cpu_model, write_json
+from _shapes import SHAPES, load_shape, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,7 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quick", action="store_true", help="context 256, 8 new tokens, 1 repeat (smoke test)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a random-weight model with this real model's attention shapes (instead of --model)")
+    p.add_argument("--layers", type=int, default=4, help="--shape: decoder layers")
+    p.add_argument("--intermediate", type=int, default=None, help="--shape: MLP width (default: the real one)")
     a = p.parse_args(argv)
+    if a.shape and a.model != "default":
+        p.error("--shape builds its own random-weight model: drop --model")
     try:
         a.contexts = [a.context] if a.context else [int(x) for x in a.contexts.split(",") if x.strip()]
     except ValueError:
@@ -159,6 +173,78 @@ def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
     return rows[0], rows[1:]
 
 
+def fill_cache(cache, config, k_rows, v_rows) -> None:
+    """Put the same K/V rows into every layer of ``cache`` through its own ``update`` (per-layer rows)."""
+    for layer in range(config.num_hidden_layers):
+        cache.update(k_rows[layer], v_rows[layer], layer)
+
+
+def measure_filled(engine, args, context, console) -> tuple[dict, list[dict]]:
+    """``--shape``: every cache filled with the same random K/V rows to ``context``, then interleaved repeats
+    of ``--new-tokens`` timed decode steps (random token ids); (baseline row, rows) as ``measure``."""
+    import time
+
+    import torch
+
+    from tqbench.engine.cache.tqcache import TQCache
+    from tqbench.engine.generate import _forward
+
+    cfg = engine.config
+    geo = engine.geometry
+    gen = torch.Generator().manual_seed(context)
+    shape = (1, geo.kv_heads, context, geo.head_dim)
+    configs = [(None, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
+    caches, fill_s = {}, {}
+    with console.status(f"filling caches to {context} tokens ..."):
+        for policy, mode in configs:
+            k_rows = [torch.randn(shape, generator=torch.Generator().manual_seed(2 * i)) for i in range(geo.num_layers)]
+            v_rows = [torch.randn(shape, generator=torch.Generator().manual_seed(2 * i + 1))
+                      for i in range(geo.num_layers)]
+            cache = engine.make_cache(policy, mode)
+            t = time.perf_counter()
+            fill_cache(cache, cfg, k_rows, v_rows)
+            fill_s[(policy, mode)] = time.perf_counter() - t
+            caches[(policy, mode)] = cache
+            del k_rows, v_rows
+    ids = torch.randint(4, cfg.vocab_size, (args.repeats + 1, args.new_tokens), generator=gen)
+    for c in configs:  # warm-up: one step per cache (the fused switch, codebooks, the kernel's first call)
+        _forward(engine.model, ids[-1:, :1], caches[c])
+    steps: dict[tuple, list] = {c: [] for c in configs}
+    append: dict[tuple, list] = {c: [] for c in configs}
+    clock = AppendClock()
+    with console.status("measuring ...") as status:
+        for r in range(args.repeats):
+            for c in configs:
+                status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {c[0] or 'dynamic-cache'} {c[1]}")
+                clock.lap()
+                times = []
+                for j in range(args.new_tokens):
+                    t = time.perf_counter()
+                    _forward(engine.model, ids[r : r + 1, j : j + 1], caches[c])
+                    times.append(time.perf_counter() - t)
+                steps[c].append(times)
+                append[c].append((clock.lap(), sum(times), len(times)))
+    base_tps = statistics.median(len(t) / sum(t) for t in steps[configs[0]])
+    rows = []
+    for c in configs:
+        policy, mode = c
+        cache = caches[c]
+        rep = cache.report() if isinstance(cache, TQCache) else None
+        tps = statistics.median(len(t) / sum(t) for t in steps[c])
+        rows.append({
+            "context": context, "policy": policy or "dynamic-cache", "mode": mode, "decode_tok_s": round(tps, 3),
+            "decode_tok_s_runs": [round(len(t) / sum(t), 3) for t in steps[c]],
+            "ratio_vs_dense": round(tps / base_tps, 4), "prefill_s": round(fill_s[c], 4), "fill": "random K/V",
+            "append_ms_per_step": round(1e3 * statistics.median(a / n for a, _, n in append[c]), 4),
+            "append_share": round(statistics.median(a / t for a, t, _ in append[c]), 4),
+        } | {k: getattr(rep, k, None) for k in REPORT_KEYS})
+        if rep is not None and mode == "fused":
+            rows[-1]["fused_impl"] = rep.fused_impl
+            rows[-1]["fallbacks"] = rep.fallbacks
+    caches.clear()
+    return rows[0], rows[1:]
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per context and policy: fused vs dense and fused vs compressed."""
     out = []
@@ -183,16 +269,27 @@ def main(argv=None) -> int:
     from tqbench.engine.engine import Engine
 
     console = Console() if sys.stdout.isatty() else Console(width=150)  # no wrapped cells in logs
-    engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads)
+    if args.shape:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        shape = load_shape(args.shape)
+        engine = Engine(random_model(shape, args.layers, intermediate=args.intermediate,
+                                     context=max(args.contexts) + args.new_tokens + 1))
+        console.print(f"{engine.name}: {shape.describe()}, {args.layers} layers, MLP "
+                      f"{engine.config.intermediate_size}, {engine.loaded.num_params / 1e6:.0f}M params "
+                      f"({engine.loaded.num_params * 4 / 2**30:.2f} GiB fp32); caches filled with random K/V")
+    else:
+        engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads)
     if engine.max_context and max(args.contexts) + args.new_tokens > engine.max_context:
         raise SystemExit(f"contexts + --new-tokens exceed {engine.name}'s context of {engine.max_context}")
     per_context = []
     for context in args.contexts:
-        baseline, rows = measure(engine, args, context, console)
+        baseline, rows = (measure_filled if args.shape else measure)(engine, args, context, console)
         per_context.append({"context": context, "baseline": baseline, "rows": rows})
-        table = Table(title=f"decode: {engine.name}, {context} ctx + {args.new_tokens} new, "
+        table = Table(title=f"decode: {engine.name}, {context} ctx{' (filled)' if args.shape else ''} + "
+                            f"{args.new_tokens} new, "
                             f"{torch.get_num_threads()} threads, median of {args.repeats}")
-        for col in ("policy", "mode", "decode tok/s", "vs dense", "prefill s", "append/step", "resident KV", "saved",
+        for col in ("policy", "mode", "decode tok/s", "vs dense", "fill s" if args.shape else "prefill s", "append/step", "resident KV", "saved",
                     "bits/el"):
             table.add_column(col, justify="left" if col in ("policy", "mode") else "right")
         for row in [baseline, *rows]:
@@ -226,7 +323,9 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(), "cpu": cpu_model(),
         "loadavg_before": list(load_before), "loadavg_after": list(load_after),
-        "results": per_context, "summary": summ,
+        "results": per_context, "summary": summ, "shape": args.shape,
+        "layers": args.layers if args.shape else None,
+        "intermediate_size": getattr(engine.config, "intermediate_size", None), "num_params": engine.loaded.num_params,
     }
     write_json(args.json, out, console)
     return 0

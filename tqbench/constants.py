@@ -43,3 +43,39 @@ COMPARE_PROMPTS = (DEFAULT_PROMPT, SECOND_PROMPT)
 def fastest_quality_mode(device_type: str) -> str:
     """The cache mode a candidate should default to on ``device_type`` ("cpu", "cuda", ...)."""
     return FASTEST_QUALITY_MODE.get(device_type, "simulate")
+
+
+#: ``--prefill-chunk auto`` (every front end's default): a prompt longer than ``PREFILL_CHUNK_ABOVE`` tokens, in a
+#: mode whose resident memory is the packed store (compressed, fused), is prefilled in forward calls of
+#: ``PREFILL_CHUNK_TOKENS`` tokens that append into the store as they go: each call attends exactly over its own
+#: rows and reads the earlier calls' rows as stored, so the prefill never holds the whole prompt's dense K/V
+#: (peak: the store + one chunk's dense K/V + one chunk's activations). Shorter prompts, and the other modes
+#: (which keep a dense copy anyway), prefill in one call over exact K/V. 8192 is the default model's whole
+#: context, so its prompts keep the exact one-call prefill its quality numbers were measured with.
+PREFILL_CHUNK_AUTO = "auto"
+PREFILL_CHUNK_ABOVE = 8192
+PREFILL_CHUNK_TOKENS = 1024
+PREFILL_CHUNK_MODES = ("compressed", "fused")
+
+
+def parse_prefill_chunk(text: str | int | None) -> int | None:
+    """``--prefill-chunk``: ``auto`` (None: chosen by length, ``auto_prefill_chunk``), 0 (one call) or tokens."""
+    if text is None or text == PREFILL_CHUNK_AUTO:
+        return None
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ValueError(f"--prefill-chunk {text!r} is invalid: use auto, 0 (the whole prompt in one forward call) "
+                         "or a positive number of tokens per call")
+    return n
+
+
+def auto_prefill_chunk(prompt_tokens: int, cache_mode: str | None, chunk: int | None = None) -> int:
+    """Tokens per prefill forward call (0 = one call): ``chunk`` when given, else the ``auto`` rule above."""
+    if chunk is not None:
+        return chunk
+    if cache_mode in PREFILL_CHUNK_MODES and prompt_tokens > PREFILL_CHUNK_ABOVE:
+        return PREFILL_CHUNK_TOKENS
+    return 0

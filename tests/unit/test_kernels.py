@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+#: where the kernels run: the GPU when one is here and the interpreter is off (``benchmarks/gpu_check.sh`` sets
+#: TRITON_INTERPRET=0), else the CPU under the interpreter. Inputs are drawn on the CPU, then moved.
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
@@ -49,6 +52,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what
 
 
 def make_side(spec: str, role: str, x: torch.Tensor) -> PackedSide:
+    x = x.to(DEVICE)
     turbo = spec.startswith("turbo")
     codec = codec_from_spec(spec, role=role, center=turbo and role == "k")
     state = codec.calibrate(x)
@@ -56,8 +60,9 @@ def make_side(spec: str, role: str, x: torch.Tensor) -> PackedSide:
     d = x.shape[-1]
     if turbo:
         return PackedSide(
-            "turbo", codec.bits, enc, x.shape[2], d, levels=codec.codebook_tensor(dtype=torch.float32, head_dim=d),
-            rotation=codec.rotation_tensor(dtype=torch.float32, head_dim=d), mu=state.get("mu"),
+            "turbo", codec.bits, enc, x.shape[2], d,
+            levels=codec.codebook_tensor(device=x.device, dtype=torch.float32, head_dim=d),
+            rotation=codec.rotation_tensor(device=x.device, dtype=torch.float32, head_dim=d), mu=state.get("mu"),
         )
     if role == "k":
         return PackedSide("affine-channel", codec.bits, enc, x.shape[2], d, group=codec.block)
@@ -96,7 +101,8 @@ def _inputs(case, seed=0):
         mask[0, :, :5] = False  # left padding of sequence 0
         if b > 1:
             mask[-1] = False  # a row with nothing to attend in the packed range
-    return q, make_side(kspec, "k", k), make_side(vspec, "v", v), mask, dtype, splits
+    mask = None if mask is None else mask.to(DEVICE)
+    return q.to(DEVICE), make_side(kspec, "k", k), make_side(vspec, "v", v), mask, dtype, splits
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -142,10 +148,11 @@ def test_packed_attention_perturbed_kernel_output_fails_the_check(which):
 @pytest.mark.parametrize("d", [64, 128])
 def test_turbo_quantize_matches_codec(bits, d):
     codec = codec_from_spec(f"turbo{bits}", role="k", center=True)
-    x = torch.randn(3, 2, 7, d, generator=torch.Generator().manual_seed(bits)) * 2 + 0.7
+    x = (torch.randn(3, 2, 7, d, generator=torch.Generator().manual_seed(bits)) * 2 + 0.7).to(DEVICE)
     state = codec.calibrate(x)
     want = codec.encode(x, state)
-    got = turbo_quantize(x, state["mu"], codec.rotation_tensor(head_dim=d), codec.codebook_tensor(head_dim=d), bits)
+    got = turbo_quantize(x, state["mu"], codec.rotation_tensor(device=DEVICE, head_dim=d),
+                         codec.codebook_tensor(device=DEVICE, head_dim=d), bits)
     assert got["idx"].dtype == torch.uint8 and got["idx"].shape == want["idx"].shape
     mism = (got["idx"] != want["idx"]).sum().item()
     assert mism == 0, f"{mism} of {want['idx'].numel()} packed bytes differ"
@@ -154,19 +161,21 @@ def test_turbo_quantize_matches_codec(bits, d):
 
 def test_turbo_quantize_strided_fp16_rows_without_centering():
     codec = codec_from_spec("turbo4", role="v")
-    x = torch.randn(1, 7, 3, 64).transpose(1, 2).to(torch.float16)  # [1, 3, 7, 64], strided rows
+    x = torch.randn(1, 7, 3, 64).to(DEVICE).transpose(1, 2).to(torch.float16)  # [1, 3, 7, 64], strided rows
     want = codec.encode(x, {})
-    got = turbo_quantize(x, None, codec.rotation_tensor(head_dim=64), codec.codebook_tensor(head_dim=64), 4)
+    got = turbo_quantize(x, None, codec.rotation_tensor(device=DEVICE, head_dim=64),
+                         codec.codebook_tensor(device=DEVICE, head_dim=64), 4)
     assert (got["idx"] != want["idx"]).sum().item() <= 2  # fp16 rows: a boundary tie may round apart
     assert torch.allclose(got["norm"].float(), want["norm"].float(), rtol=2e-3)
 
 
 def test_turbo_quantize_perturbed_output_fails_the_check():
     codec = codec_from_spec("turbo4", role="k", center=True)
-    x = torch.randn(1, 2, 5, 64)
+    x = torch.randn(1, 2, 5, 64).to(DEVICE)
     state = codec.calibrate(x)
     want = codec.encode(x, state)
-    got = turbo_quantize(x, state["mu"], codec.rotation_tensor(head_dim=64), codec.codebook_tensor(head_dim=64), 4)
+    got = turbo_quantize(x, state["mu"], codec.rotation_tensor(device=DEVICE, head_dim=64),
+                         codec.codebook_tensor(device=DEVICE, head_dim=64), 4)
     got["idx"][0, 1, 2, 7] ^= 0x01
     assert (got["idx"] != want["idx"]).sum().item() == 1
 

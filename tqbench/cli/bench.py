@@ -9,7 +9,13 @@ import json
 
 import click
 
-from tqbench.cli.options import friendly_errors, model_options, read_prompt, torch_threads
+from tqbench.cli.options import (
+    friendly_errors,
+    model_options,
+    prefill_chunk_option,
+    read_prompt,
+    torch_threads,
+)
 from tqbench.cli.workbench import open_workbench
 from tqbench.constants import CACHE_MODES
 
@@ -25,6 +31,7 @@ from tqbench.constants import CACHE_MODES
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@prefill_chunk_option
 @click.option("--per-layer", is_flag=True, help="Print the per-layer byte table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--save-session", "save_session", default=None, metavar="FILE",
@@ -32,7 +39,7 @@ from tqbench.constants import CACHE_MODES
 @click.pass_context
 @friendly_errors
 def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, prompt_file, chat, max_new_tokens,
-          temperature, top_p, seed, per_layer, as_json, save_session):
+          temperature, top_p, seed, prefill_chunk, per_layer, as_json, save_session):
     """Generate under a KV policy; report speed and what the cache costs."""
     if not ctx.find_root().obj.get("headless"):  # the workbench's Run screen with these flags filled in
         ctx.find_root().obj["workbench"].update(model=model, device=device, dtype=dtype, threads=threads)
@@ -55,7 +62,8 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
 
         recorder = RunRecorder(text, chat, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed),
                                kind="bench")
-    result = _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, not as_json)
+    result = _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, not as_json,
+                       prefill_chunk)
     run = BenchRun.of(engine, result, policy, torch_threads())
     if recorder is not None:
         saved = save_headless_session(save_session, engine, model, [recorder.record])
@@ -67,7 +75,8 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
         print_bench(run, per_layer=per_layer)
 
 
-def _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, live_text: bool):
+def _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, live_text: bool,
+              prefill_chunk: int | None = None):
     """Stream one generation (text to stdout when ``live_text``); the engine's ``GenerationResult``."""
     from tqbench.cli.render.progress import TokenPrinter
     from tqbench.engine.events import GenerationFinished, TokenGenerated
@@ -75,7 +84,7 @@ def _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, 
     result = None
     live = TokenPrinter(enabled=live_text)
     for ev in engine.stream(text, policy, cache_mode, max_new_tokens=max_new_tokens, chat=chat, sampling=sampling,
-                            track_bytes=recorder is not None):
+                            track_bytes=recorder is not None, prefill_chunk=prefill_chunk):
         if recorder is not None:
             recorder(ev)
         if isinstance(ev, TokenGenerated):

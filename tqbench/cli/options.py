@@ -55,6 +55,29 @@ def model_options(fn):
     return fn
 
 
+def prefill_chunk_option(fn):
+    """``--prefill-chunk auto|0|N`` (the engine's ``prefill_chunk``: None, 0 or N; ``constants.auto_prefill_chunk``)."""
+    from tqbench.constants import (
+        PREFILL_CHUNK_ABOVE,
+        PREFILL_CHUNK_AUTO,
+        PREFILL_CHUNK_TOKENS,
+        parse_prefill_chunk,
+    )
+
+    def convert(ctx, param, value):
+        try:
+            return parse_prefill_chunk(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e).removeprefix(f"--prefill-chunk {value!r} is invalid: "),
+                                     param_hint="--prefill-chunk") from None
+
+    return click.option(
+        "--prefill-chunk", default=PREFILL_CHUNK_AUTO, show_default=True, callback=convert,
+        help=f"Prompt tokens per prefill forward call, appended into the compressed store as they go (0: the whole "
+             f"prompt in one call over exact K/V). auto: {PREFILL_CHUNK_TOKENS} for prompts over "
+             f"{PREFILL_CHUNK_ABOVE} tokens in compressed/fused mode, else one call.")(fn)
+
+
 def report_options(fn):
     fn = click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")(fn)
     fn = click.option("--report-md", default=None, help="Write a Markdown report to this file.")(fn)

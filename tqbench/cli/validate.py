@@ -14,6 +14,7 @@ from tqbench.cli.options import (
     friendly_errors,
     gate,
     model_options,
+    prefill_chunk_option,
     prompt_text,
     report_options,
     write_reports,
@@ -48,11 +49,12 @@ from tqbench.constants import CACHE_MODES
 @click.option("--max-kl", type=float, default=None, help="Teacher-forced gate: mean KL above this fails.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (both runs).")
+@prefill_chunk_option
 @report_options
 @friendly_errors
 def validate(model, device, dtype, threads, baseline, candidate, cache_mode, baseline_mode, prompt,
              prompt_file, chat, max_new_tokens, quality_threshold, collect_logits, no_per_step, self_test,
-             teacher_forced, corpus, tf_context, tf_tokens, max_kl, temperature, seed, report_json,
+             teacher_forced, corpus, tf_context, tf_tokens, max_kl, temperature, seed, prefill_chunk, report_json,
              report_md, as_json):
     """Does a candidate policy change what the model says? Verdict, metrics and a recommendation."""
     from tqbench.cli.render.console import load_engine
@@ -70,13 +72,13 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
     reports = dict(report_json=report_json, report_md=report_md, as_json=as_json)
     if teacher_forced:
         rep = _teacher_forced(engine, model, cand_pol, None if corpus else text, corpus, tf_context, tf_tokens,
-                              cache_mode, chat, max_new_tokens, reports)
+                              cache_mode, chat, max_new_tokens, reports, prefill_chunk)
         if max_kl is not None:
             worst = max(r.kl_mean for r in rep.results)
             gate(worst <= max_kl, f"teacher-forced mean KL {worst:.5f} is above --max-kl {max_kl}")
         return
     kw = dict(chat=chat, max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
-              per_step=not no_per_step, quality_threshold=quality_threshold)
+              per_step=not no_per_step, quality_threshold=quality_threshold, prefill_chunk=prefill_chunk)
     report = _lockstep(engine, model, text, base_pol, cand_pol, cache_mode, baseline_mode, self_test, kw, reports)
     if self_test:
         gate(report.passed, f"self-test verdict is {report.quality_verdict}, not exact-match: the loop is "
@@ -100,7 +102,7 @@ def _check_flags(candidate, self_test: bool, teacher_forced: bool, corpus, max_k
 
 
 def _teacher_forced(engine, model, cand_pol, prompt, corpus, tf_context, tf_tokens, cache_mode, chat,
-                    max_new_tokens, reports: dict):
+                    max_new_tokens, reports: dict, prefill_chunk: int | None = None):
     """Run, save, write and print teacher-forced quality; the engine's ``TeacherForcedReport``."""
     from tqbench.cli.render.progress import EventProgress
     from tqbench.cli.render.validate import print_teacher_forced, teacher_forced_md
@@ -110,7 +112,7 @@ def _teacher_forced(engine, model, cand_pol, prompt, corpus, tf_context, tf_toke
         rep = teacher_forced_quality(engine, [cand_pol], prompt=prompt, corpus=corpus,
                                      context_tokens=tf_context, eval_tokens=tf_tokens,
                                      cache_mode=cache_mode, chat=chat, max_new_tokens=max_new_tokens,
-                                     on_event=prog)
+                                     on_event=prog, prefill_chunk=prefill_chunk)
     payload = rep.to_dict()
     save_session_if_asked(engine, model, validations=[rep])
     write_reports(payload, teacher_forced_md(rep), **reports)

@@ -136,14 +136,15 @@ class Engine:
         track_bytes: bool = False,
         logprobs: int | None = None,
         echo: bool = False,
-        prefill_chunk: int = 0,
+        prefill_chunk: int | None = None,
     ) -> Iterator[object]:
         """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
 
         With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only).
         ``logprobs`` (the number of top alternatives, 0 for none) adds a ``TokenLogprob`` to every
         ``TokenGenerated``; ``echo`` adds a ``PromptScored`` after the prefill (and allows
-        ``max_new_tokens=0``); ``prefill_chunk`` feeds the prompt in forward calls of that many tokens.
+        ``max_new_tokens=0``); ``prefill_chunk`` feeds the prompt in forward calls of that many tokens (0: one call;
+        None: chosen by length and mode, ``constants.auto_prefill_chunk``).
         """
         pol = parse_policy(policy) if policy is not None else None
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
@@ -175,7 +176,7 @@ class Engine:
         run: str = "candidate",
         logprobs: int | None = None,
         echo: bool = False,
-        prefill_chunk: int = 0,
+        prefill_chunk: int | None = None,
     ) -> Sequence:
         """The step machine behind ``stream`` (its own ``TQCache``), for a driver that batches decode steps
         across sequences (``tqbench.engine.batch.decode_step``); same arguments as ``stream``."""
@@ -217,11 +218,12 @@ class Engine:
         collect_logits: bool = True,
         cancel: Callable[[], bool] | None = None,
         track_bytes: bool = False,
+        prefill_chunk: int | None = None,
     ) -> Iterator[object]:
         """Baseline and candidate generate side by side; yields both streams' events and ``PairStep``s."""
         ids = self.encode_prompt(prompt, chat, max_new_tokens)
         common = dict(max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
-                      cancel=cancel, track_bytes=track_bytes)
+                      cancel=cancel, track_bytes=track_bytes, prefill_chunk=prefill_chunk)
         return lockstep(
             self.stream(ids, baseline, baseline_mode, run="baseline", **common),
             self.stream(ids, candidate, candidate_mode, run="candidate", **common),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tqbench.constants import auto_prefill_chunk
 from tqbench.engine.events import (
     Cancelled,
     GenerationFinished,
@@ -149,7 +150,8 @@ class TextStreamer:
 class Sequence:
     """One generation as a step machine, so that a driver can run its forward calls alone or in a batch.
 
-    ``start()`` prefills the prompt (in forward calls of ``prefill_chunk`` tokens; 0 = one call) and, with
+    ``start()`` prefills the prompt (in forward calls of ``prefill_chunk`` tokens; 0 = one call; None = by
+    length, ``constants.auto_prefill_chunk``) and, with
     ``echo``, scores every prompt token on the way; then each ``step()`` picks a token from the current logits
     and either finishes or names ``next_token``, whose forward call (solo: ``stream_tokens``; batched:
     ``tqbench.engine.batch.decode_step``) hands the next logits back through ``feed()``. Every method returns
@@ -160,9 +162,11 @@ class Sequence:
                  cache_mode: str, max_new_tokens: int, sampling: Sampling = GREEDY, eos_ids: set[int] | None = None,
                  stop: list[str] | None = None, collect_logits: bool = False, cancel: Callable[[], bool] | None = None,
                  report: Callable[[], object] | None = None, logprobs: int | None = None, echo: bool = False,
-                 prefill_chunk: int = 0) -> None:
+                 prefill_chunk: int | None = None) -> None:
         if max_new_tokens < 0 or (max_new_tokens == 0 and not echo):
             raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
+        # None: chosen by length and mode (``constants.auto_prefill_chunk``, the ``--prefill-chunk auto`` rule)
+        prefill_chunk = auto_prefill_chunk(int(input_ids.shape[1]), cache_mode, prefill_chunk)
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk={prefill_chunk} is invalid: use 0 (the whole prompt in one forward "
                              "call) or a positive number of tokens per call")
@@ -285,7 +289,7 @@ def stream_tokens(
     report: Callable[[], object] | None = None,
     logprobs: int | None = None,
     echo: bool = False,
-    prefill_chunk: int = 0,
+    prefill_chunk: int | None = None,
 ) -> Iterator[object]:
     """Prefill ``input_ids`` ([1, T]) into ``cache``, then decode token by token, yielding events."""
     seq = Sequence(model, tokenizer, input_ids, cache, run=run, kv_policy=kv_policy, cache_mode=cache_mode,

@@ -80,6 +80,8 @@ EXPECTED_DIFFS = {
     # window field that use_sliding_window=false switches off
     "Qwen2.5-7B": {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "max_position_embeddings", "sliding_window"},
+    # Qwen3Config's defaults are MHA (32 KV heads) with 32 layers; Qwen3-8B has 36 layers, 8 KV heads, 40K positions
+    "Qwen3-8B": {"num_hidden_layers", "num_key_value_heads", "max_position_embeddings"},
 }
 
 

@@ -63,6 +63,10 @@ class GrowBuffer:
         self.start += t
         self.n -= t
 
+    def alloc_bytes(self) -> int:
+        """Bytes of the tensor allocated (its capacity, not just the rows in use)."""
+        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+
     def nbytes(self) -> int:
         if self.data is None:
             return 0
@@ -96,6 +100,9 @@ class KVStore:
         self.packed: dict[str, GrowBuffer] = {}
         self.n_packed = 0
         self.state: dict[str, torch.Tensor] | None = None
+        #: the most bytes of dense (unpacked) rows this store held at once: the caller's incoming rows + the
+        #: sink and tail buffers' capacity (+ the old tail buffer while it grows), in the rows' own dtype
+        self.peak_dense_bytes = 0
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -110,11 +117,16 @@ class KVStore:
     def append(self, x: torch.Tensor) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """Add rows; returns ``(start_token, encoded)`` for each chunk packed by this call."""
         self.seen += x.shape[2]
+        incoming = x.numel() * x.element_size()
         free = self.sink - self.head.n
         if free > 0:
             self.head.append(x[:, :, :free])
             x = x[:, :, free:]
+        before = self.tail.alloc_bytes()
         self.tail.append(x)
+        after = self.tail.alloc_bytes()
+        held = incoming + self.head.alloc_bytes() + after + (before if after != before else 0)
+        self.peak_dense_bytes = max(self.peak_dense_bytes, held)
         self.last_evicted = self._evict() if self.window is not None else 0
         return self._flush()
 

@@ -290,6 +290,13 @@ class TQCache(Cache):
             self._shape_checked = True
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def peak_dense_kv_bytes(self) -> int:
+        """The sum over layers (K and V) of the most dense rows each store held at once (``KVStore.peak_dense_bytes``):
+        an upper bound on the dense K/V the compressed layers ever held together. A prompt prefilled in one call
+        reaches its whole dense K/V per layer; in chunks, one chunk + the recent window."""
+        return sum(la.k_store.peak_dense_bytes + la.v_store.peak_dense_bytes for la in self.layers
+                   if isinstance(la, TQLayer))
+
     def report(self) -> CacheReport:
         rows = []
         shared: dict[str, int] = {}

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tqbench.constants import CORPUS_DIR
+from tqbench.constants import CORPUS_DIR, auto_prefill_chunk
 from tqbench.engine.events import CancelFlag, OnEvent, TeacherForcedStep, emit, raise_if_cancelled
+from tqbench.engine.generate import prefill as prefill_ids
 from tqbench.engine.metrics import teacher_forced_stats
 from tqbench.engine.policy.spec import Policy, parse_policy
 from tqbench.engine.validate.steps import check_generation_args
@@ -77,15 +78,16 @@ class TeacherForcedReport:
 
 
 def _run(model, ids: torch.Tensor, prefill: int, cache, run: str, kv_policy: str, on_event: OnEvent | None,
-         cancel: CancelFlag | None) -> list[torch.Tensor]:
-    """Log-softmax rows predicting tokens prefill+1 .. len-1 (one per single-token step)."""
+         cancel: CancelFlag | None, chunk: int = 0) -> list[torch.Tensor]:
+    """Log-softmax rows predicting tokens prefill+1 .. len-1 (one per single-token step); the prefill in forward
+    calls of ``chunk`` tokens (0: one call; ``generate.prefill``)."""
     out = []
     steps = ids.shape[1] - 1 - prefill
     device = next(model.parameters()).device
     ids = ids.to(device)
     raise_if_cancelled(cancel, JOB)
     with torch.inference_mode():
-        model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
+        prefill_ids(model, ids[:, :prefill], cache, chunk=chunk)
         for t in range(prefill, ids.shape[1] - 1):
             raise_if_cancelled(cancel, JOB)
             logits = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
@@ -109,8 +111,11 @@ def teacher_forced(
     baseline: list[torch.Tensor] | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    prefill_chunk: int | None = None,
 ) -> TeacherForcedResult:
-    """Compare ``policy`` against a dense baseline on ``ids`` ([1, N]): N-1-prefill single-token steps."""
+    """Compare ``policy`` against a dense baseline on ``ids`` ([1, N]): N-1-prefill single-token steps; the
+    candidate's prefill in calls of ``prefill_chunk`` tokens (None: by length, ``constants.auto_prefill_chunk``;
+    the baseline always prefills in one call over exact K/V)."""
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"ids must be shaped [1, tokens], got {tuple(ids.shape)}")
     if not 0 < prefill < ids.shape[1] - 1:
@@ -118,7 +123,8 @@ def teacher_forced(
     if baseline is None:
         baseline = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
     cache = engine.make_cache(policy, cache_mode)
-    cand = _run(engine.model, ids, prefill, cache, "candidate", parse_policy(policy).label, on_event, cancel)
+    chunk = auto_prefill_chunk(prefill, cache_mode, prefill_chunk)
+    cand = _run(engine.model, ids, prefill, cache, "candidate", parse_policy(policy).label, on_event, cancel, chunk)
     stats = teacher_forced_stats(baseline, cand, ids[0, prefill + 1 :].cpu())
     rep = cache.report()
     return TeacherForcedResult(
@@ -169,6 +175,7 @@ def teacher_forced_quality(
     max_new_tokens: int = 64,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    prefill_chunk: int | None = None,
 ) -> TeacherForcedReport:
     """Teacher-forced quality of each candidate against a dense baseline.
 
@@ -182,8 +189,8 @@ def teacher_forced_quality(
     pols = [parse_policy(c) for c in candidates]
     ids, prefill, source = _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens, cancel)
     base = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
-    results = [teacher_forced(engine, ids, prefill, p, cache_mode, baseline=base, on_event=on_event, cancel=cancel)
-               for p in pols]
+    results = [teacher_forced(engine, ids, prefill, p, cache_mode, baseline=base, on_event=on_event, cancel=cancel,
+                              prefill_chunk=prefill_chunk) for p in pols]
     for r, p in zip(results, pols):
         object.__setattr__(r, "kv_policy", p.label)
     return TeacherForcedReport(engine.name, source, cache_mode, prefill, len(base), results)

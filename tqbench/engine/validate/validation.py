@@ -54,6 +54,7 @@ def validate(
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
     _self_test: bool = False,
+    prefill_chunk: int | None = None,
 ) -> ValidationReport:
     """Baseline vs candidate through ``Engine.lockstep``; ``on_event`` gets every event (``PairStep`` too)
     and finally ``ValidationDone``. Raises ``Cancelled`` when ``cancel()`` turns true."""
@@ -63,7 +64,7 @@ def validate(
     results: dict[str, object] = {}
     for ev in engine.lockstep(prompt, base_pol, cand_pol, baseline_mode=baseline_mode, candidate_mode=cache_mode,
                               chat=chat, max_new_tokens=max_new_tokens, sampling=sampling,
-                              collect_logits=collect_logits, cancel=cancel):
+                              collect_logits=collect_logits, cancel=cancel, prefill_chunk=prefill_chunk):
         emit(on_event, ev)
         if isinstance(ev, PairStep):
             steps.append(step_record(ev.step, ev.baseline, ev.candidate))
