@@ -8,6 +8,7 @@ once for TurboQuant values (``+ p * mu`` for centred values).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
     return torch.cat([one + 64 * c for c in range(d // 64)])
 
 
-_rotations: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_rotations: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}  # (id of the source rotation, dtype, bits)
 _SIMD_BITS: list[tuple[int, ...]] = []
 
 
@@ -74,11 +75,20 @@ def _rotation(side: PackedSide, dt: torch.dtype) -> torch.Tensor:
     rot = side.rotation.to(dt)
     if dt != torch.float32 or side.head_dim % 64 or side.bits not in _simd_bits():
         return rot
-    key = (side.rotation.data_ptr(), tuple(side.rotation.shape), dt, side.bits)
+    key = (id(side.rotation), dt, side.bits)
     hit = _rotations.get(key)
-    if hit is None or hit[0] is not side.rotation:
-        hit = _rotations[key] = (side.rotation, rot[simd_order(side.bits, side.head_dim)].contiguous())
+    if hit is None or hit[0]() is not side.rotation:
+        hit = _rotations[key] = (weakref.ref(side.rotation), rot[simd_order(side.bits, side.head_dim)].contiguous())
+        # the entry lives as long as the rotation it was made from (each request's codecs have their own):
+        # holding the source here kept every request's rotations alive, 2 MB per request on the default model
+        weakref.finalize(side.rotation, _forget_rotation, key, hit[0])
     return hit[1]
+
+
+def _forget_rotation(key: tuple, ref: weakref.ref) -> None:
+    entry = _rotations.get(key)
+    if entry is not None and entry[0] is ref:
+        del _rotations[key]
 
 
 def _side_args(side: PackedSide | None, n_before: int, dt: torch.dtype) -> list:
