@@ -69,7 +69,8 @@ class RequestRunner:
                 raise APIError(503, "the server is shutting down: retry later", code="shutting_down")
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
         if req.stream:
-            writer = ChunkWriter(chat=chat, model=self.model_id, include_usage=req.include_usage)
+            writer = ChunkWriter(chat=chat, model=self.model_id, include_usage=req.include_usage,
+                                 logprobs=None if top is None else self.texts)
             return StreamingResponse(self._sse(job, writer, stop, seed, waited, detail),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -158,12 +159,13 @@ class RequestRunner:
                 if item is END:
                     break
                 if isinstance(item, TokenGenerated):
+                    writer.add_logprob(item.logprob)
                     delta = trimmer.push(item.text_delta)
                     if delta:
                         yield writer.text(delta)
                 elif isinstance(item, GenerationFinished):
                     rest = trimmer.flush()
-                    if rest:
+                    if rest or writer.pending:  # held-back text, or tokens whose logprobs are still unsent
                         yield writer.text(rest)
                     self.last = (writer.id, writer.created, item.result)
                     yield writer.finish(item.result, extension(item.result, seed, waited, detail,

@@ -193,9 +193,9 @@ class _Common(_Strict):
                 raise APIError(400, f"logprobs={self.logprobs} is invalid: send an integer from 0 to "
                                f"{MAX_TOP_LOGPROBS}", param="logprobs", code="invalid_value")
             wanted, echo = self.logprobs, bool(self.echo)
-        if self.stream and (wanted is not None or echo):
-            raise APIError(400, "logprobs and echo are not supported with stream=true: send stream=false",
-                           param="logprobs" if wanted is not None else "echo", code="unsupported_parameter")
+        if self.stream and echo:
+            raise APIError(400, "echo is not supported with stream=true: send stream=false (logprobs stream)",
+                           param="echo", code="unsupported_parameter")
         return wanted, echo
 
     @property
