@@ -124,7 +124,10 @@ def test_choose_impl_env(monkeypatch):
     monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
     assert choose_impl(q.double())[0] == "torch-reference"
     monkeypatch.setenv("TQBENCH_FUSED_IMPL", "native")
-    assert choose_impl(q) == ("native-cpu", "native CPU kernel (C++, -march=native)")
+    from tqbench.kernels.cpu.attention import kernel_rules
+
+    isa = kernel_rules()["isa"]  # the build says which instruction set it runs (avx512+vbmi, avx512, avx2, generic)
+    assert choose_impl(q) == ("native-cpu", f"native CPU kernel (C++, -march=native, {isa})")
 
 
 def test_engine_runs_fused_without_triton():

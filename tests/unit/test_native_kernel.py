@@ -300,3 +300,36 @@ def test_disabled_native_append_path_says_so_in_the_report():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ("['quantize-and-pack ran in torch (the native CPU kernel is unavailable: "
                                   "TQBENCH_NATIVE=0)']")
+
+
+def test_the_build_runs_the_instruction_set_asked_for():
+    """``TQBENCH_NATIVE_ISA`` picks the build (the AVX2 test below runs this file under it)."""
+    import os
+
+    from tqbench.kernels.cpu.attention import kernel_rules
+
+    want = os.environ.get("TQBENCH_NATIVE_ISA", "")
+    flags = open("/proc/cpuinfo").read()
+    isa = kernel_rules()["isa"]
+    if want:
+        assert isa == want
+    elif " avx512bw" in flags and " avx512vl" in flags:
+        assert isa.startswith("avx512") and (isa == "avx512+vbmi") == (" avx512vbmi" in flags)
+
+
+def test_forced_avx2_build_matches_float64_attention_like_the_default_build():
+    """The AVX2 build (no AVX-512: what CPUs without it run) passes this file's kernel-vs-float64 tests."""
+    import os
+
+    if " avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, TQBENCH_NATIVE_ISA="avx2")
+    cases = ("every_width or head_dims or padding or bf16 or softcap or different_k or one_wrong_code or sparse_v_skips "
+             "or simd_order or instruction_set")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", cases],
+                         capture_output=True, text=True, timeout=1500, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    import re
+
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed.group(1)) >= 39 and " skipped" not in out.stdout, out.stdout[-500:]

@@ -5,7 +5,9 @@ append path; see its header); it is compiled with torch's
 extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set and
 source hash under ``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded with torch's own pool.
 
-``native_status()`` says whether it can run and why not (no compiler, a failed build, ``TQBENCH_NATIVE=0``);
+``TQBENCH_NATIVE_ISA=avx2`` builds without AVX-512 (the AVX2 paths; tests force it to cover CPUs without
+AVX-512), ``=generic`` without either; the default is the CPU's best. ``native_status()`` says whether it can run
+and why not (no compiler, a failed build, ``TQBENCH_NATIVE=0``);
 ``native_module()`` returns the loaded module or raises ``NativeUnavailable`` with that reason. The first
 call in a process pays the build (about a minute on 2 cores) or the cached load (milliseconds).
 Run ``python -m tqbench.kernels.cpu`` to build it ahead of time and print the status.
@@ -19,11 +21,13 @@ import shutil
 import threading
 from pathlib import Path
 
-__all__ = ["DISABLE_ENV", "NativeUnavailable", "native_module", "native_status"]
+__all__ = ["DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "cflags", "native_module", "native_status"]
 
 DISABLE_ENV = "TQBENCH_NATIVE"  # "0" turns the native kernel off (the torch reference runs, and says so)
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
+ISA_ENV = "TQBENCH_NATIVE_ISA"  # "avx2" / "generic": build without AVX-512 (/ without AVX2 too); unset: the CPU's best
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+_ISA_FLAGS = {"": [], "native": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -48,9 +52,17 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
-def _source_tag() -> str:
+def cflags() -> list[str]:
+    """The compiler flags of this process's build (``TQBENCH_NATIVE_ISA`` picks the instruction set)."""
+    isa = os.environ.get(ISA_ENV, "").strip().lower()
+    if isa not in _ISA_FLAGS:
+        raise NativeUnavailable(f"{ISA_ENV}={isa!r} is not an instruction-set choice: use avx2, generic or leave it unset")
+    return CFLAGS + _ISA_FLAGS[isa]
+
+
+def _source_tag(flags: list[str]) -> str:
     """A short hash of the source and flags: checkouts with different kernels never share (or overwrite) a build."""
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:8]
+    return hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:8]
 
 
 def _build():
@@ -68,9 +80,10 @@ def _build():
         from torch.utils.cpp_extension import load
     except Exception as exc:  # pragma: no cover - torch always ships it
         raise NativeUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
+    flags = cflags()
     try:
         return load(
-            name=f"tqbench_fused_cpu_{_cpu_tag()}_{_source_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            name=f"tqbench_fused_cpu_{_cpu_tag()}_{_source_tag(flags)}", sources=[str(SOURCE)], extra_cflags=flags,
             extra_ldflags=["-fopenmp"], verbose=False,
         )
     except Exception as exc:
@@ -97,4 +110,4 @@ def native_status() -> tuple[bool, str]:
         native_module()
     except NativeUnavailable as exc:
         return False, str(exc)
-    return True, "native CPU kernel (C++, -march=native)"
+    return True, f"native CPU kernel (C++, -march=native, {native_module().rules()['isa']})"

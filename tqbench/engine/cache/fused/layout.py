@@ -3,14 +3,18 @@
 A layer's store is ``[sinks | packed | tail]`` (``FusedKV.k_parts`` / ``v_parts``: ``(kind, n_tokens,
 payload)`` tuples captured before this call's rows were appended). ``layout`` splits the parts around the
 packed run; ``packed_side`` describes the packed run for the kernels (``tqbench.kernels.reference.PackedSide``),
-or says there is no fused form for its codec.
+or says there is no fused form for its codec; ``kernel_sides`` describes a layer's K and V for the native CPU
+kernel (``tqbench.kernels.cpu.attention.kernel_side``), the full-precision rows as chunks where they are.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.kernels.cpu.attention import dense_chunks, kernel_side
 from tqbench.kernels.reference import PackedSide
 
 
@@ -47,3 +51,45 @@ def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
     """Dense rows ``[B, H, n_i, D]`` joined along the tokens, in ``dt``."""
     out = rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)
     return out if out.dtype == dt else out.to(dt)
+
+
+# store -> (key, kernel Side of its packed run): rebuilt only when the run changes (a flush, an eviction, a new
+# calibration); weak keys, so the cache holds one entry per live store and nothing outlives its cache
+_SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kernel_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype):
+    before, packed, after = layout(parts)
+    chunks = [*before, *after, new]
+    if packed is None:
+        return kernel_side(None, chunks, 0, dim, dt)
+    n_before = sum(x.shape[2] for x in before)
+    payload = packed[2]
+    key = (packed[1], dim, dt, id(store.state), [t.data_ptr() for t in payload.values()])
+    hit = _SIDES.get(store)
+    if hit is not None and hit[0] == key:
+        side = hit[1]
+        side.dense, extra = dense_chunks(chunks, dt)
+        side.n_before = n_before
+        return side, extra
+    if (desc := packed_side(store, payload, packed[1], dim, dt)) is None:
+        return f"no native kernel for {store.codec.spec}"
+    side, extra = kernel_side(desc, chunks, n_before, dim, dt)
+    _SIDES[store] = (key, side)
+    return side, extra
+
+
+def kernel_sides(kv, d: int, dt: torch.dtype):
+    """``(k_side, v_side, total_rows, extra_bytes)`` of a ``FusedKV`` for the native kernel, or ``str`` (why not).
+
+    The dense chunks are ``[sinks..., tail..., new rows]`` in token order, passed as they are stored
+    (converted to ``dt`` only where they are in another dtype; ``extra_bytes`` counts those copies). The packed
+    run's description is kept per store and rebuilt only when the run changes."""
+    ks = _kernel_side(kv.k_store, kv.k_parts, kv.new_k, d, dt)
+    if isinstance(ks, str):
+        return ks
+    vs = _kernel_side(kv.v_store, kv.v_parts, kv.new_v, kv.new_v.shape[-1], dt)
+    if isinstance(vs, str):
+        return vs
+    total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts)
+    return ks[0], vs[0], total, ks[1] + vs[1]

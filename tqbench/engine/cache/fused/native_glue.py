@@ -1,16 +1,21 @@
 """The native CPU path of the ``fused`` cache mode: a layer's store handed to ``tqbench.kernels.cpu``.
 
-The kernel reads the packed codes where they are stored (no decoded copy, no code index); the layer's
-full-precision rows ``[sinks | tail + this call's rows]`` are joined once per call (a few dozen rows).
-``native_fused_attention`` returns a string saying why when a call cannot run natively (a codec without a
-packed form, a per-head or additive mask); the caller then runs the torch reference and counts the fallback.
+The kernel reads the packed codes where they are stored (no decoded copy, no code index) and the layer's
+full-precision rows ``[sinks | tail | this call's rows]`` where they are (chunks, not joined).
+``native_fused_attention`` attends one store (a padded batch); ``native_fused_attention_ragged`` attends several
+sequences, each with its own store (own length, own rows, own mask), in one kernel call. Both return a string
+saying why when a call cannot run natively (a codec without a packed form, a per-head or additive mask); the
+caller then runs the torch reference and counts the fallback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from tqbench.engine.cache.fused.layout import layout, packed_side
+from tqbench.engine.cache.fused.layout import kernel_sides
+from tqbench.kernels.cpu.attention import native_attention_batch
 
 
 def _bool_mask(attention_mask, seq: int, total: int):
@@ -28,32 +33,57 @@ def _bool_mask(attention_mask, seq: int, total: int):
     return keep
 
 
+def _record(layer, call, seq: slice) -> None:
+    """The call's workspace (held while this layer's attention ran) and this layer's sequences' Sparse-V rows."""
+    layer.native_workspace = max(layer.native_workspace, call.workspace_bytes)
+    layer.sparse_v_rows[0] += sum(call.skipped_per_sequence[seq])
+    layer.sparse_v_rows[1] += sum(call.weighted_per_sequence[seq])
+
+
 def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: float, *, softcap=None,
                            sinks=None, sparse_v: float = 0.0):
     """Attention of ``query`` [B, Hq, L, D] over the stored + new rows, or ``str`` (why not) when it cannot run."""
-    from tqbench.kernels.cpu.attention import native_attention
-
-    d, dv = query.shape[-1], kv.new_v.shape[-1]
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
-    kb, kp, ka = layout(kv.k_parts)
-    vb, vp, va = layout(kv.v_parts)
-    k_side = v_side = None
-    if kp is not None and (k_side := packed_side(kv.k_store, kp[2], kp[1], d, dt)) is None:
-        return f"no native kernel for {kv.k_store.codec.spec}"
-    if vp is not None and (v_side := packed_side(kv.v_store, vp[2], vp[1], dv, dt)) is None:
-        return f"no native kernel for {kv.v_store.codec.spec}"
-    k_dense = torch.cat([x.to(dt) for x in (*kb, *ka, kv.new_k)], dim=2)
-    v_dense = torch.cat([x.to(dt) for x in (*vb, *va, kv.new_v)], dim=2)
-    total = k_dense.shape[2] + (kp[1] if kp else 0)
+    sides = kernel_sides(kv, query.shape[-1], dt)
+    if isinstance(sides, str):
+        return sides
+    ks, vs, total, extra = sides
     mask = _bool_mask(attention_mask, query.shape[2], total)
     if isinstance(mask, str):
         return mask
-    nbk = sum(x.shape[2] for x in kb) if kp else 0
-    nbv = sum(x.shape[2] for x in vb) if vp else 0
-    out, call = native_attention(query, k_side, v_side, k_dense, v_dense, nbk, nbv, mask, scaling,
-                                 softcap=softcap, sinks=sinks, sparse_v=sparse_v)
-    layer = kv.layer
-    layer.native_workspace = max(layer.native_workspace, call.workspace_bytes)
-    layer.sparse_v_rows[0] += call.skipped_rows
-    layer.sparse_v_rows[1] += call.weighted_rows
+    out, call = native_attention_batch(query, [ks], [vs], scaling, masks=[mask], softcap=softcap, sinks=sinks,
+                                       sparse_v=sparse_v, extra_bytes=extra)
+    _record(kv.layer, call, slice(None))
+    return out
+
+
+def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Sequence | None, scaling: float, *,
+                                  softcap=None, sinks=None, sparse_v: float = 0.0):
+    """One kernel call for ``len(kvs)`` sequences of different lengths (serving's fused batch).
+
+    ``query``: ``[len(kvs), Hq, L, D]``, row ``i`` the query of sequence ``i``; ``kvs[i]``: that sequence's
+    ``FusedKV`` (its own store, batch 1, this call's new rows in ``new_k``/``new_v``); ``masks[i]``: the
+    sequence's 4-D attention mask ``[1, 1, L, >= rows_i]`` (its last ``rows_i`` columns are read) or None
+    (causal over its last ``L`` rows). Returns ``[len(kvs), Hq, L, Dv]``, or ``str`` (why not).
+    """
+    if masks is not None and len(masks) != len(kvs):
+        raise ValueError(f"masks has {len(masks)} entries for {len(kvs)} sequences: give one per sequence or None")
+    dt = torch.float64 if query.dtype == torch.float64 else torch.float32
+    k_sides, v_sides, bool_masks, extra = [], [], [], 0
+    for i, kv in enumerate(kvs):
+        sides = kernel_sides(kv, query.shape[-1], dt)
+        if isinstance(sides, str):
+            return sides
+        ks, vs, total, x = sides
+        m = _bool_mask(None if masks is None else masks[i], query.shape[2], total)
+        if isinstance(m, str):
+            return m
+        k_sides.append(ks)
+        v_sides.append(vs)
+        bool_masks.append(m)
+        extra += x
+    out, call = native_attention_batch(query, k_sides, v_sides, scaling, masks=bool_masks, softcap=softcap,
+                                       sinks=sinks, sparse_v=sparse_v, extra_bytes=extra)
+    for i, kv in enumerate(kvs):
+        _record(kv.layer, call, slice(i, i + 1))
     return out
