@@ -3,8 +3,9 @@
 Each sequence of the batch keeps its own packed store; the batch's layer (``engine.batch``) passes every
 sequence's own ``FusedKV`` handle, in batch order, and ``fused_attention_forward`` answers each from its own
 store, its own length and its own row of the call's mask: no codes are padded to the longest sequence and
-no dense history is built. (Today one kernel call per sequence inside the one forward call; a ragged kernel
-entry that covers every sequence in one call drops in at ``install.fused_batch_attention``.)
+no dense history is built. On the native CPU kernel one ragged kernel call per layer covers every sequence
+(``install.fused_batch_attention``); on other implementations each sequence runs its own fused call inside
+the one forward call.
 """
 
 from __future__ import annotations
