@@ -173,7 +173,7 @@ def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
         path = "/v1/completions"
     if a.request_kv_policy:
         body["kv_policy"] = a.request_kv_policy
-    row = {"index": i, "prompt": i % len(PROMPTS), "status": None, "ttft_s": None, "tpot_s": None,
+    row = {"index": i, "prompt": i % len(getattr(a, "token_prompts", None) or PROMPTS), "status": None, "ttft_s": None, "tpot_s": None,
            "queue_s": None, "completion_tokens": 0, "token_ids": None, "resident_kv_bytes": None, "error": None}
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=a.request_timeout)
@@ -399,6 +399,7 @@ def main_sweep(a) -> int:
                          if row["token_ids"] is not None and row["token_ids"] != reference.get(row["prompt"])]
                 r["first_divergence_steps"] = flips
                 runs.append(r)
+                write_json(a.json + ".partial", {"benchmark": "serve-sweep (partial)", "runs": runs})
                 print(f"  {policy} c={c}: {r['completed']}/{r['sent']} ok, decode {r['decode_tokens_per_s']} tok/s, "
                       f"mean batch {r['mean_batch']}, same tokens {r['same_tokens_as_reference']}", flush=True)
         finally:
