@@ -68,13 +68,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--request-kv-policy", default=None, help="send this kv_policy extension with every request")
     p.add_argument("--model", default="default", help="for the spawned server")
-    p.add_argument("--kv-policy", default="turbo4", help="for the spawned server; a comma list sweeps policies")
+    p.add_argument("--kv-policy", default="turbo4",
+                   help="for the spawned server; a comma list sweeps policies; POLICY:MODE picks the cache mode per "
+                        "cell (fp16:compressed,turbo4:compressed,turbo4:fused)")
     p.add_argument("--cache-mode", default="compressed", help="for the spawned server")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the spawned server")
     p.add_argument("--max-queue", type=int, default=None, help="spawned server's queue (default: --concurrency)")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
     p.add_argument("--max-batch", type=int, default=None, help="spawned server's --max-batch (default: its own)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="spawned server's --prefill-chunk")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="send prompts of exactly N tokens (corpus text, tokenized by the server's /tokenize) to "
+                        "/v1/completions instead of the short chat prompts")
+    p.add_argument("--kv-budget", default=None, help="spawned server's --kv-budget (e.g. 256MiB)")
     a = p.parse_args(argv)
     try:
         a.concurrencies = [int(c) for c in str(a.concurrency).split(",")]
@@ -116,14 +122,23 @@ def get_json(host: str, port: int, path: str, headers: dict, timeout: float = 5.
         conn.close()
 
 
+def cell(spec: str, default_mode: str) -> tuple[str, str]:
+    """``POLICY[:MODE]`` -> (policy, mode)."""
+    policy, _, mode = spec.partition(":")
+    return policy, mode or default_mode
+
+
 def spawn_server(a, policy: str | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "tqbench", "serve", "--model", a.model, "--kv-policy", policy or a.policies[0],
-           "--cache-mode", a.cache_mode, "--threads", str(a.threads), "--port", str(port),
+    policy, mode = cell(policy or a.policies[0], a.cache_mode)
+    cmd = [sys.executable, "-m", "tqbench", "serve", "--model", a.model, "--kv-policy", policy,
+           "--cache-mode", mode, "--threads", str(a.threads), "--port", str(port),
            "--max-new-tokens", str(max(a.max_tokens, 1)),
            "--max-queue", str(a.max_queue or max(a.concurrencies)), "--log-level", "warning"]
     if a.max_batch:
         cmd += ["--max-batch", str(a.max_batch)]
+    if getattr(a, "kv_budget", None):
+        cmd += ["--kv-budget", a.kv_budget]
     if getattr(a, "prefill_chunk", 0):
         cmd += ["--prefill-chunk", str(a.prefill_chunk)]
     if a.api_key:
@@ -151,14 +166,19 @@ def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
         "max_tokens": a.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
+    path = "/v1/chat/completions"
+    if getattr(a, "token_prompts", None):
+        del body["messages"]
+        body["prompt"] = a.token_prompts[i % len(a.token_prompts)]
+        path = "/v1/completions"
     if a.request_kv_policy:
         body["kv_policy"] = a.request_kv_policy
-    row = {"index": i, "prompt": i % len(PROMPTS), "status": None, "ttft_s": None, "tpot_s": None,
+    row = {"index": i, "prompt": i % len(getattr(a, "token_prompts", None) or PROMPTS), "status": None, "ttft_s": None, "tpot_s": None,
            "queue_s": None, "completion_tokens": 0, "token_ids": None, "resident_kv_bytes": None, "error": None}
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=a.request_timeout)
     try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
         row["status"] = resp.status
         if resp.status != 200:
@@ -186,7 +206,8 @@ def one_request(host: str, port: int, i: int, a, headers: dict) -> dict:
                 row["token_ids"] = event["tqbench"]["token_ids"]
                 report = event["tqbench"].get("cache_report") or {}
                 row["resident_kv_bytes"] = report.get("resident_decode_bytes")
-            if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+            choice = event["choices"][0] if event.get("choices") else {}
+            if choice.get("delta", {}).get("content") or choice.get("text"):
                 last = time.perf_counter()
                 first = first or last
         if first is not None:
@@ -213,12 +234,44 @@ def scrape(host: str, port: int, headers: dict) -> dict[str, float]:
             return {}
     finally:
         conn.close()
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
-            out[name] = float(value)
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            if "{" in name:  # labelled samples (per kv_policy): summed under the bare name
+                bare = name.split("{", 1)[0]
+                out[bare] = out.get(bare, 0.0) + float(value)
+            else:
+                out[name] = float(value)
     return out
+
+
+def rss_mb(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def token_prompts(host: str, port: int, n_tokens: int, count: int, headers: dict) -> list[list[int]]:
+    """``count`` different prompts of exactly ``n_tokens`` tokens from the shipped corpus (the server tokenizes)."""
+    corpus = ROOT / "tqbench" / "data" / "corpus"
+    text = "\n\n".join(p.read_text() for p in sorted(corpus.glob("*.txt")))
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    try:
+        conn.request("POST", "/tokenize", body=json.dumps({"prompt": text}), headers=headers)
+        ids = json.loads(conn.getresponse().read())["tokens"]
+    finally:
+        conn.close()
+    while len(ids) < n_tokens + count * 97:
+        ids = ids + ids
+    return [ids[k * 97 : k * 97 + n_tokens] for k in range(count)]
 
 
 def run(a, url: str, concurrency: int | None = None) -> tuple[list[dict], float]:
@@ -275,12 +328,12 @@ def summarize(rows: list[dict], wall: float) -> dict:
     }
 
 
-def sweep_level(a, url: str, concurrency: int, auth: dict) -> dict:
+def sweep_level(a, url: str, concurrency: int, auth: dict, pid: int | None = None) -> dict:
     """One concurrency against a running server: the summary plus the server-side decode figures."""
     parsed = urllib.parse.urlparse(url)
     host, port = parsed.hostname, parsed.port or 80
     before = scrape(host, port, auth)
-    peak = {"kv": 0.0, "batch": 0.0}
+    peak = {"kv": 0.0, "batch": 0.0, "rss": rss_mb(pid), "running": 0.0}
     stop = threading.Event()
 
     def poll() -> None:
@@ -291,6 +344,8 @@ def sweep_level(a, url: str, concurrency: int, auth: dict) -> dict:
                 continue
             peak["kv"] = max(peak["kv"], m.get("tqbench_kv_resident_bytes", 0.0))
             peak["batch"] = max(peak["batch"], m.get("tqbench_batch_size", 0.0))
+            peak["running"] = max(peak["running"], m.get("tqbench:num_requests_running", 0.0))
+            peak["rss"] = max(peak["rss"], rss_mb(pid))
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -310,7 +365,10 @@ def sweep_level(a, url: str, concurrency: int, auth: dict) -> dict:
     return {"concurrency": concurrency, **summarize(rows, wall),
             "decode_tokens_per_s": round(rows_decoded / decode_s, 2) if decode_s > 0 else None,
             "mean_batch": round(rows_decoded / steps, 2) if steps else None, "peak_batch": int(peak["batch"]),
-            "peak_resident_kv_bytes": int(peak["kv"]),
+            "peak_resident_kv_bytes": int(peak["kv"]), "peak_running": int(peak["running"]),
+            "peak_rss_mb": round(peak["rss"], 1),
+            "latency_ms_p50": _ms(pct([r["elapsed_s"] for r in rows if r["status"] == 200], 50)),
+            "latency_ms_p95": _ms(pct([r["elapsed_s"] for r in rows if r["status"] == 200], 95)),
             "request_resident_kv_bytes_p50": pct(resident, 50),
             "loadavg_before": list(load_before), "loadavg_after": list(load_after), "rows": rows}
 
@@ -324,10 +382,13 @@ def main_sweep(a) -> int:
             parsed = urllib.parse.urlparse(url)
             _, health = get_json(parsed.hostname, parsed.port or 80, "/health", auth)
             servers[policy] = health
+            if a.prompt_tokens:
+                a.token_prompts = token_prompts(parsed.hostname, parsed.port or 80, a.prompt_tokens,
+                                                max(a.concurrencies), {"Content-Type": "application/json", **auth})
             reference: dict[int, list] = {}
             for c in a.concurrencies:
-                r = sweep_level(a, url, c, auth)
-                r["kv_policy"] = health.get("kv_policy")
+                r = sweep_level(a, url, c, auth, proc.pid if proc else None)
+                r["kv_policy"] = f"{health.get('kv_policy')}:{health.get('cache_mode')}"
                 for row in r["rows"]:
                     if row["token_ids"] is not None:
                         reference.setdefault(row["prompt"], row["token_ids"])
@@ -338,6 +399,7 @@ def main_sweep(a) -> int:
                          if row["token_ids"] is not None and row["token_ids"] != reference.get(row["prompt"])]
                 r["first_divergence_steps"] = flips
                 runs.append(r)
+                write_json(a.json + ".partial", {"benchmark": "serve-sweep (partial)", "runs": runs})
                 print(f"  {policy} c={c}: {r['completed']}/{r['sent']} ok, decode {r['decode_tokens_per_s']} tok/s, "
                       f"mean batch {r['mean_batch']}, same tokens {r['same_tokens_as_reference']}", flush=True)
         finally:
@@ -352,16 +414,17 @@ def main_sweep(a) -> int:
     any_health = next(iter(servers.values()))
     print(f"tqbench serve sweep: {any_health.get('model')} ({any_health.get('cache_mode')}), {a.requests} requests x "
           f"{a.max_tokens} tokens per run, server threads {a.threads if not a.url else 'n/a (external)'}")
-    header = ("policy", "conc", "done", "out tok/s", "decode tok/s", "x c1", "batch", "TTFT p50/p95 ms",
-              "TPOT p50/p95 ms", "KV peak KiB", "KV/req KiB", "same tokens", "errors")
+    header = ("policy:mode", "conc", "done", "out tok/s", "decode tok/s", "x c1", "batch", "at once",
+              "latency p50/p95 ms", "TTFT p50/p95 ms", "TPOT p50/p95 ms", "KV peak KiB", "KV/req KiB",
+              "RSS peak MB", "same tokens", "errors")
     table = []
     for r in runs:
         kv_req = r["request_resident_kv_bytes_p50"]
         table.append((r["kv_policy"], r["concurrency"], f"{r['completed']}/{r['sent']}", r["output_tokens_per_s"],
-                      r["decode_tokens_per_s"], r["decode_speedup"], r["mean_batch"],
-                      f"{r['ttft_ms_p50']}/{r['ttft_ms_p95']}", f"{r['tpot_ms_p50']}/{r['tpot_ms_p95']}",
+                      r["decode_tokens_per_s"], r["decode_speedup"], r["mean_batch"], r["peak_running"],
+                      f"{r['latency_ms_p50']}/{r['latency_ms_p95']}", f"{r['ttft_ms_p50']}/{r['ttft_ms_p95']}", f"{r['tpot_ms_p50']}/{r['tpot_ms_p95']}",
                       round(r["peak_resident_kv_bytes"] / 1024, 1), round(kv_req / 1024, 1) if kv_req else None,
-                      r["same_tokens_as_reference"],
+                      r["peak_rss_mb"], r["same_tokens_as_reference"],
                       ", ".join(f"{k} x{v}" for k, v in sorted(r["errors"].items())) or "none"))
     widths = [max(len(str(h)), *(len(str(t[i])) for t in table)) for i, h in enumerate(header)]
     print("  ".join(str(h).rjust(w) for h, w in zip(header, widths)))
@@ -372,12 +435,16 @@ def main_sweep(a) -> int:
     payload = {
         "benchmark": "serve-sweep", "command": [sys.executable, *sys.argv],
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "servers": servers, "requests": a.requests, "concurrencies": a.concurrencies, "max_tokens": a.max_tokens,
+        "servers": servers, "requests": a.requests, "prompt_tokens": a.prompt_tokens, "kv_budget": a.kv_budget, "concurrencies": a.concurrencies, "max_tokens": a.max_tokens,
         "server_threads": a.threads if not a.url else None, "python": platform.python_version(),
         "cpu": cpu_model(), "cpus": os.cpu_count(), "runs": runs,
     }
     write_json(a.json, payload)
     return 0 if all(r["completed"] == r["sent"] for r in runs) else 1
+
+
+def _ms(v):
+    return None if v is None else round(v * 1000, 1)
 
 
 def _first_diff(a: list, b: list) -> int:

@@ -34,6 +34,9 @@ CACHE_MODE_RESIDENT = {
 #: everywhere (CUDA: the Triton kernels have not run on a GPU yet)
 FASTEST_QUALITY_MODE = {"cpu": "fused"}
 
+#: ``tqbench serve --kv-budget auto``: this share of the memory available once the model is loaded
+DEFAULT_KV_SHARE = 0.5
+
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 #: the second built-in prompt: compare-policies runs both when given none
 SECOND_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -138,6 +138,9 @@ class GatedEngine:
     def decode_step(self, seqs):
         return self.engine.decode_step(seqs)
 
+    def __getattr__(self, name):  # everything else (enable_fused, geometry, ...) is the real engine's
+        return getattr(self.engine, name)
+
 
 LM_EVAL_TASKS = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "lm_eval"
 

@@ -1,6 +1,6 @@
 """Batched decoding in the server: requests that share a policy and cache mode decode in one forward call per
 step, join and leave between steps, and each gets exactly its solo tokens (float64 tiny model); requests of
-another kind wait their turn; the fused mode decodes one at a time and says why. Synchronised on a
+another kind wait their turn; the fused mode batches too. Synchronised on a
 ``GatedEngine`` and worker state, never on time."""
 
 from __future__ import annotations
@@ -95,23 +95,26 @@ def test_other_policies_wait_their_turn_and_never_share_a_step(tiny_engine64):
     assert all(len(labels) == 1 for _, labels in steps)  # every forward call served one policy
 
 
-def test_fused_mode_decodes_one_at_a_time_and_says_why():
+def test_fused_mode_batches_too():
+    import torch
+
     from tqbench.engine.engine import Engine
 
-    tiny_engine = Engine.tiny()  # its own model: the fused mode reroutes the model's attention
-    bodies = _bodies(["turbo4"] * 3)
-    solo = [tiny_engine.generate(b["messages"], "turbo4", "fused", max_new_tokens=b["max_tokens"],
-                                 stop_at_eos=False) for b in bodies]
-    answers, steps, health, _ = _run_held(tiny_engine, bodies, cache_mode="fused")
+    engine = Engine.tiny(dtype=torch.float64)  # its own model: the fused mode reroutes the model's attention
+    bodies = _bodies(["turbo4"] * 4)
+    solo = [engine.generate(b["messages"], "turbo4", "fused", max_new_tokens=b["max_tokens"],
+                            stop_at_eos=False) for b in bodies]
+    answers, steps, health, _ = _run_held(engine, bodies, cache_mode="fused")
     assert [a[2]["tqbench"]["token_ids"] for a in answers] == [s.token_ids for s in solo]
-    assert {n for n, _ in steps} == {1}
-    assert "fused" in health["batch"]["unbatched_reason"]
+    assert max(n for n, _ in steps) == 4  # all four decoded in one forward call
+    assert health["batch"]["unbatched_reason"] is None and health["cache_mode"] == "fused"
+    assert health["fused_implementation"]["implementation"] == "native-cpu"
 
 
 def test_metrics_is_prometheus_text(live_server):
     status, headers, text = live_server.request("GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
-    sample = re.compile(r'^[a-z_0-9]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
+    sample = re.compile(r'^[a-z_:0-9]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -121,4 +124,5 @@ def test_metrics_is_prometheus_text(live_server):
         elif not line.startswith("# HELP "):
             assert sample.match(line), line
     assert {"tqbench_requests_total", "tqbench_queue_depth", "tqbench_batch_size", "tqbench_decode_tokens_per_second",
-            "tqbench_kv_resident_bytes", "tqbench_generated_tokens_total"} <= names
+            "tqbench_kv_resident_bytes", "tqbench_generated_tokens_total", "tqbench:kv_cache_usage_perc",
+            "tqbench:num_requests_running", "tqbench:num_requests_waiting", "tqbench:kv_cache_budget_bytes"} <= names

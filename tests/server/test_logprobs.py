@@ -121,7 +121,7 @@ def test_chat_logprobs_through_the_openai_client(fp16_server, tiny_engine):
     ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs", "send an integer"),
     ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs", "send the number of alternatives"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "0 is allowed with echo=true"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "logprobs",
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo",
      "not supported with stream=true"),
     ("/v1/completions", {"prompt": [[5, 999999]], "echo": True, "max_tokens": 0}, "prompt", "outside"),
     ("/v1/completions", {"prompt": [[]], "max_tokens": 1}, "prompt", "empty list of token ids"),

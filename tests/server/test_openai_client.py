@@ -174,3 +174,35 @@ def test_api_key(tiny_engine):
         good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
         resp = good.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3)
         assert resp.usage.completion_tokens >= 1
+
+
+def test_chat_stream_with_logprobs(client):
+    """Streamed logprobs in the chunk shape the official client parses: each content chunk carries the
+    ``choices[0].logprobs.content`` entries of its tokens; together they are the non-streamed response's."""
+    kwargs = dict(model="tiny-random", messages=MESSAGES, max_tokens=N, temperature=0, logprobs=True,
+                  top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    want = whole.choices[0].logprobs.content
+    assert len(entries) == len(want) == N
+    assert [(e.token, e.logprob, e.bytes) for e in entries] == [(e.token, e.logprob, e.bytes) for e in want]
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in entries] == \
+        [[(t.token, t.logprob) for t in e.top_logprobs] for e in want]
+    assert all(len(e.top_logprobs) == 3 for e in entries)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    # logprobs ride on content chunks (the role chunk and the finish chunk carry none)
+    assert chunks[0].choices[0].logprobs is None and chunks[-1].choices[0].finish_reason is not None
+
+
+def test_completion_stream_with_logprobs(client):
+    kwargs = dict(model="tiny-random", prompt="Once upon a time", max_tokens=N, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == whole.tokens
+    assert [x for p in parts for x in p.token_logprobs] == whole.token_logprobs
+    assert [x for p in parts for x in p.top_logprobs] == whole.top_logprobs
+    assert [x for p in parts for x in p.text_offset] == whole.text_offset

@@ -52,19 +52,63 @@ def test_batched_tokens_equal_solo_tokens_float64(tiny_engine64, policy, mode):
         assert s.cache.get_seq_length() == s.result.input_tokens + n - 1
 
 
-def test_fused_mode_does_not_batch_and_says_why():
+@pytest.fixture(scope="module")
+def fused_engine64():
     from tqbench.engine.engine import Engine
 
-    tiny_engine = Engine.tiny()  # its own model: the fused mode reroutes the model's attention
-    seqs = [tiny_engine.sequence(tiny_engine.encode_prompt(_messages(p)), "turbo4", "fused", max_new_tokens=3)
-            for p in PROMPTS[:2]]
-    assert "fused" in why_not_batched(seqs[0].cache)
-    assert why_not_batched(tiny_engine.make_cache("turbo4", "compressed")) is None
-    for s in seqs:
+    engine = Engine.tiny(dtype=torch.float64)  # its own model: the fused mode reroutes the model's attention
+    engine.enable_fused()
+    return engine
+
+
+@pytest.mark.parametrize("policy", ["turbo4", "turbo3,recent=2,sink=1", "k=int4,v=turbo2,recent=0,sink=0"])
+def test_fused_batched_tokens_equal_solo_tokens_float64(fused_engine64, policy, monkeypatch):
+    """Fused sequences of different lengths decode in one forward call, each attending over its own packed
+    store (no dense history), joining and leaving between steps, with ONE ragged native kernel call per
+    attention layer for the whole batch: solo tokens."""
+    from tqbench.engine.cache.fused import native_glue
+
+    engine = fused_engine64
+    runs = [engine.generate(_messages(p), policy, "fused", max_new_tokens=n, stop_at_eos=False)
+            for p, n in zip(PROMPTS, BUDGETS)]
+    ragged = native_glue.native_fused_attention_ragged
+    sizes_seen = []
+
+    def counted(query, kvs, *args, **kwargs):
+        sizes_seen.append(len(kvs))
+        return ragged(query, kvs, *args, **kwargs)
+
+    monkeypatch.setattr(native_glue, "native_fused_attention_ragged", counted)
+    seqs, sizes = _batched(engine, policy, "fused")
+    # every batched step ran one ragged call per layer, covering every sequence of that step
+    assert sorted(sizes_seen) == sorted(n for n in sizes if n > 1 for _ in engine.model.model.layers)
+    assert why_not_batched(seqs[0].cache) is None
+    assert max(sizes) >= 4
+    assert [s.result.token_ids for s in seqs] == [r.token_ids for r in runs]
+    for s, n, run in zip(seqs, BUDGETS, runs):
+        assert s.result.output_tokens == n and s.cache.get_seq_length() == s.result.input_tokens + n - 1
+        impls = {}
+        for layer in s.cache.layers:
+            for k, v in layer.fused_impl.items():
+                impls[k] = impls.get(k, 0) + v
+        assert set(impls) == {"native-cpu"} and sum(impls.values()) > 0, impls  # every call ran in the kernel
+        # the same stored bytes as the solo run (nothing padded); the transient bytes are the one ragged call's
+        # workspace for the whole batch, at most the solo call's per sequence of the largest step
+        rep, solo = s.cache.report(), run.cache_report
+        assert rep.compressed_storage_bytes == solo.compressed_storage_bytes
+        assert rep.resident_decode_bytes - rep.compressed_storage_bytes <= \
+            max(sizes) * (solo.resident_decode_bytes - solo.compressed_storage_bytes)
+
+
+def test_a_batch_that_mixes_fused_and_dense_layers_is_refused(fused_engine64):
+    a = fused_engine64.sequence(fused_engine64.encode_prompt(_messages("hi")), "turbo4", "fused", max_new_tokens=3)
+    b = fused_engine64.sequence(fused_engine64.encode_prompt(_messages("yo")), "turbo4", "compressed",
+                                max_new_tokens=3)
+    for s in (a, b):
         s.start()
         s.step()
-    with pytest.raises(ValueError, match="cannot decode in a batch: the fused mode"):
-        decode_step(tiny_engine.model, seqs)
+    with pytest.raises(ValueError, match="mixes fused and dense cache layers"):
+        decode_step(fused_engine64.model, [a, b])
 
 
 def _scores(engine, ids, policy, chunk):

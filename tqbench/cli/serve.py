@@ -8,7 +8,7 @@ from __future__ import annotations
 import click
 
 from tqbench.cli.options import fail
-from tqbench.constants import CACHE_MODES
+from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_KV_SHARE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -22,8 +22,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
 @click.option("--kv-policy", default="turbo4", show_default=True,
               help="Default KV policy (preset or compact form); requests may override it with \"kv_policy\".")
-@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True,
-              help="fused reads the packed store directly (Triton on GPU, torch reference on CPU).")
+@click.option("--cache-mode", type=click.Choice(("auto", *CACHE_MODES)), default="auto", show_default=True,
+              help="What stays resident during decode: " + "; ".join(f"{m}: {CACHE_MODE_RESIDENT[m]}" for m in CACHE_MODES)
+              + ". auto: fused where its kernel runs (native C++ on CPU, Triton on CUDA), else compressed; the "
+              "start-up line and /health say which and why. Requests may override it with \"cache_mode\".")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -36,12 +38,16 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="Prompt tokens per prefill forward call; 0 = the whole prompt in one call (it attends over "
                    "exact K/V). With N > 0 later chunks read earlier ones compressed, so echo/logprob scores "
                    "show the policy's cost.")
+@click.option("--kv-budget", default="auto", show_default=True,
+              help="KV bytes the running requests may reserve together (512MiB, 2GB, ...): a request is admitted when "
+                   "its cache at prompt + max_tokens under its own policy fits beside the running ones, else it "
+                   f"waits. auto: {DEFAULT_KV_SHARE:.0%} of the memory available after loading the model.")
 @click.option("--api-key", default=None, envvar="TQBENCH_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 (env TQBENCH_API_KEY).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, max_batch,
-          prefill_chunk, api_key, log_level):
+          prefill_chunk, kv_budget, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API with a chosen KV policy."""
     from tqbench.engine import ModelLoadError
 
@@ -50,10 +56,13 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
 
         from tqbench.engine import parse_policy
         from tqbench.server import create_app
+        from tqbench.server.admission import KVBudget
     except ImportError as exc:
         fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
     try:
         parse_policy(kv_policy)
+        if kv_budget != "auto":
+            KVBudget.resolve(kv_budget)
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc).splitlines()[0])
     _check_port(host, port)  # before the model load, so a taken port fails at once
@@ -61,7 +70,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         from tqbench.cli.render.console import load_engine
 
         engine = load_engine(model, device, dtype, threads)
-        app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, max_new_tokens=max_new_tokens,
+        app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, kv_budget=kv_budget, max_new_tokens=max_new_tokens,
                          max_queue=max_queue, api_key=api_key, model_aliases=(model,), max_batch=max_batch,
                          prefill_chunk=prefill_chunk)
     except (ValueError, ModelLoadError, FileNotFoundError) as exc:
@@ -70,9 +79,12 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         click.echo(f"warning: binding {host}: the server is reachable from other machines"
                    + ("" if api_key else " and has no --api-key"), err=True)
     auth = "Bearer key required" if api_key else "no key"
-    click.echo(f"tqbench serve: {engine.name}, kv_policy {app.state.server.policy.label}, cache mode {cache_mode}, "
+    click.echo(f"tqbench serve: {engine.name}, kv_policy {app.state.server.policy.label}, cache mode {app.state.server.cache_mode}, "
                f"max_new_tokens {max_new_tokens}, queue {max_queue}, batch {max_batch}, "
                f"prefill chunk {prefill_chunk or 'whole prompt'}, {auth}", err=True)
+    budget = app.state.server.kv_budget
+    click.echo(f"  cache mode {app.state.server.cache_mode}: {app.state.server.mode_reason}", err=True)
+    click.echo(f"  KV budget {budget.bytes} bytes ({budget.bytes / 2**20:.1f} MiB): {budget.source}", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
     worker = app.state.server.worker
 
@@ -102,3 +114,4 @@ def _check_port(host: str, port: int) -> None:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+

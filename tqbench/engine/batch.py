@@ -10,10 +10,12 @@ tokens in float64; in float32 the batch's different summation order can flip a n
 
 Sequences join and leave between steps: a batch view is built afresh for every step.
 
-What batches: caches whose every layer is a ``TQLayer`` in a mode that returns dense K/V (compressed,
-simulate, dense-shadow). ``why_not_batched`` names what does not (the fused mode hands the attention a
-packed-store handle per sequence; a dense sliding-window layer bounds its own history), and those
-sequences decode one per forward call.
+What batches: caches whose every layer is a ``TQLayer``, in any mode. Modes that return dense K/V
+(compressed, simulate, dense-shadow) get the left-padded histories above; the fused mode gets no dense
+history at all: each layer hands the attention a ``FusedBatch`` of every sequence's own packed-store handle,
+and the fused attention answers each sequence from its own store with its own length and mask row (no codes
+padded to the longest). ``why_not_batched`` names what does not batch (a dense sliding-window layer bounds
+its own history), and those sequences decode one per forward call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import time
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from tqbench.engine.cache.tqcache import TQCache, TQLayer
+from tqbench.engine.cache.fused.batch_kv import FusedBatch
+from tqbench.engine.cache.tqcache import FusedKV, TQCache, TQLayer
 from tqbench.engine.generate import Sequence, _forward
 
 __all__ = ["decode_step", "why_not_batched"]
@@ -33,8 +36,6 @@ def why_not_batched(cache) -> str | None:
     """None when sequences with this kind of cache can share a forward call; else the reason they cannot."""
     if not isinstance(cache, TQCache):
         return f"a {type(cache).__name__} is not a TQCache"
-    if cache.mode == "fused":
-        return "the fused mode's attention reads one packed store per call (no per-sequence rows yet)"
     if not all(isinstance(layer, TQLayer) for layer in cache.layers):
         return "the policy keeps dense sliding-window layers, which bound their own history"
     return None
@@ -56,13 +57,22 @@ class _RowsLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         total = self.width + key_states.shape[2]
         keys = values = None
+        handles = []
         for b, member in enumerate(self.members):
             k, v = member.update(key_states[b : b + 1], value_states[b : b + 1], *args, **kwargs)
+            if isinstance(k, FusedKV):  # fused: each sequence's own store handle, no dense history
+                handles.append(k)
+                continue
             if keys is None:  # zeros under the padding (masked out), each history right-aligned
                 keys = k.new_zeros((len(self.members), k.shape[1], total, k.shape[3]))
                 values = v.new_zeros((len(self.members), v.shape[1], total, v.shape[3]))
             keys[b, :, total - k.shape[2] :] = k[0]
             values[b, :, total - v.shape[2] :] = v[0]
+        if handles:
+            if len(handles) != len(self.members):
+                raise ValueError("a batch mixes fused and dense cache layers: batch one cache mode per step")
+            batch = FusedBatch(handles, self.width)
+            return batch, batch
         return keys, values
 
     def lazy_initialization(self, key_states, value_states) -> None:

@@ -76,4 +76,28 @@ def prometheus_text(server) -> str:
                    [({}, kv["packed"])])
     lines += _line("tqbench_kv_dense_fp16_bytes", "gauge",
                    "What the running requests' K/V would take as dense fp16.", [({}, kv["dense_fp16"])])
+    lines += _vllm_named(server)
     return "\n".join(lines) + "\n"
+
+
+def _vllm_named(server) -> list[str]:
+    """The KV budget and the scheduler state under vLLM's metric names (``vllm:`` -> ``tqbench:``), labelled with
+    ``model_name`` as vLLM does, plus ``kv_policy`` (one sample per policy running or waiting; the server's
+    default policy when idle)."""
+    usage = server.kv_usage()
+    model = {"model_name": server.model_id}
+    by = usage["by_policy"] or {server.policy.label: {"running": 0, "reserved_bytes": 0, "waiting": 0}}
+    budget = usage["budget_bytes"]
+    out: list[str] = []
+    out += _line("tqbench:kv_cache_usage_perc", "gauge",
+                 "Share of the KV budget reserved by the running requests (1 means 100 percent), as vLLM's.",
+                 [({**model, "kv_policy": k}, v["reserved_bytes"] / budget) for k, v in by.items()])
+    out += _line("tqbench:num_requests_running", "gauge", "Requests running (prefill or decode), as vLLM's.",
+                 [({**model, "kv_policy": k}, v["running"]) for k, v in by.items()])
+    out += _line("tqbench:num_requests_waiting", "gauge", "Requests waiting for admission, as vLLM's.",
+                 [({**model, "kv_policy": k}, v["waiting"]) for k, v in by.items()])
+    out += _line("tqbench:kv_cache_reserved_bytes", "gauge",
+                 "KV bytes reserved by the running requests (each its cache at prompt + max_tokens, exact estimate).",
+                 [({**model, "kv_policy": k}, v["reserved_bytes"]) for k, v in by.items()])
+    out += _line("tqbench:kv_cache_budget_bytes", "gauge", "The KV byte budget (--kv-budget).", [(model, budget)])
+    return out

@@ -2,7 +2,7 @@
 
 Fields tqbench cannot honour (penalties, tools, n > 1 ...) are accepted only at their neutral
 value; any other value is refused with a message, never silently ignored. Unknown fields are refused.
-Extensions: ``kv_policy`` (a preset name or compact policy), ``ignore_eos`` and ``cache_report``
+Extensions: ``kv_policy`` (a preset name or compact policy), ``cache_mode`` (one of the cache modes), ``ignore_eos`` and ``cache_report``
 (``"summary"``, the default, or ``"layers"`` to add the per-layer rows to the response's cache report).
 
 ``messages[].content`` is a string or a list of content parts (any role). Text parts are joined in order
@@ -98,6 +98,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     # tqbench extensions
     kv_policy: StrictStr | None = None
+    cache_mode: StrictStr | None = None  # one of tqbench.constants.CACHE_MODES (default: the server's)
     ignore_eos: StrictBool = False
     cache_report: StrictStr | None = None  # "summary" (default) or "layers"
     # accepted and ignored: they change nothing about the output
@@ -192,9 +193,9 @@ class _Common(_Strict):
                 raise APIError(400, f"logprobs={self.logprobs} is invalid: send an integer from 0 to "
                                f"{MAX_TOP_LOGPROBS}", param="logprobs", code="invalid_value")
             wanted, echo = self.logprobs, bool(self.echo)
-        if self.stream and (wanted is not None or echo):
-            raise APIError(400, "logprobs and echo are not supported with stream=true: send stream=false",
-                           param="logprobs" if wanted is not None else "echo", code="unsupported_parameter")
+        if self.stream and echo:
+            raise APIError(400, "echo is not supported with stream=true: send stream=false (logprobs stream)",
+                           param="echo", code="unsupported_parameter")
         return wanted, echo
 
     @property

@@ -179,10 +179,13 @@ def full_response(*, chat: bool, rid: str, model: str, created: int, text: str, 
 class ChunkWriter:
     """Server-sent-event lines in the OpenAI chunk format for one streamed request."""
 
-    def __init__(self, *, chat: bool, model: str, include_usage: bool) -> None:
+    def __init__(self, *, chat: bool, model: str, include_usage: bool, logprobs: TokenTexts | None = None) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        self.texts = logprobs  # with logprobs: each text chunk carries the logprobs of the tokens it completes
+        self.pending: list = []  # generated-token logprobs not sent yet (their text may be held by the trimmer)
+        self.offset = 0  # characters of completion text sent so far (legacy completions' text_offset)
         self.id = new_id(chat)
         self.created = int(time.time())
 
@@ -199,21 +202,37 @@ class ChunkWriter:
         body.update(extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def add_logprob(self, entry) -> None:
+        if self.texts is not None and entry is not None:
+            self.pending.append(entry)
+
+    def _take_logprobs(self) -> dict | None:
+        """The pending tokens' logprobs in the chunk shape (chat: ``content`` entries; completions: the
+        ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists, offsets running on)."""
+        if self.texts is None:
+            return None
+        taken, self.pending = self.pending, []
+        if self.chat:
+            return chat_logprobs(taken, self.texts)
+        body = completion_logprobs(taken, self.texts, start_offset=self.offset)
+        self.offset += sum(len(t) for t in body["tokens"])
+        return body
 
     def role(self) -> str:
         return self._chunk([self._choice("", None, role=True)])
 
     def text(self, delta: str) -> str:
-        return self._chunk([self._choice(delta, None)])
+        return self._chunk([self._choice(delta, None, logprobs=self._take_logprobs())])
 
     def finish(self, result, ext: dict) -> str:
         """The chunk with finish_reason; then, with include_usage, OpenAI's extra chunk with empty choices.

@@ -6,6 +6,8 @@ call over all of them (``Engine.decode_step``). A request joins the batch betwee
 alone, then it decodes with the others) and leaves when it finishes; up to ``max_batch`` decode at once.
 Requests of another policy or mode wait their turn in arrival order: once the oldest waiting request needs a
 different batch, no newer request joins the current one, and the next batch starts when it drains.
+With a KV budget (``kv_budget`` bytes, ``server.admission``) a request joins only when its reserved cache bytes
+(``Job.kv_bytes``) fit beside the running ones; until then it waits, and nothing newer overtakes it.
 
 Each job carries an asyncio queue; the worker pushes every engine event into it with
 ``loop.call_soon_threadsafe``. A job's ``cancelled`` flag is checked before each of its steps: a client that
@@ -59,6 +61,7 @@ class Job:
     logprobs: int | None = None  # top alternatives per token (0: the token's own logprob only); None: off
     echo: bool = False  # score the prompt's tokens too
     prefill_chunk: int = 0
+    kv_bytes: int = 0  # its cache at prompt + max_new_tokens under its policy (the admission's reservation)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -95,7 +98,7 @@ class _Running:
 class Worker:
     """A daemon thread that runs queued jobs on ``engine``, decoding compatible ones in one batch."""
 
-    def __init__(self, engine, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+    def __init__(self, engine, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue={max_queue} is invalid: allow at least 1 waiting request")
         if max_batch < 1:
@@ -103,6 +106,8 @@ class Worker:
         self.engine = engine
         self.max_queue = max_queue
         self.max_batch = max_batch
+        self.kv_budget = kv_budget  # bytes the running requests' caches may reserve together (None: no bound)
+        self.kv_reserved = 0  # bytes reserved by the running requests (their kv_bytes)
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -164,6 +169,20 @@ class Worker:
         jobs = [r.job for r in list(self._running)]
         return jobs or None
 
+    def running_by_policy(self) -> dict[str, tuple[int, int]]:
+        """policy label -> (running requests, KV bytes they reserve)."""
+        out: dict[str, tuple[int, int]] = {}
+        for r in list(self._running):
+            n, b = out.get(r.job.policy.label, (0, 0))
+            out[r.job.policy.label] = (n + 1, b + r.job.kv_bytes)
+        return out
+
+    def waiting_by_policy(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for j in self.waiting_jobs():
+            out[j.policy.label] = out.get(j.policy.label, 0) + 1
+        return out
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)
@@ -210,6 +229,7 @@ class Worker:
             return out
         # an idle worker starts one job: whether its kind batches is known once its cache exists
         room = self.max_batch - len(self._running) if self._running else 1
+        reserved = self.kv_reserved
         while self._waiting and len(out) < room:
             job = self._waiting[0]
             if job.cancelled.is_set():  # its client left while it waited
@@ -221,7 +241,10 @@ class Worker:
                 key = job.batch_key
             elif job.batch_key != key:
                 break  # it waits for this batch to drain; nothing newer overtakes it
+            if self.kv_budget is not None and (out or self._running) and reserved + job.kv_bytes > self.kv_budget:
+                break  # its cache does not fit beside the running ones yet: it waits (FIFO)
             self._waiting.popleft()
+            reserved += job.kv_bytes
             out.append(job)
         return out
 
@@ -235,6 +258,7 @@ class Worker:
                 admitted = self._admit()
                 running = [_Running(job, None, time.perf_counter()) for job in admitted]
                 self._running.extend(running)
+                self.kv_reserved += sum(job.kv_bytes for job in admitted)
             for r in running:
                 self._start(r)
             self._step()
@@ -246,6 +270,8 @@ class Worker:
         job = r.job
         job.push(JobStarted(r.started - job.enqueued_at))
         try:
+            if job.cache_mode == "fused":  # installs the fused attention once (plain tensors keep the old path)
+                self.engine.enable_fused()
             r.seq = self.engine.sequence(
                 job.ids, job.policy, job.cache_mode, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
                 stop=job.stop, stop_at_eos=job.stop_at_eos, cancel=job.cancelled.is_set,
@@ -325,6 +351,7 @@ class Worker:
         with self._cond:
             if r in self._running:
                 self._running.remove(r)
+                self.kv_reserved -= r.job.kv_bytes
             if not self._running:
                 self.batch_size = 0
                 self.kv_bytes = {"resident": 0, "packed": 0, "dense_fp16": 0}

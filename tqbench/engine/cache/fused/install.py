@@ -26,6 +26,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
+from tqbench.engine.cache.fused.batch_kv import FusedBatch
 from tqbench.engine.cache.fused.choose import NATIVE, REFERENCE, TRITON, choose_impl
 from tqbench.engine.cache.fused.support import (
     FusedUnsupportedError,
@@ -105,6 +106,8 @@ def _previous_forward(module):
 
 
 def fused_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+    if isinstance(key, FusedBatch):
+        return fused_batch_attention(module, query, key, attention_mask, *args, **kwargs)
     if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
         return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
     if not key.k_parts and not key.v_parts:  # prefill with no history: exact attention on the new rows
@@ -119,6 +122,42 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     mask = window_mask(attention_mask, total)
     out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *args, **kwargs):
+    """A batched decode step: sequence b's query rows attend over its own store (``FusedBatch``), with row b
+    of the call's mask (its history is right-aligned in the mask, so the mask's last columns are its rows).
+
+    On the native kernel: ONE ragged kernel call for every sequence (``native_fused_attention_ragged``: each
+    its own packed store, length and mask; no codes padded, no dense history). Elsewhere (Triton, the torch
+    reference, a sequence with no stored rows yet, or a call the kernel refuses) each sequence runs its own
+    fused call inside this one forward call, counted as the solo path counts it."""
+    members = batch.members
+    impl, _ = choose_impl(query)
+    if impl == NATIVE and all(kv.k_parts or kv.v_parts for kv in members):
+        from tqbench.engine.cache.fused.native_glue import native_fused_attention_ragged
+
+        scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        masks = None
+        if attention_mask is not None:
+            masks = [window_mask(attention_mask[b : b + 1], kv.k_store_tokens + kv.new_k.shape[2])
+                     for b, kv in enumerate(members)]
+        out = native_fused_attention_ragged(query, members, masks, scaling, softcap=kwargs.get("softcap"),
+                                            sinks=kwargs.get("s_aux", kwargs.get("sinks")),
+                                            sparse_v=members[0].layer.policy.sparsev)
+        if not isinstance(out, str):
+            for kv in members:
+                kv.layer.fused_calls += 1
+                kv.layer.fused_impl[NATIVE] = kv.layer.fused_impl.get(NATIVE, 0) + 1
+            return out.transpose(1, 2).contiguous(), None
+    outs = []
+    for b, kv in enumerate(members):
+        mask = None if attention_mask is None else attention_mask[b : b + 1]
+        out, _ = fused_attention_forward(module, query[b : b + 1], kv, kv, mask, *args, **kwargs)
+        outs.append(out)
+    return torch.cat(outs, dim=0), None
 
 
 def window_mask(attention_mask, total: int) -> torch.Tensor | None:

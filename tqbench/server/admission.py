@@ -1,0 +1,68 @@
+"""The KV byte budget (``tqbench serve --kv-budget``): memory, not a request count, bounds concurrency.
+
+A request is admitted when its cache at ``prompt + max_tokens`` tokens under its own policy (the engine's
+exact byte estimate, ``estimate_kv``: packed rows, full-precision sink/recent rows and every byte of codec
+metadata) fits beside the caches of the requests already running; otherwise it waits in the queue (first in,
+first out: nothing newer overtakes it), and the queue's bound gives 429. A request whose cache could never fit
+the whole budget is refused with a 400 at once.
+
+The default budget is ``DEFAULT_KV_SHARE`` of the memory available once the model is loaded (``MemAvailable``
+from ``/proc/meminfo`` on CPU, the device's free memory on CUDA); ``tqbench serve`` prints it at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tqbench.constants import DEFAULT_KV_SHARE
+from tqbench.engine.cache import estimate_kv, parse_bytes
+
+__all__ = ["DEFAULT_KV_SHARE", "KVBudget", "available_memory", "parse_bytes", "request_kv_bytes"]
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The budget in bytes and where it came from (printed at start-up, shown in ``/health``)."""
+
+    bytes: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.bytes < 1:
+            raise ValueError(f"kv budget {self.bytes} bytes is invalid: give a size like 512MiB")
+
+    @classmethod
+    def resolve(cls, text: str | int | None, device_type: str = "cpu") -> KVBudget:
+        """``--kv-budget`` as given (``512MiB``, ``2GB``, a byte count), or the default share of free memory."""
+        if text is None or text == "auto":
+            free, where = available_memory(device_type)
+            return cls(int(free * DEFAULT_KV_SHARE), f"{DEFAULT_KV_SHARE:.0%} of the {free / 2**20:.0f} MiB "
+                       f"available beside the model ({where})")
+        if isinstance(text, int):
+            return cls(text, "--kv-budget")
+        return cls(parse_bytes(text), f"--kv-budget {text}")
+
+
+def available_memory(device_type: str = "cpu") -> tuple[int, str]:
+    """(bytes available now, where the figure comes from)."""
+    if device_type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free), "torch.cuda.mem_get_info"
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    import os
+
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(pages), "sysconf available pages"
+
+
+def request_kv_bytes(policy, geometry, tokens: int) -> int:
+    """The exact bytes one sequence's cache holds at ``tokens`` tokens under ``policy``."""
+    return int(estimate_kv(policy, geometry, max(1, tokens)).total_bytes)

@@ -1,0 +1,61 @@
+"""``Server``: the state one app serves from (engine, default policy and mode, the worker thread).
+
+Its jobs live in mixins, one module each: request checks (``checks``), running a request (``runner``),
+what the server tells about itself (``info``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tqbench.engine import Policy, parse_policy
+from tqbench.engine.cache import check_mode
+from tqbench.server.admission import KVBudget
+from tqbench.server.checks import RequestChecks
+from tqbench.server.info import ServerInfo
+from tqbench.server.modes import auto_mode
+from tqbench.server.runner import RequestRunner
+from tqbench.server.stream import TokenTexts
+from tqbench.server.worker import DEFAULT_MAX_BATCH, Worker
+
+
+class Server(RequestChecks, RequestRunner, ServerInfo):
+    """Validates requests, queues them on the worker and turns engine events into OpenAI responses."""
+
+    def __init__(self, engine, *, kv_policy: str | Policy, cache_mode: str, max_new_tokens: int,
+                 max_queue: int, model_aliases: tuple[str, ...] = (), max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = 0, kv_budget: KVBudget | str | int | None = None) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: allow at least 1 token")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={prefill_chunk} is invalid: use 0 (the whole prompt in one forward "
+                             "call) or a positive number of tokens per call")
+        self.prefill_chunk = prefill_chunk
+        self.texts = TokenTexts(engine.tokenizer)
+        self.engine = engine
+        self.policy = parse_policy(kv_policy)
+        if cache_mode == "auto":
+            cache_mode, self.mode_reason = auto_mode(engine)
+        else:
+            self.mode_reason = f"cache_mode={cache_mode!r} was asked for"
+        self.cache_mode = check_mode(cache_mode)
+        self.max_new_tokens = max_new_tokens
+        self.model_id = engine.name
+        self.model_names = {engine.name, *[a for a in model_aliases if a]}
+        geometry = engine.geometry
+        self._num_layers = geometry.num_layers
+        self._layer_types = list(geometry.layer_types) if geometry.layer_types else None
+        self.policy.plan(self._num_layers, self._layer_types)
+        if self.cache_mode == "fused":
+            engine.enable_fused()
+        if not isinstance(kv_budget, KVBudget):
+            kv_budget = KVBudget.resolve(kv_budget, _device_type(engine))
+        self.kv_budget = kv_budget
+        self.worker = Worker(engine, max_queue, max_batch, kv_budget=kv_budget.bytes)
+        self.started = int(time.time())
+        self.last: tuple[str, int, object] | None = None  # (response id, created, result) of the last finish
+
+
+def _device_type(engine) -> str:
+    loaded = getattr(engine, "loaded", None)
+    return str(getattr(loaded, "device", "cpu")).split(":")[0]
