@@ -12,6 +12,7 @@ import click
 from tqbench import __version__
 from tqbench.cli.allocate import allocate
 from tqbench.cli.bench import bench, policies
+from tqbench.cli.calibrate import calibrate
 from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
 from tqbench.cli.scan import scan
@@ -52,6 +53,7 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
 
 for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep):
     main.add_command(command)
+main.add_command(calibrate)  # calibrated key transforms (pcaq codecs)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

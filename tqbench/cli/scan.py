@@ -31,18 +31,21 @@ from tqbench.cli.workbench import save_session_if_asked, scan_fields, workbench_
 @click.option("--max-prompt-tokens", type=int, default=512, show_default=True)
 @click.option("--generated-tokens", type=int, default=0, show_default=True,
               help="Also capture this many greedily generated tokens.")
-@click.option("--codecs", default=None, help="Comma-separated codecs (default int8,int4,turbo4..turbo2).")
+@click.option("--codecs", default=None, help="Comma-separated codecs (default int8,int4,turbo4..turbo2, plus the calibrated key codecs "
+              "pcaq4..pcaq2 when the model has a shipped fit).")
 @click.option("--preset", default=None, help="Codec preset: safe, aggressive or all.")
 @click.option("--thresholds", default=None,
               help="Pass limits, e.g. kl=0.02,out=0.15 (metrics: softmax_kl, attn_out_rel_err, "
               "score_rel_err, score_cosine (min), k_rel_mse, v_rel_mse).")
+@click.option("--calib", default="", help="Transforms file of the calibrated key codecs (pcaq...; default: the "
+              "shipped SmolLM2-135M-Instruct fit). Fit one with `tqbench --headless calibrate`.")
 @click.option("--summary-table", is_flag=True, help="Print only the per-layer summary table.")
 @click.option("--fail-on-sensitive", is_flag=True,
               help="Gate: exit 1 when some layer has no codec meeting the thresholds.")
 @report_options
 @friendly_errors
 def scan(model, device, dtype, threads, prompt, prompt_file, chat, layers, max_prompt_tokens, generated_tokens,
-         codecs, preset, thresholds, summary_table, fail_on_sensitive, report_json, report_md, as_json):
+         codecs, preset, thresholds, calib, summary_table, fail_on_sensitive, report_json, report_md, as_json):
     """Capture real Q/K/V and measure each codec per layer and KV head; suggest a per-layer policy."""
     from tqbench.cli.render.console import load_engine
     from tqbench.cli.render.progress import EventProgress
@@ -51,7 +54,8 @@ def scan(model, device, dtype, threads, prompt, prompt_file, chat, layers, max_p
     from tqbench.engine.scan import parse_thresholds, resolve_codecs
 
     text = prompt_text(prompt, prompt_file)
-    codec_list = resolve_codecs(csv(codecs), preset)
+    # no --codecs/--preset: the engine's default list (with the calibrated key codecs when this model has a fit)
+    codec_list = resolve_codecs(csv(codecs), preset) if (codecs or preset) else None
     limits = parse_thresholds(thresholds)
     if max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} is invalid: use at least 1")
@@ -62,7 +66,7 @@ def scan(model, device, dtype, threads, prompt, prompt_file, chat, layers, max_p
     with EventProgress(enabled=not as_json, label="scan") as prog:
         res = run_scan(engine, text, layers=layers, codecs=codec_list, thresholds=limits,
                        max_prompt_tokens=max_prompt_tokens, generated_tokens=generated_tokens, chat=chat,
-                       on_event=prog)
+                       calib=calib, on_event=prog)
     payload = res.to_dict()
     save_session_if_asked(engine, model, scans=[res])
     write_reports(payload, scan_md(res), report_json, report_md, as_json)

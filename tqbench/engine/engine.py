@@ -102,7 +102,19 @@ class Engine:
         warning = self.policy_warning(policy)
         if warning:
             warnings.warn(warning, stacklevel=2)
-        return TQCache(parse_policy(policy), self.config, mode=cache_mode)
+        pol = parse_policy(policy)
+        self.check_transforms(pol)
+        return TQCache(pol, self.config, mode=cache_mode)
+
+    def check_transforms(self, policy: Policy | str) -> None:
+        """Refuse a policy whose calibrated (``pcaq``) key codecs use transforms fitted on another model
+        (``TransformsMismatch`` says which model they were fitted on and how to refit)."""
+        from tqbench.engine.codecs import is_calibrated_spec
+        from tqbench.engine.codecs.transforms_file import load_transforms
+
+        pol = parse_policy(policy)
+        if any(is_calibrated_spec(s) for s in (pol.k, *(spec for _, _, spec in pol.overrides))):
+            load_transforms(pol.calib).check_model(self.loaded.fingerprint, self.name)
 
     def policy_warning(self, policy: Policy | str | None) -> str | None:
         """Why ``policy`` may not suit this model: a saved artifact fitted on another model (its fingerprint

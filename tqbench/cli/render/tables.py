@@ -114,19 +114,34 @@ class PresetRow:
 
 
 def preset_rows(seq_len: int) -> list[PresetRow]:
-    from tqbench.engine import estimate_kv, get_preset
+    """Every preset, then every shipped (model-specific) policy file, by name."""
+    from tqbench.engine import estimate_kv, get_preset, parse_policy
     from tqbench.engine.cache import default_geometry
-    from tqbench.engine.policy import PRESET_TEXT
+    from tqbench.engine.policy import PRESET_TEXT, shipped_policy_names
 
     geo = default_geometry()
+    named = [(name, get_preset(name), meaning) for name, (_, meaning) in PRESET_TEXT.items()]
+    named += [(name, parse_policy(name), shipped_meaning(name)) for name in shipped_policy_names()
+              if name not in PRESET_TEXT]
     rows = []
-    for name, (_, meaning) in PRESET_TEXT.items():
-        pol = get_preset(name)
+    for name, pol, meaning in named:
         est = estimate_kv(pol, geo, seq_len)
         rows.append(PresetRow(name=name, policy=pol.to_string(), meaning=meaning,
                               bits_per_element=round(est.bits_per_element, 3), saved_pct=round(est.saved_pct, 2),
                               kv_bytes=est.total_bytes, dense_fp16_bytes=est.dense_fp16_bytes, seq_len=seq_len))
     return rows
+
+
+def shipped_meaning(name: str) -> str:
+    """A shipped policy file's one-line meaning: its ``description``, else the model it was fitted on."""
+    import tomllib
+
+    from tqbench.engine.policy.spec import shipped_policy_path
+
+    path = shipped_policy_path(name)
+    data = tomllib.loads(path.read_text(encoding="utf-8")) if path.suffix == ".toml" else {}
+    model = (data.get("model") or {}).get("name")
+    return data.get("description") or f"shipped policy file{f' (fitted on {model})' if model else ''}"
 
 
 def print_presets(rows: list[PresetRow], seq_len: int) -> None:

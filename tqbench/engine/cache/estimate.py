@@ -98,7 +98,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             dense_total += dense
             continue
         total = 0
-        codecs = [(pol.build_codec(spec, role), spec) for spec, role in ((plan.k, "k"), (plan.v, "v"))]
+        codecs = [(pol.build_codec(spec, role, layer=plan.layer), spec) for spec, role in ((plan.k, "k"), (plan.v, "v"))]
         held, fp16_held = seq_len, seq_len
         if plan.sliding and g.sliding_window:  # a window-bounded store (store.window_start)
             keep = g.sliding_window - 1

@@ -104,8 +104,8 @@ class TQLayer(CacheLayerMixin):
         self.plan = plan
         self.mode = check_mode(mode)
         self.policy = policy
-        self.k_codec = policy.build_codec(plan.k, "k")
-        self.v_codec = policy.build_codec(plan.v, "v")
+        self.k_codec = policy.build_codec(plan.k, "k", layer=plan.layer)
+        self.v_codec = policy.build_codec(plan.v, "v", layer=plan.layer)
         # a sliding-window layer: attention reads the last window - 1 stored rows (as transformers'
         # DynamicSlidingWindowLayer keeps them), the stores hold at most a codec unit more
         self.window = sliding_window - 1 if (plan.sliding and sliding_window) else None

@@ -7,12 +7,14 @@ from typing import Any
 
 from .affine import AffineChannelCodec, AffineTokenCodec
 from .base import Codec, Encoded, compute_dtype
+from .calibrated import CALIBRATED_SPECS, PcaKeyCodec, calibrated_bits, is_calibrated_spec
 from .dense import DenseCodec
 from .rotation import ROTATIONS
 from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
 
 __all__ = [
     "ALIASES",
+    "CALIBRATED_SPECS",
     "CODEC_OPTS",
     "CODEC_SPECS",
     "ROLES",
@@ -21,6 +23,7 @@ __all__ = [
     "Codec",
     "DenseCodec",
     "Encoded",
+    "PcaKeyCodec",
     "TurboCodec",
     "TurboProdCodec",
     "TurboSplitCodec",
@@ -28,6 +31,7 @@ __all__ = [
     "codec_bits_per_element",
     "codec_from_spec",
     "compute_dtype",
+    "is_calibrated_spec",
     "is_valid_spec",
     "nominal_bits",
 ]
@@ -60,6 +64,7 @@ CODEC_OPTS: dict[str, Any] = {
     "group": 32,
     "kblock": 32,
     "seed": 0,
+    "calib": "",  # calibrated (pcaq) codecs: the transforms file ("" = the shipped default-model fit)
 }
 
 
@@ -67,8 +72,15 @@ def canonical_spec(spec: str) -> str:
     """The canonical name of ``spec`` (aliases resolved, case and spaces ignored); ValueError if unknown."""
     name = spec.strip().lower() if isinstance(spec, str) else spec
     name = ALIASES.get(name, name)
+    if isinstance(name, str) and name.startswith("pcaq"):  # calibrated: any pcaq{b}, b in 0.5..6
+        try:
+            bits = calibrated_bits(name)
+        except ValueError as exc:
+            raise ValueError(f"unknown codec {spec!r}: {exc}") from None
+        if bits is not None:
+            return f"pcaq{bits:g}"
     if name not in CODEC_SPECS:
-        valid = ", ".join(CODEC_SPECS + tuple(ALIASES))
+        valid = ", ".join(CODEC_SPECS + tuple(ALIASES) + CALIBRATED_SPECS)
         raise ValueError(f"unknown codec {spec!r}: valid codecs are {valid}")
     return name
 
@@ -99,20 +111,25 @@ def _check_opts(opts: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name} must be a positive integer, got {o[name]!r}")
     if isinstance(o["seed"], bool) or not isinstance(o["seed"], int):
         raise ValueError(f"seed must be an integer, got {o['seed']!r}")
+    if not isinstance(o["calib"], str):
+        raise ValueError(f"calib must be a transforms file path (or empty for the shipped fit), got {o['calib']!r}")
     return o
 
 
-def codec_from_spec(spec: str, role: str = "v", **opts: Any) -> Codec:
+def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, **opts: Any) -> Codec:
     """Build the codec named ``spec`` for keys (``role="k"``) or values (``role="v"``).
 
     Options (ignored by codecs they do not apply to): ``rotation`` ("qr" | "hadamard"), ``center``,
     ``norm_correction``, ``group`` (V/per-token affine group), ``kblock`` (K per-channel affine token
-    block), ``seed``.
+    block), ``seed``, ``calib`` (calibrated codecs' transforms file). ``layer``: the layer the codec serves
+    (calibrated codecs hold one fitted transform per layer; the others ignore it).
     """
     name = canonical_spec(spec)
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}: valid roles are {', '.join(ROLES)}")
     o = _check_opts(opts)
+    if name.startswith("pcaq"):
+        return PcaKeyCodec(calibrated_bits(name), layer, o["calib"], role)
     if name in ("fp16", "bf16", "fp32"):
         return DenseCodec(name)
     if name.startswith("int"):
@@ -130,13 +147,18 @@ def codec_bits_per_element(spec: str, head_dim: int, **opts: Any) -> float:
     """Packed bits per K and V element of ``spec`` at ``head_dim``, averaged over the two roles.
 
     Per-unit metadata (norms, scales, zeros) included; per-layer state and shared objects (rotations,
-    codebooks) excluded: ``Codec.bits_per_element``. ``opts`` as for ``codec_from_spec``.
+    codebooks) excluded: ``Codec.bits_per_element``. ``opts`` as for ``codec_from_spec``. A key-only codec
+    (``pcaq``) gives its key bits.
     """
+    if is_calibrated_spec(spec):
+        return codec_from_spec(spec, "k", **opts).bits_per_element(head_dim)
     return sum(codec_from_spec(spec, role, **opts).bits_per_element(head_dim) for role in ROLES) / len(ROLES)
 
 
 def nominal_bits(spec: str) -> float:
     """The bits a spec is named by: ``turbo2.5`` -> 2.5, ``turbo3-qjl`` -> 3, ``int8`` -> 8, ``fp16`` -> 16."""
     name = canonical_spec(spec)
+    if name.startswith("pcaq"):
+        return float(name[4:])
     digits = name.removeprefix("turbo").removeprefix("int").removeprefix("fp").removeprefix("bf")
     return float(digits.split("-")[0])

@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from tqbench.constants import POLICIES_DATA_DIR
-from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_valid_spec
+from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_calibrated_spec, is_valid_spec
 from tqbench.engine.policy.layers import select_layers, validate_selector
 
 FULL_PRECISION = "fp16"
@@ -69,6 +69,7 @@ class Policy:
     kblock: int = 32  # per-channel affine token block (K)
     sparsev: float = 0.0  # fused mode: skip value rows whose softmax weight is below this (0 = off)
     seed: int = 0
+    calib: str = ""  # calibrated (pcaq) key codecs: the transforms file ("" = the shipped default-model fit)
     name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -107,7 +108,7 @@ class Policy:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
         for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
-                    "group", "kblock", "seed", "sparsev"):
+                    "group", "kblock", "seed", "sparsev", "calib"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")
@@ -197,10 +198,12 @@ class Policy:
             "group": self.group,
             "kblock": self.kblock,
             "seed": self.seed + (0 if role == "k" else 1),
+            "calib": self.calib,
         }
 
-    def build_codec(self, spec: str, role: str):
-        return codec_from_spec(spec, role=role, **self.codec_options(role))
+    def build_codec(self, spec: str, role: str, layer: int | None = None):
+        """The codec of ``spec`` for ``role``; ``layer``: the layer it serves (calibrated codecs need it)."""
+        return codec_from_spec(spec, role=role, layer=layer, **self.codec_options(role))
 
 
 def _fmt(val) -> str:
@@ -214,11 +217,14 @@ def _check_codec(spec: str, role: str) -> None:
         raise ValueError(
             f"unknown {role.upper()} codec {spec!r}: valid codecs are {', '.join(CODEC_SPECS)}"
         )
+    if role in ("v", "kv") and is_calibrated_spec(spec):
+        raise ValueError(f"{spec} is a key codec (calibrated in the metric of the queries): give it to keys only "
+                         f"(k={spec} or k@LAYERS={spec}) and a value codec such as turbo2 to values")
 
 
 # ---- compact text ----------------------------------------------------------------------------------
 _INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
-_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name")
+_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
 _FLOAT_KEYS = ("sparsev",)
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
@@ -294,6 +300,9 @@ def load_policy_file(path: str) -> Policy:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a policy file holds one object with keys k, v, sink, recent, ...")
     pol = Policy.from_dict(data)
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), pol.calib) if pol.calib else ""
+    if pol.calib and not os.path.isabs(pol.calib) and os.path.isfile(beside):  # a transforms file next to it
+        pol = replace(pol, calib=beside)
     return pol if pol.name else pol.with_name(os.path.splitext(os.path.basename(path))[0])
 
 

@@ -24,9 +24,11 @@ THRESHOLD_METRICS = {
 }
 
 
-def roundtrip(spec: str, role: str, x: torch.Tensor, policy: Policy | None = None) -> torch.Tensor:
-    """``x`` [H, T, D] through a codec as a policy builds it; a partial token block stays exact (as in the cache)."""
-    codec = (policy or Policy()).build_codec(spec, role)
+def roundtrip(spec: str, role: str, x: torch.Tensor, policy: Policy | None = None,
+              layer: int | None = None) -> torch.Tensor:
+    """``x`` [H, T, D] through a codec as a policy builds it for ``layer`` (calibrated codecs need it); a partial
+    token block stays exact (as in the cache)."""
+    codec = (policy or Policy()).build_codec(spec, role, layer=layer)
     xb = x[None]
     if codec.lossless:
         return codec.decode(codec.encode(xb, {}), {}, x.dtype)[0]

@@ -23,8 +23,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tqbench.engine.codecs import CODEC_SPECS, codec_bits_per_element
+from tqbench.engine.codecs import (
+    CODEC_SPECS,
+    canonical_spec,
+    codec_bits_per_element,
+    is_calibrated_spec,
+    is_valid_spec,
+    nominal_bits,
+)
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, ScanLayerDone, emit, raise_if_cancelled
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.scan.capture import Capture, LayerQKV, capture_qkv
 from tqbench.engine.scan.metrics import (
     THRESHOLD_METRICS,
@@ -41,6 +49,30 @@ CODEC_PRESETS = {
     "aggressive": ("turbo3", "turbo2.5", "turbo2", "int2", "turbo1.5"),
     "all": DEFAULT_CODECS + ("int2", "turbo1.5", "turbo1", "turbo4-qjl", "turbo3-qjl"),
 }
+#: calibrated key codecs a default scan adds beside the random rotation when the shipped fit is this model's
+CALIBRATED_DEFAULTS = ("pcaq4", "pcaq3", "pcaq2.5", "pcaq2")
+
+
+def value_partner(spec: str) -> str:
+    """The value codec a key-only (calibrated) codec is scanned with: turbo at the same width (or the next
+    lower width turbo has), so that ``pcaq{b}`` and ``turbo{b}`` differ only in their keys."""
+    bits = nominal_bits(spec)
+    for cand in (f"turbo{bits:g}", f"turbo{int(bits)}"):
+        if is_valid_spec(cand):
+            return canonical_spec(cand)
+    return "turbo1"
+
+
+def default_codecs(engine, calib: str = "") -> list[str]:
+    """``DEFAULT_CODECS``, plus ``CALIBRATED_DEFAULTS`` when the transforms (``calib``, "" = the shipped fit)
+    were fitted on this model."""
+    from tqbench.engine.codecs.transforms_file import DEFAULT_TRANSFORMS, load_transforms
+
+    out = list(DEFAULT_CODECS)
+    fingerprint = getattr(getattr(engine, "loaded", None), "fingerprint", None)
+    if fingerprint and (calib or DEFAULT_TRANSFORMS.is_file()) and load_transforms(calib).fingerprint == fingerprint:
+        out += list(CALIBRATED_DEFAULTS)
+    return out
 
 
 def resolve_codecs(codecs=None, preset: str | None = None) -> list[str]:
@@ -57,9 +89,10 @@ def resolve_codecs(codecs=None, preset: str | None = None) -> list[str]:
     if not codecs:
         raise ValueError("empty --codecs: give codec names like int8,turbo4,turbo3")
     for c in codecs:
-        if c not in CODEC_SPECS:
-            raise ValueError(f"unknown codec {c!r}: valid codecs are {', '.join(CODEC_SPECS)}")
-    return list(dict.fromkeys(codecs))
+        if c not in CODEC_SPECS and not is_calibrated_spec(c):
+            raise ValueError(f"unknown codec {c!r}: valid codecs are {', '.join(CODEC_SPECS)} "
+                             "(and the calibrated key codecs pcaq2, pcaq2.5, pcaq3 ...)")
+    return list(dict.fromkeys(canonical_spec(c) if is_calibrated_spec(c) else c for c in codecs))
 
 
 @dataclass
@@ -74,6 +107,8 @@ class ScanResult:
     norms: dict = field(default_factory=dict)  # stat -> [[per head] per layer]
     verdicts: list[dict] = field(default_factory=list)  # per layer
     seconds: float = 0.0
+    #: key-only (calibrated) codec -> the value codec it was scanned with (``value_partner``)
+    value_codecs: dict = field(default_factory=dict)
 
     @property
     def cheapest(self) -> dict:
@@ -90,7 +125,7 @@ class ScanResult:
         for c in choice.values():
             counts[c] = counts.get(c, 0) + 1
         base = max(counts, key=lambda c: (counts[c], self.codec_bits.get(c, 16.0)))
-        parts = [f"k={base}", f"v={base}"]
+        parts = [f"k={base}", f"v={self.value_codecs.get(base, base)}"]
         if base != "fp16":
             parts += [f"sink={sink}", f"recent={recent}"]
         groups: dict[str, list[int]] = {}
@@ -98,7 +133,11 @@ class ScanResult:
             if c != base:
                 groups.setdefault(c, []).append(layer)
         for c, layers in groups.items():
-            parts.append(f"kv@{'+'.join(str(i) for i in layers)}={c}")
+            sel = "+".join(str(i) for i in layers)
+            if c in self.value_codecs:  # a key-only codec: its layers' values get the codec it was scanned with
+                parts += [f"k@{sel}={c}", f"v@{sel}={self.value_codecs[c]}"]
+            else:
+                parts.append(f"kv@{sel}={c}")
         return ",".join(parts)
 
     def to_dict(self) -> dict:
@@ -107,6 +146,7 @@ class ScanResult:
             "codec_bits": self.codec_bits, "thresholds": self.thresholds, "metrics": self.metrics,
             "norms": self.norms, "verdicts": self.verdicts, "cheapest": self.cheapest,
             "suggested_policy": self.suggest_policy(), "seconds": round(self.seconds, 3),
+            "value_codecs": self.value_codecs,
         }
 
     @classmethod
@@ -116,26 +156,30 @@ class ScanResult:
         return cls(capture=dict(d["capture"]), layers=list(d["layers"]), kv_heads=d["kv_heads"],
                    codecs=list(d["codecs"]), codec_bits=dict(d["codec_bits"]), thresholds=dict(d["thresholds"]),
                    metrics=dict(d["metrics"]), norms=dict(d["norms"]), verdicts=list(d["verdicts"]),
-                   seconds=d["seconds"])
+                   seconds=d["seconds"], value_codecs=dict(d.get("value_codecs", {})))
 
 
-def _measure_layer(d: LayerQKV, codecs: list[str], group: int, cancel: CancelFlag | None) -> dict[str, list[dict]]:
-    """codec -> per-KV-head metrics of one captured layer (K and V both through the codec)."""
+def _measure_layer(d: LayerQKV, codecs: list[str], group: int, cancel: CancelFlag | None,
+                   policy: Policy | None = None) -> dict[str, list[dict]]:
+    """codec -> per-KV-head metrics of one captured layer (K and V both through the codec; a key-only codec's
+    values through its ``value_partner``)."""
     out = {}
     for c in codecs:
         raise_if_cancelled(cancel, "scan")
-        kq, vq = roundtrip(c, "k", d.k), roundtrip(c, "v", d.v)
+        kq = roundtrip(c, "k", d.k, policy, layer=d.layer)
+        vq = roundtrip(value_partner(c) if is_calibrated_spec(c) else c, "v", d.v, policy, layer=d.layer)
         out[c] = [head_metrics(d.q[h * group:(h + 1) * group], d.k[h], d.v[h], kq[h], vq[h], d.scaling)
                   for h in range(d.k.shape[0])]
     return out
 
 
-def _add_layer(res: ScanResult, layer: int, d: LayerQKV, group: int, cancel: CancelFlag | None) -> dict:
+def _add_layer(res: ScanResult, layer: int, d: LayerQKV, group: int, cancel: CancelFlag | None,
+               policy: Policy | None = None) -> dict:
     """Measure one layer into ``res`` (metrics, norms, verdict); the layer's JSON-safe row."""
     stats = layer_stats(d.k, d.v)
     for key, val in stats.items():
         res.norms.setdefault(key, []).append(val)
-    per_codec = _measure_layer(d, res.codecs, group, cancel)
+    per_codec = _measure_layer(d, res.codecs, group, cancel, policy)
     for c, per_head in per_codec.items():
         for m in THRESHOLD_METRICS:
             res.metrics[m][c].append([round(x[m], 7) for x in per_head])
@@ -158,26 +202,35 @@ def scan(
     generated_tokens: int = 0,
     chat: bool = True,
     capture: Capture | None = None,
+    calib: str = "",
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
 ) -> ScanResult:
     """Capture (unless ``capture`` is given) and measure every chosen layer; ``ScanLayerDone`` per layer.
+    ``calib``: the transforms file of the calibrated (``pcaq``) codecs ("" = the shipped fit).
     Raises ``Cancelled`` when ``cancel()`` turns true."""
     t0 = time.perf_counter()
-    codec_list = resolve_codecs(codecs)
+    codec_list = default_codecs(engine, calib) if codecs is None else resolve_codecs(codecs)
+    if any(is_calibrated_spec(c) for c in codec_list):
+        from tqbench.engine.codecs.transforms_file import load_transforms
+
+        load_transforms(calib).check_model(getattr(getattr(engine, "loaded", None), "fingerprint", None), engine.name)
+    policy = Policy(calib=calib)
     limits = parse_thresholds(thresholds)
     emit(on_event, Progress("scan", 0, None, "capturing Q/K/V"))
     cap = capture or capture_qkv(engine, prompt, layers, max_prompt_tokens, generated_tokens, chat,
                                  on_event=on_event, cancel=cancel)
     chosen = sorted(cap.layers)
-    bits = {c: round(codec_bits_per_element(c, cap.head_dim), 4) for c in codec_list}
-    res = ScanResult(cap.metadata(), chosen, cap.kv_heads, codec_list, bits, limits)
+    partners = {c: value_partner(c) for c in codec_list if is_calibrated_spec(c)}
+    bits = {c: round((codec_bits_per_element(c, cap.head_dim) + codec_bits_per_element(partners[c], cap.head_dim)) / 2
+                     if c in partners else codec_bits_per_element(c, cap.head_dim), 4) for c in codec_list}
+    res = ScanResult(cap.metadata(), chosen, cap.kv_heads, codec_list, bits, limits, value_codecs=partners)
     res.metrics = {m: {c: [] for c in codec_list} for m in THRESHOLD_METRICS}
     res.norms = {}
     group = cap.q_heads // cap.kv_heads
     for idx, layer in enumerate(chosen):
         raise_if_cancelled(cancel, "scan")
-        row = _add_layer(res, layer, cap.layers[layer], group, cancel)
+        row = _add_layer(res, layer, cap.layers[layer], group, cancel, policy)
         emit(on_event, ScanLayerDone(layer, idx, len(chosen), row))
     res.seconds = time.perf_counter() - t0
     return res

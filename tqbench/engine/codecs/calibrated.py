@@ -1,0 +1,223 @@
+"""``pcaq{b}``: keys in a basis fitted per (layer, KV head) on calibration K/Q (``calibrated_fit``), ``b`` bits
+per coordinate on average (``pcaq2``, ``pcaq2.5``, ``pcaq3`` ...), split over the coordinates by reverse
+water-filling on their variances, each coordinate quantized with its group's Lloyd-Max levels.
+
+Per row: ``z = T (k - mu)`` (``T = B^-1``, ``mu`` the per-head mean of the prefill, as turbo's key centering),
+``idx_j = nearest level of z_j / sigma_j`` at width ``bits_j``, packed into one LSB-first bit stream of
+``sum(bits_j)`` bits: exactly ``ceil(b * D / 8)`` bytes per row, no norm or scale (field ``idx``). Decode:
+``k_hat = mu + B_hat level[idx]`` (``B_hat``: the basis with sigma folded into its columns). State: ``mu`` (fp16
+``[B, H, 1, D]``). Shared per layer (counted once per layer by the cache and the estimate): the basis (int8 +
+one fp16 scale per column), and per width setting the bit map (uint8 ``[H, D]``) and the Lloyd-Max levels the
+bit map uses (fp16).
+
+Keys only: for values the measured transforms did not beat the random rotation (docs/incoming/i21t.md), so a
+``pcaq`` value codec is refused with that reason. The fused mode has no kernel for varying per-coordinate
+widths: its torch reference decodes the packed rows in the call and the cache report names the fallback.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from .base import Codec, Encoded, compute_dtype
+from .calibrated_fit import GROUP, MAX_BITS, level_offset, water_fill
+from .transforms_file import CalibratedTransforms, TransformsMismatch, load_transforms
+
+__all__ = ["CALIBRATED_SPECS", "PcaKeyCodec", "calibrated_bits", "is_calibrated_spec", "pack_widths", "unpack_widths"]
+
+#: the calibrated specs listed by ``tqbench --headless policies`` (any ``pcaq{b}`` with ``b*head_dim`` whole works)
+CALIBRATED_SPECS: tuple[str, ...] = ("pcaq2", "pcaq2.5", "pcaq3", "pcaq3.5", "pcaq4")
+_SPEC = re.compile(r"pcaq(\d+(?:\.\d+)?)")
+#: per (fit, layer, width, dim, device, dtype): bit map, basis, encoder, sigma, levels, bounds (shared by codecs)
+_TABLES: dict[tuple, tuple] = {}
+
+
+def calibrated_bits(spec: str) -> float | None:
+    """The average width of a ``pcaq{b}`` spec, or None when ``spec`` is not one (ValueError when out of range)."""
+    m = _SPEC.fullmatch(spec.strip().lower()) if isinstance(spec, str) else None
+    if m is None:
+        return None
+    bits = float(m.group(1))
+    if not 0.5 <= bits <= MAX_BITS:
+        raise ValueError(f"{spec}: the average width must be between 0.5 and {MAX_BITS} bits per coordinate")
+    return bits
+
+
+def is_calibrated_spec(spec: str) -> bool:
+    try:
+        return calibrated_bits(spec) is not None
+    except ValueError:
+        return False
+
+
+# -- a bit stream of per-coordinate widths ---------------------------------------------------------------
+def _stream_index(widths: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(positions in the ``[D, maxw]`` bit grid that carry stream bits, in stream order; total bits; maxw)."""
+    maxw = max(int(widths.max()), 1)
+    grid = torch.arange(maxw)[None, :] < widths[:, None]
+    return grid.flatten().nonzero().flatten(), int(widths.sum()), maxw
+
+
+def pack_widths(idx: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """``idx`` ``[..., D]`` (value ``j`` below ``2**widths[j]``) -> uint8 ``[..., ceil(sum(widths) / 8)]``: value
+    ``j`` at stream bits ``[sum(widths[:j]), sum(widths[:j+1]))``, LSB first (``kernels.packing``'s layout)."""
+    pos, total, maxw = _stream_index(widths)
+    shifts = torch.arange(maxw, device=idx.device)
+    bits = ((idx.long()[..., None] >> shifts) & 1).flatten(-2)[..., pos.to(idx.device)]
+    nbytes = (total + 7) // 8
+    pad = nbytes * 8 - total
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
+    weights = (1 << torch.arange(8, device=idx.device))
+    return (bits.view(*bits.shape[:-1], nbytes, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_widths(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_widths``: int64 ``[..., D]``."""
+    pos, total, maxw = _stream_index(widths)
+    d = widths.shape[0]
+    shifts = torch.arange(8, device=packed.device)
+    stream = ((packed.long()[..., None] >> shifts) & 1).flatten(-2)[..., :total]
+    grid = stream.new_zeros(*stream.shape[:-1], d * maxw)
+    grid[..., pos.to(packed.device)] = stream
+    return (grid.view(*stream.shape[:-1], d, maxw) << torch.arange(maxw, device=packed.device)).sum(-1)
+
+
+class PcaKeyCodec(Codec):
+    """``pcaq{b}`` for the keys of one layer (``layer``) under the transforms in ``calib`` ("" = shipped)."""
+
+    def __init__(self, bits: float, layer: int | None = None, calib: str = "", role: str = "k") -> None:
+        if role != "k":
+            raise ValueError(
+                f"pcaq{bits:g} is a key codec (PCA in the metric of the queries): for values the measured "
+                "calibrated transforms did not beat the random rotation; use turbo for V (e.g. v=turbo2)"
+            )
+        if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0.5 <= bits <= MAX_BITS:
+            raise ValueError(f"pcaq bits must be between 0.5 and {MAX_BITS}, got {bits!r}")
+        self.bits = float(bits)
+        self.layer = layer
+        self.calib = calib or ""
+        self.spec = f"pcaq{self.bits:g}"
+
+    # -- the fit and this layer's tables --------------------------------------------------------------
+    @property
+    def transforms(self) -> CalibratedTransforms:
+        return load_transforms(self.calib)
+
+    def total_bits(self, head_dim: int) -> int:
+        total = self.bits * head_dim
+        if abs(total - round(total)) > 1e-9:
+            raise ValueError(f"{self.spec}: {self.bits:g} bits x head_dim {head_dim} is not a whole number of bits "
+                             f"per row; use a width that is a multiple of 1/{head_dim}")
+        return int(round(total))
+
+    def _layer_index(self) -> int:
+        if self.layer is None:
+            raise ValueError(f"{self.spec}: a calibrated codec serves one layer; build it with layer=<index> "
+                             "(Policy.build_codec(spec, role, layer=...))")
+        return self.layer
+
+    def widths(self, head_dim: int) -> torch.Tensor:
+        """Bits per coordinate ``int64 [H, D]`` for this layer (water-filled; every row sums to ``b * D``)."""
+        return self._layer_tables(head_dim, "cpu", torch.float32)[0]
+
+    def _layer_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
+        tr = self.transforms
+        key = (tr.path, tr.digest, self._layer_index(), self.bits, head_dim, str(device), dtype)
+        if key in _TABLES:
+            return _TABLES[key]
+        if len(_TABLES) > 512:  # a handful of fits x layers x widths: bounded
+            _TABLES.clear()
+        fit = tr.head(self._layer_index())
+        heads, d = fit["basis"].shape[0], fit["basis"].shape[-1]
+        if d != head_dim:
+            tr.check_geometry(heads, head_dim)
+        total = self.total_bits(d)
+        widths = torch.stack([water_fill(fit["var"][h], fit["mse"][h], total) for h in range(heads)])
+        nlev = 1 << MAX_BITS
+        levels = torch.zeros(heads, d, nlev, dtype=torch.float64)
+        bounds = torch.full((heads, d, nlev - 1), math.inf, dtype=torch.float64)
+        for h in range(heads):
+            for j in range(d):
+                w = int(widths[h, j])
+                if w == 0:
+                    continue
+                lv = fit["levels"][h, j // GROUP, level_offset(w):level_offset(w) + (1 << w)].double()
+                levels[h, j, : 1 << w] = lv
+                bounds[h, j, : (1 << w) - 1] = 0.5 * (lv[1:] + lv[:-1])
+        basis = fit["basis"].double() * fit["scale"].double()[:, None, :]  # B_hat: sigma folded into the columns
+        enc = torch.linalg.inv(basis)  # the exact inverse of the stored basis: decode(encode) is consistent
+        out = (widths, basis.to(device, dtype), enc.to(device, dtype), levels.to(device, dtype),
+               bounds.to(device, dtype))
+        _TABLES[key] = out
+        return out
+
+    # -- codec ----------------------------------------------------------------------------------------
+    def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.check_input(x)
+        layer = self._layer_index()
+        self.transforms.check_geometry(x.shape[1], x.shape[-1])
+        self.transforms.head(layer)
+        return {"mu": x.to(compute_dtype(x.dtype)).mean(dim=2, keepdim=True).to(torch.float16)}
+
+    def _mu(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "mu" not in state:
+            raise ValueError(f"{self.spec}: encode/decode need the state from calibrate() (missing 'mu')")
+        return state["mu"]
+
+    def encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
+        self.check_input(x)
+        b, h, t, d = x.shape
+        cd = compute_dtype(x.dtype)
+        widths, _, enc, _, bounds = self._layer_tables(d, x.device, cd)
+        if widths.shape[0] != h:
+            self.transforms.check_geometry(h, d)
+        xc = x.to(cd) - self._mu(state).to(cd)
+        z = torch.einsum("bhtd,hjd->bhtj", xc, enc)  # standardized coordinates
+        zt = z.permute(1, 3, 0, 2).reshape(h, d, b * t).contiguous()
+        idx = torch.searchsorted(bounds.contiguous(), zt).view(h, d, b, t).permute(2, 0, 3, 1)
+        packed = torch.stack([pack_widths(idx[:, i], widths[i]) for i in range(h)], dim=1)
+        return {"idx": packed}
+
+    def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        mu = self._mu(state)
+        d = mu.shape[-1]
+        cd = compute_dtype(dtype)
+        widths, basis, _, levels, _ = self._layer_tables(d, enc["idx"].device, cd)
+        packed = enc["idx"]
+        h = packed.shape[1]
+        idx = torch.stack([unpack_widths(packed[:, i], widths[i]) for i in range(h)], dim=1)  # [B, H, T, D]
+        lv = levels[None, :, None].expand(idx.shape[0], h, idx.shape[2], d, levels.shape[-1])
+        z = lv.gather(-1, idx[..., None]).squeeze(-1)
+        y = torch.einsum("bhtj,hdj->bhtd", z, basis) + mu.to(cd)
+        return y.to(dtype)
+
+    # -- bytes ----------------------------------------------------------------------------------------
+    def unit_bytes(self, head_dim: int) -> int:
+        return (self.total_bits(head_dim) + 7) // 8
+
+    def shared_items(self, head_dim: int) -> dict[str, int]:
+        """Per layer: the basis (int8) + its column scales (fp16), whatever the width; per width the bit map
+        (uint8) and the Lloyd-Max levels it uses (fp16, one table per group of coordinates and width in use)."""
+        tr = self.transforms
+        layer = self._layer_index()
+        fit = tr.head(layer)
+        heads, d = fit["basis"].shape[0], fit["basis"].shape[-1]
+        widths = self.widths(head_dim)
+        levels = 0
+        for h in range(heads):
+            for g in range(0, d, GROUP):
+                for w in {int(x) for x in widths[h, g:g + GROUP]} - {0}:
+                    levels += (1 << w) * 2
+        tag = f"calib:{tr.digest}:L{layer}:k"
+        return {f"{tag}:basis": heads * d * d + heads * d * 2,
+                f"{tag}:{self.spec}:bitmap+levels": heads * d + levels}
+
+    def __repr__(self) -> str:
+        return f"PcaKeyCodec({self.spec!r}, layer={self.layer}, calib={self.calib!r})"
+
+
+__all__ += ["TransformsMismatch"]
