@@ -8,6 +8,16 @@ import tempfile
 from pathlib import Path
 
 
+def check_output_path(path: str | os.PathLike, suffix: str, what: str) -> Path:
+    """``path`` as a Path when it ends in ``suffix`` and its folder exists; else ValueError saying what to do."""
+    path = Path(path)
+    if path.suffix != suffix:
+        raise ValueError(f"{what} {str(path)!r} must end in {suffix}")
+    if not path.parent.is_dir():
+        raise ValueError(f"folder {str(path.parent)!r} does not exist: create it or pick another --out path")
+    return path
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same folder and ``os.replace``."""
     path = Path(path)

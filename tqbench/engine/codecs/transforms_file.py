@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tqbench.constants import PACKAGE_DATA_DIR
+from tqbench.engine.atomic import atomic_write, check_output_path
 
 __all__ = [
     "DEFAULT_TRANSFORMS",
@@ -98,19 +99,13 @@ class CalibratedTransforms:
 
 
 def save_transforms(tr: CalibratedTransforms, path: str | os.PathLike) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        raise ValueError(f"transforms file {str(path)!r} must end in .safetensors")
-    if not path.parent.is_dir():
-        raise ValueError(f"folder {str(path.parent)!r} does not exist: create it or pick another --out path")
+    path = check_output_path(path, ".safetensors", "transforms file")
     meta = {"format": FORMAT, "model": tr.model, "fingerprint": tr.fingerprint, "num_layers": str(tr.num_layers),
             "kv_heads": str(tr.kv_heads), "head_dim": str(tr.head_dim), "ridge": repr(tr.ridge),
             "calibration": json.dumps(tr.calibration)}
-    tmp = path.with_suffix(".safetensors.tmp")
-    save_file({k: v.contiguous() for k, v in tr.tensors.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    atomic_write(path, save({k: v.contiguous() for k, v in tr.tensors.items()}, metadata=meta))
     tr.path = str(path)
     load_transforms.cache_clear()
     return path

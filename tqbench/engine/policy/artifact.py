@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tqbench.engine.atomic import atomic_write, check_output_path
 from tqbench.engine.policy.spec import Policy
 
 try:
@@ -60,23 +61,17 @@ def _toml_safe(value):
 def save_policy_artifact(artifact: PolicyArtifact, path: str | os.PathLike) -> Path:
     """Write ``path`` (.toml) and, when the artifact has tensors, its ``.safetensors`` sidecar."""
     import tomli_w
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    path = Path(path)
-    if path.suffix != ".toml":
-        raise ValueError(f"policy artifact {str(path)!r} must end in .toml")
-    if not path.parent.is_dir():
-        raise ValueError(f"folder {str(path.parent)!r} does not exist: create it or pick another --out path")
+    path = check_output_path(path, ".toml", "policy artifact")
     body = {"format": FORMAT, "policy": artifact.policy.to_dict(), "model": artifact.model,
             "allocation": artifact.allocation, "verified": artifact.verified}
     if artifact.tensors:
         side = sidecar_path(path)
-        save_file({k: t.contiguous() for k, t in artifact.tensors.items()}, str(side))
+        atomic_write(side, save({k: t.contiguous() for k, t in artifact.tensors.items()}))
         body["files"] = {"tensors": side.name}
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(f"# {FORMAT}: written by tqbench --headless allocate\n" + tomli_w.dumps(_toml_safe(body)),
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    text = f"# {FORMAT}: written by tqbench --headless allocate\n" + tomli_w.dumps(_toml_safe(body))
+    atomic_write(path, text.encode("utf-8"))
     artifact.path = str(path)
     return path
 
