@@ -3,10 +3,15 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Triton reads TRITON_INTERPRET when it is first imported (transformers imports it when installed), so the
-# kernel tests' interpreter switch must be set before any test module loads: here. The engine still picks
-# the torch reference on CPU (the kernels run only where a test asks for them).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton reads TRITON_INTERPRET when a kernel is decorated (transformers imports triton when installed), so the
+# kernel tests' interpreter switch must be set before any test module loads: here. Only where no GPU is present:
+# on a CUDA machine the kernel tests run on the GPU. An explicit TRITON_INTERPRET (gpu_check.sh sets 0 or 1)
+# wins. The check imports torch (which does not import triton) before any test module does.
+if "TRITON_INTERPRET" not in os.environ:
+    from tqbench.kernels import needs_interpreter
+
+    if needs_interpreter():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit decorates: before the kernel import
+# TRITON_INTERPRET is set by tests/conftest.py where no GPU is present (read when @triton.jit decorates)
 pytest.importorskip(
     "triton", reason="triton is not installed: `pip install triton` to run the kernel tests (interpreter on CPU)"
 )
@@ -193,13 +193,55 @@ def test_launchers_check_shapes_strides_and_dtypes():
         packed_attention(q6[:, :2], ks6, vs6, None, 0.1)
     bad = PackedSide("turbo", 4, {"idx": ks.payload["idx"][..., :-1], "norm": ks.payload["norm"]}, ks.n_tokens, 64,
                      levels=ks.levels, rotation=ks.rotation)
-    with pytest.raises(ValueError, match="expected 32 code bytes per unit, got 31"):
+    with pytest.raises(ValueError, match=r"k\.idx: expected \[batch=1, kv_heads=1, units, 32\], got \(1, 1, 37, 31\)"):
         packed_attention(q, bad, vs, None, 0.1)
     strided = PackedSide("turbo", 4, {"idx": ks.payload["idx"].transpose(2, 3).contiguous().transpose(2, 3),
                                       "norm": ks.payload["norm"]}, ks.n_tokens, 64, levels=ks.levels,
                          rotation=ks.rotation)
     with pytest.raises(ValueError, match="last dimension must be contiguous"):
         packed_attention(q, strided, vs, None, 0.1)
+    def side(base, **change):
+        fields = dict(kind=base.kind, bits=base.bits, payload=dict(base.payload), n_tokens=base.n_tokens,
+                      head_dim=base.head_dim, group=base.group, levels=base.levels, rotation=base.rotation, mu=base.mu)
+        payload = change.pop("payload", {})
+        fields["payload"].update(payload)
+        return PackedSide(**(fields | change))
+
+    norm = ks.payload["norm"]
+    turbo_cases = [
+        (dict(payload={"norm": norm[:, :, :-1]}), r"k\.norm holds 36 units, fewer than the 37"),
+        (dict(payload={"norm": norm.expand(1, 1, 37, 2)}), r"k\.norm: expected \[batch=1, kv_heads=1, units, 1\]"),
+        (dict(payload={"norm": norm.double()}), r"k\.norm must be torch.float16 or torch.float32, got torch.float64"),
+        (dict(payload={"idx": ks.payload["idx"].to(torch.int8)}), r"k\.idx must be torch.uint8"),
+        (dict(payload={"idx": ks.payload["idx"][:, :, :-1]}), r"k\.idx holds 36 units, fewer than the 37"),
+        (dict(payload={"idx": ks.payload["idx"].expand(2, -1, -1, -1)}), r"k\.idx: expected \[batch=1"),
+        (dict(levels=ks.levels[:-1]), r"k\.levels must hold the 16 codebook values"),
+        (dict(rotation=ks.rotation[:, :-1]), r"k\.rotation must be \[64, 64\]"),
+        (dict(mu=torch.zeros(1, 1, 1, 63)), r"k\.mu must be \[1 or 1, 1, 1, 64\]"),
+        (dict(payload={"norm": None}), r"k\.norm must be a tensor, got NoneType"),
+    ]
+    for change, msg in turbo_cases:
+        with pytest.raises(ValueError, match=msg):
+            packed_attention(q, side(ks, **change), vs, None, 0.1)
+    with pytest.raises(ValueError, match=r"v\.norm holds 36 units"):
+        packed_attention(q, ks, side(vs, payload={"norm": vs.payload["norm"][:, :, :-1]}), None, 0.1)
+    with pytest.raises(ValueError, match=r"mask must be bool \(True = attend\), got torch.float32"):
+        packed_attention(q, ks, vs, torch.ones(1, 1, 37), 0.1)
+    with pytest.raises(ValueError, match=r"q_rot must have the query's shape"):
+        packed_attention(q, ks, vs, None, 0.1, q_rot=q[..., :32])
+    q6, ks6, vs6, _, _, _ = _inputs(CASES[6])  # KIVI int8 keys, int4 values in groups
+    affine_cases = [
+        ((side(ks6, payload={"scale": ks6.payload["scale"][..., :-1]}), vs6), r"k\.scale: expected \[batch=1, kv_heads=3, units, 64\]"),
+        ((ks6, side(vs6, payload={"zero": vs6.payload["zero"].float()})), r"v\.zero must match v\.scale in dtype"),
+        ((ks6, side(vs6, payload={"zero": vs6.payload["zero"].transpose(0, 2).contiguous().transpose(0, 2)})),
+         r"v\.zero must match v\.scale in dtype and strides"),
+        ((ks6, side(vs6, group=0)), r"v\.group must be >= 1, got 0"),
+        ((ks6, side(vs6, group=5)), r"v: head_dim 64 is not a multiple of the group 5"),
+        ((ks6, side(vs6, payload={"q": None, "scale": vs6.payload["scale"]})), r"v\.q must be a tensor"),
+    ]
+    for (k_side, v_side), msg in affine_cases:
+        with pytest.raises(ValueError, match=msg):
+            packed_attention(q6, k_side, v_side, None, 0.1)
     with pytest.raises(ValueError, match="row dtype torch.float64 is not supported"):
         turbo_quantize(torch.zeros(1, 1, 2, 64, dtype=torch.float64), None, ks.rotation, ks.levels, 4)
     with pytest.raises(ValueError, match="levels must hold 16 values"):
@@ -241,3 +283,58 @@ def test_kernel_path_multi_token_chunk_and_padding_match_reference(tiny_engine, 
         assert set(cache.report().fused_impl) == {"triton" if impl == "triton" else
                                                   "torch-reference (TQBENCH_FUSED_IMPL=torch)"}
     assert_close(logits["triton"], logits["torch"], 1e-4, "logits")
+
+
+# -- the GPU append path and the interpreter switch -----------------------------------------------------------------
+@pytest.mark.parametrize("bits,center", [(1, False), (3, True), (4, True)])
+def test_turbo_codec_gpu_append_path_is_the_quantize_kernel(bits, center):
+    """``TurboCodec.encode`` on a CUDA tensor calls ``_triton_quantize_pack`` (kernels/turbo_quantize.py): run here
+    on the interpreter, it gives the torch reference's packed bytes and norms exactly."""
+    from tqbench.kernels.packing import pack_bits
+
+    codec = codec_from_spec(f"turbo{bits}", role="k", center=center)
+    x = (torch.randn(2, 3, 9, 64, generator=torch.Generator().manual_seed(bits)) * 1.5 + 0.4).to(DEVICE)
+    state = codec.calibrate(x)
+    xc = codec._center(x, state)
+    got = codec._triton_quantize_pack(xc)
+    idx, norm = codec._quantize(xc)
+    assert got is not None and getattr(codec, "encoder_fallback", None) is None
+    mism = int((got["idx"] != pack_bits(idx, bits, check=False)).sum())
+    assert mism == 0, f"{mism} packed bytes differ"
+    assert torch.equal(got["norm"], norm)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: encode() takes the Triton path on CUDA tensors only")
+def test_turbo_codec_encode_on_cuda_runs_the_kernel(monkeypatch):
+    codec = codec_from_spec("turbo4", role="k", center=True)
+    x = torch.randn(1, 2, 7, 128).to(DEVICE)
+    state = codec.calibrate(x)
+    calls = []
+    kernel = codec._triton_quantize_pack
+    monkeypatch.setattr(codec, "_triton_quantize_pack", lambda xc: calls.append(xc.shape) or kernel(xc))
+    enc = codec.encode(x, state)
+    assert calls == [x.shape] and getattr(codec, "encoder_fallback", None) is None
+    torch.testing.assert_close(codec.decode(enc, state, torch.float32), x, atol=0.5, rtol=0.5)
+
+
+def test_turbo_codec_says_why_the_quantize_kernel_did_not_run(monkeypatch):
+    import tqbench.kernels as kernels
+
+    codec = codec_from_spec("turbo4", role="v")
+    assert codec._triton_quantize_pack(torch.zeros(1, 1, 2, 64, dtype=torch.float64)) is None
+    assert codec.encoder_fallback == ("quantize-and-pack ran in torch (torch.float64 rows: the Triton kernel "
+                                      "computes in fp32)")
+    monkeypatch.setattr(kernels, "triton_status", lambda: (False, "no CUDA device"))
+    assert codec._triton_quantize_pack(torch.zeros(1, 1, 2, 64)) is None
+    assert codec.encoder_fallback == "quantize-and-pack ran in torch (the Triton kernel cannot run: no CUDA device)"
+
+
+def test_the_interpreter_is_switched_on_only_where_no_gpu_is_present(monkeypatch):
+    from tqbench.kernels import needs_interpreter
+
+    if not torch.cuda.is_available():  # this session: tests/conftest.py set it (unless the caller gave it)
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert needs_interpreter() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert needs_interpreter() is True

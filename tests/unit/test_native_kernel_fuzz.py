@@ -359,3 +359,136 @@ def test_packed_side_descriptions_live_and_die_with_their_stores(tiny_engine):
     del cache
     gc.collect()
     assert len(_SIDES) == before
+
+
+# -- the rest of the boundary: dense sides, strides, lengths, devices, the encode call, every byte counted -----------
+@pytest.mark.parametrize("field", ["codes", "norms", "scales", "zeros", "levels", "rotation", "mu"])
+def test_a_dense_side_given_a_packed_field_is_refused_by_name(field):
+    """A dense side reads only its row chunks: a packed tensor handed to it is the caller's mistake, not ignored."""
+    q, ks, vs, *_ = _sides("turbo4", "turbo4")
+    rows = torch.cat([vs.dense[0], torch.zeros(*vs.dense[0].shape[:2], vs.n_packed, 64, dtype=torch.float64)], 2)
+    dense_v = native_module().Side(head_dim=64, dense=[rows], **{field: torch.zeros(1, dtype=torch.float16)})
+    with pytest.raises(RuntimeError, match=rf"v_sides\[0\]\.{field} must be None for a dense side"):
+        _call(q, ks, dense_v)
+
+
+@pytest.mark.parametrize("field,mutate,msg", [
+    ("dense", lambda s: setattr(s, "dense", [torch.zeros(*s.dense[0].shape[:-1], 128, dtype=torch.float64)[..., ::2]]),
+     r"dense\[0\] must have unit stride along its last dimension"),
+    ("dense", lambda s: setattr(s, "dense", [s.dense[0][:, :2]]), r"dense\[0\] has 2 kv heads, expected 3"),
+    ("dense", lambda s: setattr(s, "dense", [s.dense[0]] * 9), r"dense takes at most 8 chunks, got 9"),
+    ("dense", lambda s: setattr(s, "dense", [s.dense[0].to("meta")]), r"dense\[0\] must be a CPU tensor"),
+    ("n_before", lambda s: setattr(s, "n_before", -1), r"n_before must be in 0\.\.13"),
+    ("head_dim", lambda s: setattr(s, "head_dim", 1024), r"head_dim is 1024, the query's head_dim is 64"),
+    ("codes", lambda s: setattr(s, "codes", s.codes.to("meta")), r"codes must be a CPU tensor"),
+    ("norms", lambda s: setattr(s, "norms", s.norms[:, :, :-2]), r"norms has 70 rows, expected 72 \(n_packed\)"),
+    ("levels", lambda s: setattr(s, "levels", None), r"levels \(the codebook\) is required"),
+    ("rotation", lambda s: setattr(s, "rotation", None), r"rotation is required"),
+    ("norms", lambda s: setattr(s, "norms", None), r"norms is required"),
+])
+def test_more_bad_fields_are_refused_by_name(field, mutate, msg):
+    q, ks, vs, *_ = _sides("turbo4", "turbo4")
+    mutate(ks)
+    with pytest.raises(RuntimeError, match=r"^k_sides\[0\]\." + msg):
+        _call(q, ks, vs)
+
+
+def test_affine_strides_batch_heads_and_kivi_code_bytes_are_refused_by_name():
+    for mutate, msg in [
+        (lambda s: setattr(s, "scales", torch.zeros(*s.scales.shape[:-1], 2 * s.scales.shape[-1],
+                                                   dtype=torch.float16)[..., ::2]),
+         r"v_sides\[0\]\.scales must have unit stride"),
+        (lambda s: setattr(s, "zeros", s.zeros.expand(2, -1, -1, -1)), r"v_sides\[0\]\.zeros has batch 2, expected 1"),
+        (lambda s: setattr(s, "scales", s.scales[:, :1]), r"v_sides\[0\]\.scales has 1 kv heads, expected 3"),
+        (lambda s: setattr(s, "codes", s.codes[..., :-1]), r"v_sides\[0\]\.codes has 31 values per row, expected 32"),
+        (lambda s: setattr(s, "kind", "dense"), r"v_sides\[0\]: a dense side has n_packed 0, got 72"),
+    ]:
+        q, ks, vs, *_ = _sides("int4", "int4")
+        mutate(vs)
+        with pytest.raises(RuntimeError, match=msg):
+            _call(q, ks, vs)
+    q, ks, vs, *_ = _sides("int4", "int4")  # KIVI keys: a block of 4 tokens x 64 channels x 4 bits = 128 bytes
+    ks.codes = ks.codes[..., :-1]
+    with pytest.raises(RuntimeError, match=r"k_sides\[0\]\.codes has 127 values per row, expected 128"):
+        _call(q, ks, vs)
+
+
+def test_call_level_devices_lengths_and_scale_are_refused_by_name():
+    q, ks, vs, k_rows, v_rows, mask = _sides("turbo4", "turbo3", pad=True, b=2)
+    with pytest.raises(RuntimeError, match=r"query must be a CPU tensor"):
+        native_module().attend(q.to("meta"), 0.125, [ks], [vs], [mask], 0.0, None, 0.0)
+    with pytest.raises(RuntimeError, match=r"masks\[0\] must be \[2, 1, 85\]"):
+        _call(q, ks, vs, mask[0])  # 2-D
+    with pytest.raises(RuntimeError, match=r"masks\[0\] must be a bool CPU tensor"):
+        _call(q, ks, vs, mask.to("meta"))
+    with pytest.raises(RuntimeError, match=r"k_sides\[0\] holds 85 rows, fewer than the query's 86 tokens"):
+        _call(torch.zeros(2, 9, 86, 64, dtype=torch.float64), ks, vs, None)
+    with pytest.raises(RuntimeError, match=r"scale must be finite"):
+        native_attention_batch(q, [ks], [vs], float("inf"), masks=[mask])
+    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous CPU Double vector of 9"):
+        native_module().attend(q, 0.125, [ks], [vs], [mask], 0.0, torch.zeros(9, 1, dtype=torch.float64), 0.0)
+    with pytest.raises(RuntimeError, match=r"query must be float32 or float64, got Half"):
+        native_module().attend(q.half(), 0.125, [ks], [vs], [mask], 0.0, None, 0.0)
+
+
+def test_strided_and_sliced_inputs_that_are_valid_give_exact_attention():
+    """Views the checks let through (a strided query, dense rows sliced from a wider buffer, codes with a row
+    stride) are read through their strides: the output equals float64 attention, never garbage."""
+    q, ks, vs, k_rows, v_rows, mask = _sides("turbo4", "turbo3", pad=True, b=2)
+    want = _exact(q, k_rows, v_rows, mask, 0.125)
+    wide_q = torch.zeros(*q.shape[:-1], 2 * q.shape[-1], dtype=q.dtype)
+    wide_q[..., 1::2] = q
+    qs = wide_q[..., 1::2]  # last stride 2
+    buf = torch.zeros(*ks.dense[0].shape[:2], ks.dense[0].shape[2] + 5, 64, dtype=torch.float64)
+    buf[:, :, 5:] = ks.dense[0]
+    ks.dense = [buf[:, :, 5:]]  # a storage offset
+    codes = torch.zeros(*vs.codes.shape[:-1], vs.codes.shape[-1] + 8, dtype=torch.uint8)
+    codes[..., :vs.codes.shape[-1]] = vs.codes
+    vs.codes = codes[..., :vs.codes.shape[-1]]  # row stride > row bytes
+    out, _ = _call(qs, ks, vs, mask)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+
+def test_turbo_encode_checks_every_argument_by_name():
+    from tqbench.engine.codecs import codec_from_spec
+
+    codec = codec_from_spec("turbo3", role="v")
+    x = torch.randn(1, 2, 5, 64)
+    rot, lv, bnd = codec._tables(64, x.device, x.dtype)
+    enc = native_module().turbo_encode
+    codes, norms = enc(x, rot, lv, bnd, 3, True)
+    want = codec.encode(x, {})  # the codec's own call (native here) equals the torch quantize + pack
+    idx, norm = codec._quantize(x)
+    from tqbench.kernels.packing import pack_bits
+
+    assert torch.equal(codes, pack_bits(idx, 3, check=False)) and torch.equal(norms, norm)
+    assert torch.equal(want["idx"], codes)
+    cases = [
+        ((x[0], rot, lv, bnd, 3), r"x must be 4-D"),
+        ((x.double(), rot, lv, bnd, 3), r"rotation must be Double \(the rows' dtype\), got Float"),
+        ((x.half(), rot, lv, bnd, 3), r"x must be float32 or float64, got Half"),
+        ((x.transpose(2, 3), rot, lv, bnd, 3), r"x must be contiguous"),
+        ((x.to("meta"), rot, lv, bnd, 3), r"x must be a CPU tensor"),
+        ((x, rot[:-1], lv, bnd, 3), r"rotation must have shape \[64, 64\], got \[63, 64\]"),
+        ((x, rot.t(), lv, bnd, 3), r"rotation must be contiguous"),
+        ((x, rot, lv[:-1], bnd, 3), r"levels must have shape \[8\], got \[7\]"),
+        ((x, rot, lv, bnd.double(), 3), r"bounds must be Float"),
+        ((x, rot, lv, bnd, 4), r"levels must have shape \[16\], got \[8\]"),
+        ((x, rot, lv, bnd, 9), r"bits must be in 1\.\.8, got 9"),
+        ((x, rot, lv.reshape(1, 8), bnd, 3), r"levels must have shape \[8\], got \[1, 8\]"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(RuntimeError, match=msg):
+            enc(*args, True)
+
+
+def test_workspace_counts_the_conversions_to_the_compute_dtype():
+    """A bf16 query is converted to fp32 on the way in and its output back on the way out: both transient
+    tensors are in the call's workspace, to the byte."""
+    q, ks, vs, *_ = _sides("turbo4", "turbo4", dt=torch.float32, packed=100)
+    ws32 = native_attention_batch(q, [ks], [vs], 0.125)[1].workspace_bytes
+    out16, call16 = native_attention_batch(q.bfloat16(), [ks], [vs], 0.125)
+    assert out16.dtype == torch.bfloat16
+    assert call16.workspace_bytes - ws32 == q.numel() * 4 + out16.numel() * 4
+    sinks = torch.zeros(9, dtype=torch.float64)  # converted to fp32: 9 * 4 bytes more
+    assert native_attention_batch(q, [ks], [vs], 0.125, sinks=sinks)[1].workspace_bytes - ws32 == 9 * 4

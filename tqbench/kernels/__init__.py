@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-__all__ = ["triton_status"]
+__all__ = ["needs_interpreter", "triton_status"]
 
 
 def triton_status() -> tuple[bool, str]:
@@ -36,3 +36,11 @@ def triton_status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
     return True, "cuda device"
+
+
+def needs_interpreter() -> bool:
+    """True where no CUDA device is present: the Triton kernels can run here only under ``TRITON_INTERPRET=1``
+    (which must be set before the first kernel import). Imports torch, never triton."""
+    import torch
+
+    return not torch.cuda.is_available()

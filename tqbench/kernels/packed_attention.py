@@ -129,39 +129,66 @@ def _packed_attention_kernel(
 
 
 # -- launcher ------------------------------------------------------------------------------------------
-def _side_tensors(side: PackedSide, b: int, hkv: int, device) -> tuple:
-    p = side.payload
-    if side.kind == "turbo":
-        codes, s, z = p["idx"], p["norm"], p["norm"]
-        if side.levels is None:
-            raise ValueError("turbo side without codebook levels")
-        lv = side.levels.to(device=device, dtype=torch.float32).contiguous()
-        rows_per_unit = 1
-    else:
-        codes, s, z = p["q"], p["scale"], p["zero"]
-        lv = codes  # unused
-        rows_per_unit = side.group if side.kind == "affine-channel" else 1
-    for name, t in (("codes", codes), ("scale/norm", s), ("zero", z)):
-        if t.dim() != 4 or t.shape[0] != b or t.shape[1] != hkv:
-            raise ValueError(f"{side.kind} {name}: expected [batch={b}, kv_heads={hkv}, units, ...], got {tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{side.kind} {name}: the last dimension must be contiguous (stride {t.stride()})")
-        if t.device != torch.device(device) and t.device.type != torch.device(device).type:
-            raise ValueError(f"{side.kind} {name} is on {t.device}, the query on {device}")
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"{side.kind} codes must be uint8, got {codes.dtype}")
-    if s.dtype not in (torch.float16, torch.float32) or z.dtype != s.dtype:
-        raise ValueError(f"{side.kind} scales/norms must be fp16 or fp32, got {s.dtype}/{z.dtype}")
+def _check_rows(t, name: str, shape: tuple, min_rows: int, dtypes: tuple, device: torch.device) -> None:
+    """``t`` is a 4-D ``[batch, kv_heads, >= min_rows, cols]`` tensor of ``dtypes`` on ``device`` whose last
+    dimension is contiguous (``shape`` = ``(batch, kv_heads, None, cols)``); else ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    b, h, _, cols = shape
+    if t.dim() != 4 or t.shape[0] != b or t.shape[1] != h or t.shape[3] != cols:
+        raise ValueError(f"{name}: expected [batch={b}, kv_heads={h}, units, {cols}], got {tuple(t.shape)}")
+    if t.shape[2] < min_rows:
+        raise ValueError(f"{name} holds {t.shape[2]} units, fewer than the {min_rows} the side's n_tokens needs")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if cols > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (strides {t.stride()})")
+    if t.device.type != device.type:
+        raise ValueError(f"{name} is on {t.device}, the query on {device}")
+
+
+def _side_tensors(side: PackedSide, role: str, b: int, hkv: int, device: torch.device) -> tuple:
+    """The kernel arguments of one side, every tensor checked against the query's geometry (errors name
+    ``role.field``, e.g. ``k.idx``)."""
     d = side.head_dim
-    per_unit = d * rows_per_unit
-    nbytes = (per_unit * side.bits + 7) // 8
-    if codes.shape[-1] != nbytes:
-        raise ValueError(f"{side.kind}{side.bits}: expected {nbytes} code bytes per unit, got {codes.shape[-1]}")
-    if side.kind == "affine-token" and d % side.group:
-        raise ValueError(f"affine-token: head_dim {d} is not a multiple of the group {side.group}")
-    units = codes.shape[2]
-    if units * rows_per_unit < side.n_tokens:
-        raise ValueError(f"{side.kind}: {units} units hold fewer than {side.n_tokens} rows")
+    if side.group < 1:
+        raise ValueError(f"{role}.group must be >= 1, got {side.group}")
+    if side.n_tokens < 0:
+        raise ValueError(f"{role}.n_tokens must be >= 0, got {side.n_tokens}")
+    p = side.payload
+    fields = ("idx", "norm") if side.kind == "turbo" else ("q", "scale", "zero")
+    missing = [f for f in fields if f not in p]
+    if missing:
+        raise ValueError(f"{role} ({side.kind}) payload lacks {', '.join(missing)}")
+    rows_per_unit = side.group if side.kind == "affine-channel" else 1
+    units = -(-side.n_tokens // rows_per_unit)
+    nbytes = (d * rows_per_unit * side.bits + 7) // 8
+    codes = p[fields[0]]
+    _check_rows(codes, f"{role}.{fields[0]}", (b, hkv, None, nbytes), units, (torch.uint8,), device)
+    if side.kind == "turbo":
+        s = z = p["norm"]
+        _check_rows(s, f"{role}.norm", (b, hkv, None, 1), side.n_tokens, (torch.float16, torch.float32), device)
+        if side.levels is None or tuple(side.levels.shape) != (1 << side.bits,):
+            raise ValueError(f"{role}.levels must hold the {1 << side.bits} codebook values of {side.bits}-bit "
+                             f"codes, got {None if side.levels is None else tuple(side.levels.shape)}")
+        if side.rotation is None or tuple(side.rotation.shape) != (d, d):
+            raise ValueError(f"{role}.rotation must be [{d}, {d}], got "
+                             f"{None if side.rotation is None else tuple(side.rotation.shape)}")
+        if side.mu is not None and (side.mu.dim() != 4 or side.mu.shape[0] not in (1, b)
+                                    or tuple(side.mu.shape[1:]) != (hkv, 1, d)):
+            raise ValueError(f"{role}.mu must be [{b} or 1, {hkv}, 1, {d}], got {tuple(side.mu.shape)}")
+        lv = side.levels.to(device=device, dtype=torch.float32).contiguous()
+    else:
+        s, z = p["scale"], p["zero"]
+        cols = d if side.kind == "affine-channel" else d // side.group
+        if side.kind == "affine-token" and d % side.group:
+            raise ValueError(f"{role}: head_dim {d} is not a multiple of the group {side.group}")
+        for name, t in (("scale", s), ("zero", z)):
+            _check_rows(t, f"{role}.{name}", (b, hkv, None, cols), units, (torch.float16, torch.float32), device)
+        if z.dtype != s.dtype or z.stride() != s.stride():  # the kernel reads both with the scale's strides
+            raise ValueError(f"{role}.zero must match {role}.scale in dtype and strides: {z.dtype} {z.stride()} vs "
+                             f"{s.dtype} {s.stride()}")
+        lv = codes  # unused
     return (codes, s, z, lv, nbytes,
             (codes.stride(0), codes.stride(1), codes.stride(2), s.stride(0), s.stride(1), s.stride(2)))
 
@@ -186,10 +213,25 @@ def packed_attention(
         raise ValueError(f"head_dim mismatch: query {d}, keys {k.head_dim}, values {v.head_dim}")
     if k.n_tokens != v.n_tokens:
         raise ValueError(f"keys hold {k.n_tokens} packed rows, values {v.n_tokens}: pass the common range")
-    hkv = (k.payload["idx"] if k.kind == "turbo" else k.payload["q"]).shape[1]
-    if hq % hkv:
+    codes = k.payload.get("idx" if k.kind == "turbo" else "q")
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
+        raise ValueError(f"k codes must be a 4-D [batch, kv_heads, units, bytes] tensor, got "
+                         f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+    hkv = codes.shape[1]
+    if hkv < 1 or hq % hkv:
         raise ValueError(f"{hq} query heads is not a multiple of {hkv} kv heads")
     n = k.n_tokens
+    kt = _side_tensors(k, "k", b, hkv, q.device)
+    vt = _side_tensors(v, "v", b, hkv, q.device)
+    if q_rot is not None and tuple(q_rot.shape) != tuple(q.shape):
+        raise ValueError(f"q_rot must have the query's shape {tuple(q.shape)}, got {tuple(q_rot.shape)}")
+    if mask is not None:
+        if mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+            raise ValueError(f"mask must be bool (True = attend), got {mask.dtype}")
+        if mask.shape != (b, seq, n):
+            raise ValueError(f"mask must be [batch={b}, tokens={seq}, packed={n}], got {tuple(mask.shape)}")
+        if mask.device.type != q.device.type:
+            raise ValueError(f"mask is on {mask.device}, the query on {q.device}")
     g = hq // hkv
     qn = g * seq
     dev = q.device
@@ -203,11 +245,7 @@ def packed_attention(
             qmu = (qf.reshape(b, hkv, qn, d) @ k.mu.to(torch.float32).transpose(-1, -2)).reshape(b, hkv, qn)
             qmu = qmu.contiguous()
     qk = qk.reshape(b, hkv, qn, d).contiguous()
-    kt = _side_tensors(k, b, hkv, dev)
-    vt = _side_tensors(v, b, hkv, dev)
     if mask is not None:
-        if mask.shape != (b, seq, n):
-            raise ValueError(f"mask must be [batch={b}, tokens={seq}, packed={n}], got {tuple(mask.shape)}")
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
         mask = mask.to(torch.int8) if mask.dtype == torch.bool else mask

@@ -175,11 +175,28 @@ class TurboCodec(_Centered):
                 f"(head_dim*{self.bits} must be a multiple of 8, or use center=True)"
             )
         xc = self._center(x, state)
-        native = self._native_quantize_pack(xc)
-        if native is not None:
-            return native
+        fast = self._triton_quantize_pack(xc) if xc.device.type == "cuda" else self._native_quantize_pack(xc)
+        if fast is not None:
+            return fast
         idx, norm = self._quantize(xc)
         return {"idx": pack_bits(idx, self.bits, check=False), "norm": norm}
+
+    def _triton_quantize_pack(self, xc: torch.Tensor) -> Encoded | None:
+        """``_quantize`` + ``pack_bits`` in one Triton launch (the GPU append path: ``kernels/turbo_quantize.py``),
+        or None when it cannot run here (the torch path runs and ``encoder_fallback`` says why)."""
+        from tqbench.kernels import triton_status
+
+        ok, why = triton_status()
+        if not ok:
+            self.encoder_fallback = f"quantize-and-pack ran in torch (the Triton kernel cannot run: {why})"
+            return None
+        if xc.dtype != torch.float32:
+            self.encoder_fallback = f"quantize-and-pack ran in torch ({xc.dtype} rows: the Triton kernel computes in fp32)"
+            return None
+        from tqbench.kernels.turbo_quantize import turbo_quantize
+
+        rot, levels, _ = self._tables(xc.shape[-1], xc.device, xc.dtype)
+        return turbo_quantize(xc, None, rot, levels, self.bits, self.norm_correction)
 
     def _native_quantize_pack(self, xc: torch.Tensor) -> Encoded | None:
         """``_quantize`` + ``pack_bits`` in one native CPU call (the decode step's append path), or None when the

@@ -36,7 +36,8 @@ def _mod():
 @dataclass(slots=True)
 class NativeCall:
     """What one call did: Sparse-V counts (in all and per sequence) and every transient byte it held (C++
-    workspace: queries, partials, per-thread scores and decoded rows, tables; + the caller's converted rows)."""
+    workspace: queries, partials, per-thread scores and decoded rows, tables; + every tensor converted to the compute
+    dtype on the way in or out: rows, codebook, rotation, query, sinks, output)."""
 
     skipped_rows: int
     weighted_rows: int
@@ -58,13 +59,17 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
     return torch.tensor(native_module().simd_order(bits, d))
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def dense_chunks(rows: Sequence[torch.Tensor], dt: torch.dtype) -> tuple[list[torch.Tensor], int]:
     """Row chunks in the compute dtype (converted only where needed) and the bytes the conversions hold."""
     out, extra = [], 0
     for r in rows:  # (strides are the kernel's to check: a chunk it cannot read is refused by name)
         if r.dtype != dt:
             r = r.to(dt)
-            extra += r.numel() * r.element_size()
+            extra += _nbytes(r)
         out.append(r)
     return out, extra
 
@@ -84,10 +89,12 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
     p = packed.payload
     if packed.kind == "turbo":
         lev, rot = packed.levels, packed.rotation
-        if lev.dtype != dt:
+        if lev is not None and lev.dtype != dt:
             lev = lev.to(dt)
-        if rot.dtype != dt:
+            extra += _nbytes(lev)
+        if rot is not None and rot.dtype != dt:
             rot = rot.to(dt)
+            extra += _nbytes(rot)
         return side(kind="turbo", bits=packed.bits, head_dim=head_dim, n_before=n_before, n_packed=packed.n_tokens,
                     codes=p["idx"], norms=p["norm"], levels=lev, rotation=rot, mu=packed.mu, dense=chunks), extra
     return side(kind=packed.kind, bits=packed.bits, group=packed.group, head_dim=head_dim, n_before=n_before,
@@ -112,12 +119,15 @@ def native_attention_batch(
                          f"got {query.dtype}")
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query if query.dtype == dt else query.to(dt)
+    extra_bytes += 0 if q is query else _nbytes(q)
     if sinks is not None and (sinks.dtype != dt or not sinks.is_contiguous()):
         sinks = sinks.to(dt).contiguous()
+        extra_bytes += _nbytes(sinks)
     out, skipped, weighted, ws = _mod().attend(
         q, float(scale), k_sides, v_sides, [] if masks is None else list(masks), float(softcap or 0.0), sinks,
         float(sparse_v))
-    if out.dtype != query.dtype:
+    if out.dtype != query.dtype:  # the compute-dtype output is transient too
+        extra_bytes += _nbytes(out)
         out = out.to(query.dtype)
     return out, NativeCall(sum(skipped), sum(weighted), ws + extra_bytes, tuple(skipped), tuple(weighted))
 

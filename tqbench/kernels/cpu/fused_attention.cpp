@@ -64,6 +64,7 @@ constexpr int64_t MAX_BLOCK = 2048;        // the largest (its scores stay in L2
 constexpr int64_t BLOCKS_PER_THREAD = 8;   // work items per thread the split aims for (keeps threads busy at batch 1)
 constexpr int64_t SIMD_DIM_MULTIPLE = 64;  // turbo rows decode in SIMD order when head_dim % 64 == 0 (fp32)
 constexpr int64_t MAX_DENSE_CHUNKS = 8;    // dense row chunks per side
+constexpr int64_t MAX_HEAD_DIM = 512;      // the widest row (a row's scales and zeros fit one stack buffer)
 
 const char* isa_name() {
 #if TQ_AVX512 && TQ_VBMI
@@ -363,7 +364,7 @@ TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, 
     rot = true;
     return buf;
   }
-  T sc[2 * 512];  // scale then zero of this row (affine-token: D / group values; KIVI: D values)
+  T sc[2 * MAX_HEAD_DIM];  // scale then zero of this row (affine-token: D / group values; KIVI: D values)
   if (s.kind == AFFINE_TOKEN) {
     decode_codes(s, s.codes + b * s.c_b + h * s.c_h + n * s.c_r, 0, D, buf);
     const int64_t gs = s.group, ng = D / gs;
@@ -869,7 +870,6 @@ inline bool turbo_tile<float>(const Side<float>& s, bool scores, int64_t b, int6
 #endif
 
 // -- the boundary: every argument checked, with its name ------------------------------------------------
-constexpr int64_t MAX_HEAD_DIM = 512;
 
 int64_t kind_code(const std::string& k, const std::string& nm) {
   if (k == "dense") return DENSE;
@@ -913,6 +913,12 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
   TORCH_CHECK(D >= 1 && D <= MAX_HEAD_DIM, nm, ".head_dim must be in 1..", MAX_HEAD_DIM, ", got ", D);
   TORCH_CHECK(s.np >= 0, nm, ".n_packed must be >= 0, got ", s.np);
   TORCH_CHECK(s.kind != DENSE || s.np == 0, nm, ": a dense side has n_packed 0, got ", s.np);
+  if (s.kind == DENSE) {  // a dense side reads only its row chunks: a packed field given to it is a caller's mistake
+    const std::pair<const std::optional<torch::Tensor>*, const char*> packed_fields[] = {
+        {&d.codes, ".codes"}, {&d.norms, ".norms"}, {&d.scales, ".scales"}, {&d.zeros, ".zeros"},
+        {&d.levels, ".levels"}, {&d.rotation, ".rotation"}, {&d.mu, ".mu"}};
+    for (const auto& f : packed_fields) check_absent(*f.first, nm + f.second, "a dense side (kind 'dense')");
+  }
   TORCH_CHECK(static_cast<int64_t>(d.dense.size()) <= MAX_DENSE_CHUNKS, nm, ".dense takes at most ",
               MAX_DENSE_CHUNKS, " chunks, got ", d.dense.size());
   for (size_t i = 0; i < d.dense.size(); ++i) {
@@ -1320,13 +1326,16 @@ std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t> a
     vi[items[i].s] += visited[i];
   }
   // every transient byte of the call: queries (scaled, rotated, q.mu), partials, per-thread scores + decoded
-  // tile rows, per-thread merge rows, byte tables and decode orders
+  // tile rows, per-thread query-centring and merge rows, per-sequence counts, byte tables and decode orders
   const int64_t used = std::min(threads, std::max<int64_t>(nitems, 1));
+  const int64_t used_bh = std::min(threads, B * H);  // threads of the query pass and of the merge
   int64_t ws = static_cast<int64_t>(qs.size() + qr.size() + qmu.size() + part.size()) * sizeof(T);
-  ws += static_cast<int64_t>(skipped.size() + visited.size()) * sizeof(int64_t);
-  ws += nitems * static_cast<int64_t>(sizeof(Item)) + B * static_cast<int64_t>(sizeof(Seq)) + (B * H + 1) * 8;
-  ws += used * (M * blk_max + TILE * tld) * static_cast<int64_t>(sizeof(T));
-  ws += std::min(threads, B * H) * 2 * std::max(D, Dv) * static_cast<int64_t>(sizeof(T));
+  ws += static_cast<int64_t>(skipped.size() + visited.size() + sk.size() + vi.size()) * sizeof(int64_t);
+  ws += nitems * static_cast<int64_t>(sizeof(Item)) + B * static_cast<int64_t>(sizeof(Seq)) +
+        static_cast<int64_t>(first.size() * sizeof(int64_t));
+  ws += used * (M * blk_max + TILE * tld) * static_cast<int64_t>(sizeof(T));  // sbuf + tbuf per thread
+  ws += used_bh * D * static_cast<int64_t>(sizeof(T));                        // the query pass's mu row
+  ws += used_bh * 2 * Dv * static_cast<int64_t>(sizeof(T));                   // the merge's pp and mu rows
   for (const auto* sides : {&K, &V})
     for (const auto& s : *sides)
       ws += static_cast<int64_t>(sizeof(Side<T>) + s.btab.size() * sizeof(T) + s.order.size() * sizeof(int32_t));
@@ -1393,23 +1402,39 @@ void encode_rows(const T* x, int64_t rows, int64_t D, const T* R, const T* level
   });
 }
 
+// One 1-D / 2-D constant of the encode call: CPU, dtype dt, contiguous, the given sizes.
+void check_const(const torch::Tensor& t, const char* nm, at::ScalarType dt, std::initializer_list<int64_t> sizes) {
+  TORCH_CHECK(t.device().is_cpu(), nm, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.scalar_type() == dt, nm, " must be ", c10::toString(dt), " (the rows' dtype), got ",
+              c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.sizes().equals(sizes), nm, " must have shape ", c10::IntArrayRef(sizes), ", got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), nm, " must be contiguous, got strides ", t.strides());
+}
+
 std::vector<torch::Tensor> turbo_encode(torch::Tensor x, torch::Tensor rotation, torch::Tensor levels,
                                         torch::Tensor bounds, int64_t bits, bool normfix) {
-  TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.device().is_cpu(), "x must be contiguous CPU [B, H, T, D]");
-  TORCH_CHECK(bits >= 1 && bits <= 8, "bits must be in 1..8");
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got one on ", x.device());
+  TORCH_CHECK(x.dim() == 4, "x must be 4-D [batch, kv_heads, tokens, head_dim], got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble,
+              "x must be float32 or float64, got ", c10::toString(x.scalar_type()));
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous, got strides ", x.strides());
+  TORCH_CHECK(bits >= 1 && bits <= 8, "bits must be in 1..8, got ", bits);
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
-  TORCH_CHECK(rotation.is_contiguous() && rotation.size(0) == D && rotation.size(1) == D, "rotation must be [D, D]");
-  TORCH_CHECK(levels.numel() == (int64_t(1) << bits) && bounds.numel() == levels.numel() - 1, "codebook size");
+  TORCH_CHECK(D >= 1, "x has head_dim 0");
+  const at::ScalarType dt = x.scalar_type();
+  const int64_t nlev = int64_t(1) << bits;
+  check_const(rotation, "rotation", dt, {D, D});
+  check_const(levels, "levels", dt, {nlev});
+  check_const(bounds, "bounds", dt, {nlev - 1});
   const int64_t nbytes = (D * bits + 7) / 8;
   auto codes = torch::empty({B, H, T, nbytes}, x.options().dtype(torch::kUInt8));
   auto norms = torch::empty({B, H, T, 1}, x.options().dtype(torch::kHalf));
   const int64_t rows = B * H * T;
-  if (x.scalar_type() == torch::kFloat) {
+  if (dt == torch::kFloat) {
     encode_rows<float>(x.data_ptr<float>(), rows, D, rotation.data_ptr<float>(), levels.data_ptr<float>(),
                        bounds.data_ptr<float>(), bounds.numel(), bits, normfix, codes.data_ptr<uint8_t>(), nbytes,
                        norms.data_ptr<at::Half>());
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kDouble, "x must be float32 or float64");
     encode_rows<double>(x.data_ptr<double>(), rows, D, rotation.data_ptr<double>(), levels.data_ptr<double>(),
                         bounds.data_ptr<double>(), bounds.numel(), bits, normfix, codes.data_ptr<uint8_t>(), nbytes,
                         norms.data_ptr<at::Half>());
@@ -1481,7 +1506,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "fused decode attention of B sequences, each over its own packed + dense store (CPU)",
         py::arg("query"), py::arg("scale"), py::arg("k_sides"), py::arg("v_sides"), py::arg("masks"),
         py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"));
-  m.def("turbo_encode", &turbo_encode, "TurboQuant quantize + pack of centred rows (CPU)");
+  m.def("turbo_encode", &turbo_encode, "TurboQuant quantize + pack of centred rows (CPU)", py::arg("x"),
+        py::arg("rotation"), py::arg("levels"), py::arg("bounds"), py::arg("bits"), py::arg("normfix"));
   m.def("simd_turbo_bits", &simd_turbo_bits, "turbo widths decoded in SIMD order when head_dim % 64 == 0 (fp32)");
   m.def("simd_order", &simd_order, "the coordinate each position holds when a turbo row decodes in SIMD order");
   m.def("rules", []() {
