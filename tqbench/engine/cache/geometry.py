@@ -65,6 +65,16 @@ def check_supported(config) -> None:
         )
 
 
+def falcon_cache_heads(cfg) -> int:
+    """The K/V rows per token a Falcon layer hands the cache. Falcon-7B style (``multi_query``): one; without it:
+    one per head. The new decoder layout (Falcon-40B/180B, ``new_decoder_architecture``) computes
+    ``num_kv_heads`` groups but broadcasts them to one row per query head before the cache (transformers'
+    ``FalconAttention._split_heads``), so its cache, the fp16 one included, holds ``num_attention_heads`` rows."""
+    if cfg.new_decoder_architecture or not cfg.multi_query:
+        return cfg.num_attention_heads
+    return 1
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
@@ -93,9 +103,8 @@ class KVGeometry:
         if is_mla(cfg):  # the cache holds one "head": K = the kv_lora_rank latent, V = the shared RoPE key
             return cls(cfg.num_hidden_layers, 1, cfg.kv_lora_rank, None, None, cfg.qk_rope_head_dim)
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        if getattr(cfg, "model_type", None) == "falcon":  # Falcon-7B: multi-query (one KV head); 40B/180B: groups
-            kv_heads = cfg.num_kv_heads if cfg.new_decoder_architecture else (1 if cfg.multi_query else
-                                                                               cfg.num_attention_heads)
+        if getattr(cfg, "model_type", None) == "falcon":
+            kv_heads = falcon_cache_heads(cfg)
         return cls(
             num_layers=cfg.num_hidden_layers,
             kv_heads=kv_heads,
