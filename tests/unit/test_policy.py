@@ -127,3 +127,66 @@ def test_corpus_texts_are_shipped_and_bad_names_are_clear(tiny_engine):
     assert corpus_ids(tiny_engine.tokenizer, "bread", 300).shape == (1, 300)
     with pytest.raises(ValueError, match="unknown corpus text 'soup': shipped texts are bread, lighthouses, rivers"):
         corpus_ids(tiny_engine.tokenizer, "soup", 10)
+
+
+# -- a TOML file that does not parse is named, with its line --------------------------------------------------------
+def test_a_policy_toml_that_does_not_parse_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "mine.toml"
+    bad.write_text('[policy]\nk = "turbo4"\nv turbo2\n', encoding="utf-8")
+    with pytest.raises(ValueError) as err:
+        parse_policy(str(bad))
+    assert str(err.value) == (f"policy file {bad}:3:3: not valid TOML: Expected '=' after a key in a key/value pair "
+                              "(line 3 reads 'v turbo2')")
+    assert (err.value.path, err.value.line) == (str(bad), 3)
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
+    res = CliRunner().invoke(main, ["--headless", "kv-estimate", "--kv-policy", str(bad)])
+    assert res.exit_code != 0
+    assert f"policy file {bad}:3:3: not valid TOML: Expected '=' after a key" in res.output
+
+
+def test_every_toml_input_names_its_file(tmp_path):
+    """Policy artifacts, sweep specs, unreadable bytes, a truncated file, a policy field's error, and a calibrated
+    transforms file whose metadata does not parse: each error says which file."""
+    from tqbench.engine.policy.artifact import is_policy_artifact, load_policy_artifact
+    from tqbench.engine.sweep.spec import SpecError, load_spec
+
+    bad = tmp_path / "alloc.toml"
+    bad.write_text('format = "tqbench-policy/1"\n[model\nname = "x"\n', encoding="utf-8")
+    assert not is_policy_artifact(bad)  # (loading it says why)
+    with pytest.raises(ValueError, match=rf"^policy file {bad}:2:7: not valid TOML: .*\(line 2 reads '\[model'\)$"):
+        load_policy_artifact(bad)
+    spec = tmp_path / "sweep.toml"
+    spec.write_text('models = ["tiny"]\npolicies = [\n', encoding="utf-8")
+    with pytest.raises(SpecError, match=rf"^sweep spec {spec}:3: not valid TOML: Invalid value at the end of the file$"):
+        load_spec(spec)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'k = "caf\xe9"\n')
+    with pytest.raises(ValueError, match=rf"^policy file {latin}: not UTF-8 text \(byte 8\): save it as UTF-8$"):
+        parse_policy(str(latin))
+    field = tmp_path / "field.toml"
+    field.write_text('k = "turbo9"\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^policy file {field}: .*turbo9"):
+        parse_policy(str(field))
+
+
+def test_a_transforms_file_with_broken_metadata_names_the_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from tqbench.engine.codecs.transforms_file import FORMAT, TransformsMismatch, load_transforms
+
+    path = tmp_path / "t.safetensors"
+    fields = [f"{r}.{n}" for r in "kv" for n in ("basis", "scale", "var", "levels", "mse")]
+    meta = {"format": FORMAT, "model": "m", "fingerprint": "f", "num_layers": "two", "kv_heads": "1",
+            "head_dim": "4"}
+    save_file({n: torch.zeros(1) for n in fields}, str(path), metadata=meta)
+    with pytest.raises(TransformsMismatch, match=rf"^{path}: its metadata does not parse \(invalid literal"):
+        load_transforms(str(path))
+    del meta["num_layers"]
+    save_file({n: torch.zeros(1) for n in fields}, str(path), metadata=meta)
+    load_transforms.cache_clear()
+    with pytest.raises(TransformsMismatch, match=rf"^{path}: its metadata lacks 'num_layers'"):
+        load_transforms(str(path))

@@ -134,12 +134,11 @@ def preset_rows(seq_len: int) -> list[PresetRow]:
 
 def shipped_meaning(name: str) -> str:
     """A shipped policy file's one-line meaning: its ``description``, else the model it was fitted on."""
-    import tomllib
-
     from tqbench.engine.policy.spec import shipped_policy_path
+    from tqbench.engine.tomlfile import read_toml
 
     path = shipped_policy_path(name)
-    data = tomllib.loads(path.read_text(encoding="utf-8")) if path.suffix == ".toml" else {}
+    data = read_toml(path, "shipped policy file") if path.suffix == ".toml" else {}
     model = (data.get("model") or {}).get("name")
     return data.get("description") or f"shipped policy file{f' (fitted on {model})' if model else ''}"
 

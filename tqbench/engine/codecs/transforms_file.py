@@ -150,9 +150,16 @@ def _load(path: str, _mtime: int) -> CalibratedTransforms:
     missing = [f"k.{n}" for n in _FIELDS if f"k.{n}" not in tensors]
     if missing:
         raise TransformsMismatch(f"{path} lacks tensors {', '.join(missing)}")
-    return CalibratedTransforms(meta["model"], meta["fingerprint"], int(meta["num_layers"]), int(meta["kv_heads"]),
-                                int(meta["head_dim"]), tensors, json.loads(meta.get("calibration", "[]")),
-                                float(meta.get("ridge", "1e-4")), path)
+    try:
+        return CalibratedTransforms(meta["model"], meta["fingerprint"], int(meta["num_layers"]),
+                                    int(meta["kv_heads"]), int(meta["head_dim"]), tensors,
+                                    json.loads(meta.get("calibration", "[]")), float(meta.get("ridge", "1e-4")), path)
+    except KeyError as exc:
+        raise TransformsMismatch(f"{path}: its metadata lacks {exc}: fit it again with "
+                                 "`tqbench --headless calibrate`") from None
+    except ValueError as exc:  # a number that does not parse, or calibration that is not JSON
+        raise TransformsMismatch(f"{path}: its metadata does not parse ({exc}): fit it again with "
+                                 "`tqbench --headless calibrate`") from None
 
 
 load_transforms.cache_clear = _load.cache_clear  # type: ignore[attr-defined]

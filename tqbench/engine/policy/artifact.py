@@ -21,11 +21,7 @@ import torch
 
 from tqbench.engine.atomic import atomic_write, check_output_path
 from tqbench.engine.policy.spec import Policy
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: reading TOML policies needs 3.11 (as load_policy_file says)
-    tomllib = None
+from tqbench.engine.tomlfile import read_toml
 
 FORMAT = "tqbench-policy/1"
 
@@ -78,11 +74,11 @@ def save_policy_artifact(artifact: PolicyArtifact, path: str | os.PathLike) -> P
 
 def is_policy_artifact(path: str | os.PathLike) -> bool:
     p = Path(path)
-    if tomllib is None or p.suffix != ".toml" or not p.is_file():
+    if p.suffix != ".toml" or not p.is_file():
         return False
     try:
-        return tomllib.loads(p.read_text(encoding="utf-8")).get("format") == FORMAT
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return read_toml(p).get("format") == FORMAT
+    except ValueError:  # not TOML (or no tomllib): loading it as a policy file says what is wrong, naming it
         return False
 
 
@@ -95,12 +91,7 @@ def load_policy_artifact(path: str | os.PathLike) -> PolicyArtifact:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"policy file {str(p)!r} does not exist")
-    if tomllib is None:
-        raise ValueError(f"{p}: TOML policies need Python >= 3.11")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{p}: not valid TOML ({exc})") from None
+    data = read_toml(p, "policy file")
     tensors = {}
     side = (data.get("files") or {}).get("tensors")
     if side:
@@ -136,5 +127,5 @@ def artifact_warning_for(policy_text, fingerprint: str | None = None, geometry=N
         return None
     if not is_policy_artifact(policy_text):
         return None
-    data = tomllib.loads(Path(policy_text).read_text(encoding="utf-8"))
+    data = read_toml(policy_text, "policy file")
     return policy_model_warning(data.get("model", {}), fingerprint, geometry)

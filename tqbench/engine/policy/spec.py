@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from tqbench.constants import POLICIES_DATA_DIR
 from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_calibrated_spec, is_valid_spec
 from tqbench.engine.policy.layers import select_layers, validate_selector
+from tqbench.engine.tomlfile import read_toml
 
 FULL_PRECISION = "fp16"
 #: model-specific policies shipped with the package (per-layer allocations), usable by name
@@ -283,23 +284,22 @@ def parse_compact(text: str) -> Policy:
 
 
 def load_policy_file(path: str) -> Policy:
-    with open(path, "rb") as fh:
-        raw = fh.read()
     if path.endswith(".toml"):
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            raise ValueError(f"{path}: TOML policies need Python >= 3.11; use a .json file") from None
-        data = tomllib.loads(raw.decode())
+        data = read_toml(path, "policy file")
         data = data.get("policy", data)
     else:
+        with open(path, "rb") as fh:
+            raw = fh.read()
         try:
             data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"policy file {path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a policy file holds one object with keys k, v, sink, recent, ...")
-    pol = Policy.from_dict(data)
+        raise ValueError(f"policy file {path}: a policy file holds one object with keys k, v, sink, recent, ...")
+    try:
+        pol = Policy.from_dict(data)
+    except ValueError as exc:  # a field's error, named with the file it came from
+        raise ValueError(f"policy file {path}: {exc}") from None
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), pol.calib) if pol.calib else ""
     if pol.calib and not os.path.isabs(pol.calib) and os.path.isfile(beside):  # a transforms file next to it
         pol = replace(pol, calib=beside)

@@ -136,16 +136,16 @@ class SweepSpec:
 # ---- parsing ---------------------------------------------------------------------------------------------
 def load_spec(path: str | Path) -> SweepSpec:
     """Read and validate a TOML sweep spec."""
-    import tomllib
+    from tqbench.engine.tomlfile import read_toml
 
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"sweep spec {str(path)!r} does not exist: give the path of a .toml file "
                         "(examples/sweep.toml is one)")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path}: not valid TOML ({exc})") from None
+        data = read_toml(path, "sweep spec")
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     return parse_spec(data, base_dir=path.parent, source=str(path))
 
 
