@@ -246,6 +246,18 @@ def test_launchers_check_shapes_strides_and_dtypes():
         turbo_quantize(torch.zeros(1, 1, 2, 64, dtype=torch.float64), None, ks.rotation, ks.levels, 4)
     with pytest.raises(ValueError, match="levels must hold 16 values"):
         turbo_quantize(torch.zeros(1, 1, 2, 64), None, ks.rotation, ks.levels[:8], 4)
+    x = torch.zeros(1, 1, 2, 64)
+    for args, msg in [
+        ((x[0], None, ks.rotation, ks.levels, 4), r"x \(the rows\) must be \[batch, kv_heads, tokens, head_dim\]"),
+        ((x.transpose(2, 3), None, ks.rotation, ks.levels, 4), r"x: the last dimension must be contiguous"),
+        ((x, None, ks.rotation[:32], ks.levels, 4), r"rotation must be \[64, 64\], got \(32, 64\)"),
+        ((x, None, ks.rotation.to(torch.int32), ks.levels, 4), r"rotation must be a floating-point tensor, got torch.int32"),
+        ((x, torch.zeros(1, 2, 1, 64), ks.rotation, ks.levels, 4), r"mu must be \[1, 1, 1, 64\], got \(1, 2, 1, 64\)"),
+        ((x, "mu", ks.rotation, ks.levels, 4), r"mu must be a floating-point tensor, got str"),
+        ((x, None, ks.rotation, ks.levels, 9), r"bits must be an integer in 1\.\.8, got 9"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            turbo_quantize(*args)
 
 
 @pytest.mark.parametrize("policy", ["turbo4", "k=int8,v=turbo3,sink=2,recent=4"])

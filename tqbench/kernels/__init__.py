@@ -3,9 +3,13 @@
 - ``packing.py``: the dense bit packing of codes (LSB-first stream) that the engine's codecs also use;
 - ``reference.py``: the torch implementation (what runs on CPU, and what every kernel is tested against);
 - ``packed_attention.py``: Triton decode attention over packed history (split-K partials), with its launcher;
-- ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher.
+- ``turbo_quantize.py``: Triton quantize + pack of new TurboQuant rows, with its launcher (the GPU append path:
+  ``TurboCodec.encode`` calls it for fp32 rows on CUDA; on CPU the native kernel's ``turbo_encode`` does the same);
+- ``cpu/``: the native C++ kernel (attention straight from the packed store, and the CPU quantize + pack).
 
-The engine builds on these (``tqbench/engine/cache/fused/``: ``torch_ref.py``, ``triton_glue.py``); this package
+Every launcher checks its inputs (shapes, dtypes, strides, lengths, devices) and names the wrong argument.
+The engine builds on these (``tqbench/engine/cache/fused/``: ``torch_ref.py``, ``triton_glue.py``,
+``native_glue.py``; ``tqbench/engine/codecs/turbo.py``); this package
 never imports the engine (import-linter contract): it works on plain tensors and the packed layout of ``packing.py``.
 
 Importing this package never imports triton: ``triton_status()`` says whether the kernels can run and why

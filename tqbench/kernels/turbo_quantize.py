@@ -67,19 +67,25 @@ def turbo_quantize(
 ) -> dict[str, torch.Tensor]:
     """Triton twin of :func:`tqbench.kernels.reference.turbo_quantize_pack`: ``[B, H, T, D]`` -> idx, norm."""
     if x.dim() != 4:
-        raise ValueError(f"rows must be [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}")
+        raise ValueError(f"x (the rows) must be [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"row dtype {x.dtype} is not supported by the kernel (fp16, bf16, fp32)")
+        raise ValueError(f"x: row dtype {x.dtype} is not supported by the kernel (fp16, bf16, fp32)")
     if x.stride(-1) != 1:
-        raise ValueError(f"rows: the last dimension must be contiguous (strides {x.stride()})")
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
+        raise ValueError(f"x: the last dimension must be contiguous (strides {x.stride()})")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
     b, h, t, d = x.shape
-    if rotation.shape != (d, d):
+    if d < 1:
+        raise ValueError("x has head_dim 0")
+    for name, c in (("rotation", rotation), ("levels", levels), ("mu", mu)):
+        if (c is not None or name != "mu") and (not isinstance(c, torch.Tensor) or not c.is_floating_point()):
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{c.dtype if isinstance(c, torch.Tensor) else type(c).__name__}")
+    if tuple(rotation.shape) != (d, d):
         raise ValueError(f"rotation must be [{d}, {d}], got {tuple(rotation.shape)}")
-    if levels.shape != (1 << bits,):
+    if tuple(levels.shape) != (1 << bits,):
         raise ValueError(f"levels must hold {1 << bits} values, got {tuple(levels.shape)}")
-    if mu is not None and (mu.shape != (b, h, 1, d)):
+    if mu is not None and tuple(mu.shape) != (b, h, 1, d):
         raise ValueError(f"mu must be [{b}, {h}, 1, {d}], got {tuple(mu.shape)}")
     dev = x.device
     lv = levels.to(device=dev, dtype=torch.float32).contiguous()

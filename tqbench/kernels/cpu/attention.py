@@ -1,4 +1,5 @@
-"""The Python side of the native CPU kernel, on the kernels' own types (the API: ``/work/wt/KERNEL-API.md``).
+"""The Python side of the native CPU kernel, on the kernels' own types (the contract: the header of
+``fused_attention.cpp`` and the docs' kernels page).
 
 One kernel call attends the queries of ``B`` sequences, each over its own store, described per sequence (or per
 padded group of sequences) by one ``Side`` for K and one for V (``kernel_side`` builds it from a ``PackedSide``
