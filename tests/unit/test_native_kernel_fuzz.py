@@ -492,3 +492,31 @@ def test_workspace_counts_the_conversions_to_the_compute_dtype():
     assert call16.workspace_bytes - ws32 == q.numel() * 4 + out16.numel() * 4
     sinks = torch.zeros(9, dtype=torch.float64)  # converted to fp32: 9 * 4 bytes more
     assert native_attention_batch(q, [ks], [vs], 0.125, sinks=sinks)[1].workspace_bytes - ws32 == 9 * 4
+
+
+def test_random_affine_mutations_never_crash_or_return_garbage():
+    """The random one-field mutations again over affine sides (KIVI keys, grouped values): codes, scales, zeros
+    and dense rows of random sizes and dtypes are refused by name, or read as a valid store."""
+    gen = torch.Generator().manual_seed(1)
+    fields = ["codes", "scales", "zeros", "dense"]
+    refused = 0
+    for trial in range(120):
+        q, ks, vs, *_ = _sides("int4", "int2", seed=trial % 5)
+        side = ks if trial % 2 == 0 else vs
+        name = fields[int(torch.randint(len(fields), (1,), generator=gen))]
+        t = getattr(side, name)
+        t = t[0] if name == "dense" else t
+        sizes = list(t.shape)
+        k = int(torch.randint(len(sizes), (1,), generator=gen))
+        sizes[k] = max(0, sizes[k] + int(torch.randint(-2, 3, (1,), generator=gen)))
+        dts = [t.dtype, torch.uint8, torch.float16, torch.float32, torch.float64]
+        new = (torch.rand(sizes, generator=gen) * 4).to(dts[int(torch.randint(len(dts), (1,), generator=gen))])
+        setattr(side, name, [new] if name == "dense" else new)
+        try:
+            out, _ = _call(q, ks, vs)
+        except RuntimeError as exc:
+            refused += 1
+            assert f"{'k' if trial % 2 == 0 else 'v'}_sides[0]" in str(exc), str(exc)
+            continue
+        assert out.shape == (1, 9, 1, 64) and bool(torch.isfinite(out).all())
+    assert refused > 90
