@@ -32,7 +32,9 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(tiny_engine):
 def test_chat_template_on_and_off(tiny_engine):
     on = tiny_engine.encode_prompt("hi", chat=True)
     off = tiny_engine.encode_prompt("hi", chat=False)
-    assert on.shape[1] > off.shape[1]
+    tok = tiny_engine.tokenizer
+    assert tok.decode(on[0]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # the ChatML template
+    assert off[0].tolist() == tok.encode("hi", add_special_tokens=False) and tok.decode(off[0]) == "hi"
 
 
 def test_stops_at_eos(tiny_engine, monkeypatch):
