@@ -30,16 +30,22 @@ def test_self_test_exact_match(engine):
     assert len(rep.token_ids["baseline"]) == NEW
 
 
-@pytest.mark.parametrize("candidate", ["turbo4", "turbo2"])
-def test_turbo_candidates_get_honest_verdicts(engine, candidate):
+#: (candidate, saved % of the 12-token run's cache (bytes: deterministic), KL mean bounds). Measured (fp32, 1
+#: thread): turbo4 exact-match, KL mean 3.3e-4, saved 41.49 %; turbo2 diverges at step 9, KL mean 9.0e-3, 49.19 %
+@pytest.mark.parametrize("candidate,saved,kl_bounds", [
+    ("turbo4", 41.49, (1e-5, 1e-2)),
+    ("turbo2", 49.19, (1e-4, 1e-1)),
+])
+def test_turbo_candidates_get_honest_verdicts(engine, candidate, saved, kl_bounds):
     rep = validate(engine, PROMPT, "fp16", candidate, max_new_tokens=NEW, collect_logits=True)
     d = rep.to_dict()
     base, cand = d["token_ids"]["baseline"], d["token_ids"]["candidate"]
     assert d["quality_verdict"] == decide_verdict(compare_tokens(base, cand))
     assert (d["quality_verdict"] == "exact-match") == (base == cand)
     assert d["cache_mode"] == "compressed" and not d["storage_only"]
-    assert d["policy_summary"]["memory_saved_pct"] > 0
-    assert d["logit_comparison"]["kl_mean"] >= 0
+    assert d["policy_summary"]["memory_saved_pct"] == d["candidate_cache_report"]["memory_saved_pct"] == saved
+    lo, hi = kl_bounds
+    assert lo < d["logit_comparison"]["kl_mean"] < hi, d["logit_comparison"]
     assert d["candidate_cache_report"]["quality_claims"] is True
 
 

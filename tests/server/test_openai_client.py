@@ -78,10 +78,12 @@ def test_completion_stream_and_not(client, tiny_engine):
     chunks = list(client.completions.create(model="tiny-random", prompt="The quick brown fox", max_tokens=N,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == solo.text
-    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].choices[0].finish_reason == {"max_new_tokens": "length", "eos": "stop"}[solo.stopped_by]
     assert chunks[-1].usage.completion_tokens == solo.output_tokens  # usage even without include_usage
     assert all(c.usage is None for c in chunks[:-1])
-    assert chunks[-1].model_extra["tqbench"]["cache_report"]["tokens"] > 0
+    # the cache holds the prompt and every generated token but the last (never fed back)
+    assert chunks[-1].model_extra["tqbench"]["cache_report"]["tokens"] == solo.cache_report.tokens \
+        == solo.input_tokens + solo.output_tokens - 1
 
 
 def _answer(client, messages):
@@ -172,8 +174,11 @@ def test_api_key(tiny_engine):
         assert body["error"]["message"].startswith("missing API key")
         assert live.request("GET", "/health")[0] == 200
         good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
-        resp = good.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3)
-        assert resp.usage.completion_tokens >= 1
+        resp = good.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3,
+                                            extra_body={"ignore_eos": True})
+        assert (resp.usage.completion_tokens, resp.choices[0].finish_reason) == (3, "length")
+        assert resp.choices[0].message.content == tiny_engine.generate(
+            MESSAGES, "turbo4", max_new_tokens=3, stop_at_eos=False).text
 
 
 def test_chat_stream_with_logprobs(client):
@@ -193,7 +198,7 @@ def test_chat_stream_with_logprobs(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     # logprobs ride on content chunks (the role chunk and the finish chunk carry none)
-    assert chunks[0].choices[0].logprobs is None and chunks[-1].choices[0].finish_reason is not None
+    assert chunks[0].choices[0].logprobs is None and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_completion_stream_with_logprobs(client):

@@ -23,3 +23,14 @@ def steady_engine(tiny_engine):
     from tqbench.engine.engine import Engine
 
     return Engine(dataclasses.replace(tiny_engine.loaded, load_seconds=1.0, threads=1))
+
+
+@pytest.fixture(scope="session")
+def words_engine(request):
+    """The snapshot model (tests/tui/words_model.py): SmolLM2's tokenizer and KV geometry, random weights whose
+    greedy text is English words; fixed load time and thread count so screens render the same every time."""
+    from tests.tui.words_model import smollm2_tokenizer, words_model
+    from tqbench.engine.engine import Engine
+
+    tokenizer = smollm2_tokenizer(request.config.cache.mkdir("tqbench"))
+    return Engine(dataclasses.replace(words_model(tokenizer), load_seconds=1.0, threads=1))

@@ -3,6 +3,10 @@
 pytest-textual-snapshot pins pytest < 9 (through syrupy) and this project runs pytest 9, so the comparison is
 done here: ``TQBENCH_UPDATE_SNAPSHOTS=1 pytest tests/tui/test_snapshots.py`` rewrites the files; on a mismatch
 the new SVG is written next to the stored one (``*.new.svg``) to open side by side.
+
+The screens show the snapshot model (``words_engine``, tests/tui/words_model.py): SmolLM2's real tokenizer and
+KV geometry with random weights whose greedy text is English words, so a wrong screen (garbled text, a missing
+figure, a bits column of ``?``) is visible to whoever looks at the files.
 """
 
 import os
@@ -26,10 +30,10 @@ def steady_screen(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def fixed_record(tiny_engine):
+def fixed_record(words_engine):
     """A real lockstep run on the tiny model, with fixed step times so the graph draws the same every time."""
     rec = RunRecorder(PROMPT, True, 16, {"temperature": 0.0, "top_p": 1.0, "seed": 0})
-    for ev in tiny_engine.lockstep(PROMPT, "fp16", "turbo2", max_new_tokens=16, track_bytes=True):
+    for ev in words_engine.lockstep(PROMPT, "fp16", "turbo2", max_new_tokens=16, track_bytes=True):
         rec(ev)
     r = rec.record
     r.baseline.step_seconds = [0.02 + 0.001 * (i % 5) for i in range(16)]
@@ -66,16 +70,16 @@ async def settle(pilot) -> None:
 
 
 @pytest.mark.parametrize("size", [(100, 30), (200, 60)])
-async def test_run_screen(size, steady_engine, fixed_record, data_dir):
-    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+async def test_run_screen(size, words_engine, fixed_record, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny-smollm2-words"), engine=words_engine)
     async with app.run_test(size=size) as pilot:
         app.run_pane.show_record(fixed_record)
         await settle(pilot)
         compare(app, f"run_{size[0]}x{size[1]}")
 
 
-async def test_policies_screen(steady_engine, data_dir):
-    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+async def test_policies_screen(words_engine, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny-smollm2-words"), engine=words_engine)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("f3")
         await pilot.press("down", "down", "down")
@@ -83,8 +87,8 @@ async def test_policies_screen(steady_engine, data_dir):
         compare(app, "policies_100x30")
 
 
-async def test_help_screen(steady_engine, data_dir):
-    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+async def test_help_screen(words_engine, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny-smollm2-words"), engine=words_engine)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("f1")
         await settle(pilot)
@@ -92,34 +96,34 @@ async def test_help_screen(steady_engine, data_dir):
 
 
 @pytest.fixture(scope="module")
-def fixed_scan(tiny_engine):
+def fixed_scan(words_engine):
     from tqbench.engine.scan import scan
 
-    res = scan(tiny_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"])
+    res = scan(words_engine, PROMPT, codecs=["int8", "turbo4", "turbo2"])
     res.seconds = 1.0
     return res
 
 
 @pytest.fixture(scope="module")
-def fixed_compare(tiny_engine):
+def fixed_compare(words_engine):
     from tqbench.engine.validate import compare_policies
 
-    res = compare_policies(tiny_engine, ["turbo4", "q8k-q8v", "turbo2"], [PROMPT], max_new_tokens=6)
+    res = compare_policies(words_engine, ["turbo4", "q8k-q8v", "turbo2"], [PROMPT], max_new_tokens=6)
     for row in res.rows:
         row["throughput_ratio"] = 1.0  # wall-clock: the one column that changes from run to run
     return res
 
 
-async def test_scan_screen(steady_engine, fixed_scan, data_dir):
-    app = WorkbenchApp(WorkbenchOptions(model="tiny", screen="scan"), engine=steady_engine)
+async def test_scan_screen(words_engine, fixed_scan, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny-smollm2-words", screen="scan"), engine=words_engine)
     async with app.run_test(size=(100, 30)) as pilot:
         app.scan_pane.show_result(fixed_scan)
         await settle(pilot)
         compare(app, "scan_100x30")
 
 
-async def test_compare_screen(steady_engine, fixed_compare, data_dir):
-    app = WorkbenchApp(WorkbenchOptions(model="tiny", screen="compare"), engine=steady_engine)
+async def test_compare_screen(words_engine, fixed_compare, data_dir):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny-smollm2-words", screen="compare"), engine=words_engine)
     async with app.run_test(size=(100, 30)) as pilot:
         app.compare_pane.show_result(fixed_compare)
         await settle(pilot)

@@ -110,8 +110,12 @@ def test_hand_computed_bytes_for_turbo4_window_policy(tiny_engine):
     assert [r.k_bytes for r in rep.layers] == [k] * 4
     assert [r.v_bytes for r in rep.layers] == [v] * 4
     assert rep.dense_fp16_bytes == 4 * 2 * heads * 100 * d * 2
-    assert rep.compressed_storage_bytes == 4 * (k + v) + rep.shared_bytes
-    assert rep.shared_bytes > 0
+    # counted once for the whole cache: a float32 16x16 rotation per side (K and V draw different seeds) and the
+    # 16-level float32 Lloyd-Max codebook both sides share
+    assert rep.shared_objects == {"rotation:qr:seed0:d16": d * d * 4, "rotation:qr:seed1:d16": d * d * 4,
+                                  "codebook:lloyd-max:d16:b4": 16 * 4}
+    assert rep.shared_bytes == 2112
+    assert rep.compressed_storage_bytes == 4 * (k + v) + 2112
 
 
 def test_modes_report_resident_bytes_honestly(tiny_engine):

@@ -87,8 +87,13 @@ def test_not_equal_probability_quantiles() -> None:
 
 def test_codebook_is_a_copy_and_validated() -> None:
     c = lloyd_max_codebook(64, 2)
-    c.zero_()
-    assert lloyd_max_codebook(64, 2).abs().min() > 0
+    kept = c.clone()
+    c.zero_()  # the caller's copy: the cached codebook must not change
+    again = lloyd_max_codebook(64, 2)
+    assert torch.equal(again, kept), again
+    # near the Gaussian Lloyd-Max levels +-0.4528, +-1.510 scaled by 1/sqrt(64) (the rotated coordinate's law)
+    gauss = torch.tensor([-1.510, -0.4528, 0.4528, 1.510], dtype=again.dtype) / 8
+    torch.testing.assert_close(again, gauss, rtol=0.01, atol=0.0)
     with pytest.raises(ValueError, match="head_dim"):
         lloyd_max_codebook(1, 2)
     with pytest.raises(ValueError, match="bits"):

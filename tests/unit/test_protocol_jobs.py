@@ -44,6 +44,21 @@ JOBS = {
     "scan": lambda e, **kw: scan(e, TEXT, layers="0,-1", codecs=["int8", "turbo2"], max_prompt_tokens=32, **kw),
     "capture_qkv": lambda e, **kw: capture_qkv(e, TEXT, layers=[0], max_prompt_tokens=24, generated_tokens=2, **kw),
 }
+#: what each job returns, the events it passes on before it sees a cancel set after its first event, and the
+#: message of its ``Cancelled`` (validate's two generations each end, partial, before validation raises)
+RESULTS = {"validate": "ValidationReport", "self_test": "ValidationReport", "compare_policies": "CompareResult",
+           "teacher_forced_quality": "TeacherForcedReport", "teacher_forced_quality(prompt)": "TeacherForcedReport",
+           "baseline_logprobs": "list", "teacher_forced": "TeacherForcedResult", "needle_in_haystack": "NiahResult",
+           "scan": "ScanResult", "capture_qkv": "Capture"}
+_GEN = ["GenerationStarted", "PrefillDone", "GenerationFinished"]
+BEFORE_CANCEL = {"validate": (_GEN * 2, "validation cancelled"), "self_test": (_GEN * 2, "validation cancelled"),
+                 "compare_policies": (["Progress"], "compare-policies cancelled"),
+                 "teacher_forced_quality": (["TeacherForcedStep"], "teacher-forced quality cancelled"),
+                 "teacher_forced_quality(prompt)": (["TeacherForcedStep"], "teacher-forced quality cancelled"),
+                 "baseline_logprobs": (["TeacherForcedStep"], "teacher-forced quality cancelled"),
+                 "teacher_forced": (["TeacherForcedStep"], "teacher-forced quality cancelled"),
+                 "needle_in_haystack": (["Progress"], "niah cancelled"),
+                 "scan": (["Progress"], "capture cancelled")}
 EVENT_TYPES = tuple(v for v in vars(E).values() if isinstance(v, type) and dataclasses.is_dataclass(v))
 
 
@@ -51,7 +66,7 @@ EVENT_TYPES = tuple(v for v in vars(E).values() if isinstance(v, type) and datac
 def test_every_long_job_takes_on_event_and_cancel(tiny_engine, job):
     events = []
     result = JOBS[job](tiny_engine, on_event=events.append, cancel=lambda: False)
-    assert result is not None
+    assert type(result).__name__ == RESULTS[job]
     assert events and all(isinstance(ev, EVENT_TYPES) for ev in events), events[:3]
     with pytest.raises(Cancelled, match="cancelled"):
         JOBS[job](tiny_engine, on_event=events.append, cancel=lambda: True)
@@ -60,9 +75,12 @@ def test_every_long_job_takes_on_event_and_cancel(tiny_engine, job):
 @pytest.mark.parametrize("job", [j for j in JOBS if j != "capture_qkv"])  # capture emits only when done
 def test_a_job_cancelled_after_its_first_event_raises(tiny_engine, job):
     events = []
-    with pytest.raises(Cancelled):
+    kinds, message = BEFORE_CANCEL[job]
+    with pytest.raises(Cancelled, match=message):
         JOBS[job](tiny_engine, on_event=events.append, cancel=lambda: bool(events))
-    assert len(events) >= 1
+    assert [type(ev).__name__ for ev in events] == kinds
+    finished = [ev.result.stopped_by for ev in events if isinstance(ev, E.GenerationFinished)]
+    assert finished == ["cancelled"] * len(finished)
 
 
 @pytest.mark.parametrize("after", [1, 3, 6])

@@ -31,7 +31,7 @@ def test_a_saved_validation_has_validates_numbers(tmp_path, tiny_engine, report)
     assert summary["exact_match"] is report.comparison.exact_match is False
     assert json.loads(path.read_text())["runs"][0]["summary"] == summary
     # same-context KL: the steps after the divergence (different histories) are not in the mean
-    assert logits["after_divergence_steps"] > 0
+    assert logits["after_divergence_steps"] == 16 - first - 1 and logits["steps_compared"] == first + 1
     assert summary["kl_mean"] != pytest.approx(sum(back.kl) / len(back.kl))
 
 

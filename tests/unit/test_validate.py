@@ -88,8 +88,17 @@ def test_validate_report_fields_events_and_exact_tokens(tiny_engine):
     for key in ("first_divergence_index", "token_match_ratio", "prefix_match_ratio"):
         assert key in d["comparison"]
     assert "top1_match_ratio" in d["step_comparison"]
-    for key in ("kl_mean", "kl_max", "max_abs_logit_delta"):
-        assert d["logit_comparison"][key] >= 0
+    # the logit figures summarise the per-step ones up to and including the first divergence (after it the two
+    # runs read different contexts; those steps are summarised apart)
+    lc, steps = d["logit_comparison"], d["per_step"]
+    first = d["comparison"]["first_divergence_index"]
+    assert first is not None and lc["steps_compared"] == first + 1, (first, lc)
+    upto, after = steps[:first + 1], steps[first + 1:]
+    assert lc["kl_mean"] == pytest.approx(sum(s["kl"] for s in upto) / len(upto), rel=1e-9)
+    assert lc["kl_max"] == max(s["kl"] for s in upto) > 0  # turbo2 moves the distribution of the diverging step
+    assert lc["max_abs_logit_delta"] == max(s["max_abs_logit_delta"] for s in upto) > 0
+    assert lc["after_divergence_steps"] == len(after) == 10 - first - 1
+    assert lc["after_divergence_kl_mean"] == pytest.approx(sum(s["kl"] for s in after) / len(after), rel=1e-9)
     for key in ("memory_saved_pct", "compression_ratio", "throughput_ratio"):
         assert key in d["policy_summary"]
     assert set(d["policy_recommendation"]) >= {"status", "cause_hint", "next_policy"}

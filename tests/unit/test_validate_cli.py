@@ -58,14 +58,18 @@ def test_validate_self_test_json_and_markdown(tmp_path):
     assert "# Validation self-test" in md.read_text() and "**verdict: exact-match**" in md.read_text()
 
 
-def test_validate_gate_exit_code_follows_the_verdict():
-    r = run("validate", "--model", "tiny", "--candidate", "turbo2", "--max-new-tokens", "12", "--prompt",
+@pytest.mark.parametrize("candidate,verdict,code", [
+    ("fp16", "exact-match", 0),  # the baseline against itself: identical tokens, the gate passes
+    ("turbo2", "prefix-stable-then-diverged", 1),  # 2-bit K/V on the tiny model: diverges within 12 tokens
+])
+def test_validate_gate_exit_code_follows_the_verdict(candidate, verdict, code):
+    r = run("validate", "--model", "tiny", "--candidate", candidate, "--max-new-tokens", "12", "--prompt",
             "The lighthouse", "--json", "--no-per-step")
     d = json.loads(r.stdout)
     assert d["per_step"] is None
-    assert r.exit_code == (0 if d["passed"] else 1)
-    if not d["passed"]:
-        assert f"gate failed: verdict {d['quality_verdict']}" in r.stderr
+    assert (d["quality_verdict"], d["passed"], r.exit_code) == (verdict, code == 0, code), r.stderr
+    gate = f"gate failed: verdict {verdict} (needs exact-match or near-stable at --quality-threshold 0.9)"
+    assert (gate in r.stderr) == (code == 1), r.stderr
 
 
 def test_teacher_forced_and_compare_and_scan_cli(tmp_path):
