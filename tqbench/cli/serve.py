@@ -75,6 +75,8 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
                          prefill_chunk=prefill_chunk)
     except (ValueError, ModelLoadError, FileNotFoundError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if app.state.server.policy_warning:  # also in every response: tqbench.policy_warning + X-TQBench-Policy-Warning
+        click.echo(f"warning: kv_policy {app.state.server.policy.label}: {app.state.server.policy_warning}", err=True)
     if host not in LOOPBACK:
         click.echo(f"warning: binding {host}: the server is reachable from other machines"
                    + ("" if api_key else " and has no --api-key"), err=True)

@@ -21,7 +21,6 @@ from tqbench.engine.policy.artifact import (  # the artifact lives with the poli
     artifact_warning_for,
     is_policy_artifact,
     load_policy_artifact,
-    policy_model_warning,
     save_policy_artifact,
 )
 
@@ -41,7 +40,6 @@ __all__ = [
     "load_policy_artifact",
     "measure_sensitivity",
     "policy_from_choices",
-    "policy_model_warning",
     "rank_correlation",
     "save_policy_artifact",
     "solve_allocation",

@@ -13,7 +13,13 @@ from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
 from tqbench.constants import COMPARE_PROMPTS
-from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
+from tqbench.tui.panes.jobs import (
+    cancel_job,
+    engine_for_job,
+    finish_job,
+    notify_policy_warnings,
+    run_engine_job,
+)
 
 if TYPE_CHECKING:
     from tqbench.engine.validate import CompareResult
@@ -126,6 +132,7 @@ class ComparePane(Vertical):
 
     @on(Button.Pressed, "#cmp-button")
     def action_compare(self) -> None:
+        from tqbench.engine import check_max_new_tokens
         from tqbench.engine.policy import parse_policy
 
         engine = engine_for_job(self, "comparison")
@@ -142,13 +149,12 @@ class ComparePane(Vertical):
             prompts = self.prompts()
             if not prompts:
                 raise ValueError("no prompts: write one prompt per line")
-            tokens = int(self.query_one("#cmp-tokens", Input).value or "32")
-            if tokens < 1:
-                raise ValueError(f"max tokens {tokens} is invalid: ask for at least 1 token")
+            tokens = check_max_new_tokens(int(self.query_one("#cmp-tokens", Input).value or "32"))
         except ValueError as exc:
             self.app.notify(str(exc).splitlines()[0], title="cannot compare", severity="error")
             return
         mode = str(self.query_one("#cmp-mode", Select).value)
+        notify_policy_warnings(self.app, engine, baseline, *policies)
         self.running = True
         self.status = "running"
         self._cancel.clear()
