@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
+from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import FP_BYTES, window_start
 from tqbench.engine.policy.spec import Policy, parse_policy
 
@@ -44,8 +45,7 @@ class KVEstimate:
 
     @property
     def bits_per_element(self) -> float:
-        elements = self.dense_fp16_bytes // FP_BYTES
-        return self.total_bytes * 8 / elements if elements else 0.0
+        return bits_vs_fp16(self.total_bytes, self.dense_fp16_bytes)
 
     @property
     def saved_pct(self) -> float:
