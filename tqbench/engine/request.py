@@ -72,6 +72,13 @@ def check_top_p(value: float, field: str = "top_p") -> float:
     return value
 
 
+def check_quality_threshold(value: float, field: str = "quality_threshold") -> float:
+    """The share of matching tokens that still counts as near-stable (validation verdicts)."""
+    if not 0 < value <= 1:
+        raise RequestError(field, value, "use a number in (0, 1]")
+    return value
+
+
 def check_prefill_chunk(value: int, field: str = "prefill_chunk") -> int:
     """Prompt tokens per prefill forward call: 0 (the whole prompt in one call) or a positive number."""
     if value < 0:
