@@ -63,8 +63,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "capture_qkv": (_SCAN, "capture_qkv"),
     "allocate_policy": (_ALLOCATE, "allocate_policy"),
     "frontier": (_ALLOCATE, "frontier"),
-    "save_policy_artifact": (_ALLOCATE, "save_policy_artifact"),
-    "load_policy_artifact": (_ALLOCATE, "load_policy_artifact"),
+    "save_policy_artifact": (_POLICY, "save_policy_artifact"),
+    "load_policy_artifact": (_POLICY, "load_policy_artifact"),
 }
 
 __all__ = list(_LAZY)
