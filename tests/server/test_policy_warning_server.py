@@ -35,7 +35,8 @@ def test_default_policy_fitted_elsewhere_is_in_every_response(tiny_engine, tmp_p
 
     warning = tiny_engine.policy_warning(str(fitting_artifact(tmp_path)))
     assert warning.startswith("this policy was fitted on SmolLM2-135M-Instruct (fingerprint fd81e99705258ac1)")
-    app = create_app(tiny_engine, kv_policy=str(fitting_artifact(tmp_path)), max_new_tokens=8)
+    app = create_app(tiny_engine, kv_policy=str(fitting_artifact(tmp_path)), max_new_tokens=8,
+                     model_aliases=("tiny",))
     assert app.state.server.policy_warning == warning
     with LiveServer(app) as live:
         status, headers, d = live.request("POST", "/v1/chat/completions", BODY)

@@ -1,6 +1,7 @@
 """The same bad value gets the same message, from one definition (``tqbench.engine.request``), through the
 engine API, the CLI and the server. The server names a field as its clients send it (``max_tokens``); the rule
-and its reason are the engine's (``RequestError.spelled``)."""
+and its reason are the engine's (``RequestError.spelled``). (On ``/v1/completions``, where ``echo`` exists, a 0
+also says how it would be allowed.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from click.testing import CliRunner
 
 from tqbench.cli.group import main
 from tqbench.engine import GenerationRequest, RequestError
-from tqbench.engine.request import check_max_new_tokens, check_top_p
+from tqbench.engine.request import PromptTooLongError, check_max_new_tokens, check_top_p
 
 pytestmark = pytest.mark.server
 
@@ -72,6 +73,8 @@ def test_a_prompt_longer_than_the_context(tiny_engine, live_server):
     cli = cli_message("--prompt", LONG, "--max-new-tokens", "8")
     server = server_message(live_server, {"messages": [{"role": "user", "content": LONG}], "max_tokens": 8},
                             "messages")
-    n = int(tiny_engine.encode_prompt(LONG).shape[1])
+    with pytest.raises(PromptTooLongError) as info:
+        tiny_engine.encode_prompt(LONG)
+    n = info.value.prompt_tokens
     assert engine == cli == server == (f"the prompt has {n} tokens and tiny-random has a context of 4096 tokens: "
                                        "no room is left for new tokens; shorten the prompt")

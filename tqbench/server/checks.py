@@ -56,7 +56,9 @@ class RequestChecks:
             seed = secrets.randbelow(2**31)
         return Sampling(temperature=temperature, top_p=top_p, seed=seed or 0), seed
 
-    def token_budget(self, req, allow_zero: bool = False) -> tuple[int | None, str]:
+    def token_budget(self, req, allow_zero: bool = False, echo_possible: bool = False) -> tuple[int | None, str]:
+        """``max_completion_tokens`` / ``max_tokens`` (the engine's rule, in the client's spelling) under the
+        server's cap; ``echo_possible`` (``/v1/completions``) adds how a 0 would be allowed."""
         if req.max_completion_tokens is not None:
             value, param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -66,7 +68,8 @@ class RequestChecks:
         try:
             check_max_new_tokens(value, param, allow_zero=allow_zero)
         except RequestError as exc:
-            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+            hint = " (0 is allowed with echo=true: score the prompt only)" if value == 0 and echo_possible else ""
+            raise APIError(400, exc.spelled(param) + hint, param=param, code="invalid_value") from None
         if value > self.max_new_tokens:
             raise APIError(400, f"{param}={value} is above this server's cap of {self.max_new_tokens} tokens "
                            f"(tqbench serve --max-new-tokens): ask for at most {self.max_new_tokens}",

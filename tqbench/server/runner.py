@@ -36,7 +36,7 @@ class RequestRunner:
         prompt = chat_messages(req) if chat else completion_prompt(req)
         stop = req.stop_list()
         top, echo = req.logprob_options(chat)
-        budget, param = self.token_budget(req, allow_zero=echo)
+        budget, param = self.token_budget(req, allow_zero=echo, echo_possible=not chat)
         sampling, seed = self.sampling(req)
         policy = self.request_policy(req.kv_policy)
         warning = self.policy_warning if req.kv_policy is None else self.engine.policy_warning(policy)
