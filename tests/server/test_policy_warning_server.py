@@ -72,6 +72,8 @@ def test_serve_refuses_the_shipped_allocation_on_a_smaller_model_and_says_why(ti
     r = CliRunner().invoke(main, ["serve", "--model", "tiny", "--port", "0", "--kv-policy",
                                   str(shipped_policy_path(SHIPPED))])
     assert r.exit_code == 2
-    line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: layer index 12 is out of range for a model with 4 layers")
-    assert line.endswith(tiny_engine.policy_warning(SHIPPED))
+    warning = tiny_engine.policy_warning(SHIPPED)
+    lines = r.stderr.strip().splitlines()
+    assert f"warning: kv_policy {SHIPPED}: {warning}" in lines
+    assert lines[-1].startswith("error: layer index 12 is out of range for a model with 4 layers")
+    assert lines[-1].endswith(warning)

@@ -71,13 +71,14 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         from tqbench.cli.render.console import load_engine
 
         engine = load_engine(model, device, dtype, threads)
+        warning = engine.policy_warning(kv_policy)  # also in every response: tqbench.policy_warning + a header
+        if warning:
+            click.echo(f"warning: kv_policy {parse_policy(kv_policy).label}: {warning}", err=True)
         app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, kv_budget=kv_budget, max_new_tokens=max_new_tokens,
                          max_queue=max_queue, api_key=api_key, model_aliases=(model,), max_batch=max_batch,
                          prefill_chunk=prefill_chunk)
     except (ValueError, ModelLoadError, FileNotFoundError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    if app.state.server.policy_warning:  # also in every response: tqbench.policy_warning + X-TQBench-Policy-Warning
-        click.echo(f"warning: kv_policy {app.state.server.policy.label}: {app.state.server.policy_warning}", err=True)
     if host not in LOOPBACK:
         click.echo(f"warning: binding {host}: the server is reachable from other machines"
                    + ("" if api_key else " and has no --api-key"), err=True)
