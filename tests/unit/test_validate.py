@@ -173,7 +173,8 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
     plain = tiny_engine.generate("Rivers carry", "turbo2", max_new_tokens=6)
     cell = [c for c in d["cells"] if c["policy"] == "turbo2" and c["prompt_index"] == 1][0]
     assert cell["text"] == plain.text
-    assert d["recommendation"] == recommend_policy(d["rows"])
+    assert d["recommendation"] == recommend_policy([CompareRow.from_dict(r) for r in d["rows"]])
+    assert [r.to_dict() for r in res.rows] == d["rows"]  # typed rows, the same JSON
     # from_dict inverts to_dict exactly, in memory and through JSON (a saved session's comparison)
     assert CompareResult.from_dict(res.to_dict()).to_dict() == res.to_dict()
     assert json.dumps(CompareResult.from_dict(d).to_dict()) == json.dumps(res.to_dict())
