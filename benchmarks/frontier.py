@@ -30,10 +30,10 @@ from _common import cpu_model, write_json
 from rich.console import Console
 from rich.table import Table
 
-from tqbench.engine.allocate import frontier, is_policy_artifact, load_policy_artifact
+from tqbench.engine.allocate import frontier
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.engine import Engine
-from tqbench.engine.policy import parse_policy
+from tqbench.engine.policy import is_policy_artifact, load_policy_artifact, parse_policy
 
 UNIFORM = ["turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", "turbo4", "q8k-int4v", "q8k-turbo4v"]
 

@@ -82,3 +82,11 @@ def auto_prefill_chunk(prompt_tokens: int, cache_mode: str | None, chunk: int | 
     if cache_mode in PREFILL_CHUNK_MODES and prompt_tokens > PREFILL_CHUNK_ABOVE:
         return PREFILL_CHUNK_TOKENS
     return 0
+
+
+# ---- fused attention ------------------------------------------------------------------------------------
+#: the fused mode's kernel implementations, as a cache report counts its calls (``CacheReport.fused_impl``);
+#: a call that ran anything else ran the torch reference
+FUSED_NATIVE = "native-cpu"
+FUSED_TRITON = "triton"
+FUSED_KERNELS = (FUSED_NATIVE, FUSED_TRITON)

@@ -51,3 +51,9 @@ def test_fused_cache_mode_serves():
     assert body["choices"][0]["text"] == solo.text
     report = body["tqbench"]["cache_report"]
     assert report["cache_mode"] == "fused" and report["fused_calls"] > 0
+
+
+def test_max_new_tokens_zero_is_the_engine_rule_before_loading_the_model():
+    result = CliRunner().invoke(main, ["serve", "--max-new-tokens", "0"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: max_new_tokens=0 is invalid: ask for at least 1 token"

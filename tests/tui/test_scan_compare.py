@@ -96,7 +96,7 @@ async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: pane.status == "done", what="the comparison")
         expected = compare_policies(steady_engine, ["turbo4", "q8k-q8v", "turbo2"], pane.prompts(), max_new_tokens=6)
-        assert [r["verdict"] for r in pane.result.rows] == [r["verdict"] for r in expected.rows]
+        assert [r.verdict for r in pane.result.rows] == [r.verdict for r in expected.rows]
         assert pane.result.recommendation["recommended_policy"] == expected.recommendation["recommended_policy"]
         rec = plain(pane.query_one("#recommendation"))
         assert rec.startswith(f"recommendation: {expected.recommendation['recommended_policy']} (")
@@ -107,16 +107,16 @@ async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_
         await pilot.click("#cmp-table", offset=(x, 1))  # highest saving first
         await pilot.pause()
         assert pane.sort_key == "memory_saved_pct"
-        saved = [r["memory_saved_pct"] for r in pane.sorted_rows()]
+        saved = [r.memory_saved_pct for r in pane.sorted_rows()]
         assert saved == sorted(saved, reverse=True)
-        assert [str(k.value) for k in table.rows] == [r["policy"] for r in pane.sorted_rows()]
+        assert [str(k.value) for k in table.rows] == [r.policy for r in pane.sorted_rows()]
         table.focus()
         table.move_cursor(row=0)
         await pilot.press("enter")
         await pilot.pause()
         top = pane.sorted_rows()[0]
         assert app.query_one(TabbedContent).active == "run"
-        assert app.run_pane.query_one("#candidate", Input).value == top["policy_string"]
+        assert app.run_pane.query_one("#candidate", Input).value == top.policy_string
         assert app.run_pane.query_one("#max-tokens", Input).value == "6"
         assert app.session.compares == [pane.result]
 

@@ -51,26 +51,26 @@ async def test_a_sweep_opens_in_compare_sorts_and_opens_a_cell_in_run(data_dir, 
         table = pane.query_one("#cmp-table", DataTable)
         ids = [c["cell_id"] for c in report.cells]
         assert sorted(str(k.value) for k in table.rows) == sorted(ids) and table.row_count == 6
-        assert {r["policy"] for r in pane.result.rows} == {
+        assert {r.policy for r in pane.result.rows} == {
             f"{p} @ {t} [tiny]" for p in ("turbo4", "turbo2", "q8k-q8v") for t in ("capital", "sky")}
         # the verdicts shown are the cells' own
         by_id = {c["cell_id"]: c for c in report.cells}
         for r in pane.result.rows:
-            assert r["verdict"] == by_id[r["row_key"]]["results"]["validate"]["verdict"]
+            assert r.verdict == by_id[r.row_key]["results"]["validate"]["verdict"]
         cols = list(table.columns.values())
         x = 1 + sum(c.get_render_width(table) for c in cols[:4]) + 2  # inside the "token match" header
         await pilot.click("#cmp-table", offset=(x, 1))
         await pilot.pause()
         assert pane.sort_key == "token_match_ratio"
-        shown = [r["token_match_ratio"] for r in pane.sorted_rows()]
+        shown = [r.token_match_ratio for r in pane.sorted_rows()]
         assert shown == sorted(shown, reverse=True)
-        assert [str(k.value) for k in table.rows] == [r["row_key"] for r in pane.sorted_rows()]
+        assert [str(k.value) for k in table.rows] == [r.row_key for r in pane.sorted_rows()]
         table.focus()
         table.move_cursor(row=5)
         await pilot.press("enter")
         await pilot.pause()
         last = pane.sorted_rows()[5]
-        cell = by_id[last["row_key"]]["cell"]
+        cell = by_id[last.row_key]["cell"]
         assert app.query_one(TabbedContent).active == "run"
         assert app.run_pane.query_one("#candidate", Input).value == cell["policy_string"]
         assert app.run_pane.query_one("#prompt", TextArea).text == cell["text"]["prompt"]

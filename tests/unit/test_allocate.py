@@ -14,15 +14,13 @@ from tqbench.engine.allocate import (
     SensitivityTable,
     allocate_policy,
     frontier,
-    load_policy_artifact,
     measure_sensitivity,
     rank_correlation,
-    save_policy_artifact,
     solve_allocation,
 )
 from tqbench.engine.cache.estimate import KVGeometry, estimate_kv, store_bytes
 from tqbench.engine.events import Cancelled, SensitivityMeasured
-from tqbench.engine.policy import parse_policy
+from tqbench.engine.policy import load_policy_artifact, parse_policy, save_policy_artifact
 
 SMALL = dict(calibration="bread", calib_prefill=48, calib_steps=8, verify_prefill=48, verify_steps=6, context=96,
              base="sink=2,recent=4")

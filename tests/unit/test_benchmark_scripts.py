@@ -44,8 +44,9 @@ def test_decode_benchmark_quick_on_tiny(tmp_path):
 
 
 def test_frontier_benchmark_on_tiny_reuses_an_artifacts_verified_point(tmp_path):
-    from tqbench.engine.allocate import allocate_policy, save_policy_artifact
+    from tqbench.engine.allocate import allocate_policy
     from tqbench.engine.engine import Engine
+    from tqbench.engine.policy import save_policy_artifact
 
     engine = Engine.tiny()
     rep = allocate_policy(engine, 4.5, calibration="bread", calib_prefill=48, calib_steps=8, verify_prefill=48,

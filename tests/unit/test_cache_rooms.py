@@ -17,14 +17,14 @@ from tqbench.engine.cache import (
     TQLayer,
     default_geometry,
     estimate_kv,
-    kv_estimate,
+    model_geometry,
 )
 from tqbench.engine.policy import LayerPlan, Policy
 
 
 def test_default_geometry_comes_from_the_shipped_config_once():
     g = default_geometry()
-    assert g == KVGeometry(30, 3, 64) == kv_estimate.model_geometry("default").geometry
+    assert g == KVGeometry(30, 3, 64) == model_geometry("default").geometry
     assert default_geometry() is g  # cached
 
 
@@ -40,12 +40,6 @@ def test_cache_modes_are_the_torch_free_constants():
     from tqbench import constants
 
     assert CACHE_MODES is constants.CACHE_MODES
-
-
-def test_kv_estimate_module_keeps_the_cli_names():
-    for name in ("model_geometry", "shipped_models", "explicit_geometry", "parse_bytes", "kv_estimate",
-                 "longest_context"):
-        assert callable(getattr(kv_estimate, name)), name
 
 
 def test_seed_wrapper_reads_what_a_seed_style_simulate_layer_reads():

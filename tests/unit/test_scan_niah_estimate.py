@@ -8,8 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tqbench.engine.cache.estimate import KVGeometry
-from tqbench.engine.cache.kv_estimate import (
+from tqbench.engine.cache import (
     explicit_geometry,
     kv_estimate,
     longest_context,
@@ -17,6 +16,7 @@ from tqbench.engine.cache.kv_estimate import (
     parse_bytes,
     shipped_models,
 )
+from tqbench.engine.cache.estimate import KVGeometry
 from tqbench.engine.events import ScanLayerDone
 from tqbench.engine.policy import parse_policy
 from tqbench.engine.scan import (
@@ -149,7 +149,7 @@ def test_kv_estimate_32_layers_8_heads_128_at_32k_by_hand():
     rep = kv_estimate(explicit_geometry(layers, heads, d), ["fp16", "turbo4"], seq)
     fp16, turbo4 = rep.rows
     # fp16: K and V, every token, 2 bytes per element
-    assert fp16["total_bytes"] == 2 * layers * heads * seq * d * 2 == 4_294_967_296
+    assert fp16.total_bytes == 2 * layers * heads * seq * d * 2 == 4_294_967_296
     # turbo4 (sink=4, recent=16): 20 rows per head stay fp16; the other 32748 rows pack 128 x 4-bit indices
     # (64 bytes) + a 2-byte fp16 norm = 66 bytes; K also stores its fp16 centering mean per head (128 x 2 bytes).
     fp_rows = 20 * heads * d * 2
@@ -158,10 +158,10 @@ def test_kv_estimate_32_layers_8_heads_128_at_32k_by_hand():
     per_layer = 2 * (fp_rows + packed) + k_mean
     # shared once: one 128x128 fp32 rotation for K and one for V (different seeds) + the 16-entry fp32 codebook
     shared = 2 * 128 * 128 * 4 + 16 * 4
-    assert turbo4["shared_bytes"] == shared
-    assert turbo4["total_bytes"] == layers * per_layer + shared == 1_109_438_528
-    assert turbo4["dense_fp16_bytes"] == fp16["total_bytes"]
-    assert turbo4["bits_per_element"] == round(1_109_438_528 * 8 / (4_294_967_296 / 2), 4)
+    assert turbo4.shared_bytes == shared
+    assert turbo4.total_bytes == layers * per_layer + shared == 1_109_438_528
+    assert turbo4.dense_fp16_bytes == fp16.total_bytes
+    assert turbo4.bits_per_element == round(1_109_438_528 * 8 / (4_294_967_296 / 2), 4)
 
 
 def test_longest_context_and_budget():
@@ -170,7 +170,7 @@ def test_longest_context_and_budget():
     assert longest_context("fp16", geo.geometry, 24 * 2**30) == 24 * 2**30 // per_token == 196608
     assert longest_context("fp16", geo.geometry, per_token - 1) == 0
     rep = kv_estimate(geo, ["turbo4"], 1024, memory_budget_bytes=parse_bytes("1GiB"))
-    n = rep.rows[0]["max_seq_len_in_budget"]
+    n = rep.rows[0].max_seq_len_in_budget
     from tqbench.engine.cache.estimate import estimate_kv
 
     assert estimate_kv("turbo4", geo.geometry, n).total_bytes <= 2**30 < estimate_kv("turbo4", geo.geometry, n + 1).total_bytes
@@ -191,7 +191,7 @@ def test_shipped_model_configs():
     # sliding layers keep transformers' bounded window (4095 tokens), so at 8K the fp16 bytes are:
     rep = kv_estimate(gemma, ["fp16"], 8192)
     per_tok = 2 * 8 * 256 * 2
-    assert rep.rows[0]["total_bytes"] == 21 * 8192 * per_tok + 21 * 4095 * per_tok
+    assert rep.rows[0].total_bytes == 21 * 8192 * per_tok + 21 * 4095 * per_tok
     assert model_geometry("default").geometry == KVGeometry(30, 3, 64)
     assert model_geometry("meta-llama/Llama-3.1-8B-Instruct").name == "Llama-3.1-8B"
     assert model_geometry("google/gemma-2-9b-it").name == "Gemma-2-9B"

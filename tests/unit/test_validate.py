@@ -11,6 +11,7 @@ from tqbench.engine.metrics import compare_tokens, decide_verdict
 from tqbench.engine.validate import (
     Cancelled,
     CompareResult,
+    CompareRow,
     compare_policies,
     recommend_policy,
     self_test,
@@ -52,12 +53,12 @@ def test_verdict_rules():
 
 
 def test_recommend_policy_rule():
-    rows = [
+    rows = [CompareRow.from_dict(r) for r in [
         {"policy": "a", "verdict": "exact-match", "memory_saved_pct": 40.0, "token_match_ratio": 1.0, "kl_mean": 0.0},
         {"policy": "b", "verdict": "exact-match", "memory_saved_pct": 60.0, "token_match_ratio": 1.0, "kl_mean": 0.0},
         {"policy": "c", "verdict": "near-stable", "memory_saved_pct": 75.0, "token_match_ratio": 0.95, "kl_mean": 0.01},
         {"policy": "d", "verdict": "diverged", "memory_saved_pct": 80.0, "token_match_ratio": 0.1, "kl_mean": 0.2},
-    ]
+    ]]
     rec = recommend_policy(rows)
     assert (rec["recommended_policy"], rec["status"], rec["unsafe_policies"]) == ("b", "compressed-policy", ["d"])
     rec = recommend_policy(rows[2:])
@@ -181,7 +182,8 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
     plain = tiny_engine.generate("Rivers carry", "turbo2", max_new_tokens=6)
     cell = [c for c in d["cells"] if c["policy"] == "turbo2" and c["prompt_index"] == 1][0]
     assert cell["text"] == plain.text
-    assert d["recommendation"] == recommend_policy(d["rows"])
+    assert d["recommendation"] == recommend_policy([CompareRow.from_dict(r) for r in d["rows"]])
+    assert [r.to_dict() for r in res.rows] == d["rows"]  # typed rows, the same JSON
     # from_dict inverts to_dict exactly, in memory and through JSON (a saved session's comparison)
     assert CompareResult.from_dict(res.to_dict()).to_dict() == res.to_dict()
     assert json.dumps(CompareResult.from_dict(d).to_dict()) == json.dumps(res.to_dict())

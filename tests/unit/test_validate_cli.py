@@ -29,7 +29,7 @@ def one_line_error(r, text: str) -> None:
     (["validate", "--self-test", "--candidate", "turbo4"], "--self-test compares the baseline with itself"),
     (["validate", "--prompt", "x", "--prompt-file", "y"], "give either --prompt or --prompt-file, not both"),
     (["validate", "--corpus", "bread"], "--corpus only applies to --teacher-forced"),
-    (["validate", "--prompt", "word " * 5000], "tokens were asked for, but tiny-random has a context of 4096"),
+    (["validate", "--prompt", "word " * 5000], "tiny-random has a context of 4096 tokens: no room is left for new tokens"),
     (["scan", "--layers", "0,9"], "layer index 9 is out of range for a model with 4 layers"),
     (["scan", "--codecs", "int8,int3"], "unknown codec 'int3': valid codecs are"),
     (["compare-policies", "--policies", "turbo4,bogus"], "unknown policy preset 'bogus'"),

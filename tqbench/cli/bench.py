@@ -46,24 +46,23 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
         return open_workbench(ctx, "run", dict(
             prompt=read_prompt(prompt, prompt_file), chat=chat, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, seed=seed, candidate=kv_policy, cache_mode=cache_mode))
-    from tqbench.cli.render.console import err, load_engine
+    from tqbench.cli.render.console import err, load_engine, warn_policies
     from tqbench.cli.render.tables import BenchRun, print_bench
-    from tqbench.engine import Sampling, parse_policy
+    from tqbench.engine import GenerationRequest, parse_policy
 
-    if max_new_tokens < 1:
-        raise click.BadParameter(f"{max_new_tokens} is invalid: ask for at least 1 token", param_hint="--max-new-tokens")
+    request = GenerationRequest(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     policy = parse_policy(kv_policy)
-    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     text = read_prompt(prompt, prompt_file)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    warn_policies(engine, policy)
     recorder = None
     if save_session:
         from tqbench.sessions import RunRecorder
 
         recorder = RunRecorder(text, chat, max_new_tokens, dict(temperature=temperature, top_p=top_p, seed=seed),
                                kind="bench")
-    result = _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, recorder, not as_json,
-                       prefill_chunk)
+    result = _generate(engine, text, policy, cache_mode, max_new_tokens, chat, request.sampling, recorder,
+                       not as_json, prefill_chunk)
     run = BenchRun.of(engine, result, policy, torch_threads())
     if recorder is not None:
         saved = save_headless_session(save_session, engine, model, [recorder.record])

@@ -48,7 +48,7 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
                      as_json):
     """Several candidate policies against one baseline: a matrix and a recommendation."""
     from tqbench.cli.render.compare import compare_md, print_compare
-    from tqbench.cli.render.console import load_engine
+    from tqbench.cli.render.console import load_engine, warn_policies
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine import compare_policies as run_compare
     from tqbench.engine import parse_policy
@@ -62,6 +62,7 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
     texts = prompt_list(prompts, prompt_files)
     check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    warn_policies(engine, base, *names)
     total = len(texts) * (len(names) + 1)
     with EventProgress(enabled=not as_json, total=total, label="compare") as prog:
         res = run_compare(engine, names, texts, baseline=base, cache_mode=cache_mode,
@@ -98,7 +99,7 @@ def niah(model, device, dtype, threads, policies, baseline, cache_mode, lengths,
     from tqbench.cli.render.compare import niah_md, print_niah
     from tqbench.cli.render.console import load_engine
     from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine import needle_in_haystack, parse_policy
+    from tqbench.engine import check_max_new_tokens, needle_in_haystack, parse_policy
 
     lens = ints(lengths, "--lengths")
     deps = floats(depths, "--depths")
@@ -107,8 +108,7 @@ def niah(model, device, dtype, threads, policies, baseline, cache_mode, lengths,
     for n in names:
         if parse_policy(n).label == base.label:
             raise ValueError(f"policy {n!r} is the baseline: list only candidates in --policies")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} is invalid: ask for at least 1 token")
+    check_max_new_tokens(max_new_tokens)
     check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     total = len(lens) * len(deps) * (len(names) + 1)

@@ -37,7 +37,8 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, kv_policy, me
                 report_json, report_md, as_json):
     """KV bytes, bits per element and saving for a model geometry (config only, no weights)."""
     from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
-    from tqbench.engine.cache import kv_estimate as ke
+    from tqbench.engine.cache import explicit_geometry, model_geometry, parse_bytes
+    from tqbench.engine.cache import kv_estimate as estimate_report
 
     if list_models:
         return _list_models(as_json)
@@ -46,23 +47,23 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, kv_policy, me
         raise ValueError("give either --model or --layers/--kv-heads/--head-dim, not both")
     if any(explicit) and not all(explicit):
         raise ValueError("an explicit geometry needs all three of --layers, --kv-heads and --head-dim")
-    geo = ke.explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else ke.model_geometry(model or "default")
-    budget = ke.parse_bytes(memory_budget) if memory_budget is not None else None
+    geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else model_geometry(model or "default")
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
     check_out_paths(report_json, report_md)
-    rep = ke.kv_estimate(geo, policy_list(kv_policy), seq_len, batch, budget)
+    rep = estimate_report(geo, policy_list(kv_policy), seq_len, batch, budget)
     write_reports(rep.to_dict(), kv_estimate_md(rep), report_json, report_md, as_json)
     if not as_json:
         print_kv_estimate(rep)
     if budget is not None:
-        over = [r["kv_policy"] for r in rep.rows if r["total_bytes"] > budget]
+        over = [r.kv_policy for r in rep.rows if r.total_bytes > budget]
         gate(not over, f"{', '.join(over)} do(es) not fit {memory_budget} at {seq_len} tokens")
 
 
 def _list_models(as_json: bool) -> None:
     from tqbench.cli.render.estimate import print_models
-    from tqbench.engine.cache import kv_estimate as ke
+    from tqbench.engine.cache import model_geometry, shipped_models
 
-    models = [ke.model_geometry(m) for m in ke.shipped_models()]
+    models = [model_geometry(m) for m in shipped_models()]
     if as_json:
         click.echo(json.dumps([m.to_dict() for m in models], indent=2))
     else:

@@ -162,12 +162,13 @@ def check_out_paths(report_json: str | None, report_md: str | None) -> None:
 
 def write_reports(payload: dict, md: str | None, report_json: str | None, report_md: str | None,
                   as_json: bool) -> None:
+    """``--report-json`` / ``--report-md`` (written atomically: ``engine.atomic``) and ``--json`` on stdout."""
+    from tqbench.engine.atomic import atomic_write
+
     if report_json:
-        with open(report_json, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=2)
+        atomic_write(report_json, json.dumps(payload, indent=2).encode("utf-8"))
     if report_md and md is not None:
-        with open(report_md, "w", encoding="utf-8") as fh:
-            fh.write(md)
+        atomic_write(report_md, md.encode("utf-8"))
     if as_json:
         click.echo(json.dumps(payload, indent=2))
 

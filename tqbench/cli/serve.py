@@ -28,7 +28,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               "start-up line and /health say which and why. Requests may override it with \"cache_mode\".")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--max-new-tokens", type=int, default=256, show_default=True,
               help="Cap on max_tokens per request (also the default when a request sends none).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests allowed to wait behind the running one; more get 429 with Retry-After.")
@@ -54,12 +54,13 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
     try:
         import uvicorn
 
-        from tqbench.engine import parse_policy
+        from tqbench.engine import check_max_new_tokens, parse_policy
         from tqbench.server import create_app
         from tqbench.server.admission import KVBudget
     except ImportError as exc:
         fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
     try:
+        check_max_new_tokens(max_new_tokens)
         parse_policy(kv_policy)
         if kv_budget != "auto":
             KVBudget.resolve(kv_budget)
@@ -70,6 +71,9 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         from tqbench.cli.render.console import load_engine
 
         engine = load_engine(model, device, dtype, threads)
+        warning = engine.policy_warning(kv_policy)  # also in every response: tqbench.policy_warning + a header
+        if warning:
+            click.echo(f"warning: kv_policy {parse_policy(kv_policy).label}: {warning}", err=True)
         app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, kv_budget=kv_budget, max_new_tokens=max_new_tokens,
                          max_queue=max_queue, api_key=api_key, model_aliases=(model,), max_batch=max_batch,
                          prefill_chunk=prefill_chunk)

@@ -52,7 +52,8 @@ def sweep(spec_path, out, ray_address, resume, threads, report_json, report_md, 
                 elif isinstance(ev, SweepModelLoaded):
                     err.print(f"loaded {ev.name} ({ev.where})")
                 elif isinstance(ev, SweepCellFinished) and ev.status != "ok":
-                    err.print(f"[red]cell failed[/]: {ev.label}: {ev.error}", markup=True, highlight=False)
+                    err.print(f"[red]cell failed[/]: {ev.label}: {ev.error}", markup=True, highlight=False,
+                              soft_wrap=True)
             prog(ev)
 
         report = run_sweep(spec, out, resume=resume, ray=use_ray, ray_address=ray_address or None,

@@ -57,18 +57,19 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
              teacher_forced, corpus, tf_context, tf_tokens, max_kl, temperature, seed, prefill_chunk, report_json,
              report_md, as_json):
     """Does a candidate policy change what the model says? Verdict, metrics and a recommendation."""
-    from tqbench.cli.render.console import load_engine
-    from tqbench.engine import Sampling, parse_policy
+    from tqbench.cli.render.console import load_engine, warn_policies
+    from tqbench.engine import GenerationRequest, parse_policy
     from tqbench.engine.validate import check_generation_args
 
     _check_flags(candidate, self_test, teacher_forced, corpus, max_kl)
+    request = GenerationRequest(max_new_tokens, temperature=temperature, seed=seed)
     check_generation_args(max_new_tokens, quality_threshold)
     candidate = candidate or "turbo4"
     base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate)
     text = prompt_text(prompt, prompt_file)
-    sampling = Sampling(temperature=temperature, seed=seed)
     check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    warn_policies(engine, cand_pol, base_pol)
     reports = dict(report_json=report_json, report_md=report_md, as_json=as_json)
     if teacher_forced:
         rep = _teacher_forced(engine, model, cand_pol, None if corpus else text, corpus, tf_context, tf_tokens,
@@ -77,7 +78,7 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
             worst = max(r.kl_mean for r in rep.results)
             gate(worst <= max_kl, f"teacher-forced mean KL {worst:.5f} is above --max-kl {max_kl}")
         return
-    kw = dict(chat=chat, max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
+    kw = dict(chat=chat, max_new_tokens=max_new_tokens, sampling=request.sampling, collect_logits=collect_logits,
               per_step=not no_per_step, quality_threshold=quality_threshold, prefill_chunk=prefill_chunk)
     report = _lockstep(engine, model, text, base_pol, cand_pol, cache_mode, baseline_mode, self_test, kw, reports)
     if self_test:

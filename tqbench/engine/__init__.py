@@ -3,7 +3,7 @@
 This package is the one door the front ends (CLI, TUI, server, sessions) use: ``from tqbench.engine import
 Engine, parse_policy, run_validate ...``. Names load lazily, so ``import tqbench.engine`` does not import
 torch; each name comes from its room's package (``tqbench.engine.policy``, ``.cache``, ``.validate``,
-``.scan``, ``.models``, ``.allocate``) or from a top-level engine module (``engine``, ``generate``, ``metrics``), never
+``.scan``, ``.models``, ``.allocate``) or from a top-level engine module (``engine``, ``generate``, ``metrics``, ``request``), never
 from a module inside a room, so rooms may rearrange their modules freely.
 
 ``validate`` and ``scan`` are rooms (subpackages), so their main functions come through the door as
@@ -20,11 +20,12 @@ _SCAN = "tqbench.engine.scan"
 _METRICS = "tqbench.engine.metrics"
 _GENERATE = "tqbench.engine.generate"
 _ALLOCATE = "tqbench.engine.allocate"
+_REQUEST = "tqbench.engine.request"
 
 # public name -> (module, attribute in that module)
 _LAZY: dict[str, tuple[str, str]] = {
     "Engine": ("tqbench.engine.engine", "Engine"),
-    "PromptTooLongError": ("tqbench.engine.engine", "PromptTooLongError"),
+    "PromptTooLongError": (_REQUEST, "PromptTooLongError"),
     "LoadedModel": (_MODELS, "LoadedModel"),
     "ResolvedModel": (_MODELS, "ResolvedModel"),
     "ModelLoadError": (_MODELS, "ModelLoadError"),
@@ -35,7 +36,14 @@ _LAZY: dict[str, tuple[str, str]] = {
     "parse_policy": (_POLICY, "parse_policy"),
     "PRESETS": (_POLICY, "PRESETS"),
     "get_preset": (_POLICY, "get_preset"),
-    "Sampling": (_GENERATE, "Sampling"),
+    "Sampling": (_REQUEST, "Sampling"),
+    "GenerationRequest": (_REQUEST, "GenerationRequest"),
+    "RequestError": (_REQUEST, "RequestError"),
+    "check_max_new_tokens": (_REQUEST, "check_max_new_tokens"),
+    "check_context": (_REQUEST, "check_context"),
+    "check_temperature": (_REQUEST, "check_temperature"),
+    "check_top_p": (_REQUEST, "check_top_p"),
+    "check_prefill_chunk": (_REQUEST, "check_prefill_chunk"),
     "GenerationResult": (_GENERATE, "GenerationResult"),
     "Cancelled": (_GENERATE, "Cancelled"),
     "TQCache": (_CACHE, "TQCache"),
@@ -55,8 +63,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "capture_qkv": (_SCAN, "capture_qkv"),
     "allocate_policy": (_ALLOCATE, "allocate_policy"),
     "frontier": (_ALLOCATE, "frontier"),
-    "save_policy_artifact": (_ALLOCATE, "save_policy_artifact"),
-    "load_policy_artifact": (_ALLOCATE, "load_policy_artifact"),
+    "save_policy_artifact": (_POLICY, "save_policy_artifact"),
+    "load_policy_artifact": (_POLICY, "load_policy_artifact"),
 }
 
 __all__ = list(_LAZY)

@@ -1,5 +1,7 @@
 """One way to write a file so a crash never leaves half of it: a temp file in the same folder, fsync,
-``os.replace``. Used by saved sessions (``tqbench.sessions.store``) and sweep results (``engine.sweep.store``)."""
+``os.replace``. Every writer of a file a user keeps uses it: saved sessions and kept policies (``tqbench.sessions``),
+sweep results (``engine.sweep.store``), policy artifacts, calibrated transforms, allocate's partial results and the
+CLI's ``--report-json`` / ``--report-md``."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def check_output_path(path: str | os.PathLike, suffix: str, what: str) -> Path:
     return path
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same folder and ``os.replace``."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
@@ -13,14 +14,12 @@ from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
-from tqbench.engine.policy.artifact import artifact_warning_for
 from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.request import PromptTooLongError, check_context
+
+__all__ = ["Engine", "Prompt", "PromptTooLongError"]
 
 Prompt = str | list[dict]
-
-
-class PromptTooLongError(ValueError):
-    pass
 
 
 class Engine:
@@ -83,28 +82,43 @@ class Engine:
             if not isinstance(prompt, str):
                 prompt = "\n".join(m.get("content", "") for m in prompt)
             ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        limit = self.max_context
-        if limit and ids.shape[1] + max_new_tokens > limit:
-            raise PromptTooLongError(
-                f"the prompt has {ids.shape[1]} tokens and {max_new_tokens} new tokens were asked for, but "
-                f"{self.name} has a context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
-            )
+        check_context(int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
         return ids
 
     # -- caches -------------------------------------------------------------------------------------
     def make_cache(self, policy: Policy | str | None, cache_mode: str = "compressed"):
-        """A plain ``DynamicCache`` for ``None``; a ``TQCache`` otherwise (fused mode wires the attention)."""
+        """A plain ``DynamicCache`` for ``None``; a ``TQCache`` otherwise (fused mode wires the attention).
+
+        A policy fitted on another model warns here (``policy_warning``; the cache's ``policy_warning`` holds it)."""
         if policy is None:
             return DynamicCache(config=self.config)
         check_mode(cache_mode)
         if cache_mode == "fused":
             self.enable_fused()
-        warning = self.policy_warning(policy)
+        pol = self.check_policy(policy)
+        warning = self.policy_warning(pol)
         if warning:
             warnings.warn(warning, stacklevel=2)
-        pol = parse_policy(policy)
         self.check_transforms(pol)
-        return TQCache(pol, self.config, mode=cache_mode)
+        # checked above with this model's fingerprint: the cache gets the policy without its provenance so that
+        # its own (geometry-only) check does not warn a second time
+        cache = TQCache(replace(pol, fitted_on=None), self.config, mode=cache_mode)
+        cache.policy_warning = warning
+        return cache
+
+    def check_policy(self, policy: Policy | str) -> Policy:
+        """``policy`` parsed and planned on this model's layers (a selector past the last layer is refused); when
+        it was fitted on another model the refusal says so (``policy_warning``), since that is usually why."""
+        pol = parse_policy(policy)
+        geo = self.geometry
+        try:
+            pol.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None)
+        except ValueError as exc:
+            warning = self.policy_warning(pol)
+            if warning:
+                raise ValueError(f"{str(exc).splitlines()[0]}; {warning}") from None
+            raise
+        return pol
 
     def check_transforms(self, policy: Policy | str) -> None:
         """Refuse a policy whose calibrated (``pcaq``) key codecs use transforms fitted on another model
@@ -117,11 +131,14 @@ class Engine:
             load_transforms(pol.calib).check_model(self.loaded.fingerprint, self.name)
 
     def policy_warning(self, policy: Policy | str | None) -> str | None:
-        """Why ``policy`` may not suit this model: a saved artifact fitted on another model (its fingerprint
-        differs), else None. Front ends show it; ``make_cache`` also warns (and ``TQCache`` on another KV geometry)."""
-        if policy is None or isinstance(policy, Policy):
+        """Why ``policy`` may not suit this model: it was read from a saved artifact fitted on another model (the
+        fingerprint differs; or, when none is recorded, the KV geometry), else None. Works on every form a policy
+        arrives in (artifact path, shipped name, parsed ``Policy``): the parsed ``Policy`` carries ``fitted_on``.
+        Every front end shows it; ``make_cache`` also warns."""
+        if policy is None:
             return None
-        return artifact_warning_for(policy, self.loaded.fingerprint)  # TQCache checks the geometry
+        pol = parse_policy(policy)
+        return pol.fitted_on.warning(self.loaded.fingerprint, self.geometry) if pol.fitted_on else None
 
     def enable_fused(self) -> None:
         if not self._fused_ready:

@@ -34,31 +34,12 @@ from tqbench.engine.events import (
     TokenGenerated,
 )
 from tqbench.engine.metrics import kl_divergence, token_logprobs
+from tqbench.engine.request import GREEDY, Sampling, check_max_new_tokens, check_prefill_chunk
 
 __all__ = ["GREEDY", "Cancelled", "GenerationResult", "Sampling", "Sequence", "TextStreamer", "lockstep", "prefill",
            "stream_tokens"]
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Greedy when ``temperature == 0``; otherwise seeded temperature / top-p sampling."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} is invalid: use 0 (greedy) or a positive number")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} is invalid: use a number in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-GREEDY = Sampling()
 
 
 @dataclass
@@ -163,13 +144,10 @@ class Sequence:
                  stop: list[str] | None = None, collect_logits: bool = False, cancel: Callable[[], bool] | None = None,
                  report: Callable[[], object] | None = None, logprobs: int | None = None, echo: bool = False,
                  prefill_chunk: int | None = None) -> None:
-        if max_new_tokens < 0 or (max_new_tokens == 0 and not echo):
-            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
+        check_max_new_tokens(max_new_tokens, allow_zero=echo)
         # None: chosen by length and mode (``constants.auto_prefill_chunk``, the ``--prefill-chunk auto`` rule)
         prefill_chunk = auto_prefill_chunk(int(input_ids.shape[1]), cache_mode, prefill_chunk)
-        if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk={prefill_chunk} is invalid: use 0 (the whole prompt in one forward "
-                             "call) or a positive number of tokens per call")
+        check_prefill_chunk(prefill_chunk)
         if logprobs is not None and logprobs < 0:
             raise ValueError(f"logprobs={logprobs} is invalid: ask for 0 or more top alternatives")
         self.model, self.tokenizer, self.cache = model, tokenizer, cache

@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from tqbench.engine.request import check_quality_threshold
+
 VERDICTS = ("exact-match", "near-stable", "prefix-stable-then-diverged", "diverged")
 DEFAULT_QUALITY_THRESHOLD = 0.9
 DEFAULT_STABLE_PREFIX = 0.25
@@ -223,8 +225,7 @@ def decide_verdict(
     stable_prefix: float = DEFAULT_STABLE_PREFIX,
 ) -> str:
     """The verdict of a greedy baseline/candidate pair (rules in the module docstring)."""
-    if not 0 < quality_threshold <= 1:
-        raise ValueError(f"quality_threshold={quality_threshold} is invalid: use a number in (0, 1]")
+    check_quality_threshold(quality_threshold)
     if comparison.exact_match:
         return "exact-match"
     if comparison.prefix_match_ratio >= quality_threshold or comparison.token_match_ratio >= quality_threshold:

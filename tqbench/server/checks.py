@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import secrets
 
-from tqbench.engine import Policy, PromptTooLongError, Sampling, parse_policy
+from tqbench.engine import (
+    GenerationRequest,
+    Policy,
+    PromptTooLongError,
+    RequestError,
+    Sampling,
+    check_context,
+    check_max_new_tokens,
+    check_temperature,
+)
 from tqbench.engine.cache import check_mode
 from tqbench.server.errors import APIError
 
@@ -27,38 +36,40 @@ class RequestChecks:
                            "for clients: send a preset name or a compact policy such as 'k=turbo4,v=turbo4'",
                            param="kv_policy", code="invalid_kv_policy")
         try:
-            policy = parse_policy(text)
-            policy.plan(self._num_layers, self._layer_types)
+            policy = self.engine.check_policy(text)
         except ValueError as exc:
             raise APIError(400, f"kv_policy={text!r} is invalid: {exc} (GET /v1/kv_policies lists the presets)",
                            param="kv_policy", code="invalid_kv_policy") from None
         return policy
 
     def sampling(self, req) -> tuple[Sampling, int | None]:
+        """The request's sampling (the engine's rules; OpenAI caps temperature at 2)."""
         temperature = 0.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0 <= temperature <= MAX_TEMPERATURE:
-            raise APIError(400, f"temperature={temperature} is invalid: use a number from 0 (greedy) to "
-                           f"{MAX_TEMPERATURE:g}", param="temperature", code="invalid_value")
-        if not 0 < top_p <= 1:
-            raise APIError(400, f"top_p={top_p} is invalid: use a number in (0, 1]", param="top_p",
-                           code="invalid_value")
+        try:
+            check_temperature(temperature, maximum=MAX_TEMPERATURE)
+            GenerationRequest(temperature=temperature, top_p=top_p)
+        except RequestError as exc:
+            raise APIError(400, str(exc), param=exc.field, code="invalid_value") from None
         seed = req.seed
         if temperature > 0 and seed is None:
             seed = secrets.randbelow(2**31)
         return Sampling(temperature=temperature, top_p=top_p, seed=seed or 0), seed
 
-    def token_budget(self, req, allow_zero: bool = False) -> tuple[int | None, str]:
+    def token_budget(self, req, allow_zero: bool = False, echo_possible: bool = False) -> tuple[int | None, str]:
+        """``max_completion_tokens`` / ``max_tokens`` (the engine's rule, in the client's spelling) under the
+        server's cap; ``echo_possible`` (``/v1/completions``) adds how a 0 would be allowed."""
         if req.max_completion_tokens is not None:
             value, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             value, param = req.max_tokens, "max_tokens"
         if value is None:
             return None, param
-        if value < 0 or (value == 0 and not allow_zero):
-            more = " (0 is allowed with echo=true: score the prompt only)" if value == 0 else ""
-            raise APIError(400, f"{param}={value} is invalid: ask for at least 1 token{more}", param=param,
-                           code="invalid_value")
+        try:
+            check_max_new_tokens(value, param, allow_zero=allow_zero)
+        except RequestError as exc:
+            hint = " (0 is allowed with echo=true: score the prompt only)" if value == 0 and echo_possible else ""
+            raise APIError(400, exc.spelled(param) + hint, param=param, code="invalid_value") from None
         if value > self.max_new_tokens:
             raise APIError(400, f"{param}={value} is above this server's cap of {self.max_new_tokens} tokens "
                            f"(tqbench serve --max-new-tokens): ask for at most {self.max_new_tokens}",
@@ -66,34 +77,26 @@ class RequestChecks:
         return value, param
 
     def encode(self, prompt, chat: bool, budget: int | None, param: str):
+        """The prompt's ids and the new-token budget (None: as many as fit, up to the server's cap); a prompt that
+        does not fit gets the engine's context message (``check_context``) with ``param`` as the field."""
         limit = self.engine.max_context
+        where = "messages" if chat else "prompt"
         try:
             ids = self.prompt_ids(prompt) if isinstance(prompt, list) and not chat else \
                 self.engine.encode_prompt(prompt, chat=chat, max_new_tokens=0)
-            if limit and ids.shape[1] > limit:
-                raise PromptTooLongError(f"{ids.shape[1]} tokens")
-        except PromptTooLongError:
-            raise APIError(400, f"the prompt is longer than {self.model_id}'s context of {limit} tokens: "
-                           "shorten it", param="messages" if chat else "prompt",
+            n = int(ids.shape[1])
+            check_context(n, budget, limit, self.model_id, param)
+        except PromptTooLongError as exc:
+            raise APIError(400, exc.spelled(param), param=where if exc.no_room else param,
                            code="context_length_exceeded") from None
         except APIError:
             raise
         except Exception as exc:  # e.g. a chat template that refuses a role order
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise APIError(400, f"the prompt could not be encoded: {first}",
-                           param="messages" if chat else "prompt", code="invalid_prompt") from None
-        n = ids.shape[1]
+            raise APIError(400, f"the prompt could not be encoded: {first}", param=where,
+                           code="invalid_prompt") from None
         if budget is None:
             budget = self.max_new_tokens if not limit else min(self.max_new_tokens, limit - n)
-            if budget < 1:
-                raise APIError(400, f"the prompt has {n} tokens and fills {self.model_id}'s context of {limit} "
-                               "tokens: shorten it", param="messages" if chat else "prompt",
-                               code="context_length_exceeded")
-        elif limit and n + budget > limit:
-            raise APIError(400, f"the prompt has {n} tokens and {param}={budget} more were asked for, but "
-                           f"{self.model_id} has a context of {limit} tokens: shorten the prompt or lower "
-                           f"{param} to at most {max(0, limit - n)}", param=param,
-                           code="context_length_exceeded")
         return ids, budget
 
     def prompt_ids(self, ids: list[int]):

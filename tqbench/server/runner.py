@@ -20,6 +20,7 @@ from tqbench.server.stream import (
     extension,
     full_response,
     new_id,
+    warning_header,
 )
 from tqbench.server.worker import END, Job, JobFailed, JobStarted, QueueFull, ShuttingDown
 
@@ -35,9 +36,10 @@ class RequestRunner:
         prompt = chat_messages(req) if chat else completion_prompt(req)
         stop = req.stop_list()
         top, echo = req.logprob_options(chat)
-        budget, param = self.token_budget(req, allow_zero=echo)
+        budget, param = self.token_budget(req, allow_zero=echo, echo_possible=not chat)
         sampling, seed = self.sampling(req)
         policy = self.request_policy(req.kv_policy)
+        warning = self.policy_warning if req.kv_policy is None else self.engine.policy_warning(policy)
         mode = self.request_mode(req.cache_mode)
         detail = req.report_detail()
         ids, budget = self.encode(prompt, chat, budget, param)
@@ -71,13 +73,14 @@ class RequestRunner:
         if req.stream:
             writer = ChunkWriter(chat=chat, model=self.model_id, include_usage=req.include_usage,
                                  logprobs=None if top is None else self.texts)
-            return StreamingResponse(self._sse(job, writer, stop, seed, waited, detail),
+            return StreamingResponse(self._sse(job, writer, stop, seed, waited, detail, warning),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              **warning_header(warning)})
         echo_text = None
         if echo:
             echo_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
-        return await self._collect(job, request, chat, stop, seed, waited, detail, top, echo_text)
+        return await self._collect(job, request, chat, stop, seed, waited, detail, top, echo_text, warning)
 
     async def _next(self, job: Job, request: Request | None):
         """The job's next event; with ``request``, poll for a client disconnect meanwhile (cancels the job)."""
@@ -116,7 +119,7 @@ class RequestRunner:
             pass
 
     async def _collect(self, job: Job, request: Request, chat: bool, stop, seed, waited: float, detail: str,
-                       top: int | None = None, echo_text: str | None = None):
+                       top: int | None = None, echo_text: str | None = None, warning: str | None = None):
         trimmer = StopTrimmer(stop)
         result = None
         failure = None
@@ -145,11 +148,12 @@ class RequestRunner:
             logprobs = chat_logprobs(generated, self.texts) if chat else completion_logprobs(generated, self.texts, scored)
         text = trimmer.final_text if echo_text is None else echo_text + trimmer.final_text
         body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=text,
-                             result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk),
+                             result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk, warning),
                              logprobs=logprobs)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=warning_header(warning))
 
-    async def _sse(self, job: Job, writer: ChunkWriter, stop, seed, waited: float, detail: str):
+    async def _sse(self, job: Job, writer: ChunkWriter, stop, seed, waited: float, detail: str,
+                   warning: str | None = None):
         trimmer = StopTrimmer(stop)
         try:
             if writer.chat:
@@ -169,7 +173,7 @@ class RequestRunner:
                         yield writer.text(rest)
                     self.last = (writer.id, writer.created, item.result)
                     yield writer.finish(item.result, extension(item.result, seed, waited, detail,
-                                                               self.prefill_chunk))
+                                                               self.prefill_chunk, warning))
                 elif isinstance(item, JobFailed):
                     yield writer.error(_engine_error(item.error).body())
             yield writer.done()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from tqbench.engine import Policy, parse_policy
+from tqbench.engine import Policy, check_max_new_tokens, check_prefill_chunk
 from tqbench.engine.cache import check_mode
 from tqbench.server.admission import KVBudget
 from tqbench.server.checks import RequestChecks
@@ -25,15 +25,15 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
     def __init__(self, engine, *, kv_policy: str | Policy, cache_mode: str, max_new_tokens: int,
                  max_queue: int, model_aliases: tuple[str, ...] = (), max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = 0, kv_budget: KVBudget | str | int | None = None) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: allow at least 1 token")
-        if prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk={prefill_chunk} is invalid: use 0 (the whole prompt in one forward "
-                             "call) or a positive number of tokens per call")
+        check_max_new_tokens(max_new_tokens)
+        check_prefill_chunk(prefill_chunk)
         self.prefill_chunk = prefill_chunk
         self.texts = TokenTexts(engine.tokenizer)
         self.engine = engine
-        self.policy = parse_policy(kv_policy)
+        self.policy = engine.check_policy(kv_policy)
+        #: the default policy was fitted on another model (``Engine.policy_warning``): the start-up line, every
+        #: response's ``tqbench.policy_warning`` and its ``X-TQBench-Policy-Warning`` header say so
+        self.policy_warning = engine.policy_warning(self.policy)
         if cache_mode == "auto":
             cache_mode, self.mode_reason = auto_mode(engine)
         else:
@@ -42,10 +42,6 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         self.max_new_tokens = max_new_tokens
         self.model_id = engine.name
         self.model_names = {engine.name, *[a for a in model_aliases if a]}
-        geometry = engine.geometry
-        self._num_layers = geometry.num_layers
-        self._layer_types = list(geometry.layer_types) if geometry.layer_types else None
-        self.policy.plan(self._num_layers, self._layer_types)
         if self.cache_mode == "fused":
             engine.enable_fused()
         if not isinstance(kv_budget, KVBudget):

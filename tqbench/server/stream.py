@@ -86,10 +86,24 @@ def cache_report_body(report, detail: str = "summary") -> dict | None:
     return body
 
 
-def extension(result, seed: int | None, waited: float, detail: str = "summary", prefill_chunk: int = 0) -> dict:
-    """The ``tqbench`` extension field: the request's KV policy, its cache report and timings."""
+#: the response header that carries ``Engine.policy_warning`` (the request's policy was fitted on another model)
+POLICY_WARNING_HEADER = "X-TQBench-Policy-Warning"
+
+
+def warning_header(warning: str | None) -> dict[str, str]:
+    """``{POLICY_WARNING_HEADER: warning}`` when there is one (HTTP headers are Latin-1: others become '?')."""
+    if not warning:
+        return {}
+    return {POLICY_WARNING_HEADER: warning.encode("latin-1", "replace").decode("latin-1")}
+
+
+def extension(result, seed: int | None, waited: float, detail: str = "summary", prefill_chunk: int = 0,
+              policy_warning: str | None = None) -> dict:
+    """The ``tqbench`` extension field: the request's KV policy, its cache report and timings, and
+    ``policy_warning`` (None, or why the policy may not suit this model: fitted on another one)."""
     return {
         "kv_policy": result.kv_policy,
+        "policy_warning": policy_warning,
         "cache_mode": result.cache_mode,
         "stopped_by": result.stopped_by,
         "seed": seed,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tqbench.sessions.store import SessionError, atomic_write, data_dir
+from tqbench.engine.atomic import atomic_write
+from tqbench.sessions.store import SessionError, data_dir
 
 
 def kept_policies_path() -> Path:

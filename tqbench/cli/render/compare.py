@@ -24,13 +24,13 @@ def _rec_lines(rec: dict) -> list[str]:
     return lines
 
 
-def _div(row: dict) -> str:
-    """First divergence index per prompt ('-' = identical)."""
-    return " / ".join("-" if x is None else str(x) for x in row.get("first_divergence_indices", []))
+def _div(row) -> str:
+    """First divergence index per prompt ('-' = identical); ``row``: engine.validate.CompareRow."""
+    return " / ".join("-" if x is None else str(x) for x in row.first_divergence_indices)
 
 
 def print_compare(res, summary_only: bool = False) -> None:
-    """``res``: engine.validate.compare.CompareResult (``rows`` and ``recommendation`` are the engine's dicts)."""
+    """``res``: engine.validate.CompareResult (``rows``: ``CompareRow``; ``recommendation``: the rule's dict)."""
     if not summary_only:
         t = Table(title=f"compare-policies vs {res.baseline} ({res.cache_mode}, {len(res.prompts)} prompts, "
                   f"{res.max_new_tokens} new tokens)")
@@ -38,10 +38,10 @@ def print_compare(res, summary_only: bool = False) -> None:
                     "tput ratio"):
             t.add_column(col, justify="left" if col in ("policy", "verdict") else "right")
         for r in res.rows:
-            t.add_row(r["policy"], pct(r["memory_saved_pct"]), num(r["bits_per_element"], ".2f"),
-                      verdict_markup(r["verdict"]), _div(r),
-                      num(r["token_match_ratio"], ".3f"), num(r["top1_match_ratio"], ".3f"), num(r["kl_mean"], ".5f"),
-                      num(r["throughput_ratio"], ".2f"))
+            t.add_row(r.policy, pct(r.memory_saved_pct), num(r.bits_per_element, ".2f"),
+                      verdict_markup(r.verdict), _div(r),
+                      num(r.token_match_ratio, ".3f"), num(r.top1_match_ratio, ".3f"), num(r.kl_mean, ".5f"),
+                      num(r.throughput_ratio, ".2f"))
         out.print(t)
     for line in _rec_lines(res.recommendation):
         out.print(line, markup=False, highlight=False)
@@ -54,10 +54,10 @@ def compare_md(res) -> str:
              "throughput ratio |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in res.rows:
-        lines.append(f"| {r['policy']} | {pct(r['memory_saved_pct'])} | {num(r['bits_per_element'], '.2f')} | "
-                     f"{r['verdict']} | {_div(r)} | {num(r['token_match_ratio'], '.3f')} | "
-                     f"{num(r['top1_match_ratio'], '.3f')} | "
-                     f"{num(r['kl_mean'], '.5f')} | {num(r['throughput_ratio'], '.2f')} |")
+        lines.append(f"| {r.policy} | {pct(r.memory_saved_pct)} | {num(r.bits_per_element, '.2f')} | "
+                     f"{r.verdict} | {_div(r)} | {num(r.token_match_ratio, '.3f')} | "
+                     f"{num(r.top1_match_ratio, '.3f')} | "
+                     f"{num(r.kl_mean, '.5f')} | {num(r.throughput_ratio, '.2f')} |")
     lines += [""] + [f"- {x}" for x in _rec_lines(res.recommendation)]
     return "\n".join(lines) + "\n"
 

@@ -24,3 +24,17 @@ def load_engine(model: str, device: str, dtype: str, threads: int | None, quiet:
             f"{info.num_params / 1e6:.0f}M parameters, loaded in {info.load_seconds:.1f}s"
         )
     return engine
+
+
+def warn_policies(engine, *policies) -> list[str]:
+    """Print on stderr (so ``--json`` stdout stays clean) the engine's ``policy_warning`` of each policy: a saved
+    policy fitted on another model. Returns the warnings printed."""
+    from rich.markup import escape
+
+    shown = []
+    for pol in policies:
+        warning = engine.policy_warning(pol) if pol is not None else None
+        if warning and warning not in shown:
+            err.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+            shown.append(warning)
+    return shown

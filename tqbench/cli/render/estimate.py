@@ -16,7 +16,7 @@ def _sliding_layers(geo) -> int:
 
 
 def print_kv_estimate(rep) -> None:
-    """``rep``: engine.cache.kv_estimate.KVEstimateReport (``rows`` are the engine's dicts)."""
+    """``rep``: engine.cache.estimate.KVEstimateReport (``rows``: ``KVEstimateRow``)."""
     m, g = rep.model, rep.model.geometry
     sliding = _sliding_layers(m)
     dims = f"head_dim {g.head_dim}" + (f" (V {g.v_dim})" if g.v_dim != g.head_dim else "")
@@ -31,15 +31,15 @@ def print_kv_estimate(rep) -> None:
     for col in cols:
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in rep.rows:
-        cells = [r["kv_policy"], str(r["total_bytes"]), human_bytes(r["total_bytes"]), str(r["dense_fp16_bytes"]),
-                 f"{r['bits_per_element']:.3f}", pct(r["saved_pct"])]
+        cells = [r.kv_policy, str(r.total_bytes), human_bytes(r.total_bytes), str(r.dense_fp16_bytes),
+                 f"{r.bits_per_element:.3f}", pct(r.saved_pct)]
         if budget is not None:
-            cells.append(str(r["max_seq_len_in_budget"]) + (" (model max)" if r["capped_by_model_context"] else ""))
+            cells.append(str(r.max_seq_len_in_budget) + (" (model max)" if r.capped_by_model_context else ""))
         t.add_row(*cells)
     out.print(t)
     for r in rep.rows:
-        if r.get("note"):
-            out.print(f"note ({r['kv_policy']}): {r['note']}", markup=False)
+        if r.note:
+            out.print(f"note ({r.kv_policy}): {r.note}", markup=False)
 
 
 def kv_estimate_md(rep) -> str:
@@ -48,13 +48,13 @@ def kv_estimate_md(rep) -> str:
              "| policy | KV bytes | fp16 bytes | bits/element | saved |" + (" max tokens in budget |" if budget else ""),
              "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if budget else "")]
     for r in rep.rows:
-        lines.append(f"| {r['kv_policy']} | {r['total_bytes']} | {r['dense_fp16_bytes']} | {r['bits_per_element']:.3f} "
-                     f"| {pct(r['saved_pct'])} |" + (f" {r['max_seq_len_in_budget']} |" if budget else ""))
+        lines.append(f"| {r.kv_policy} | {r.total_bytes} | {r.dense_fp16_bytes} | {r.bits_per_element:.3f} "
+                     f"| {pct(r.saved_pct)} |" + (f" {r.max_seq_len_in_budget} |" if budget else ""))
     return "\n".join(lines) + "\n"
 
 
 def print_models(models: list) -> None:
-    """``models``: engine.cache.kv_estimate.ModelGeometry, one per shipped config."""
+    """``models``: engine.cache.geometry.ModelGeometry, one per shipped config."""
     t = Table(title="shipped model configs (kv-estimate --model NAME)")
     for col in ("name", "layers", "KV heads", "head_dim", "sliding", "max context"):
         t.add_column(col)

@@ -84,11 +84,9 @@ def print_layers(rep) -> None:
     for col in ("layer", "K", "V", "tokens", "K pk", "V pk", "K bytes", "V bytes", "fp16 bytes", "bits"):
         t.add_column(col, justify="right")
     for r in rep.layers:
-        el = r.dense_fp16_bytes // 2
-        bits = r.total_bytes * 8 / el if el else 0
         t.add_row(str(r.layer), r.k_codec, r.v_codec, str(r.tokens), str(r.k_packed_tokens),
                   str(r.v_packed_tokens), str(r.k_bytes), str(r.v_bytes), str(r.dense_fp16_bytes),
-                  f"{bits:.2f}")
+                  f"{r.bits_per_element:.2f}")
     total = sum(r.total_bytes for r in rep.layers)
     t.add_row("sum", "", "", "", "", "", "", str(total), str(rep.dense_fp16_bytes), "")
     t.caption = f"layers {total} B + shared {rep.shared_bytes} B = {rep.compressed_storage_bytes} B"

@@ -11,7 +11,7 @@ from tqbench.cli.render.formats import num, pct, verdict_markup
 
 # ---- lockstep validation ------------------------------------------------------------------------------
 def print_validation(r) -> None:
-    """``r``: engine.validate.validation.ValidationReport."""
+    """``r``: engine.validate.report.ValidationReport."""
     c, s, ps, rec = r.comparison, r.step_comparison, r.policy_summary, r.policy_recommendation
     title = "self-test" if r.self_test else f"validate: {r.candidate} vs {r.baseline}"
     t = Table(title=f"{title} ({r.cache_mode})", show_header=False)
@@ -80,7 +80,7 @@ def validation_md(r) -> str:
 
 # ---- teacher-forced quality -----------------------------------------------------------------------------
 def print_teacher_forced(rep) -> None:
-    """``rep``: engine.validate.validation.TeacherForcedReport (``results``: quality.TeacherForcedResult)."""
+    """``rep``: engine.validate.quality.TeacherForcedReport (``results``: quality.TeacherForcedResult)."""
     t = Table(title=f"teacher-forced quality ({rep.source}, {rep.prefill_tokens} prefill, {rep.steps} steps, "
               f"{rep.cache_mode})")
     for col in ("policy", "bits/el", "saved", "ppl base", "ppl cand", "KL mean", "KL max", "top-1"):

@@ -24,6 +24,7 @@ from tqbench.constants import CORPUS_DIR
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation, solve_allocation
 from tqbench.engine.allocate.verify import FrontierPoint, frontier
+from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit
 from tqbench.engine.models.fingerprint import model_config_summary
@@ -106,11 +107,9 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
 
 
 def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
-    tmp = f"{path}.tmp"
     codecs = sorted({key.split("/")[2] for key in cells})
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"format": PARTIAL_FORMAT, "setup": setup | {"codecs": codecs}, "cells": cells}, fh)
-    os.replace(tmp, path)
+    doc = {"format": PARTIAL_FORMAT, "setup": setup | {"codecs": codecs}, "cells": cells}
+    atomic_write(Path(path), json.dumps(doc).encode("utf-8"))
 
 
 def allocate_policy(

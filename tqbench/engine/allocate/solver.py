@@ -22,6 +22,7 @@ from tqbench.engine.allocate.sensitivity import ROLES, SensitivityTable
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.codecs.base import bits_per_element
 from tqbench.engine.policy.spec import Policy
 
 #: DP resolution: the budget is cut into at most this many byte quanta
@@ -167,7 +168,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     if best is None:
         cheapest = [min(range(len(row)), key=row.__getitem__) for row in exact]
         shared = _shared(base, {(role, table.codecs[j]) for (_, role), j in zip(items, cheapest)}, g.head_dim)
-        floor = (sum(row[j] for row, j in zip(exact, cheapest)) + fixed + shared) * 8 / dense_elems
+        floor = bits_per_element(sum(row[j] for row, j in zip(exact, cheapest)) + fixed + shared, dense_elems)
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "

@@ -1,16 +1,15 @@
 """The compressed KV cache: ``TQCache`` / ``TQLayer`` (``tqcache.py``) over per-layer stores (``store.py``),
 its byte report (``report.py``), byte estimates from a geometry alone (``estimate.py``, ``geometry.py``),
 the seed-compatible wrapper (``compat.py``) and the ``fused`` mode's attention (``fused/``).
-
-``kv_estimate`` stays importable as a module (``from tqbench.engine.cache import kv_estimate as ke``).
 """
 
-from tqbench.engine.cache import kv_estimate
 from tqbench.engine.cache.compat import CompressedDynamicCache
 from tqbench.engine.cache.estimate import (
     KVEstimate,
     KVEstimateReport,
+    KVEstimateRow,
     estimate_kv,
+    kv_estimate,
     longest_context,
     parse_bytes,
     store_bytes,
@@ -34,6 +33,7 @@ __all__ = [
     "FusedKV",
     "KVEstimate",
     "KVEstimateReport",
+    "KVEstimateRow",
     "KVGeometry",
     "LayerBytes",
     "ModelGeometry",

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
+from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import FP_BYTES, window_start
 from tqbench.engine.policy.spec import Policy, parse_policy
 
 __all__ = [
     "KVEstimate",
     "KVEstimateReport",
+    "KVEstimateRow",
     "KVGeometry",
     "estimate_kv",
     "kv_estimate",
@@ -43,8 +45,7 @@ class KVEstimate:
 
     @property
     def bits_per_element(self) -> float:
-        elements = self.dense_fp16_bytes // FP_BYTES
-        return self.total_bytes * 8 / elements if elements else 0.0
+        return bits_vs_fp16(self.total_bytes, self.dense_fp16_bytes)
 
     @property
     def saved_pct(self) -> float:
@@ -140,17 +141,50 @@ def longest_context(policy, geometry: KVGeometry, budget_bytes: int, batch: int 
     return lo
 
 
+@dataclass(frozen=True)
+class KVEstimateRow:
+    """One policy of a ``kv-estimate``: its ``KVEstimate`` at the report's length (bits and saving rounded as
+    shown), and, with a memory budget, the longest context that fits. ``to_dict()`` is its JSON row."""
+
+    kv_policy: str
+    seq_len: int
+    batch: int
+    total_bytes: int
+    dense_fp16_bytes: int
+    shared_bytes: int
+    bits_per_element: float
+    saved_pct: float
+    kv_policy_string: str
+    note: str | None = None  # e.g. seq_len beyond the model's context
+    max_seq_len_in_budget: int | None = None  # with a memory budget only
+    capped_by_model_context: bool | None = None
+
+    @classmethod
+    def of(cls, est: KVEstimate, policy_string: str, **extra) -> KVEstimateRow:
+        d = est.to_dict()
+        return cls(d["kv_policy"], d["seq_len"], d["batch"], d["total_bytes"], d["dense_fp16_bytes"],
+                   d["shared_bytes"], d["bits_per_element"], d["saved_pct"], policy_string, **extra)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.note is None:
+            del d["note"]
+        if self.max_seq_len_in_budget is None:
+            del d["max_seq_len_in_budget"], d["capped_by_model_context"]
+        return d
+
+
 @dataclass
 class KVEstimateReport:
     model: ModelGeometry
     seq_len: int
     batch: int
     memory_budget_bytes: int | None
-    rows: list[dict] = field(default_factory=list)
+    rows: list[KVEstimateRow] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"model": self.model.to_dict(), "seq_len": self.seq_len, "batch": self.batch,
-                "memory_budget_bytes": self.memory_budget_bytes, "rows": self.rows}
+                "memory_budget_bytes": self.memory_budget_bytes, "rows": [r.to_dict() for r in self.rows]}
 
 
 def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
@@ -164,17 +198,14 @@ def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: 
     rep = KVEstimateReport(model, seq_len, batch, memory_budget_bytes)
     for text in policies:
         pol = parse_policy(text)
-        est = estimate_kv(pol, model.geometry, seq_len, batch)
-        row = est.to_dict() | {"kv_policy_string": pol.to_string()}
-        row.pop("layer_bytes")
+        extra = {}
         if model.max_context and seq_len > model.max_context:
-            row["note"] = f"seq_len is beyond the model's context of {model.max_context} tokens"
+            extra["note"] = f"seq_len is beyond the model's context of {model.max_context} tokens"
         if memory_budget_bytes is not None:
-            row["max_seq_len_in_budget"] = longest_context(pol, model.geometry, memory_budget_bytes, batch,
-                                                           model.max_context)
-            row["capped_by_model_context"] = bool(model.max_context and
-                                                  row["max_seq_len_in_budget"] == model.max_context)
-        rep.rows.append(row)
+            n = longest_context(pol, model.geometry, memory_budget_bytes, batch, model.max_context)
+            extra.update(max_seq_len_in_budget=n, capped_by_model_context=bool(model.max_context and
+                                                                                n == model.max_context))
+        rep.rows.append(KVEstimateRow.of(estimate_kv(pol, model.geometry, seq_len, batch), pol.to_string(), **extra))
     return rep
 
 

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from tqbench.constants import FUSED_KERNELS, FUSED_NATIVE
 from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.codecs.base import bits_per_element
+
+
+def bits_vs_fp16(stored_bytes: int, dense_fp16_bytes: int) -> float:
+    """Bits per element of K/V stored in ``stored_bytes`` that an fp16 cache holds in ``dense_fp16_bytes``."""
+    return bits_per_element(stored_bytes, dense_fp16_bytes // FP_BYTES)
+
+
+def ran_in_kernels(fused_impl: dict[str, int], fallbacks: dict[str, int]) -> bool:
+    """Every fused call ran in a kernel (native CPU or Triton: ``constants.FUSED_KERNELS``) and none fell back:
+    the one test of "nothing was decoded resident" that the report and the cache's byte count share."""
+    return bool(fused_impl) and all(k in FUSED_KERNELS for k in fused_impl) and not fallbacks
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,10 @@ class LayerBytes:
     @property
     def total_bytes(self) -> int:
         return self.k_bytes + self.v_bytes
+
+    @property
+    def bits_per_element(self) -> float:
+        return bits_vs_fp16(self.total_bytes, self.dense_fp16_bytes)
 
 
 @dataclass(frozen=True)
@@ -62,7 +79,6 @@ class CacheReport:
             resident = storage + dense
         else:  # compressed, and fused on its torch reference path: one layer's rows decoded transiently
             resident = storage + transient_layer_bytes
-        elements = dense // FP_BYTES
         notes = [
             f"full-precision rows (sinks, recent window, partial blocks) and dense baselines are counted as fp16 "
             f"({FP_BYTES} bytes/element); this run held activations in {held_dtype or 'the model dtype'}",
@@ -75,7 +91,7 @@ class CacheReport:
             notes.append("compressed: one layer's K/V is dequantized transiently per step (counted in resident)")
         if mode == "fused":
             ran = ", ".join(f"{k} x{v}" for k, v in sorted(fused_impl.items())) or "no fused call yet"
-            if fused_impl and all(k in ("native-cpu", "triton") for k in fused_impl) and not fallbacks:
+            if ran_in_kernels(fused_impl, fallbacks):
                 notes.append(f"fused: {ran}; the kernels read the packed codes in place and hold only split-K "
                              "partials (+ the call's full-precision rows), counted in resident")
             elif transient_layer_bytes:
@@ -89,7 +105,7 @@ class CacheReport:
             notes.append(
                 f"sparse-V (threshold {sparse_v['threshold']:g}): skipped {sparse_v['skipped_rows']} of "
                 f"{sparse_v['weighted_rows']} weighted value rows ({100 * sparse_v['skipped_share']:.1f}%)"
-                + ("" if "native-cpu" in fused_impl else "; only the native CPU kernel skips rows")
+                + ("" if FUSED_NATIVE in fused_impl else "; only the native CPU kernel skips rows")
             )
         if fallbacks:
             notes.append(
@@ -108,7 +124,7 @@ class CacheReport:
             dense_fp16_bytes=dense,
             resident_decode_bytes=resident,
             shared_bytes=sum(shared.values()),
-            bits_per_element=round(storage * 8 / elements, 4) if elements else 0.0,
+            bits_per_element=round(bits_vs_fp16(storage, dense), 4),
             memory_saved_pct=pct(storage),
             compressed_at_rest_saved_pct=pct(storage),
             active_decode_memory_saved_pct=pct(resident),

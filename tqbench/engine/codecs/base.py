@@ -26,6 +26,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+
+def bits_per_element(stored_bytes: int, elements: int) -> float:
+    """Stored bits per K/V element (``stored_bytes`` holding ``elements`` values, every byte of metadata that
+    was counted included): the one definition every report, estimate, solver and table uses."""
+    return stored_bytes * 8 / elements if elements else 0.0
+
 class Codec(ABC):
     """Base class of every codec. Subclasses are small frozen-ish objects built by ``codec_from_spec``."""
 
@@ -72,7 +78,7 @@ class Codec(ABC):
 
     def bits_per_element(self, head_dim: int) -> float:
         """Packed bits per K or V element, per-unit metadata included (state/shared objects excluded)."""
-        return self.unit_bytes(head_dim) * 8 / (self.tokens_per_unit * head_dim)
+        return bits_per_element(self.unit_bytes(head_dim), self.tokens_per_unit * head_dim)
 
     def check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 4:

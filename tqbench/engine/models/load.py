@@ -1,9 +1,7 @@
 """Load a model: resolve the spec, convert a GGUF once if needed, load model + tokenizer in eval mode.
 
 Hub ids load with ``local_files_only`` when the hub cannot be reached (no ~25 s of retries). Progress goes
-through an optional ``on_progress(message)`` callback; the engine never prints. ``ModelNotFoundError`` and
-``converted_dir`` are re-exported here for importers of the old path; new code imports from
-``tqbench.engine.models``.
+through an optional ``on_progress(message)`` callback; the engine never prints. Import from ``tqbench.engine.models``.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from tqbench.engine.models.device import resolve_device, resolve_dtype
 from tqbench.engine.models.errors import ModelLoadError, ModelNotFoundError
 from tqbench.engine.models.families import FAMILIES, family_model
 from tqbench.engine.models.fingerprint import model_config_summary, model_fingerprint
-from tqbench.engine.models.gguf import converted_dir as converted_dir  # old import path
 from tqbench.engine.models.gguf import ensure_converted
 from tqbench.engine.models.loaded import LoadedModel
 from tqbench.engine.models.progress import ProgressFn, notify

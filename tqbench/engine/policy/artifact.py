@@ -8,7 +8,9 @@ table ``sensitivity`` ``[layers, 2, codecs]`` (so another budget can be solved w
 codecs' own calibration state (key-centering means, outlier channels) is fitted per prompt on the prefill by the
 cache at run time, so there is none to save.
 
-``policy_model_warning`` is the one rule for "this policy was fitted on another model".
+"This policy was fitted on another model" is one rule, ``FittedOn.warning`` (``policy/spec.py``): a ``Policy`` read
+from an artifact carries its ``[model]`` table as ``fitted_on``, so the check works on a path, a shipped name and an
+already-parsed ``Policy`` alike.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tqbench.engine.atomic import atomic_write, check_output_path
-from tqbench.engine.policy.spec import Policy
+from tqbench.engine.policy.spec import Policy, parse_policy
 from tqbench.engine.tomlfile import read_toml
 
 FORMAT = "tqbench-policy/1"
@@ -103,29 +105,17 @@ def load_policy_artifact(path: str | os.PathLike) -> PolicyArtifact:
                           data.get("verified", {}), tensors, str(p))
 
 
-def policy_model_warning(model_info: dict, fingerprint: str | None, geometry=None) -> str | None:
-    """A warning when an artifact fitted on ``model_info`` is used on a model with another ``fingerprint``
-    (or, when only a config is known, another KV ``geometry``); None when it matches or nothing is recorded."""
-    if not model_info:
+def artifact_warning_for(policy, fingerprint: str | None = None, geometry=None) -> str | None:
+    """``FittedOn.warning`` for ``policy`` (a ``Policy``, or text that names one: a preset, a shipped policy or an
+    artifact path), from the provenance the parsed ``Policy`` carries; None when it has none or the text does
+    not parse (the caller parses it, and says why, itself)."""
+    if isinstance(policy, os.PathLike):
+        policy = str(policy)
+    if isinstance(policy, str):
+        try:
+            policy = parse_policy(policy)
+        except (ValueError, OSError):
+            return None
+    if not isinstance(policy, Policy) or policy.fitted_on is None:
         return None
-    fitted = f"{model_info.get('name', '?')} (fingerprint {model_info.get('fingerprint', '?')})"
-    if fingerprint is not None and model_info.get("fingerprint") and model_info["fingerprint"] != fingerprint:
-        return (f"this policy was fitted on {fitted}, not on this model (fingerprint {fingerprint}): its "
-                "allocation may not suit it; run `tqbench --headless allocate` for this model")
-    if geometry is not None:
-        want = (model_info.get("num_layers"), model_info.get("kv_heads"), model_info.get("head_dim"))
-        have = (geometry.num_layers, geometry.kv_heads, geometry.head_dim)
-        if None not in want and want != have:
-            return (f"this policy was fitted on {fitted} with {want[0]} layers x {want[1]} KV heads x "
-                    f"head_dim {want[2]}, but this model has {have[0]} x {have[1]} x {have[2]}")
-    return None
-
-
-def artifact_warning_for(policy_text, fingerprint: str | None = None, geometry=None) -> str | None:
-    """``policy_model_warning`` for a policy given by text when it names an artifact TOML, else None."""
-    if not isinstance(policy_text, (str, os.PathLike)) or not str(policy_text).endswith(".toml"):
-        return None
-    if not is_policy_artifact(policy_text):
-        return None
-    data = read_toml(policy_text, "policy file")
-    return policy_model_warning(data.get("model", {}), fingerprint, geometry)
+    return policy.fitted_on.warning(fingerprint, geometry)

@@ -53,6 +53,43 @@ DENSE_SPECS = ("fp16", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
+class FittedOn:
+    """The model a saved policy was fitted on (an artifact's ``[model]`` table): a ``Policy`` read from such a
+    file carries it, so "fitted on another model" can be checked whatever form the policy reaches the engine in
+    (a path, a shipped name, or an already-parsed ``Policy``)."""
+
+    name: str | None = None
+    fingerprint: str | None = None
+    num_layers: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> FittedOn | None:
+        if not data:
+            return None
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def warning(self, fingerprint: str | None, geometry=None) -> str | None:
+        """Why a policy fitted on this model may not suit a model with ``fingerprint`` (else, when only a config
+        is known, with KV ``geometry``); None when it matches or nothing comparable is recorded. The one rule."""
+        fitted = f"{self.name or '?'} (fingerprint {self.fingerprint or '?'})"
+        if fingerprint is not None and self.fingerprint and self.fingerprint != fingerprint:
+            return (f"this policy was fitted on {fitted}, not on this model (fingerprint {fingerprint}): its "
+                    "allocation may not suit it; run `tqbench --headless allocate` for this model")
+        if geometry is not None:
+            want = (self.num_layers, self.kv_heads, self.head_dim)
+            have = (geometry.num_layers, geometry.kv_heads, geometry.head_dim)
+            if None not in want and want != have:
+                return (f"this policy was fitted on {fitted} with {want[0]} layers x {want[1]} KV heads x "
+                        f"head_dim {want[2]}, but this model has {have[0]} x {have[1]} x {have[2]}")
+        return None
+
+
+@dataclass(frozen=True)
 class Policy:
     k: str = FULL_PRECISION
     v: str = FULL_PRECISION
@@ -72,6 +109,9 @@ class Policy:
     seed: int = 0
     calib: str = ""  # calibrated (pcaq) key codecs: the transforms file ("" = the shipped default-model fit)
     name: str | None = field(default=None, compare=False)
+    #: the model a saved policy file was fitted on (its ``[model]`` table); None for presets and compact text.
+    #: Provenance, not part of the policy's value: not compared, not in ``to_string``/``to_dict``
+    fitted_on: FittedOn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for role, spec in (("k", self.k), ("v", self.v)):
@@ -118,6 +158,7 @@ class Policy:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("fitted_on")  # provenance: an artifact writes it as its own [model] table
         d["overrides"] = [{"role": r, "layers": s, "codec": c} for r, s, c in self.overrides]
         return d
 
@@ -129,7 +170,7 @@ class Policy:
         else:
             base = cls()
         data = {k: v for k, v in data.items() if not k.startswith("_")}  # "_source" and other notes
-        valid = set(cls.__dataclass_fields__)
+        valid = set(cls.__dataclass_fields__) - {"fitted_on"}
         unknown = sorted(set(data) - valid - {"kv"})
         if unknown:
             raise ValueError(f"unknown policy field(s) {', '.join(unknown)}: valid fields are {', '.join(sorted(valid))}")
@@ -284,8 +325,10 @@ def parse_compact(text: str) -> Policy:
 
 
 def load_policy_file(path: str) -> Policy:
+    fitted = None  # an artifact's [model] table: the model the policy was fitted on
     if path.endswith(".toml"):
         data = read_toml(path, "policy file")
+        fitted = data.get("model") if "policy" in data else None
         data = data.get("policy", data)
     else:
         with open(path, "rb") as fh:
@@ -300,6 +343,7 @@ def load_policy_file(path: str) -> Policy:
         pol = Policy.from_dict(data)
     except ValueError as exc:  # a field's error, named with the file it came from
         raise ValueError(f"policy file {path}: {exc}") from None
+    pol = replace(pol, fitted_on=FittedOn.from_dict(fitted if isinstance(fitted, dict) else None))
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), pol.calib) if pol.calib else ""
     if pol.calib and not os.path.isabs(pol.calib) and os.path.isfile(beside):  # a transforms file next to it
         pol = replace(pol, calib=beside)

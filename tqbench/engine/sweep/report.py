@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tqbench.engine.metrics import VERDICTS, worst_verdict
-from tqbench.engine.validate.compare import CompareResult, recommend_policy
+from tqbench.engine.validate.compare import CompareResult, CompareRow, recommend_policy
 
 #: what legitimately differs between two runs of the same cell: timings, where and with how many threads it ran
 TIMING_KEYS = ("seconds", "where", "threads")
@@ -76,19 +76,19 @@ class SweepReport:
             v = _get(c, "results", "validate") or {}
             tf = _get(c, "results", "teacher_forced") or {}
             by = _get(c, "results", "bytes", "measured") or {}
-            rows.append({
-                "policy": f"{k['policy']} @ {k['text']['name']} [{_model_label(k['model'])}]"
-                          + ("" if c["status"] == "ok" else " (failed)"),
-                "row_key": c["cell_id"], "policy_string": k["policy_string"], "sweep_policy": k["policy"],
-                "prompt": k["text"].get("prompt") or "",
-                "verdict": v.get("verdict") or ("error" if c["status"] != "ok" else None),
-                "memory_saved_pct": by.get("memory_saved_pct"), "bits_per_element": by.get("bits_per_element"),
-                "token_match_ratio": v.get("token_match_ratio"), "prefix_match_ratio": v.get("prefix_match_ratio"),
-                "top1_match_ratio": v.get("top1_match_ratio", tf.get("top1_agreement")),
-                "kl_mean": v.get("kl_mean", tf.get("kl_mean")),
-                "throughput_ratio": _get(c, "results", "speed", "throughput_ratio"),
-            })
-        prompts = sorted({r["prompt"] for r in rows if r["prompt"]})
+            rows.append(CompareRow(
+                policy=f"{k['policy']} @ {k['text']['name']} [{_model_label(k['model'])}]"
+                       + ("" if c["status"] == "ok" else " (failed)"),
+                row_key=c["cell_id"], policy_string=k["policy_string"], sweep_policy=k["policy"],
+                prompt=k["text"].get("prompt") or "",
+                verdict=v.get("verdict") or ("error" if c["status"] != "ok" else None),
+                memory_saved_pct=by.get("memory_saved_pct"), bits_per_element=by.get("bits_per_element"),
+                token_match_ratio=v.get("token_match_ratio"), prefix_match_ratio=v.get("prefix_match_ratio"),
+                top1_match_ratio=v.get("top1_match_ratio", tf.get("top1_agreement")),
+                kl_mean=v.get("kl_mean", tf.get("kl_mean")),
+                throughput_ratio=_get(c, "results", "speed", "throughput_ratio"),
+            ))
+        prompts = sorted({r.prompt for r in rows if r.prompt})
         res = CompareResult(", ".join(m["model"] for m in self.models), self.baseline, self.cache_mode,
                             self.cache_mode, prompts, self.max_new_tokens, 0.9, self.cache_mode == "dense-shadow",
                             rows=rows)
@@ -183,7 +183,8 @@ def build_report(spec, cells: list, docs: dict[str, dict]) -> SweepReport:
             rec = {"status": "no-verdicts", "recommended_policy": None,
                    "note": "no policy has a verdict on every prompt (failed or missing cells)"}
         else:
-            rec = recommend_policy(usable, spec.baseline.label, spec.cache_mode == "dense-shadow")
+            rec = recommend_policy([CompareRow.from_dict(r) for r in usable], spec.baseline.label,
+                                   spec.cache_mode == "dense-shadow")
         rec["failed_policies"] = failed
         model_names = sorted({c.get("model_name") for c in rep.cells
                               if c["cell"]["model"] == asdict(model) and c.get("model_name")})

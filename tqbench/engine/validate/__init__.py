@@ -12,6 +12,7 @@ Every long job here takes ``on_event=`` and ``cancel=`` and raises ``Cancelled``
 from tqbench.engine.events import Cancelled
 from tqbench.engine.validate.compare import (
     CompareResult,
+    CompareRow,
     compare_policies,
     default_policies,
     recommend_policy,
@@ -47,6 +48,7 @@ __all__ = [
     "STATUS",
     "Cancelled",
     "CompareResult",
+    "CompareRow",
     "NiahResult",
     "StepRecord",
     "TeacherForcedReport",

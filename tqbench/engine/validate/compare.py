@@ -12,7 +12,7 @@ lowest KL) and the ``unsafe_policies`` (verdict ``diverged``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tqbench.engine.events import (
     CancelFlag,
@@ -47,6 +47,52 @@ def default_policies(baseline: str = "fp16") -> list[str]:
     return [p for p in PRESETS if p != baseline]
 
 
+#: the fields of a compare row, in its JSON order; a sweep's cell shown as a row has ``_CELL_FIELDS`` instead
+_ROW_FIELDS = ("policy", "policy_string", "verdict", "verdicts", "first_divergence_indices", "memory_saved_pct",
+               "bits_per_element", "token_match_ratio", "prefix_match_ratio", "top1_match_ratio", "kl_mean", "kl_max",
+               "throughput_ratio")
+_CELL_FIELDS = ("policy", "row_key", "policy_string", "sweep_policy", "prompt", "verdict", "memory_saved_pct",
+                "bits_per_element", "token_match_ratio", "prefix_match_ratio", "top1_match_ratio", "kl_mean",
+                "throughput_ratio")
+
+
+@dataclass
+class CompareRow:
+    """One policy of a comparison, its cells aggregated (or, with ``row_key``, one sweep cell shown as a row:
+    ``SweepReport.as_compare_result``). ``to_dict()`` is its JSON row."""
+
+    policy: str
+    policy_string: str = ""
+    verdict: str | None = None  # the worst over the prompts
+    verdicts: list = field(default_factory=list)  # per prompt
+    first_divergence_indices: list = field(default_factory=list)  # per prompt (None: identical)
+    memory_saved_pct: float | None = None
+    bits_per_element: float | None = None
+    token_match_ratio: float | None = None
+    prefix_match_ratio: float | None = None
+    top1_match_ratio: float | None = None
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    throughput_ratio: float | None = None
+    row_key: str | None = None  # a sweep cell's id (None: a compare row, keyed by its policy)
+    sweep_policy: str | None = None  # a sweep cell's policy label
+    prompt: str | None = None  # a sweep cell's prompt text
+
+    @property
+    def key(self) -> str:
+        """The row's key in a table: the sweep cell's id, else the policy."""
+        return self.row_key if self.row_key is not None else self.policy
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in (_ROW_FIELDS if self.row_key is None else _CELL_FIELDS)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CompareRow:
+        """A row from its JSON (a saved session's, or a sweep report's per-model row: other keys are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass
 class _Run:
     result: object
@@ -63,7 +109,7 @@ class CompareResult:
     max_new_tokens: int
     quality_threshold: float
     storage_only: bool
-    rows: list[dict] = field(default_factory=list)  # one per policy
+    rows: list[CompareRow] = field(default_factory=list)  # one per policy
     cells: list[dict] = field(default_factory=list)  # one per (policy, prompt)
     recommendation: dict = field(default_factory=dict)
     baseline_texts: list[str] = field(default_factory=list)
@@ -74,7 +120,7 @@ class CompareResult:
             "model": self.model, "baseline": self.baseline, "cache_mode": self.cache_mode,
             "baseline_mode": self.baseline_mode, "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
             "quality_threshold": self.quality_threshold, "storage_only": self.storage_only,
-            "rows": self.rows, "cells": self.cells, "recommendation": self.recommendation,
+            "rows": [r.to_dict() for r in self.rows], "cells": self.cells, "recommendation": self.recommendation,
             "baseline_texts": self.baseline_texts,
         }
         if self.threads is not None:
@@ -87,7 +133,7 @@ class CompareResult:
         return cls(model=d["model"], baseline=d["baseline"], cache_mode=d["cache_mode"],
                    baseline_mode=d["baseline_mode"], prompts=list(d["prompts"]),
                    max_new_tokens=d["max_new_tokens"], quality_threshold=d["quality_threshold"],
-                   storage_only=d["storage_only"], rows=list(d["rows"]), cells=list(d["cells"]),
+                   storage_only=d["storage_only"], rows=[CompareRow.from_dict(r) for r in d["rows"]], cells=list(d["cells"]),
                    recommendation=dict(d["recommendation"]), baseline_texts=list(d["baseline_texts"]),
                    threads=d.get("threads"))
 
@@ -131,30 +177,30 @@ def _parse_policies(policies: list[Policy | str]) -> list[Policy]:
     return pols
 
 
-def recommend_policy(rows: list[dict], baseline: str = "fp16", storage_only: bool = False) -> dict:
+def recommend_policy(rows: list[CompareRow], baseline: str = "fp16", storage_only: bool = False) -> dict:
     """The seed's rule over compare rows (see the module docstring)."""
-    exact = [r for r in rows if r["verdict"] == "exact-match" and r["memory_saved_pct"] > 0]
-    unsafe = [r["policy"] for r in rows if r["verdict"] == "diverged"]
+    exact = [r for r in rows if r.verdict == "exact-match" and (r.memory_saved_pct or 0) > 0]
+    unsafe = [r.policy for r in rows if r.verdict == "diverged"]
     rec = {
         "rule": "the exact-match compressed policy with the highest saving; else keep the baseline",
-        "exact_match_policies": [r["policy"] for r in exact],
+        "exact_match_policies": [r.policy for r in exact],
         "unsafe_policies": unsafe,
         "storage_only": storage_only,
     }
     if storage_only:
         rec["note"] = "dense-shadow mode: attention read exact K/V, so verdicts say nothing about quality"
     if exact and not storage_only:
-        best = max(exact, key=lambda r: r["memory_saved_pct"])
-        rec.update(recommended_policy=best["policy"], memory_saved_pct=best["memory_saved_pct"],
+        best = max(exact, key=lambda r: r.memory_saved_pct)
+        rec.update(recommended_policy=best.policy, memory_saved_pct=best.memory_saved_pct,
                    best_risky_policy=None, status="compressed-policy")
         return rec
-    risky = [r for r in rows if r["verdict"] != "exact-match" and r["verdict"] != "diverged"] or \
-        [r for r in rows if r["verdict"] != "exact-match"]
+    risky = [r for r in rows if r.verdict != "exact-match" and r.verdict != "diverged"] or \
+        [r for r in rows if r.verdict != "exact-match"]
     best_risky = None
     if risky:
-        best_risky = min(risky, key=lambda r: (VERDICTS.index(r["verdict"]), -r["token_match_ratio"],
-                                               r["kl_mean"] if r["kl_mean"] is not None else 0.0,
-                                               -r["memory_saved_pct"]))["policy"]
+        best_risky = min(risky, key=lambda r: (VERDICTS.index(r.verdict), -(r.token_match_ratio or 0.0),
+                                               r.kl_mean if r.kl_mean is not None else 0.0,
+                                               -(r.memory_saved_pct or 0.0))).policy
     rec.update(recommended_policy=baseline, memory_saved_pct=0.0, best_risky_policy=best_risky,
                status="keep-baseline")
     return rec
@@ -221,23 +267,23 @@ def compare_policies(
     return result
 
 
-def _row(pol: Policy, cells: list[dict]) -> dict:
+def _row(pol: Policy, cells: list[dict]) -> CompareRow:
     def mean(xs):
         xs = [x for x in xs if x is not None]
         return round(sum(xs) / len(xs), 6) if xs else None
 
-    return {
-        "policy": pol.label,
-        "policy_string": pol.to_string(),
-        "verdict": worst_verdict([c["verdict"] for c in cells]),
-        "verdicts": [c["verdict"] for c in cells],
-        "first_divergence_indices": [c["comparison"]["first_divergence_index"] for c in cells],
-        "memory_saved_pct": mean([c["policy_summary"]["memory_saved_pct"] for c in cells]),
-        "bits_per_element": mean([c["policy_summary"]["bits_per_element"] for c in cells]),
-        "token_match_ratio": mean([c["comparison"]["token_match_ratio"] for c in cells]),
-        "prefix_match_ratio": mean([c["comparison"]["prefix_match_ratio"] for c in cells]),
-        "top1_match_ratio": mean([c["step_comparison"]["top1_match_ratio"] for c in cells]),
-        "kl_mean": mean([c["logit_comparison"]["kl_mean"] if c["logit_comparison"] else None for c in cells]),
-        "kl_max": max((c["logit_comparison"]["kl_max"] for c in cells if c["logit_comparison"]), default=None),
-        "throughput_ratio": mean([c["policy_summary"]["throughput_ratio"] for c in cells]),
-    }
+    return CompareRow(
+        policy=pol.label,
+        policy_string=pol.to_string(),
+        verdict=worst_verdict([c["verdict"] for c in cells]),
+        verdicts=[c["verdict"] for c in cells],
+        first_divergence_indices=[c["comparison"]["first_divergence_index"] for c in cells],
+        memory_saved_pct=mean([c["policy_summary"]["memory_saved_pct"] for c in cells]),
+        bits_per_element=mean([c["policy_summary"]["bits_per_element"] for c in cells]),
+        token_match_ratio=mean([c["comparison"]["token_match_ratio"] for c in cells]),
+        prefix_match_ratio=mean([c["comparison"]["prefix_match_ratio"] for c in cells]),
+        top1_match_ratio=mean([c["step_comparison"]["top1_match_ratio"] for c in cells]),
+        kl_mean=mean([c["logit_comparison"]["kl_mean"] if c["logit_comparison"] else None for c in cells]),
+        kl_max=max((c["logit_comparison"]["kl_max"] for c in cells if c["logit_comparison"]), default=None),
+        throughput_ratio=mean([c["policy_summary"]["throughput_ratio"] for c in cells]),
+    )

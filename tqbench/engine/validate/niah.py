@@ -24,6 +24,7 @@ from tqbench.engine.events import (
     raise_if_cancelled,
 )
 from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.request import check_max_new_tokens
 
 WORDS = ("amber", "falcon", "copper", "meadow", "violet", "harbor", "lantern", "cobalt", "juniper", "marble",
          "orchid", "saffron", "thistle", "walnut", "zephyr", "granite", "indigo", "kestrel", "larch", "quartz")
@@ -141,8 +142,7 @@ def needle_in_haystack(
 ) -> NiahResult:
     """Recall of the baseline and each policy on every (length, depth) cell; ``NiahCell`` per cell.
     Raises ``Cancelled`` when ``cancel()`` turns true."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
+    check_max_new_tokens(max_new_tokens)
     if not lengths or not depths:
         raise ValueError("give at least one --lengths value and one --depths value")
     base_pol = parse_policy(baseline)

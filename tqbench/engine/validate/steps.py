@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from tqbench.engine.events import TokenGenerated
 from tqbench.engine.metrics import DEFAULT_QUALITY_THRESHOLD, logit_stats, match_ratio, same_context_kl
+from tqbench.engine.request import check_max_new_tokens, check_quality_threshold
 
 
 @dataclass
@@ -101,7 +102,5 @@ def policy_summary(base_result, cand_result) -> dict:
 
 
 def check_generation_args(max_new_tokens: int, quality_threshold: float = DEFAULT_QUALITY_THRESHOLD) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: ask for at least 1 token")
-    if not 0 < quality_threshold <= 1:
-        raise ValueError(f"quality threshold {quality_threshold} is invalid: use a number in (0, 1]")
+    check_max_new_tokens(max_new_tokens)
+    check_quality_threshold(quality_threshold)

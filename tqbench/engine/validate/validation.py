@@ -26,15 +26,10 @@ from tqbench.engine.events import (
 from tqbench.engine.generate import GREEDY, Sampling
 from tqbench.engine.metrics import DEFAULT_QUALITY_THRESHOLD
 from tqbench.engine.policy.spec import Policy, parse_policy
-from tqbench.engine.validate.quality import TeacherForcedReport, teacher_forced_quality
-from tqbench.engine.validate.recommendation import recommend
 from tqbench.engine.validate.report import ValidationReport, build_report
 from tqbench.engine.validate.steps import StepRecord, check_generation_args, step_record
 
 __all__ = ["self_test", "validate"]
-# old import paths (``tqbench.engine.validate.validation.X``) still used outside the room; import them from
-# ``tqbench.engine.validate`` instead. These names leave this module once no importer is left.
-__all__ += ["TeacherForcedReport", "ValidationReport", "check_generation_args", "recommend", "teacher_forced_quality"]
 
 
 def validate(

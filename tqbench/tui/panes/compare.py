@@ -13,10 +13,16 @@ from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
 from tqbench.constants import COMPARE_PROMPTS
-from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
+from tqbench.tui.panes.jobs import (
+    cancel_job,
+    engine_for_job,
+    finish_job,
+    notify_policy_warnings,
+    run_engine_job,
+)
 
 if TYPE_CHECKING:
-    from tqbench.engine.validate import CompareResult
+    from tqbench.engine.validate import CompareResult, CompareRow
 
 DEFAULT_POLICIES = "turbo4;turbo3;turbo2;q8k-q8v;k4v2"
 DEFAULT_PROMPTS = "\n".join(COMPARE_PROMPTS)
@@ -126,6 +132,7 @@ class ComparePane(Vertical):
 
     @on(Button.Pressed, "#cmp-button")
     def action_compare(self) -> None:
+        from tqbench.engine import check_max_new_tokens
         from tqbench.engine.policy import parse_policy
 
         engine = engine_for_job(self, "comparison")
@@ -142,13 +149,12 @@ class ComparePane(Vertical):
             prompts = self.prompts()
             if not prompts:
                 raise ValueError("no prompts: write one prompt per line")
-            tokens = int(self.query_one("#cmp-tokens", Input).value or "32")
-            if tokens < 1:
-                raise ValueError(f"max tokens {tokens} is invalid: ask for at least 1 token")
+            tokens = check_max_new_tokens(int(self.query_one("#cmp-tokens", Input).value or "32"))
         except ValueError as exc:
             self.app.notify(str(exc).splitlines()[0], title="cannot compare", severity="error")
             return
         mode = str(self.query_one("#cmp-mode", Select).value)
+        notify_policy_warnings(self.app, engine, baseline, *policies)
         self.running = True
         self.status = "running"
         self._cancel.clear()
@@ -191,7 +197,7 @@ class ComparePane(Vertical):
         self.result = result
         rows = result.rows
         with self.prevent(Select.Changed):  # the form shows what was compared
-            self.query_one("#cmp-policies", Input).value = ";".join(dict.fromkeys(r.get("sweep_policy", r["policy"])
+            self.query_one("#cmp-policies", Input).value = ";".join(dict.fromkeys(r.sweep_policy or r.policy
                                                                                  for r in rows))
             self.query_one("#cmp-baseline", Input).value = str(result.baseline)
             self.query_one("#cmp-tokens", Input).value = str(result.max_new_tokens)
@@ -222,11 +228,11 @@ class ComparePane(Vertical):
         self.result = result
         self.fill_table()
 
-    def sorted_rows(self) -> list[dict]:
+    def sorted_rows(self) -> list[CompareRow]:
         rows = list(self.result.rows) if self.result else []
         if self.sort_key:
             def key(r):
-                v = r.get(self.sort_key)
+                v = getattr(r, self.sort_key)
                 return (v is None, v if v is not None else 0)
             rows.sort(key=key, reverse=self.sort_reverse)
         return rows
@@ -237,11 +243,11 @@ class ComparePane(Vertical):
         for r in self.sorted_rows():
             cells = []
             for _, key, fmt in COLUMNS:
-                v = r.get(key)
+                v = getattr(r, key)
                 s = "-" if v is None else fmt.format(v)
                 style = VERDICT_STYLE.get(v, "") if key == "verdict" else ""
                 cells.append(Text(s, style=style, justify="left" if key in ("policy", "verdict") else "right"))
-            table.add_row(*cells, key=r.get("row_key", r["policy"]))  # a sweep's rows are cells
+            table.add_row(*cells, key=r.key)  # a sweep's rows are cells (keyed by cell id)
 
     @on(DataTable.HeaderSelected, "#cmp-table")
     def _sort(self, event: DataTable.HeaderSelected) -> None:
@@ -256,8 +262,8 @@ class ComparePane(Vertical):
         if not self.result:
             return
         key = str(event.row_key.value)
-        row = next(r for r in self.result.rows if r.get("row_key", r["policy"]) == key)
+        row = next(r for r in self.result.rows if r.key == key)
         prompts = [p for p in (self.result.prompts or []) if isinstance(p, str)] or self.prompts()
-        prompt = row.get("prompt") or (prompts[0] if prompts else "")  # a sweep cell carries its own prompt
-        self.post_message(self.OpenInRun(row["policy_string"], prompt,
+        prompt = row.prompt or (prompts[0] if prompts else "")  # a sweep cell carries its own prompt
+        self.post_message(self.OpenInRun(row.policy_string, prompt,
                                          int(self.result.max_new_tokens), self.result.cache_mode))

@@ -18,6 +18,20 @@ def engine_for_job(pane, what: str):
     return engine
 
 
+def notify_policy_warnings(app, engine, *policies) -> list[str]:
+    """A toast per policy fitted on another model (``Engine.policy_warning``), before the job runs; the warnings."""
+    shown = []
+    for pol in policies:
+        try:
+            warning = engine.policy_warning(pol)
+        except ValueError:  # a policy that does not parse: the job's own check says why
+            warning = None
+        if warning and warning not in shown:
+            app.notify(warning, title="policy fitted on another model", severity="warning", timeout=15)
+            shown.append(warning)
+    return shown
+
+
 def run_engine_job(job: Callable[[], object]) -> tuple[object | None, str | None, bool]:
     """Run ``job`` (an engine call raising ``Cancelled`` when cancelled) -> ``(result, error, cancelled)``: the
     engine's typed result (``ScanResult``, ``CompareResult``), as the pane shows and the session keeps it.

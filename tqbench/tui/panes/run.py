@@ -13,6 +13,7 @@ from textual.suggester import SuggestFromList
 from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
 from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_PROMPT, fastest_quality_mode
+from tqbench.tui.panes.jobs import notify_policy_warnings
 from tqbench.tui.widgets.graph import ThroughputGraph
 from tqbench.tui.widgets.model_bar import RunStrip
 from tqbench.tui.widgets.token_view import TokenView
@@ -33,6 +34,13 @@ class RunParams:
     @property
     def sampling(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+    @property
+    def request(self):
+        """The engine's ``GenerationRequest`` (validated: the same rules and messages as the CLI and server)."""
+        from tqbench.engine import GenerationRequest
+
+        return GenerationRequest(self.max_new_tokens, self.temperature, self.top_p, self.seed)
 
 
 @dataclass(frozen=True)
@@ -147,18 +155,14 @@ class RunPane(Vertical):
         if not prompt.strip():
             raise ValueError("the prompt is empty: type some text in the prompt box")
         max_new = num("max-tokens", int, "max tokens")
-        if max_new < 1:
-            raise ValueError(f"max tokens {max_new} is invalid: ask for at least 1 token")
         base = self.query_one("#baseline", Input).value.strip() or "fp16"
         cand = self.query_one("#candidate", Input).value.strip()
         parse_policy(base)
         parse_policy(cand)
-        from tqbench.engine.generate import Sampling
-
         p = RunParams(prompt, self.query_one("#chat", Checkbox).value, max_new, num("temperature", float, "temperature"),
                       num("top-p", float, "top-p"), num("seed", int, "seed"), base, cand,
                       str(self.query_one("#mode", Select).value))
-        Sampling(p.temperature, p.top_p, p.seed)  # validates
+        p.request  # noqa: B018  (validates max tokens, temperature, top-p)
         return p
 
     def fill(self, params: dict) -> None:
@@ -225,6 +229,7 @@ class RunPane(Vertical):
             self.app.notify(str(exc).splitlines()[0], title="cannot run", severity="error")
             return
         self.on_finish = on_finish
+        notify_policy_warnings(self.app, engine, params.candidate, params.baseline)
         self._start(engine, params)
 
     def _start(self, engine, params: RunParams) -> None:
@@ -254,7 +259,6 @@ class RunPane(Vertical):
     @work(thread=True, exclusive=True, group="run", exit_on_error=False)
     def _generate(self, engine, params: RunParams) -> None:
         from tqbench.engine.events import PairStep
-        from tqbench.engine.generate import Sampling
         from tqbench.sessions import RunRecorder
 
         rec = RunRecorder(params.prompt, params.chat, params.max_new_tokens, params.sampling)
@@ -263,7 +267,7 @@ class RunPane(Vertical):
             events = engine.lockstep(
                 params.prompt, params.baseline, params.candidate, candidate_mode=params.cache_mode,
                 chat=params.chat, max_new_tokens=params.max_new_tokens,
-                sampling=Sampling(params.temperature, params.top_p, params.seed), collect_logits=True,
+                sampling=params.request.sampling, collect_logits=True,
                 cancel=self._cancel.is_set, track_bytes=True,
             )
             for ev in events:

@@ -10,10 +10,12 @@ import os
 
 import torch
 
+from tqbench.constants import FUSED_NATIVE, FUSED_TRITON
+
 IMPL_ENV = "TQBENCH_FUSED_IMPL"  # "auto" (default), "torch", "native" or "triton" (forces the kernels, e.g. interpreter)
 IMPLS = ("auto", "torch", "native", "triton")
-NATIVE = "native-cpu"
-TRITON = "triton"
+NATIVE = FUSED_NATIVE
+TRITON = FUSED_TRITON
 REFERENCE = "torch-reference"
 
 

@@ -1,0 +1,41 @@
+"""The workbench shows "fitted on another model" when a run uses a saved policy fitted elsewhere."""
+
+import pytest
+from textual.widgets import Input
+from tui_helpers import notes, wait_for
+
+from tqbench.engine.policy import shipped_policy_path
+from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
+
+pytestmark = pytest.mark.anyio
+SHIPPED = "smollm2-alloc-2.5bit"
+
+
+async def _run(app, pilot, candidate: str) -> None:
+    pane = app.run_pane
+    pane.query_one("#candidate", Input).value = candidate
+    pane.query_one("#max-tokens", Input).value = "3"
+    await pilot.press("ctrl+r")
+    await wait_for(pilot, lambda: pane.status in ("done", "failed", "cancelled"), what="the run to finish")
+
+
+async def test_the_run_pane_warns_for_a_policy_fitted_on_another_model(data_dir, steady_engine):
+    warning = steady_engine.policy_warning(SHIPPED)
+    assert warning.startswith("this policy was fitted on SmolLM2-135M-Instruct (fingerprint fd81e99705258ac1)")
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _run(app, pilot, str(shipped_policy_path(SHIPPED)))
+        toasts = notes(app)
+        assert warning in toasts  # the warning toast, before the run
+        # the allocation names layers the tiny model lacks: the run's refusal says where it was fitted
+        refusal = [m for m in toasts if m.startswith("layer index 12 is out of range")]
+        assert refusal and refusal[0].endswith(warning)
+        assert app.run_pane.status == "failed"
+
+
+async def test_no_warning_for_a_preset(data_dir, steady_engine):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await _run(app, pilot, "turbo4")
+        assert app.run_pane.status == "done"
+        assert not [m for m in notes(app) if "fitted on" in m]
