@@ -223,13 +223,15 @@ class KVStore:
                 self.packed[name] = buf
             self._mark = None
             chunks = []
-            for x, points in m.rows:
-                keep = n - self.seen
-                if keep <= 0:
-                    break
-                if keep < x.shape[2]:
-                    x, points = x[:, :, :keep], [p for p in points if p < keep] + [keep]
-                chunks += self.append_points(x, points)[0]
+            # replay in the grad mode the rows were made in (buffers made under inference mode stay writable)
+            with torch.inference_mode(any(x.is_inference() for x, _ in m.rows)):
+                for x, points in m.rows:
+                    keep = n - self.seen
+                    if keep <= 0:
+                        break
+                    if keep < x.shape[2]:
+                        x, points = x[:, :, :keep], [p for p in points if p < keep] + [keep]
+                    chunks += self.append_points(x, points)[0]
             return chunks
         # no mark that far back: rows can go only while they are still exact in the tail and the store at ``n``
         # holds the same packed units (and a state calibrated on rows it still has)
