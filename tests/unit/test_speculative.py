@@ -176,22 +176,30 @@ def test_prompt_lookup_and_assisted_generation_give_greedy_tokens_in_float64(tin
         plain = _greedy(eng.model, ids, eng.make_cache(policy, mode))
         cache = eng.make_cache(policy, mode)
         assert _greedy(eng.model, ids, cache, prompt_lookup_num_tokens=4) == plain
-        assert cache.is_croppable and cache.get_seq_length() == ids.shape[1] + 31
+        assert cache.is_croppable and cache.get_seq_length() == ids.shape[1] + len(plain) - 1
         assert _greedy(eng.model, ids, eng.make_cache(policy, mode), assistant_model=assistant) == plain
 
 
+@pytest.fixture(scope="module")
+def sliding64():
+    return Engine.tiny(dtype=torch.float64, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=10)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_sliding_window_family_model_prompt_lookup_gives_greedy_tokens(mode):
-    eng = Engine.tiny(dtype=torch.float64, layer_types=["sliding_attention", "full_attention"] * 2,
-                      sliding_window=10)
+@pytest.mark.parametrize("sliding", ["compress", "auto"])  # auto: transformers' own dense window layers
+def test_sliding_window_family_model_prompt_lookup_gives_greedy_tokens(sliding64, mode, sliding):
+    eng = sliding64
     eng.enable_fused()
-    policy = "k=turbo3,v=turbo2,sink=2,recent=3"
+    policy = f"k=turbo3,v=turbo2,sink=2,recent=3,sliding={sliding}"
     ids = _repetitive(4)
     plain = _greedy(eng.model, ids, eng.make_cache(policy, mode))
     cache = eng.make_cache(policy, mode)
     assert _greedy(eng.model, ids, cache, prompt_lookup_num_tokens=3) == plain
     windowed = [la for la in cache.layers if isinstance(la, TQLayer) and la.window is not None]
-    assert windowed and all(la.k_store.n_tokens < ids.shape[1] for la in windowed)
+    if sliding == "compress":  # window-bounded stores: they hold about the window, never the whole context
+        assert len(windowed) == 2 and all(la.k_store.n_tokens < 10 + 4 for la in windowed)
+    else:
+        assert not windowed
 
 
 def test_beam_search_and_num_return_sequences_in_every_mode(tiny_engine64):
@@ -230,7 +238,7 @@ def test_compressed_mode_speculation_without_tqbench_attention_says_what_to_do()
     eng = Engine.tiny()
     cache = TQCache("turbo4", eng.model.config, mode="compressed")
     ids = _repetitive(0)
-    with pytest.raises(ValueError, match="needs tqbench's attention function .* install_fused_attention"):
+    with pytest.raises(ValueError, match="needs tqbench's attention function .*install_fused_attention"):
         eng.model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache, prompt_lookup_num_tokens=3)
     # dense-shadow needs nothing more
     out = eng.model.generate(ids, max_new_tokens=4, do_sample=False,

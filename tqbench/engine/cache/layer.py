@@ -294,6 +294,9 @@ class TQLayer(CacheLayerMixin):
         for role in ("k", "v"):
             if self._sim[role] is not None:
                 self._sim[role] = fn(self._sim[role])
+            if role in self._sim_pending:  # rows still to be swapped in belong to the sequences they came from
+                self._sim_pending[role] = [(start, {k: fn(t) for k, t in enc.items()})
+                                           for start, enc in self._sim_pending[role]]
         if self.keys is not None and self.keys.dim() == 4:
             self.keys, self.values = fn(self.keys), fn(self.values)
 
