@@ -244,3 +244,30 @@ def test_compressed_mode_speculation_without_tqbench_attention_says_what_to_do()
     out = eng.model.generate(ids, max_new_tokens=4, do_sample=False,
                              cache=TQCache("turbo4", eng.model.config, mode="dense-shadow"), prompt_lookup_num_tokens=3)
     assert out.shape[1] == ids.shape[1] + 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_prompt_lookup_gives_greedy_tokens_and_the_same_cache(tiny_engine64, mode):
+    eng = tiny_engine64
+    ids = _repetitive(2)
+    policy = "k=turbo3,v=turbo2,sink=2,recent=3"
+    plain = eng.generate(ids, policy, mode, max_new_tokens=30, stop_at_eos=False)
+    spec = eng.generate(ids, policy, mode, max_new_tokens=30, stop_at_eos=False, prompt_lookup=4)
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 30
+    # every token after the first was fed once: by a verification call or as an accepted draft
+    assert spec.speculation["drafted"] > 0 and spec.speculation["verify_calls"] + spec.speculation["accepted"] == 29
+    assert spec.to_dict()["speculation"] == spec.speculation and "speculation" not in plain.to_dict()
+    # the report is the one of the cache greedy decoding leaves (unverified drafts cropped at the end)
+    assert spec.cache_report.tokens == plain.cache_report.tokens == ids.shape[1] + 29
+    assert spec.cache_report.compressed_storage_bytes == plain.cache_report.compressed_storage_bytes
+
+
+def test_engine_prompt_lookup_on_the_fp16_baseline_and_its_errors(tiny_engine64):
+    eng = tiny_engine64
+    ids = _repetitive(3)
+    plain = eng.generate(ids, None, max_new_tokens=20, stop_at_eos=False)
+    assert eng.generate(ids, None, max_new_tokens=20, stop_at_eos=False, prompt_lookup=3).token_ids == plain.token_ids
+    from tqbench.engine.generate import Sampling
+
+    with pytest.raises(ValueError, match="prompt_lookup needs greedy decoding"):
+        eng.generate(ids, "turbo4", max_new_tokens=4, prompt_lookup=3, sampling=Sampling(temperature=0.7))
