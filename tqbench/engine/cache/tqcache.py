@@ -86,7 +86,9 @@ class TQCache(Cache):
         themselves). transformers' first assisted call feeds the prompt and the first draft together, so when
         called from its ``_assisted_decoding`` the prompt length is read from that function's ``input_ids``;
         otherwise it defaults to 0 (every row from now on is a decode row)."""
-        if self.mode in ("compressed", "simulate") and getattr(self._config, "_attn_implementation", None) != ATTN_NAME:
+        lossy = any(isinstance(la, TQLayer) and not la.lossless for la in self.layers)
+        if (lossy and self.mode in ("compressed", "simulate")
+                and getattr(self._config, "_attn_implementation", None) != ATTN_NAME):
             raise ValueError(
                 f"speculative decoding with a {self.mode}-mode TQCache needs tqbench's attention function (a draft "
                 "token must read the rows packed during the verification call at its own precision): call "
