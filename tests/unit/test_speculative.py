@@ -271,3 +271,25 @@ def test_engine_prompt_lookup_on_the_fp16_baseline_and_its_errors(tiny_engine64)
 
     with pytest.raises(ValueError, match="prompt_lookup needs greedy decoding"):
         eng.generate(ids, "turbo4", max_new_tokens=4, prompt_lookup=3, sampling=Sampling(temperature=0.7))
+
+
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_fused_verification_is_exact_on_the_native_kernel_and_the_torch_reference(tiny_engine64, monkeypatch, impl):
+    from tqbench.kernels.cpu import native_status
+
+    if impl == "native" and not native_status()[0]:
+        pytest.skip(f"no native kernel here: {native_status()[1]}")
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+    eng = tiny_engine64
+    eng.enable_fused()
+    ids = torch.randint(4, 260, (1, 37), generator=torch.Generator().manual_seed(3))
+    one, spec = eng.make_cache("turbo4", "fused"), eng.make_cache("turbo4", "fused")
+    _feed(eng.model, one, ids[:, :30])
+    _feed(eng.model, spec, ids[:, :30])
+    want = torch.stack([_feed(eng.model, one, ids[:, 30 + i : 31 + i])[-1] for i in range(5)])
+    spec.activate_past_recording()
+    got = _feed(eng.model, spec, ids[:, 30:35])
+    assert (got - want).abs().max() < 1e-9
+    rep = spec.report()
+    label = "native-cpu" if impl == "native" else "torch-reference (TQBENCH_FUSED_IMPL=torch)"
+    assert rep.fused_impl == {label: 4} and rep.fallbacks == {}
