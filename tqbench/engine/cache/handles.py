@@ -24,23 +24,26 @@ __all__ = ["ATTN_NAME", "FusedKV", "PrecisionKV", "snapshot"]
 ATTN_NAME = "tqbench_fused"
 
 _MISUSE = ("a {mode}-mode TQCache handed {what} to {name}, which needs dense K/V: the model's attention is not "
-           "tqbench's; call tqbench.engine.cache.fused.install_fused_attention(model) (Engine.make_cache does) "
+           "{whose}; call tqbench.engine.cache.fused.install_fused_attention(model) (Engine.make_cache does) "
            "before generating{hint}")
 
 
 class _Handle:
     _mode = "fused"
     _what = "its packed store"
+    _whose = "the fused one"
     _hint = ", or use cache mode compressed"
 
     @classmethod
+    def _misuse(cls, name: str) -> TypeError:
+        return TypeError(_MISUSE.format(mode=cls._mode, what=cls._what, name=name, whose=cls._whose, hint=cls._hint))
+
+    @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(_MISUSE.format(mode=cls._mode, what=cls._what, name=getattr(func, "__name__", str(func)),
-                                       hint=cls._hint))
+        raise cls._misuse(getattr(func, "__name__", str(func)))
 
     def __getitem__(self, item):
-        raise TypeError(_MISUSE.format(mode=self._mode, what=self._what, name="an attention function",
-                                       hint=self._hint))
+        raise self._misuse("an attention function")
 
 
 @dataclass
@@ -84,6 +87,7 @@ class PrecisionKV(_Handle):
     precision: Precision
     layer: object
     _mode = "compressed/simulate"
+    _whose = "tqbench's"
     _what = "a speculative verification call (each draft token reads keys at its own precision)"
     _hint = ", or use cache mode dense-shadow or fused"
 
