@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                 first = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), None)
                 row = {"policy": policy, "mode": mode, "prompt": name, "exact": x == y,
                        "first_divergence": first, "token_match": sum(s == t for s, t in zip(x, y)) / len(x),
-                       **spec.speculation,
+                       **spec.speculation.to_dict(),
                        "decode_time_ratio": round(spec.decode_seconds / plain.decode_seconds, 3)}
                 rows.append(row)
                 print(f"{policy:<10} {mode:<11} {name:<6} {str(row['exact']):>5} {str(first):>10} "

@@ -255,8 +255,9 @@ def test_engine_prompt_lookup_gives_greedy_tokens_and_the_same_cache(tiny_engine
     spec = eng.generate(ids, policy, mode, max_new_tokens=30, stop_at_eos=False, prompt_lookup=4)
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) == 30
     # every token after the first was fed once: by a verification call or as an accepted draft
-    assert spec.speculation["drafted"] > 0 and spec.speculation["verify_calls"] + spec.speculation["accepted"] == 29
-    assert spec.to_dict()["speculation"] == spec.speculation and "speculation" not in plain.to_dict()
+    stats = spec.speculation
+    assert stats.drafted > 0 and stats.verify_calls + stats.accepted == 29
+    assert spec.to_dict()["speculation"] == stats.to_dict() and "speculation" not in plain.to_dict()
     # the report is the one of the cache greedy decoding leaves (unverified drafts cropped at the end)
     assert spec.cache_report.tokens == plain.cache_report.tokens == ids.shape[1] + 29
     assert spec.cache_report.compressed_storage_bytes == plain.cache_report.compressed_storage_bytes

@@ -34,9 +34,10 @@ from tqbench.engine.events import (
     TokenGenerated,
 )
 from tqbench.engine.metrics import kl_divergence, token_logprobs
+from tqbench.engine.speculative import PromptLookup, SpeculationStats
 
-__all__ = ["GREEDY", "Cancelled", "GenerationResult", "PromptLookup", "Sampling", "Sequence", "TextStreamer",
-           "lockstep", "prefill", "stream_tokens"]
+__all__ = ["GREEDY", "Cancelled", "GenerationResult", "Sampling", "Sequence", "TextStreamer", "lockstep", "prefill",
+           "stream_tokens"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     stopped_by: str = "max_new_tokens"  # or "eos", "stop", "cancelled"
     cache_report: object | None = None
-    speculation: dict | None = None  # prompt-lookup decoding: {"drafted": n, "accepted": n, "verify_calls": n}
+    speculation: SpeculationStats | None = None  # prompt-lookup decoding's drafts (``Engine.stream(prompt_lookup=)``)
 
     @property
     def output_tokens(self) -> int:
@@ -112,7 +113,7 @@ class GenerationResult:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "cache_report": self.cache_report.to_dict() if self.cache_report is not None else None,
-        } | ({"speculation": dict(self.speculation)} if self.speculation is not None else {})
+        } | ({"speculation": self.speculation.to_dict()} if self.speculation is not None else {})
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
@@ -296,12 +297,13 @@ def stream_tokens(
     """Prefill ``input_ids`` ([1, T]) into ``cache``, then decode token by token, yielding events.
 
     ``prompt_lookup`` > 0: prompt-lookup decoding (greedy only): up to that many draft tokens copied from the
-    text so far are verified in one forward call (``PromptLookup``); the tokens are greedy decoding's."""
+    text so far are verified in one forward call (``speculative.PromptLookup``); the tokens are greedy
+    decoding's."""
     seq = Sequence(model, tokenizer, input_ids, cache, run=run, kv_policy=kv_policy, cache_mode=cache_mode,
                    max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, stop=stop,
                    collect_logits=collect_logits, cancel=cancel, report=report, logprobs=logprobs, echo=echo,
                    prefill_chunk=prefill_chunk)
-    drafts = PromptLookup(prompt_lookup, seq, eos_ids) if prompt_lookup else None
+    drafts = PromptLookup(prompt_lookup, seq, eos_ids, _forward) if prompt_lookup else None
     yield from seq.start()
     if drafts is not None:
         cache.activate_past_recording()  # from here every call can be cropped; its rows are decode rows
@@ -316,61 +318,6 @@ def stream_tokens(
             t0 = time.perf_counter()
             logits = _forward(model, torch.tensor([[seq.next_token]], device=seq.device), cache).logits[0, -1]
             seq.feed(logits, time.perf_counter() - t0)
-
-
-class PromptLookup:
-    """Prompt-lookup decoding over a ``Sequence``: transformers' n-gram drafter (``PromptLookupCandidateGenerator``)
-    proposes up to ``n`` tokens that followed the last tokens earlier in the text; one forward call verifies
-    them; the logits of every accepted draft are fed to the sequence without another call; a rejected draft's
-    rows are cropped from the cache. Greedy decoding only (the tokens are exactly greedy decoding's)."""
-
-    def __init__(self, n: int, seq: Sequence, eos_ids: set[int] | None) -> None:
-        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-
-        if n < 0:
-            raise ValueError(f"prompt_lookup={n} is invalid: give the most draft tokens per step (0: off)")
-        if not seq.sampling.greedy:
-            raise ValueError("prompt_lookup needs greedy decoding (temperature 0): sampled tokens are not verified "
-                             "against drafts here")
-        eos = torch.tensor(sorted(eos_ids)) if eos_ids else None
-        self.drafter = PromptLookupCandidateGenerator(eos_token_id=eos, num_output_tokens=n, max_length=1 << 30)
-        self.seq = seq
-        self.text = seq.ids.cpu()  # prompt + tokens fed so far
-        self.queue: list[tuple[int, torch.Tensor]] = []  # (draft token, the logits after it) verified, unused
-        self.stats = {"drafted": 0, "accepted": 0, "verify_calls": 0}
-
-    def step(self, cache) -> list:
-        events = self.seq.step()
-        if self.seq.done:  # the cache holds what greedy decoding's would: the prompt and every token but the last
-            extra = cache.get_seq_length() - (self.seq.result.input_tokens + self.seq.result.output_tokens - 1)
-            if extra > 0:
-                cache.crop(-extra)
-                if self.seq.report is not None:  # the report of the cache as greedy decoding leaves it
-                    self.seq.result.cache_report = self.seq.report()
-            self.queue = []
-            self.seq.result.speculation = dict(self.stats)
-        return events
-
-    def feed(self, model, cache) -> None:
-        tok = self.seq.next_token
-        self.text = torch.cat([self.text, torch.tensor([[tok]])], 1)
-        if self.queue:
-            draft, logits = self.queue.pop(0)
-            if draft == tok:  # verified by the last call: its logits are this token's
-                self.stats["accepted"] += 1
-                self.seq.feed(logits, 0.0)
-                return
-            cache.crop(-(len(self.queue) + 1))
-            self.queue = []
-        left = self.seq.max_new_tokens - self.seq.result.output_tokens - 1
-        cand, _ = self.drafter.get_candidates(self.text)
-        drafts = cand[0, self.text.shape[1]:][: max(0, left)].tolist()
-        t0 = time.perf_counter()
-        logits = _forward(model, torch.tensor([[tok, *drafts]], device=self.seq.device), cache).logits[0]
-        self.stats["drafted"] += len(drafts)
-        self.stats["verify_calls"] += 1
-        self.queue = list(zip(drafts, logits[1:]))
-        self.seq.feed(logits[0], time.perf_counter() - t0)
 
 
 @torch.inference_mode()

@@ -123,6 +123,8 @@ class KVStore:
         ``x.shape[2]``; None: one point at the end). Returns (the chunks packed, as ``append``; ``tail_start``
         after each point)."""
         t = x.shape[2]
+        if t == 0 and not points:
+            return [], [self.tail_start]
         points = [t] if points is None else points
         if not points or points[-1] != t or any(b <= a for a, b in zip([0, *points], points)):
             raise ValueError(f"points {points} must increase and end at the {t} rows appended")
