@@ -294,3 +294,23 @@ def test_fused_verification_is_exact_on_the_native_kernel_and_the_torch_referenc
     rep = spec.report()
     label = "native-cpu" if impl == "native" else "torch-reference (TQBENCH_FUSED_IMPL=torch)"
     assert rep.fused_impl == {label: 4} and rep.fallbacks == {}
+
+
+def test_fused_verification_through_the_triton_kernels_matches_the_reference(tiny_engine, monkeypatch):
+    """The Triton path (interpreter here) reads a verification call's column sets too: same logits as the
+    torch reference (fp32, to summation order)."""
+    from tqbench.kernels import triton_status
+
+    if not triton_status()[0]:
+        pytest.skip(triton_status()[1])
+    ids = torch.randint(4, 260, (1, 35), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for impl in ("torch", "triton"):
+        monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+        cache = tiny_engine.make_cache("turbo4", "fused")
+        _feed(tiny_engine.model, cache, ids[:, :30])
+        cache.activate_past_recording()
+        logits[impl] = _feed(tiny_engine.model, cache, ids[:, 30:35])
+        assert sum(la.verify_calls for la in cache.layers) == 4
+    assert list(cache.report().fused_impl) == ["triton"]
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0, atol=1e-4)
