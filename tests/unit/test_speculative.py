@@ -177,6 +177,8 @@ def test_prompt_lookup_and_assisted_generation_give_greedy_tokens_in_float64(tin
         cache = eng.make_cache(policy, mode)
         assert _greedy(eng.model, ids, cache, prompt_lookup_num_tokens=4) == plain
         assert cache.is_croppable and cache.get_seq_length() == ids.shape[1] + len(plain) - 1
+        # the prompt was found in transformers' first assisted call (it feeds the prompt and the first draft together)
+        assert {la.prefill_end for la in cache.layers} == {ids.shape[1]}
         assert _greedy(eng.model, ids, eng.make_cache(policy, mode), assistant_model=assistant) == plain
 
 
