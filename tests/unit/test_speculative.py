@@ -316,3 +316,24 @@ def test_fused_verification_through_the_triton_kernels_matches_the_reference(tin
         assert sum(la.verify_calls for la in cache.layers) == 4
     assert list(cache.report().fused_impl) == ["triton"]
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=0, atol=1e-4)
+
+
+def test_the_speculative_benchmark_runs_on_the_tiny_model(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, str(root / "benchmarks" / "speculative.py"), "--model", "tiny", "--new-tokens", "6",
+           "--policies", "turbo4", "--modes", "fused", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["model"] == "tiny-random" and data["threads"] == 1 and len(data["load_average"]) == 3
+    assert [(r["policy"], r["mode"], r["prompt"]) for r in data["rows"]] == [
+        ("turbo4", "fused", p) for p in ("code", "list", "quote")]
+    for row in data["rows"]:  # fp32 on the tiny model: agreement is measured, not assumed
+        assert 0 <= row["token_match"] <= 1 and row["exact"] == (row["first_divergence"] is None)
+        assert row["verify_calls"] + row["accepted"] == 5 and row["decode_time_ratio"] > 0
