@@ -132,7 +132,7 @@ def test_modes_report_resident_bytes_honestly(tiny_engine):
     assert reps["compressed"].resident_decode_bytes > storage
     # the torch reference of the fused path decodes one side of one layer transiently (fp32 rows + the int32
     # code index + the full-precision rows): counted exactly, and it says so
-    from tqbench.engine.cache.tqcache import fused_reference_peak_bytes
+    from tqbench.engine.cache.layer_report import fused_reference_peak_bytes
 
     cache = caches["fused"]
     layer = cache.layers[0]

@@ -166,6 +166,7 @@ class Engine:
         logprobs: int | None = None,
         echo: bool = False,
         prefill_chunk: int | None = None,
+        prompt_lookup: int = 0,
     ) -> Iterator[object]:
         """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
 
@@ -173,10 +174,14 @@ class Engine:
         ``logprobs`` (the number of top alternatives, 0 for none) adds a ``TokenLogprob`` to every
         ``TokenGenerated``; ``echo`` adds a ``PromptScored`` after the prefill (and allows
         ``max_new_tokens=0``); ``prefill_chunk`` feeds the prompt in forward calls of that many tokens (0: one call;
-        None: chosen by length and mode, ``constants.auto_prefill_chunk``).
+        None: chosen by length and mode, ``constants.auto_prefill_chunk``); ``prompt_lookup`` > 0 decodes with
+        prompt-lookup speculation, up to that many draft tokens verified per forward call (greedy only; the
+        tokens are greedy decoding's, ``GenerationResult.speculation`` counts the drafts).
         """
         pol = parse_policy(policy) if policy is not None else None
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
+        if prompt_lookup and pol is not None and cache_mode in ("compressed", "simulate"):
+            self.enable_fused()  # a verification call's per-query precision runs in tqbench's attention function
         cache = self.make_cache(pol, cache_mode)
         label = pol.label if pol is not None else "dynamic-cache"
         mode = cache_mode if pol is not None else "dynamic"
@@ -185,7 +190,7 @@ class Engine:
             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
             stop=stop, collect_logits=collect_logits, cancel=cancel,
             report=cache.report if isinstance(cache, TQCache) else None,
-            logprobs=logprobs, echo=echo, prefill_chunk=prefill_chunk,
+            logprobs=logprobs, echo=echo, prefill_chunk=prefill_chunk, prompt_lookup=prompt_lookup,
         )
         if track_bytes and isinstance(cache, TQCache):
             return _with_cache_bytes(events, cache)

@@ -35,6 +35,7 @@ from tqbench.engine.events import (
 )
 from tqbench.engine.metrics import kl_divergence, token_logprobs
 from tqbench.engine.request import GREEDY, Sampling, check_max_new_tokens, check_prefill_chunk
+from tqbench.engine.speculative import PromptLookup, SpeculationStats
 
 __all__ = ["GREEDY", "Cancelled", "GenerationResult", "Sampling", "Sequence", "TextStreamer", "lockstep", "prefill",
            "stream_tokens"]
@@ -54,6 +55,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     stopped_by: str = "max_new_tokens"  # or "eos", "stop", "cancelled"
     cache_report: object | None = None
+    speculation: SpeculationStats | None = None  # prompt-lookup decoding's drafts (``Engine.stream(prompt_lookup=)``)
 
     @property
     def output_tokens(self) -> int:
@@ -92,7 +94,7 @@ class GenerationResult:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "cache_report": self.cache_report.to_dict() if self.cache_report is not None else None,
-        }
+        } | ({"speculation": self.speculation.to_dict()} if self.speculation is not None else {})
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:
@@ -268,16 +270,27 @@ def stream_tokens(
     logprobs: int | None = None,
     echo: bool = False,
     prefill_chunk: int | None = None,
+    prompt_lookup: int = 0,
 ) -> Iterator[object]:
-    """Prefill ``input_ids`` ([1, T]) into ``cache``, then decode token by token, yielding events."""
+    """Prefill ``input_ids`` ([1, T]) into ``cache``, then decode token by token, yielding events.
+
+    ``prompt_lookup`` > 0: prompt-lookup decoding (greedy only): up to that many draft tokens copied from the
+    text so far are verified in one forward call (``speculative.PromptLookup``); the tokens are greedy
+    decoding's."""
     seq = Sequence(model, tokenizer, input_ids, cache, run=run, kv_policy=kv_policy, cache_mode=cache_mode,
                    max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids, stop=stop,
                    collect_logits=collect_logits, cancel=cancel, report=report, logprobs=logprobs, echo=echo,
                    prefill_chunk=prefill_chunk)
+    drafts = PromptLookup(prompt_lookup, seq, eos_ids, _forward) if prompt_lookup else None
     yield from seq.start()
+    if drafts is not None:
+        cache.activate_past_recording()  # from here every call can be cropped; its rows are decode rows
     while not seq.done:
-        yield from seq.step()
+        yield from (seq.step() if drafts is None else drafts.step(cache))
         if seq.next_token is not None:
+            if drafts is not None:
+                drafts.feed(model, cache)
+                continue
             # inference mode per forward call, not around the loop: a generator suspended inside a `with` block
             # leaves the thread's grad mode to whichever interleaved stream (lockstep) exits last
             t0 = time.perf_counter()

@@ -1,5 +1,6 @@
-"""The compressed KV cache: ``TQCache`` / ``TQLayer`` (``tqcache.py``) over per-layer stores (``store.py``),
-its byte report (``report.py``), byte estimates from a geometry alone (``estimate.py``, ``geometry.py``),
+"""The compressed KV cache: ``TQCache`` (``tqcache.py``) of ``TQLayer``s (``layer.py``) over per-layer stores
+(``store.py``, rows in ``buffer.py``), what a layer hands attention (``handles.py``; per-query precision of a
+speculative verification call: ``precision.py``), its byte report (``report.py``, built in ``layer_report.py``), byte estimates from a geometry alone (``estimate.py``, ``geometry.py``),
 the seed-compatible wrapper (``compat.py``) and the ``fused`` mode's attention (``fused/``).
 """
 

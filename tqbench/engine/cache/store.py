@@ -10,77 +10,57 @@ A window-bounded store (a sliding-window layer's: ``window`` = the rows attentio
 its oldest rows before packing new ones: the rows before ``floor((seen - window) / align) * align``, whole
 codec units at positions aligned to ``align`` (K and V of a layer share it), so it holds between
 ``window`` and ``window + align - 1`` rows, again a pure function of the token count (``window_start``).
+
+**Points.** The store evicts and packs at *points*: by default once per ``append`` (a forward call's rows
+together: a prefill attends exactly over its own rows and is packed afterwards). ``append_points`` takes
+the points explicitly: speculative decoding verifies draft tokens in one call but gives each draft token
+its own point, so the store ends exactly as if the tokens had been decoded one at a time (the same rows
+packed, by the same encode calls, calibrated on the same rows).
+
+**Crop.** ``mark()`` remembers the store as it is (buffer ends, counts, state) and the rows appended after
+it; ``crop(n)`` back to any count at or after the mark restores the mark and replays the surviving rows
+with their points, so the store is byte for byte the store that never saw the cropped rows: packed units
+the cropped rows had completed are gone and their survivors are back in the full-precision tail, exact
+(nothing is re-quantized from quantized values). Without a mark that reaches back far enough, only rows
+still exact in the tail can be cropped, and only when the store at ``n`` would hold the same packed units;
+anything else raises (the exact values are gone).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass, field
+
 import torch
 
+from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.codecs.base import Codec
+
+__all__ = ["FP_BYTES", "GrowBuffer", "KVStore", "window_start"]
 
 #: full-precision rows (sinks, recent window, partial blocks) are counted as fp16, the deployment dtype
 FP_BYTES = 2
 
-
-class GrowBuffer:
-    """A tensor that grows along dim 2 with amortised doubling; ``drop_front`` only moves a start offset.
-
-    Views handed out earlier stay valid: rows are only ever written past the current end, and a buffer that
-    runs out of room is copied into a new tensor (never compacted in place)."""
-
-    __slots__ = ("data", "n", "start")
-
-    def __init__(self) -> None:
-        self.data: torch.Tensor | None = None
-        self.n = 0
-        self.start = 0
-
-    def append(self, x: torch.Tensor) -> None:
-        t = x.shape[2]
-        if t == 0:
-            return
-        if self.data is None:
-            shape = list(x.shape)
-            shape[2] = max(t, 16)
-            self.data, self.start = x.new_empty(shape), 0
-        elif self.start + self.n + t > self.data.shape[2]:
-            shape = list(self.data.shape)
-            shape[2] = max(self.n + t, 2 * shape[2]) if self.start == 0 else max(16, 2 * (self.n + t))
-            grown = self.data.new_empty(shape)
-            grown[:, :, : self.n] = self.data[:, :, self.start : self.start + self.n]
-            self.data, self.start = grown, 0
-        end = self.start + self.n
-        self.data[:, :, end : end + t] = x
-        self.n += t
-
-    def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[:, :, self.start : self.start + self.n]
-
-    def drop_front(self, t: int) -> None:
-        if t <= 0:
-            return
-        t = min(t, self.n)
-        self.start += t
-        self.n -= t
-
-    def alloc_bytes(self) -> int:
-        """Bytes of the tensor allocated (its capacity, not just the rows in use)."""
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
-
-    def nbytes(self) -> int:
-        if self.data is None:
-            return 0
-        per_unit = self.data[:, :, :1].numel() * self.data.element_size()
-        return per_unit * self.n
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        if self.data is not None:
-            self.data = self.data.index_select(0, index.to(self.data.device))
+_STATE_VERSIONS = itertools.count(1)  # a calibration's identity (``id()`` of a freed dict can come back)
 
 
 def window_start(seen: int, window: int, align: int) -> int:
     """The first token a window-bounded store still holds after ``seen`` tokens."""
     return max(0, seen - window) // align * align
+
+
+@dataclass
+class _Mark:
+    seen: int
+    dropped: int
+    n_packed: int
+    state: dict | None
+    state_version: int
+    calibrated_at: int
+    head: tuple
+    tail: tuple
+    packed: dict
+    rows: list = field(default_factory=list)  # (rows, points) appended since the mark
 
 
 class KVStore:
@@ -100,11 +80,14 @@ class KVStore:
         self.packed: dict[str, GrowBuffer] = {}
         self.n_packed = 0
         self.state: dict[str, torch.Tensor] | None = None
+        self.state_version = 0  # changes whenever ``state`` does (kernels cache per-state descriptions)
+        self.calibrated_at = 0  # token count at which ``state`` was calibrated
+        self._mark: _Mark | None = None
         #: the most bytes of dense (unpacked) rows this store held at once: the caller's incoming rows + the
         #: sink and tail buffers' capacity (+ the old tail buffer while it grows), in the rows' own dtype
         self.peak_dense_bytes = 0
 
-    # -- sizes --------------------------------------------------------------------------------
+    # -- sizes and positions ----------------------------------------------------------------------
     @property
     def n_tokens(self) -> int:
         return self.head.n + self.n_packed + self.tail.n
@@ -113,11 +96,53 @@ class KVStore:
     def n_full_precision(self) -> int:
         return self.head.n + self.tail.n
 
+    @property
+    def tail_start(self) -> int:
+        """The absolute position of the first tail row: rows from ``sink`` up to here are packed (or evicted)."""
+        return self.dropped + self.head.n + self.n_packed
+
+    def tail_start_at(self, seen: int) -> int:
+        """``tail_start`` of this store's policy after ``seen`` tokens (a pure function of the count)."""
+        tpu = self.codec.tokens_per_unit
+        if self.codec.lossless:
+            return window_start(seen, self.window, self.align) if self.window is not None else 0
+        if self.window is not None:
+            return max(window_start(seen, self.window, self.align), max(0, seen - self.recent) // tpu * tpu)
+        if seen <= self.sink:
+            return seen
+        return self.sink + max(0, (seen - self.sink - self.recent) // tpu * tpu)
+
     # -- writes -------------------------------------------------------------------------------
     def append(self, x: torch.Tensor) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """Add rows; returns ``(start_token, encoded)`` for each chunk packed by this call."""
-        self.seen += x.shape[2]
+        """Add rows (one point: this call's rows together); returns ``(position, encoded)`` for each chunk
+        packed by this call, ``position`` the absolute token position of its first row."""
+        return self.append_points(x)[0]
+
+    def append_points(self, x: torch.Tensor, points: list[int] | None = None) -> tuple[list, list[int]]:
+        """Add rows, evicting and packing at ``points`` (increasing row counts within ``x``, the last one
+        ``x.shape[2]``; None: one point at the end). Returns (the chunks packed, as ``append``; ``tail_start``
+        after each point)."""
+        t = x.shape[2]
+        if t == 0 and not points:
+            return [], [self.tail_start]
+        points = [t] if points is None else points
+        if not points or points[-1] != t or any(b <= a for a, b in zip([0, *points], points)):
+            raise ValueError(f"points {points} must increase and end at the {t} rows appended")
+        if self._mark is not None:
+            self._mark.rows.append((x, points))
         incoming = x.numel() * x.element_size()
+        chunks, cuts, evicted, prev = [], [], 0, 0
+        for p in points:
+            self._add(x[:, :, prev:p], incoming)
+            prev = p
+            evicted += self._evict() if self.window is not None else 0
+            chunks += self._flush()
+            cuts.append(self.tail_start)
+        self.last_evicted = evicted
+        return chunks, cuts
+
+    def _add(self, x: torch.Tensor, incoming: int) -> None:
+        self.seen += x.shape[2]
         free = self.sink - self.head.n
         if free > 0:
             self.head.append(x[:, :, :free])
@@ -127,8 +152,6 @@ class KVStore:
         after = self.tail.alloc_bytes()
         held = incoming + self.head.alloc_bytes() + after + (before if after != before else 0)
         self.peak_dense_bytes = max(self.peak_dense_bytes, held)
-        self.last_evicted = self._evict() if self.window is not None else 0
-        return self._flush()
 
     def _evict(self) -> int:
         """Drop the rows that fell out of the window (packed units first, then tail rows); returns how many."""
@@ -141,11 +164,16 @@ class KVStore:
             for buf in self.packed.values():
                 buf.drop_front(buf.n * packed // self.n_packed)
             self.n_packed -= packed
-        if self.n_packed == 0:
+        if self.n_packed == 0 and self.state is not None:
             self.packed = {}
-            self.state = None  # recalibrated on the rows in the window when packing starts again
+            self._set_state(None)  # recalibrated on the rows in the window when packing starts again
         self.tail.drop_front(drop - packed)
         return drop
+
+    def _set_state(self, state: dict | None) -> None:
+        self.state = state
+        self.state_version = next(_STATE_VERSIONS)
+        self.calibrated_at = self.seen
 
     def _flush(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
         if self.codec.lossless:
@@ -157,15 +185,72 @@ class KVStore:
         if self.state is None:
             # calibrate (key centering mean, outlier channels) on every full-precision row seen so far
             seen = [t for t in (self.head.view(), self.tail.view()) if t is not None and t.shape[2]]
-            self.state = self.codec.calibrate(torch.cat(seen, dim=2))
+            self._set_state(self.codec.calibrate(torch.cat(seen, dim=2)))
         rows = self.tail.view()[:, :, :n]
         enc = self.codec.encode(rows, self.state)
         for name, t in enc.items():
             self.packed.setdefault(name, GrowBuffer()).append(t)
-        start = self.head.n + self.n_packed
+        start = self.tail_start
         self.n_packed += n
         self.tail.drop_front(n)
         return [(start, enc)]
+
+    # -- rollback -----------------------------------------------------------------------------
+    def mark(self) -> None:
+        """Remember the store as it is now: ``crop`` can come back to here (or to any later count) exactly."""
+        self._mark = _Mark(self.seen, self.dropped, self.n_packed, self.state, self.state_version,
+                           self.calibrated_at, self.head.state(), self.tail.state(),
+                           {k: (buf, buf.state()) for k, buf in self.packed.items()})
+
+    def unmark(self) -> None:
+        self._mark = None
+
+    def crop(self, n: int) -> list[tuple[int, dict[str, torch.Tensor]]] | None:
+        """Keep the first ``n`` tokens ever appended, exactly as if the rest had never been. Returns the chunks
+        packed since the mark (``append``'s form) when it went back to the mark, None when it only dropped
+        tail rows. Raises when that cannot be done exactly."""
+        if n < 0:
+            raise ValueError(f"cannot crop to {n} tokens")
+        if n >= self.seen:
+            return None
+        m = self._mark
+        if m is not None and n >= m.seen:
+            self.seen, self.dropped, self.n_packed = m.seen, m.dropped, m.n_packed
+            self.state, self.state_version, self.calibrated_at = m.state, m.state_version, m.calibrated_at
+            self.head.restore(m.head)
+            self.tail.restore(m.tail)
+            self.packed = {}
+            for name, (buf, st) in m.packed.items():
+                buf.restore(st)
+                self.packed[name] = buf
+            self._mark = None
+            chunks = []
+            # replay in the grad mode the rows were made in (buffers made under inference mode stay writable)
+            with torch.inference_mode(any(x.is_inference() for x, _ in m.rows)):
+                for x, points in m.rows:
+                    keep = n - self.seen
+                    if keep <= 0:
+                        break
+                    if keep < x.shape[2]:
+                        x, points = x[:, :, :keep], [p for p in points if p < keep] + [keep]
+                    chunks += self.append_points(x, points)[0]
+            return chunks
+        # no mark that far back: rows can go only while they are still exact in the tail and the store at ``n``
+        # holds the same packed units (and a state calibrated on rows it still has)
+        gone = self.seen - n
+        same = (self.tail_start_at(n) == self.tail_start and gone <= self.tail.n
+                and (not self.state or self.calibrated_at <= n)
+                and (self.window is None or window_start(n, self.window, self.align) == self.dropped))
+        if not same:
+            raise ValueError(
+                f"cannot crop this {self.codec.spec} store back to {n} tokens exactly: of the {gone} tokens to drop, "
+                f"some were already packed (or evicted, or calibrated on) and their exact values are gone. Crop "
+                "right after the forward call that appended them, with past recording on "
+                "(cache.activate_past_recording(), as transformers' assisted decoding does)")
+        self.tail.drop_back(gone)
+        self.seen = n
+        self._mark = None
+        return None
 
     # -- reads --------------------------------------------------------------------------------
     def packed_view(self) -> dict[str, torch.Tensor]:
@@ -200,7 +285,9 @@ class KVStore:
         state = self.codec.state_bytes(self.state) if self.state else 0
         return {"full_precision": fp, "packed": packed, "state": state}
 
+    # -- batch ----------------------------------------------------------------------------------
     def select_batch(self, index: torch.Tensor) -> None:
+        self._mark = None
         for buf in (self.head, self.tail, *self.packed.values()):
             buf.select_batch(index)
         if self.state:
@@ -208,3 +295,14 @@ class KVStore:
                 k: (t.index_select(0, index.to(t.device)) if t.dim() >= 1 and t.shape[0] > 1 else t)
                 for k, t in self.state.items()
             }
+            self.state_version = next(_STATE_VERSIONS)
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Each sequence ``repeats`` times, in place (``[a, b] -> [a, a, b, b]``)."""
+        self._mark = None
+        for buf in (self.head, self.tail, *self.packed.values()):
+            buf.repeat_batch(repeats)
+        if self.state:
+            self.state = {k: (t.repeat_interleave(repeats, 0) if t.dim() >= 1 and t.shape[0] > 1 else t)
+                          for k, t in self.state.items()}
+            self.state_version = next(_STATE_VERSIONS)

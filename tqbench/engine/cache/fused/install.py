@@ -37,9 +37,9 @@ from tqbench.engine.cache.fused.support import (
     remember_previous,
 )
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
-from tqbench.engine.cache.tqcache import FusedKV
+from tqbench.engine.cache.handles import ATTN_NAME, FusedKV, PrecisionKV
+from tqbench.engine.cache.precision import precision_mask
 
-ATTN_NAME = "tqbench_fused"
 _registered = False
 
 __all__ = ["ATTN_NAME", "FusedUnsupportedError", "fused_attention", "fused_attention_forward",
@@ -108,9 +108,15 @@ def _previous_forward(module):
 def fused_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
     if isinstance(key, FusedBatch):
         return fused_batch_attention(module, query, key, attention_mask, *args, **kwargs)
+    if isinstance(key, PrecisionKV):  # a verification call in compressed/simulate mode: the model's own attention
+        mask = precision_mask(attention_mask, key.precision, key.total, query.shape[0], query.device)
+        if previous_implementation(getattr(module, "config", None)) == "eager" and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min)
+        return _previous_forward(module)(module, query, key.keys, key.values, mask, *args, **kwargs)
     if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
         return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
-    if not key.k_parts and not key.v_parts:  # prefill with no history: exact attention on the new rows
+    if not key.k_parts and not key.v_parts and key.precision is None:  # prefill with no history: exact attention
         return _previous_forward(module)(module, query, key.new_k, key.new_v, attention_mask, *args, **kwargs)
     scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
     if scaling is None:
@@ -120,6 +126,8 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     key.layer.fused_calls += 1
     total = key.k_store_tokens + key.new_k.shape[2]
     mask = window_mask(attention_mask, total)
+    if key.precision is not None:  # a verification call: the column sets after the call's rows
+        mask = precision_mask(mask, key.precision, total, query.shape[0], query.device)
     out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 

@@ -58,14 +58,14 @@ def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
 _SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _kernel_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype):
+def _kernel_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype, extra=None):
     before, packed, after = layout(parts)
-    chunks = [*before, *after, new]
+    chunks = [*before, *after, new] + ([] if extra is None else [extra])
     if packed is None:
         return kernel_side(None, chunks, 0, dim, dt)
     n_before = sum(x.shape[2] for x in before)
     payload = packed[2]
-    key = (packed[1], dim, dt, id(store.state), [t.data_ptr() for t in payload.values()])
+    key = (packed[1], dim, dt, store.state_version, [t.data_ptr() for t in payload.values()])
     hit = _SIDES.get(store)
     if hit is not None and hit[0] == key:
         side = hit[1]
@@ -82,14 +82,15 @@ def _kernel_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dty
 def kernel_sides(kv, d: int, dt: torch.dtype):
     """``(k_side, v_side, total_rows, extra_bytes)`` of a ``FusedKV`` for the native kernel, or ``str`` (why not).
 
-    The dense chunks are ``[sinks..., tail..., new rows]`` in token order, passed as they are stored
+    The dense chunks are ``[sinks..., tail..., new rows]`` in token order (then a verification call's column
+    sets, ``FusedKV.extra_k``), passed as they are stored
     (converted to ``dt`` only where they are in another dtype; ``extra_bytes`` counts those copies). The packed
     run's description is kept per store and rebuilt only when the run changes."""
-    ks = _kernel_side(kv.k_store, kv.k_parts, kv.new_k, d, dt)
+    ks = _kernel_side(kv.k_store, kv.k_parts, kv.new_k, d, dt, kv.extra_k)
     if isinstance(ks, str):
         return ks
-    vs = _kernel_side(kv.v_store, kv.v_parts, kv.new_v, kv.new_v.shape[-1], dt)
+    vs = _kernel_side(kv.v_store, kv.v_parts, kv.new_v, kv.new_v.shape[-1], dt, kv.extra_v)
     if isinstance(vs, str):
         return vs
-    total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts)
+    total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts) + kv.extra_rows
     return ks[0], vs[0], total, ks[1] + vs[1]

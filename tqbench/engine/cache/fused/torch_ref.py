@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tqbench.engine.cache.fused.layout import cat_rows, layout, packed_side
-from tqbench.engine.cache.tqcache import FusedKV
+from tqbench.engine.cache.handles import FusedKV
 from tqbench.engine.codecs.base import compute_dtype
 from tqbench.kernels.reference import packed_scores, packed_values
 
@@ -34,6 +34,8 @@ def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, 
     kb, kp, ka = layout(kv.k_parts)
     vb, vp, va = layout(kv.v_parts)
     ka, va = ka + [kv.new_k], va + [kv.new_v]
+    if kv.extra_k is not None:  # a verification call's column sets (``precision.py``), after the call's rows
+        ka, va = ka + [kv.extra_k], va + [kv.extra_v]
 
     s_fp = q @ cat_rows(kb + ka, dt).transpose(-1, -2)
     if kp is None:
@@ -57,7 +59,7 @@ def reference_fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, 
             scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
         else:
             scores = scores + mask[:, :, None].to(dt)
-    elif seq > 1:
+    elif seq > 1:  # (a verification call always has a mask: its column sets are not causal)
         causal = torch.ones(seq, total, dtype=torch.bool, device=q.device).tril(total - seq)
         scores = scores.masked_fill(~causal, float("-inf"))
     if sinks is not None:

@@ -64,7 +64,7 @@ def triton_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: flo
         spec = (kv.k_store if k_side is None else kv.v_store).codec.spec
         layer.note_fallback(f"triton: no kernel for {spec} (torch reference)")
         return reference_fused_attention(query, kv, attention_mask, scaling)
-    total = kv.shape[2]
+    total = kv.shape[2] + kv.extra_rows  # (a verification call's column sets come after the call's rows)
     try:
         mask = _bool_mask(attention_mask, seq, total, query.device)
     except NotImplementedError as exc:
@@ -78,6 +78,8 @@ def triton_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: flo
     # full-precision (or just-decoded) rows of both sides, same token order: [sinks | beyond common | rest]
     k_rows = [*kb, *([k_extra] if k_extra is not None else []), *ka, kv.new_k]
     v_rows = [*vb, *([v_extra] if v_extra is not None else []), *va, kv.new_v]
+    if kv.extra_k is not None:
+        k_rows, v_rows = k_rows + [kv.extra_k], v_rows + [kv.extra_v]
     k_dense, v_dense = torch.cat(k_rows, dim=2), torch.cat(v_rows, dim=2)
     if k_dense.shape[2] != v_dense.shape[2] or k_dense.shape[2] + common != total:
         raise RuntimeError(f"fused layout mismatch: {k_dense.shape[2]} + {common} rows vs {total} tokens")

@@ -1,0 +1,109 @@
+"""What a compressed layer hands the attention function instead of plain K/V tensors.
+
+- ``FusedKV`` (fused mode): the packed stores themselves, the parts they held before this call, this call's
+  rows, and (in a speculative verification call) the column sets of ``precision.py`` as extra dense rows.
+- ``PrecisionKV`` (compressed and simulate modes, verification calls only): dense K/V with those column
+  sets appended; the attention function extends the mask and runs the model's own implementation.
+
+Both need tqbench's attention function (``fused.install_fused_attention``, registered as ``ATTN_NAME``):
+reaching any other attention code they raise a ``TypeError`` that says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tqbench.engine.cache.precision import Precision
+from tqbench.engine.cache.store import KVStore
+
+__all__ = ["ATTN_NAME", "FusedKV", "PrecisionKV", "snapshot"]
+
+#: the attention implementation name tqbench registers with transformers (``fused.install``)
+ATTN_NAME = "tqbench_fused"
+
+_MISUSE = ("a {mode}-mode TQCache handed {what} to {name}, which needs dense K/V: the model's attention is not "
+           "{whose}; call tqbench.engine.cache.fused.install_fused_attention(model) (Engine.make_cache does) "
+           "before generating{hint}")
+
+
+class _Handle:
+    _mode = "fused"
+    _what = "its packed store"
+    _whose = "the fused one"
+    _hint = ", or use cache mode compressed"
+
+    @classmethod
+    def _misuse(cls, name: str) -> TypeError:
+        return TypeError(_MISUSE.format(mode=cls._mode, what=cls._what, name=name, whose=cls._whose, hint=cls._hint))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise cls._misuse(getattr(func, "__name__", str(func)))
+
+    def __getitem__(self, item):
+        raise self._misuse("an attention function")
+
+
+@dataclass
+class FusedKV(_Handle):
+    """What a fused-mode layer hands to the attention function instead of dense K/V."""
+
+    k_store: KVStore
+    v_store: KVStore
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    # stored rows as of this call (captured before the new rows were appended)
+    k_parts: tuple
+    v_parts: tuple
+    layer: object
+    # a verification call's column sets (``precision.py``): dense rows read after ``new_k``/``new_v``
+    extra_k: torch.Tensor | None = None
+    extra_v: torch.Tensor | None = None
+    precision: Precision | None = None
+
+    @property
+    def shape(self) -> torch.Size:  # what code that inspects key.shape expects
+        b, h, t, d = self.new_k.shape
+        return torch.Size((b, h, self.k_store_tokens + t, d))
+
+    @property
+    def k_store_tokens(self) -> int:
+        return sum(p[1] for p in self.k_parts)
+
+    @property
+    def extra_rows(self) -> int:
+        return 0 if self.extra_k is None else self.extra_k.shape[2]
+
+
+@dataclass
+class PrecisionKV(_Handle):
+    """A compressed/simulate-mode verification call: dense K/V (``[..., total + extra, D]``) and its plan."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    total: int  # columns of the call's own mask; the rest are the plan's column sets
+    precision: Precision
+    layer: object
+    _mode = "compressed/simulate"
+    _whose = "tqbench's"
+    _what = "a speculative verification call (each draft token reads keys at its own precision)"
+    _hint = ", or use cache mode dense-shadow or fused"
+
+    @property
+    def shape(self) -> torch.Size:
+        b, h, _, d = self.keys.shape
+        return torch.Size((b, h, self.total, d))
+
+
+def snapshot(store: KVStore) -> tuple:
+    """(kind, n_tokens, payload) parts in token order, for the fused attention path."""
+    parts = []
+    if store.head.n:
+        parts.append(("dense", store.head.n, store.head.view()))
+    if store.n_packed:
+        parts.append(("packed", store.n_packed, store.packed_view()))
+    if store.tail.n:
+        parts.append(("dense", store.tail.n, store.tail.view()))
+    return tuple(parts)

@@ -1,0 +1,310 @@
+"""``TQLayer``: one attention layer's compressed cache, in one of four modes (see ``tqcache.py``).
+
+Every forward call appends its rows to the K and V stores. A call attends exactly over its own rows and reads
+the history as stored, except a speculative verification call (past recording on, ``activate_past_recording``):
+its rows past the prompt are decode rows, each its own store point, and each of its queries reads every key at
+the precision it would have read decoding one token at a time (``precision.py``). ``crop`` takes the layer
+back to fewer tokens exactly (``KVStore.crop``); ``reorder_cache`` / ``batch_select_indices`` /
+``batch_repeat_interleave`` serve beam search and ``num_return_sequences``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from tqbench.constants import CACHE_MODES
+from tqbench.engine.cache.handles import FusedKV, PrecisionKV, snapshot
+from tqbench.engine.cache.precision import plan_precision, quantized_rows, rows_in_parts, set_rows
+from tqbench.engine.cache.store import KVStore
+from tqbench.engine.policy.spec import LayerPlan, Policy
+
+__all__ = ["TQLayer", "check_mode"]
+
+
+def check_mode(mode: str) -> str:
+    if mode not in CACHE_MODES:
+        raise ValueError(f"unknown cache mode {mode!r}: valid modes are {', '.join(CACHE_MODES)}")
+    return mode
+
+
+def _put_dequantized(rows: torch.Tensor | None, store: KVStore, packed: list, offset: int = 0) -> None:
+    """Write the dequantized values of ``packed`` (``(position, encoded)`` chunks from ``store.append``) over
+    their rows in ``rows``, whose first row is the token at position ``offset`` (rows before it are skipped):
+    the simulate mode's one rule."""
+    for start, enc in packed:
+        deq = store.codec.decode(enc, store.state, rows.dtype)
+        a = max(start, offset)
+        if a < start + deq.shape[2]:
+            rows[:, :, a - offset : start - offset + deq.shape[2]] = deq[:, :, a - start :]
+
+
+class TQLayer(CacheLayerMixin):
+    """One attention layer's compressed cache."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, plan: LayerPlan, mode: str, policy: Policy, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mode = check_mode(mode)
+        self.policy = policy
+        self.k_codec = policy.build_codec(plan.k, "k", layer=plan.layer)
+        self.v_codec = policy.build_codec(plan.v, "v", layer=plan.layer)
+        # a sliding-window layer: attention reads the last window - 1 stored rows (as transformers'
+        # DynamicSlidingWindowLayer keeps them), the stores hold at most a codec unit more
+        self.window = sliding_window - 1 if (plan.sliding and sliding_window) else None
+        self.is_sliding = self.window is not None
+        self.align = math.lcm(self.k_codec.tokens_per_unit, self.v_codec.tokens_per_unit)
+        self.cumulative_length = 0
+        #: speculative decoding (``activate_past_recording``): rows at positions >= ``prefill_end`` are decode rows
+        self.record_past = False
+        self.prefill_end: int | None = None
+        self.verify_calls = 0  # calls in which a query read rows packed during the call quantized (``precision``)
+        self._new_stores()
+        self.fused_calls = 0
+        self.fallbacks: dict[str, int] = {}
+        self.fused_impl: dict[str, int] = {}  # "native-cpu" / "triton" / "torch-reference (why)" -> calls
+        self.native_workspace = 0  # largest transient bytes of one native call (partials + full-precision rows)
+        self.sparse_v_rows = [0, 0]  # Sparse-V: value rows skipped, value rows with weight (native kernel)
+
+    def _new_stores(self) -> None:
+        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+        self._sim = {"k": None, "v": None}  # simulate: dense rows attention reads, from position _sim_start
+        self._sim_start = {"k": 0, "v": 0}
+        self._sim_pending: dict[str, list] = {}
+
+    @property
+    def lossless(self) -> bool:
+        return self.k_codec.lossless and self.v_codec.lossless
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty((0,))
+        self.values = value_states.new_empty((0,))
+        self.is_initialized = True
+
+    # -- speculative decoding ---------------------------------------------------------------------
+    def activate_past_recording(self, prefill_end: int | None = None) -> None:
+        """Verification calls from now on: rows at positions >= ``prefill_end`` (default: the tokens held now)
+        are decode rows, each read by the call's later queries as one-at-a-time decoding would; every call
+        can be cropped back exactly."""
+        self.record_past = True
+        self.prefill_end = self.cumulative_length if prefill_end is None else prefill_end
+
+    def _points(self, t: int) -> tuple[list[int] | None, int]:
+        """This call's store points and its first decode query (``t``: none)."""
+        if not self.record_past:
+            return None, t
+        first = min(max(self.prefill_end - self.cumulative_length, 0), t)
+        return ([first] if first else []) + list(range(first + 1, t + 1)), first
+
+    # -- the forward call ---------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
+        n0, t = self.cumulative_length, key_states.shape[2]
+        # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
+        visible = t + (n0 if self.window is None else min(n0, self.window))
+        points, first = self._points(t)
+        if self.record_past:
+            self.k_store.mark()
+            self.v_store.mark()
+        cut0 = (self.k_store.tail_start, self.v_store.tail_start)
+        if mode == "dense-shadow":  # attention reads exact rows: every query reads every key as decoding would
+            out = self._dense_shadow(key_states, value_states, visible)
+            self.k_store.append_points(key_states, points)
+            self.v_store.append_points(value_states, points)
+        elif mode in ("simulate", "compressed"):
+            if mode == "simulate":
+                base_k, ck, cuts_k = self._simulate(key_states, "k", points)
+                base_v, cv, cuts_v = self._simulate(value_states, "v", points)
+            else:
+                base_k = self._with_history(self.k_store, key_states)
+                base_v = self._with_history(self.v_store, value_states)
+                ck, cuts_k = self.k_store.append_points(key_states, points)
+                cv, cuts_v = self.v_store.append_points(value_states, points)
+            base_k, base_v = base_k[:, :, -visible:], base_v[:, :, -visible:]
+            plan = self._plan(n0, first, cut0, (cuts_k, cuts_v), points, n0 + t - visible)
+            if plan is None:
+                out = (base_k, base_v)
+            else:
+                c0 = plan.lo - (n0 + t - visible)
+                base = (base_k[:, :, c0 : c0 + plan.width], base_v[:, :, c0 : c0 + plan.width])
+                ek, ev = self._set_rows(plan, base, (ck, cv))
+                handle = PrecisionKV(torch.cat([base_k, ek], dim=2), torch.cat([base_v, ev], dim=2), visible,
+                                     plan, self)
+                out = (handle, handle)
+        else:  # fused
+            handle = FusedKV(self.k_store, self.v_store, key_states, value_states,
+                             snapshot(self.k_store), snapshot(self.v_store), self)
+            first_held = (self.k_store.dropped, self.v_store.dropped)
+            ck, cuts_k = self.k_store.append_points(key_states, points)
+            cv, cuts_v = self.v_store.append_points(value_states, points)
+            plan = self._plan(n0, first, cut0, (cuts_k, cuts_v), points, n0 - handle.k_store_tokens)
+            if plan is not None:
+                base = tuple(
+                    rows_in_parts((*parts, ("dense", t, new)), start, plan.lo, plan.lo + plan.width, store, new.dtype)
+                    for parts, start, store, new in ((handle.k_parts, first_held[0], self.k_store, key_states),
+                                                     (handle.v_parts, first_held[1], self.v_store, value_states)))
+                handle.extra_k, handle.extra_v = self._set_rows(plan, base, (ck, cv))
+                handle.precision = plan
+            out = (handle, handle)
+        self.cumulative_length += t
+        return out
+
+    def _plan(self, n0: int, first: int, cut0: tuple, cuts: tuple, points: list | None, lowest_visible: int):
+        """Per-query precision of a verification call (None when every query reads what its first one reads)."""
+        if points is None:
+            return None
+        t = points[-1]
+        per_query = []
+        for side_cuts, side_cut0 in zip(cuts, cut0):
+            at = dict(zip(points, side_cuts))
+            # query i reads the store after i rows of the call (i = 0: as it was before the call)
+            per_query.append([side_cut0 if i == 0 else at.get(i, side_cut0) for i in range(t)])
+        plan = plan_precision(n0, first, cut0, (per_query[0], per_query[1]), lowest_visible)
+        if plan is not None:
+            self.verify_calls += 1
+        return plan
+
+    def _set_rows(self, plan, base: tuple, chunks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        quant = tuple(quantized_rows(b, plan.lo, c, store, b.dtype)
+                      for b, c, store in zip(base, chunks, (self.k_store, self.v_store)))
+        return set_rows(plan, base, quant)
+
+    def _dense_shadow(self, key_states: torch.Tensor, value_states: torch.Tensor, visible: int):
+        shape_k = (*key_states.shape[:2], -1, key_states.shape[3])
+        shape_v = (*value_states.shape[:2], -1, value_states.shape[3])
+        keys = torch.cat([self.keys.view(shape_k), key_states], 2)
+        values = torch.cat([self.values.view(shape_v), value_states], 2)
+        out = (keys[:, :, -visible:], values[:, :, -visible:])
+        if self.window is None:
+            self.keys, self.values = keys, values
+        else:  # the rows this call read: at least the window after a crop of this call's rows
+            self.keys, self.values = out
+        return out
+
+    def _with_history(self, store: KVStore, new: torch.Tensor) -> torch.Tensor:
+        hist = store.dense(new.dtype)
+        return new if hist is None else torch.cat([hist, new], dim=2)
+
+    def _simulate(self, new: torch.Tensor, role: str, points: list | None):
+        """Dense buffer of what attention reads. Rows packed by a call are swapped for their dequantized values
+        at the start of the next call (the call itself reads them as its queries would, as the other modes
+        do), so the buffer is never copied; it follows the store's rows (a window-bounded store evicts)."""
+        store = self.k_store if role == "k" else self.v_store
+        buf, start = self._sim[role], self._sim_start[role]
+        if buf is not None and store.dropped > start:
+            buf, start = buf[:, :, store.dropped - start :], store.dropped
+        if buf is not None:
+            _put_dequantized(buf, store, self._sim_pending.pop(role, ()), start)
+        else:
+            start = self.cumulative_length
+        out = new if buf is None else torch.cat([buf, new], dim=2)
+        chunks, cuts = store.append_points(new, points)
+        self._sim_pending[role] = chunks
+        self._sim[role], self._sim_start[role] = out, start
+        return out, chunks, cuts
+
+    def append_read_quantized(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The seed wrapper's simulate (``CompressedDynamicCache``): append this call's rows to the stores and
+        return them as stored, every row packed by this call already dequantized (so this call, prefill
+        included, reads quantized values). No dense buffer is kept: the caller holds the returned rows."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        out = []
+        for store, new in ((self.k_store, key_states), (self.v_store, value_states)):
+            offset = store.seen
+            packed = store.append(new)
+            rows = new.clone() if packed else new
+            _put_dequantized(rows, store, packed, offset)
+            out.append(rows)
+        self.cumulative_length += key_states.shape[2]
+        return out[0], out[1]
+
+    # -- transformers layer protocol ------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.window is not None:  # as transformers' DynamicSlidingWindowLayer: the last window - 1 rows
+            return min(self.cumulative_length, self.window) + query_length, max(self.cumulative_length - self.window, 0)
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.cumulative_length = 0
+        self._new_stores()
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.record_past, self.prefill_end = False, None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens, leaving every store exactly as if they had never been
+        appended (``KVStore.crop``). Raises when that cannot be done exactly (tokens packed before the last
+        call, without past recording)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if not self.is_initialized or tokens_to_remove == 0:
+            return
+        keep = max(0, self.cumulative_length + tokens_to_remove)
+        ck = self.k_store.crop(keep)
+        cv = self.v_store.crop(keep)
+        gone = self.cumulative_length - keep
+        self.cumulative_length = keep
+        if self.mode == "dense-shadow" and self.keys.dim() == 4:
+            self.keys, self.values = self.keys[:, :, : self.keys.shape[2] - gone], self.values[:, :, : self.values.shape[2] - gone]
+        for role, chunks in (("k", ck), ("v", cv)):
+            buf = self._sim[role]
+            if buf is not None:  # simulate: the buffer's cropped rows go; rows packed again are swapped in next call
+                self._sim[role] = buf[:, :, : max(0, keep - self._sim_start[role])]
+                if chunks is not None:
+                    self._sim_pending[role] = chunks
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        for store in (self.k_store, self.v_store):
+            store.select_batch(indices)
+        self._map_dense(lambda t: t.index_select(0, indices.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if not self.is_initialized:
+            return
+        for store in (self.k_store, self.v_store):
+            store.repeat_batch(repeats)
+        self._map_dense(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _map_dense(self, fn) -> None:
+        for role in ("k", "v"):
+            if self._sim[role] is not None:
+                self._sim[role] = fn(self._sim[role])
+            if role in self._sim_pending:  # rows still to be swapped in belong to the sequences they came from
+                self._sim_pending[role] = [(start, {k: fn(t) for k, t in enc.items()})
+                                           for start, enc in self._sim_pending[role]]
+        if self.keys is not None and self.keys.dim() == 4:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def offload(self) -> None:  # the packed store stays where it is
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def note_fallback(self, case: str) -> None:
+        self.fallbacks[case] = self.fallbacks.get(case, 0) + 1

@@ -1,0 +1,141 @@
+"""A ``TQCache``'s ``CacheReport``: bytes per layer (packed, full precision, state), what attention held
+transiently, and which fused implementation ran."""
+
+from __future__ import annotations
+
+import torch
+
+from tqbench.engine.cache.layer import TQLayer
+from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
+from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.engine.policy.spec import Policy
+
+__all__ = ["build_report", "fused_reference_peak_bytes"]
+
+
+def build_report(cache) -> CacheReport:
+    """The report of ``cache`` (a ``TQCache``) as it is now."""
+    rows = []
+    shared: dict[str, int] = {}
+    max_layer_dense = 0
+    batch = 0
+    kv_heads, head_dim, v_head_dim = cache.num_kv_heads, cache.head_dim, cache.v_head_dim
+    for plan, layer in zip(cache.plans, cache.layers):
+        if isinstance(layer, TQLayer):
+            kb = layer.k_store.bytes_breakdown()
+            vb = layer.v_store.bytes_breakdown()
+            tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
+            # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
+            fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
+            batch = batch or _batch_of(layer)
+            for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim)):
+                if store.n_packed:
+                    shared.update(store.codec.shared_items(dim))
+            rows.append(LayerBytes(
+                layer=plan.layer, k_codec=plan.k, v_codec=plan.v, tokens=tokens,
+                k_bytes=sum(kb.values()), v_bytes=sum(vb.values()),
+                full_precision_bytes=kb["full_precision"] + vb["full_precision"],
+                packed_bytes=kb["packed"] + vb["packed"], state_bytes=kb["state"] + vb["state"],
+                k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
+                dense_fp16_bytes=batch * kv_heads * fp16_tokens * (head_dim + v_head_dim) * FP_BYTES,
+                reason=plan.reason,
+            ))
+            max_layer_dense = max(max_layer_dense, rows[-1].dense_fp16_bytes)
+        else:  # transformers' sliding window layer: dense, bounded
+            held = layer.keys.shape[2] if layer.is_initialized and layer.keys.dim() == 4 else 0
+            b = layer.keys.shape[0] if held else 0
+            k_dense = b * kv_heads * held * head_dim * FP_BYTES
+            v_dense = b * kv_heads * held * v_head_dim * FP_BYTES
+            dense = k_dense + v_dense
+            rows.append(LayerBytes(
+                layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=k_dense,
+                v_bytes=v_dense, full_precision_bytes=dense, packed_bytes=0, state_bytes=0,
+                k_packed_tokens=0, v_packed_tokens=0, dense_fp16_bytes=dense, reason=plan.reason,
+            ))
+    layers = [la for la in cache.layers if isinstance(la, TQLayer)]
+    fallbacks: dict[str, int] = {}
+    impls: dict[str, int] = {}
+    sparse = [0, 0]
+    for layer in layers:
+        sparse = [sparse[0] + layer.sparse_v_rows[0], sparse[1] + layer.sparse_v_rows[1]]
+        for case, n in layer.fallbacks.items():
+            fallbacks[case] = fallbacks.get(case, 0) + n
+        for case, n in layer.fused_impl.items():
+            impls[case] = impls.get(case, 0) + n
+    if cache.mode == "fused":
+        if ran_in_kernels(impls, fallbacks):
+            # the kernels keep split-K partials (+ the native call's joined full-precision rows), nothing decoded
+            max_layer_dense = max((la.native_workspace for la in layers), default=0)
+        else:  # the torch reference's peak: one side of one layer decoded, with its int32 code index
+            max_layer_dense = max((fused_reference_peak_bytes(la, kv_heads, head_dim, v_head_dim) for la in layers),
+                                  default=0)
+    windowed = [la.plan.layer for la in layers if la.window is not None]
+    rep = CacheReport.build(
+        mode=cache.mode, policy=cache.policy, layers=rows, shared=shared,
+        transient_layer_bytes=max_layer_dense, fused_calls=sum(la.fused_calls for la in layers),
+        fallbacks=fallbacks, fused_impl=impls,
+        sparse_v=_sparse_v_summary(cache.policy, sparse) if cache.mode == "fused" else None,
+        held_dtype=str(getattr(cache.layers[0], "dtype", "")).replace("torch.", ""),
+    )
+    slow = sorted({why for la in layers for c in (la.k_codec, la.v_codec)
+                   if (why := getattr(c, "encoder_fallback", None))})
+    rep.notes.extend(slow)  # the append path's fast path did not run: say so, and why
+    if windowed:
+        rep.notes.append(
+            f"{len(windowed)} sliding-window layers hold only their window ({cache.sliding_window - 1} tokens, "
+            f"plus up to one codec unit): their bytes and tokens stay bounded at any context"
+        )
+    verify = sum(la.verify_calls for la in layers)
+    if verify:
+        rep.notes.append(
+            f"speculative verification: {verify} layer calls gave draft tokens rows packed during the call at "
+            "their own precision (extra key columns, transient; nothing extra is stored)"
+        )
+    return rep
+
+
+def _sparse_v_summary(policy: Policy, rows: list[int]) -> dict | None:
+    """What Sparse-V skipped (value rows, over the rows with any softmax weight), or None when it is off."""
+    if not policy.sparsev:
+        return None
+    skipped, visited = rows
+    return {"threshold": policy.sparsev, "skipped_rows": skipped, "weighted_rows": visited,
+            "skipped_share": round(skipped / visited, 4) if visited else 0.0}
+
+
+def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:
+    """Transient bytes the fused torch reference holds while reading one side of ``layer``: the decoded rows
+    (rotated-domain or dequantized, compute dtype), the int32 copy of the codes that indexes the byte table
+    (plus the unpacked codes for widths that do not divide 8), and the concatenated full-precision rows.
+    Codecs decoded by ``codec.decode`` (fallback) are counted at twice their rows."""
+    if not layer.is_initialized:
+        return 0
+    elem = torch.promote_types(layer.dtype, torch.float32).itemsize
+    bh = _batch_of(layer) * kv_heads
+    peak = 0
+    for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim or head_dim)):
+        fp_rows = bh * (store.n_full_precision + 1) * dim * elem
+        rows = bh * store.n_packed * dim * elem
+        codec = store.codec
+        if not store.n_packed:
+            side = 0
+        elif type(codec) in (TurboCodec, AffineChannelCodec, AffineTokenCodec):
+            code_bytes = store.packed["idx" if type(codec) is TurboCodec else "q"].view().numel()
+            if codec.bits == 8:
+                side = rows
+            elif 8 % codec.bits == 0:
+                side = rows + 4 * code_bytes
+            else:
+                side = rows + 5 * bh * store.n_packed * dim
+        else:
+            side = 2 * rows
+        peak = max(peak, side + fp_rows)
+    return peak
+
+
+def _batch_of(layer: TQLayer) -> int:
+    for buf in (layer.k_store.head, layer.k_store.tail, *layer.k_store.packed.values()):
+        if buf.data is not None:
+            return buf.data.shape[0]
+    return 0
