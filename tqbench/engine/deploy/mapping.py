@@ -67,13 +67,25 @@ def _bits(spec: str, role: str, dim: int) -> float:
     return codec_from_spec(spec, role).bits_per_element(dim)
 
 
+def _usable(engine: str, dim: int) -> tuple[str, ...]:
+    """The engine's types that can store rows of ``dim`` (GGML blocks need a multiple of 32)."""
+    out = []
+    for t in _CHOICES[engine]:
+        try:
+            _bits(ENGINE_KV_TYPES[engine][t], "k", dim)
+        except ValueError:
+            continue
+        out.append(t)
+    return tuple(out)
+
+
 def _pick(engine: str, want_bits: float, roles: tuple[str, ...], dim: int) -> str:
     """The engine type whose bits per element are nearest ``want_bits`` (ties: more bits, then the earlier in
     ``_CHOICES``)."""
     types = ENGINE_KV_TYPES[engine]
-    cost = {t: sum(_bits(types[t], r, dim) for r in roles) / len(roles) for t in _CHOICES[engine]}
-    return min(_CHOICES[engine], key=lambda t: (round(abs(cost[t] - want_bits), 9), -cost[t],
-                                                _CHOICES[engine].index(t)))
+    usable = _usable(engine, dim)
+    cost = {t: sum(_bits(types[t], r, dim) for r in roles) / len(roles) for t in usable}
+    return min(usable, key=lambda t: (round(abs(cost[t] - want_bits), 9), -cost[t], usable.index(t)))
 
 
 def _exact(engine: str, specs: set[str]) -> str | None:
@@ -180,6 +192,10 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
     if any(p.dense_window for p in plan):
         unmapped.append("sliding-window layers kept as a bounded dense window here: the engine applies its "
                         "dtype to them too")
+    lost = [t for t in _CHOICES[engine] if t not in _usable(engine, min(dims.values()))]
+    if lost:
+        unmapped.append(f"{label}'s {', '.join(lost)} need head_dim a multiple of 32 (this model: "
+                        f"{min(dims.values())}): not available for this model")
     mapped = f"{engine}:{k}/{v}" if k != v else f"{engine}:{k}"
     if skip:  # vLLM's skip list: the mapped policy keeps those layers fp16 here too
         mapped_pol = replace(parse_policy(mapped), overrides=(("kv", "+".join(map(str, skip)), "fp16"),),
