@@ -39,7 +39,7 @@ def print_export(rep) -> None:
         return
     m = rep.measured
     t = Table(title=f"measured here: teacher-forced on {m.source}, {m.prefill_tokens} prefill + {m.steps} scored "
-                    f"tokens, {m.cache_mode} mode")
+                    f"tokens, {m.cache_mode} mode (bits/el of the cache at its {m.prefill_tokens + m.steps} tokens)")
     for col in ("", "policy", "bits/el", "KL mean", "top-1", "PPL"):
         t.add_column(col, justify="left" if col in ("", "policy") else "right")
     for row in _rows(rep):
