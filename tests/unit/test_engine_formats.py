@@ -248,3 +248,20 @@ def test_engine_settings_in_the_policy_language():
 def test_bad_engine_names_say_what_is_valid(text, message):
     with pytest.raises(ValueError, match=message):
         parse_policy(text)
+
+
+def test_engine_codecs_in_scan_and_allocate(engine32):
+    """The engine formats take part in scan (per-layer error) and allocate (per-layer choice under a budget,
+    bytes from the same estimate) like any codec."""
+    from tqbench.engine.allocate import allocate_policy
+    from tqbench.engine.scan import scan
+
+    d = scan(engine32, "hello there general kenobi", codecs=["q8_0", "q4_0", "fp8_e4m3"]).to_dict()
+    assert d["codec_bits"] == {"q8_0": 8.5, "q4_0": 4.5, "fp8_e4m3": 8.0}
+    k_err = {c: max(max(row) for row in d["metrics"]["k_rel_mse"][c]) for c in d["codecs"]}
+    assert k_err["q8_0"] < 1e-4 < k_err["fp8_e4m3"] < k_err["q4_0"] < 0.02  # gguf's q4_0 rel. MSE is ~1e-2
+    rep = allocate_policy(engine32, 6.0, base="sink=0", codecs=["q4_0", "q8_0"], calibration="bread", calib_prefill=48,
+                          calib_steps=8, context=96, verify_text=None)
+    a = rep.allocation
+    assert set(a.k) | set(a.v) <= {"q4_0", "q8_0"} and a.bits_per_element <= 6.0
+    assert a.estimate.total_bytes == estimate_kv(a.policy, KVGeometry.from_config(engine32.config), 96).total_bytes
