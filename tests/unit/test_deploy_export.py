@@ -54,7 +54,8 @@ def test_nearest_types_per_role_and_vllm_skip_layers():
     t = map_policy("turbo4", "vllm", geo)
     assert "turboquant_4bit_nc" in " ".join(t.unmapped) and t.k_type == "fp8"
     g = map_policy("turbo4", "sglang", geo)
-    assert g.lines == ("python -m sglang.launch_server --model-path MODEL --kv-cache-dtype fp8_e4m3",)
+    assert g.lines == ("python -m sglang.launch_server --model-path MODEL --kv-cache-dtype fp4_mx_block16",)
+    assert g.mapped_bits == 4.5
     r = map_policy("turbo4", "trtllm", geo)
     assert r.lines[1:] == ("kv_cache_config:", "  dtype: fp8") and r.mapped_policy == "trtllm:fp8"
 

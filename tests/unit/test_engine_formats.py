@@ -186,7 +186,7 @@ def engine32() -> Engine:
 
 
 @pytest.mark.parametrize("policy", ["llamacpp:q8_0/q4_0", "llamacpp:iq4_nl", "k=q5_1,v=q4_1,sink=2,recent=3",
-                                    "vllm:fp8", "trtllm:fp8", "k=fp8_e5m2-prefill,v=q5_0"])
+                                    "vllm:fp8", "trtllm:fp8", "k=fp8_e5m2-prefill,v=q5_0", "sglang:fp4_mx_block16"])
 @pytest.mark.parametrize("tokens", [1, 9, 40])
 def test_report_bytes_match_estimate_to_the_byte(engine32, policy, tokens):
     model = engine32.model
@@ -265,3 +265,21 @@ def test_engine_codecs_in_scan_and_allocate(engine32):
     a = rep.allocation
     assert set(a.k) | set(a.v) <= {"q4_0", "q8_0"} and a.bits_per_element <= 6.0
     assert a.estimate.total_bytes == estimate_kv(a.policy, KVGeometry.from_config(engine32.config), 96).total_bytes
+
+
+def test_sglang_fp4_mx_block16_hand_computed_block():
+    """[12, -1, 0.5, 0.3, 0 x 12]: amax/6 = 2 -> e = 1, scale byte 128; x/2 = [6, -0.5, 0.25, 0.15]: codes 7,
+    8|1, 1 (0.25 is on a bound: up), 0; bytes (odd << 4) + even = 0x97, 0x01; decoded [12, -1, 1, 0, ...].
+    (Byte-identical to SGLang 0.5.23's own FP4MXBlock16KVQuantizeUtil in fp32, bf16 and fp16: checked against the
+    wheel's source while writing this codec.)"""
+    x = torch.zeros(1, 1, 1, 32)
+    x[..., :4] = torch.tensor([12.0, -1.0, 0.5, 0.3])
+    x[..., 16:] = 5.0  # second block: amax/6 = 0.833 -> e = 0; 5 -> bucket 7 (>= 5.0) -> 6.0
+    c = codec_from_spec("fp4_mx_block16")
+    enc = c.encode(x, {})
+    assert enc["scale"][0, 0, 0].tolist() == [128, 127]
+    assert enc["q"][0, 0, 0].tolist() == [0x97, 0x01] + [0] * 6 + [0x77] * 8
+    dec = c.decode(enc, {}, torch.float32)[0, 0, 0]
+    assert dec.tolist() == [12.0, -1.0, 1.0, 0.0] + [0.0] * 12 + [6.0] * 16
+    assert c.unit_bytes(64) == 36 and codec_bits_per_element("fp4_mx_block16", 64) == 4.5
+    assert parse_policy("sglang:fp4_mx_block16").k == "fp4_mx_block16"

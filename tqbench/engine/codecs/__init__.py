@@ -9,6 +9,7 @@ from .affine import AffineChannelCodec, AffineTokenCodec
 from .base import Codec, Encoded, compute_dtype
 from .calibrated import CALIBRATED_SPECS, PcaKeyCodec, calibrated_bits, is_calibrated_spec
 from .dense import DenseCodec
+from .fp4 import Fp4Block16Codec
 from .fp8 import Fp8Codec
 from .ggml import GGML_TYPES, GgmlCodec
 from .rotation import ROTATIONS
@@ -25,6 +26,7 @@ __all__ = [
     "Codec",
     "DenseCodec",
     "ENGINE_FORMAT_SPECS",
+    "Fp4Block16Codec",
     "Fp8Codec",
     "GgmlCodec",
     "Encoded",
@@ -69,9 +71,11 @@ CODEC_SPECS: tuple[str, ...] = (
     "fp8_e5m2",
     "fp8_e4m3-prefill",
     "fp8_e5m2-prefill",
+    "fp4_mx_block16",
 )
 #: the codecs that are an inference engine's own KV storage (llama.cpp's GGML types, fp8 with per-tensor scales)
-ENGINE_FORMAT_SPECS: tuple[str, ...] = (*GGML_TYPES, "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-prefill", "fp8_e5m2-prefill")
+ENGINE_FORMAT_SPECS: tuple[str, ...] = (*GGML_TYPES, "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-prefill", "fp8_e5m2-prefill",
+                                        "fp4_mx_block16")
 ALIASES: dict[str, str] = {"q8": "int8", "q4": "int4", "q2": "int2", "f16": "fp16", "f32": "fp32"}
 ROLES = ("k", "v")
 #: option name -> default
@@ -152,6 +156,8 @@ def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, **opts
         return DenseCodec(name)
     if name in GGML_TYPES:
         return GgmlCodec(name)
+    if name == "fp4_mx_block16":
+        return Fp4Block16Codec()
     if name.startswith("fp8_"):
         fmt, _, scale = name[4:].partition("-")
         return Fp8Codec(fmt, scale or "static")
@@ -186,6 +192,8 @@ def nominal_bits(spec: str) -> float:
         return float(GGML_TYPES[name].bits)
     if name.startswith("fp8_"):
         return 8.0
+    if name == "fp4_mx_block16":
+        return 4.0
     if name.startswith("pcaq"):
         return float(name[4:])
     digits = name.removeprefix("turbo").removeprefix("int").removeprefix("fp").removeprefix("bf")

@@ -8,7 +8,8 @@ What each engine's name means (read in the engines' sources, see docs):
 - llama.cpp ``-ctk/-ctv`` (``--cache-type-k/-v``): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1.
 - vLLM ``--kv-cache-dtype`` (0.34): ``fp8`` is ``fp8_e4m3``; the scale is the checkpoint's ``k_scale`` /
   ``v_scale``, 1.0 when it has none (tqbench's static ``fp8_e4m3``).
-- SGLang ``--kv-cache-dtype`` (0.5.23): ``fp8_e4m3``, ``fp8_e5m2``, scales as vLLM's.
+- SGLang ``--kv-cache-dtype`` (0.5.23): ``fp8_e4m3``, ``fp8_e5m2``, scales as vLLM's; ``fp4_mx_block16`` (E2M1 in
+  blocks of 16 with an exponent byte, ``codecs.fp4``).
 - TensorRT-LLM ``kv_cache_config.dtype: fp8``: e4m3 with the per-tensor scale the checkpoint was calibrated
   with (ModelOpt: amax / 448): tqbench's ``fp8_e4m3-prefill`` computes that scale on the prefill instead.
 """
@@ -27,7 +28,8 @@ ENGINE_KV_TYPES: dict[str, dict[str, str]] = {
         "auto": "fp16", "float16": "fp16", "bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3",
         "fp8_e5m2": "fp8_e5m2",
     },
-    "sglang": {"auto": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"},
+    "sglang": {"auto": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+               "fp4_mx_block16": "fp4_mx_block16"},
     "trtllm": {"auto": "fp16", "fp8": "fp8_e4m3-prefill"},
 }
 ENGINES = tuple(ENGINE_KV_TYPES)
@@ -43,8 +45,8 @@ NOT_REPRODUCED: dict[str, dict[str, str]] = {
         "int8_per_token_head": "not reproduced", "int4_per_token_head": "not reproduced",
         "fp8_per_token_head": "not reproduced",
     },
-    "sglang": {"nvfp4": "NVFP4 blocks are not a tqbench codec yet", "mxfp8": "not reproduced",
-               "fp4_mx_block16": "not reproduced"},
+    "sglang": {"nvfp4": "NVFP4 blocks are not a tqbench codec yet (their quantizer is a flashinfer kernel)",
+               "mxfp8": "not reproduced"},
     "trtllm": {"nvfp4": "NVFP4 blocks are not a tqbench codec yet", "int8": "TensorRT-LLM's int8 KV (per-tensor "
                "scale) is not reproduced"},
 }

@@ -27,7 +27,7 @@ ENGINE_LABELS = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang", "t
 _CHOICES: dict[str, tuple[str, ...]] = {
     "llamacpp": ("f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"),
     "vllm": ("auto", "fp8", "fp8_e5m2"),
-    "sglang": ("auto", "fp8_e4m3", "fp8_e5m2"),
+    "sglang": ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_mx_block16"),
     "trtllm": ("auto", "fp8"),
 }
 #: engines whose one dtype covers K and V both
