@@ -16,7 +16,7 @@ What each engine's name means (read in the engines' sources, see docs):
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "ENGINE_KV_TYPES", "NOT_REPRODUCED", "engine_setting", "is_engine_setting"]
+__all__ = ["ENGINES", "ENGINE_KV_TYPES", "NOT_REPRODUCED", "describe_setting", "engine_setting", "is_engine_setting"]
 
 #: engine -> {the engine's KV type name -> the tqbench codec that stores exactly what the engine stores}
 ENGINE_KV_TYPES: dict[str, dict[str, str]] = {
@@ -50,6 +50,8 @@ NOT_REPRODUCED: dict[str, dict[str, str]] = {
     "trtllm": {"nvfp4": "NVFP4 blocks are not a tqbench codec yet", "int8": "TensorRT-LLM's int8 KV (per-tensor "
                "scale) is not reproduced"},
 }
+_FLAGS = {"llamacpp": "llama.cpp -ctk {k} -ctv {v}", "vllm": "vLLM --kv-cache-dtype {k}",
+          "sglang": "SGLang --kv-cache-dtype {k}", "trtllm": "TensorRT-LLM kv_cache_config.dtype {k}"}
 _ENGINE_ALIASES = {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "tensorrt-llm": "trtllm",
                    "tensorrt_llm": "trtllm", "trt-llm": "trtllm"}
 
@@ -90,3 +92,18 @@ def engine_setting(text: str) -> tuple[str, str]:
     k = _codec(engine, parts[0], text)
     v = _codec(engine, parts[-1], text)
     return k, v
+
+
+def describe_setting(text: str) -> str:
+    """One line for an engine setting: ``llamacpp:q8_0/q4_0`` -> "llama.cpp -ctk q8_0 -ctv q4_0: ..."."""
+    engine_setting(text)  # validates
+    engine, _, kinds = text.strip().lower().partition(":")
+    engine = canonical_engine(engine)
+    parts = kinds.split("/")
+    flags = _FLAGS[engine].format(k=parts[0].strip(), v=parts[-1].strip())
+    k, _ = engine_setting(text)
+    if k.endswith("-prefill"):
+        return (f"{flags}: the engine's fp8 bytes, with a per-tensor scale computed on the prefill (the engine "
+                "takes the checkpoint's calibrated one)")
+    scale = " with scale 1.0 (no checkpoint scales)" if k.startswith("fp8_") else ""
+    return f"{flags}: the engine's own KV storage{scale}, bit-exact (no sinks, no recent window)"

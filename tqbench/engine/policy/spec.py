@@ -380,7 +380,7 @@ def engine_policy(text: str) -> Policy:
 #: engine settings listed beside the presets (every other type pair the engines accept parses too)
 ENGINE_PRESETS = (
     "llamacpp:q8_0", "llamacpp:q8_0/q4_0", "llamacpp:q5_1", "llamacpp:q5_0", "llamacpp:q4_1", "llamacpp:q4_0",
-    "llamacpp:iq4_nl", "vllm:fp8", "vllm:fp8_e5m2", "trtllm:fp8",
+    "llamacpp:iq4_nl", "vllm:fp8", "vllm:fp8_e5m2", "sglang:fp4_mx_block16", "trtllm:fp8",
 )
 
 
