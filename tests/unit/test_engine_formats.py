@@ -283,3 +283,14 @@ def test_sglang_fp4_mx_block16_hand_computed_block():
     assert dec.tolist() == [12.0, -1.0, 1.0, 0.0] + [0.0] * 12 + [6.0] * 16
     assert c.unit_bytes(64) == 36 and codec_bits_per_element("fp4_mx_block16", 64) == 4.5
     assert parse_policy("sglang:fp4_mx_block16").k == "fp4_mx_block16"
+
+
+def test_engine_settings_in_compare_policies(engine32):
+    from tqbench.engine.validate import compare_policies
+
+    d = compare_policies(engine32, ["llamacpp:q8_0", "vllm:fp8", "llamacpp:q4_0"], ["hello there"],
+                         max_new_tokens=4).to_dict()
+    rows = {r["policy"]: r for r in d["rows"]}
+    assert [(rows[p]["policy_string"], rows[p]["bits_per_element"]) for p in rows] == [
+        ("k=q8_0,v=q8_0", 8.5), ("k=fp8_e4m3,v=fp8_e4m3", 8.0), ("k=q4_0,v=q4_0", 4.5)]
+    assert rows["llamacpp:q8_0"]["kl_mean"] < rows["llamacpp:q4_0"]["kl_mean"]
