@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, Encoded, compute_dtype
+from .base import Codec, Encoded
 
 __all__ = ["GGML_TYPES", "IQ4NL_LEVELS", "GgmlCodec", "GgmlType"]
 
@@ -200,7 +200,7 @@ class GgmlCodec(Codec):
         raw = enc["blocks"]
         b, h, t, nbytes = raw.shape
         vals = dequantize_blocks(self.kind, raw.reshape(-1, self.type.block_bytes))
-        return vals.reshape(b, h, t, nbytes // self.type.block_bytes * QK).to(compute_dtype(dtype)).to(dtype)
+        return vals.reshape(b, h, t, nbytes // self.type.block_bytes * QK).to(dtype)
 
     def unit_bytes(self, head_dim: int) -> int:
         self._check_dim(head_dim)
