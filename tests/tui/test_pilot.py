@@ -285,3 +285,28 @@ def test_missing_session_flag_is_a_clean_error(args):
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 2
     assert r.stderr.strip() == "error: session file '/no/such.json' does not exist: give a saved session's .json path or a sweep's --out folder"
+
+
+async def test_policies_tab_shows_the_engine_export_of_the_policy_on_screen(data_dir, steady_engine):
+    """The saved allocation in the builder, on the default model's geometry: llama.cpp's flags and what they
+    cannot carry (the same mapping `tqbench --headless export` prints); switching the engine updates it."""
+    from textual.widgets import Select, Static
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(120, 50)) as pilot:
+        await pilot.press("f3")
+        pane = app.policies_pane
+        pane.query_one("#geometry-model", Input).value = "SmolLM2-135M"
+        await pilot.pause()
+        pane.load_into_builder("smollm2-alloc-2.5bit")
+        await pilot.pause()
+        text = plain(pane.query_one("#export", Static))
+        assert "llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on" in text
+        assert "4.50 bits/element vs the policy's 2.48" in text
+        assert "could not map: per-layer K widths (turbo2 on 10 layers" in text
+        assert "sink=4 / recent=16 full-precision tokens" in text
+        pane.query_one("#export-engine", Select).value = "vllm"
+        await pilot.pause()
+        text = plain(pane.query_one("#export", Static))
+        assert text.startswith("vllm serve MODEL --kv-cache-dtype fp8\n8.00 bits/element vs the policy's 2.48")
+        assert "--to vllm" in text

@@ -20,18 +20,23 @@ from tqbench.engine.codecs import (
     is_valid_spec,
 )
 from tqbench.engine.codecs.base import Codec
+from tqbench.engine.codecs.ggml import GGML_TYPES
 
 # relative error E||x - x_hat||^2 / E||x||^2 a working codec stays under (loose: catches broken codecs)
 MAX_REL_ERR = {"int8": 1e-4, "int4": 0.02, "int2": 0.25, "1": 0.4, "1.5": 0.3, "2": 0.13, "2.5": 0.08}
 MAX_REL_ERR |= {"3": 0.04, "3.5": 0.02, "4": 0.011, "2-qjl": 0.7, "3-qjl": 0.25, "4-qjl": 0.08}
+#: the engines' formats (GGML blocks of 32 with fp16 scales, fp8 per tensor)
+MAX_REL_ERR |= {"q8_0": 1e-4, "q5_1": 0.003, "q5_0": 0.004, "q4_1": 0.012, "q4_0": 0.016, "iq4_nl": 0.012,
+                "fp8_e4m3": 0.002, "fp8_e5m2": 0.006, "fp8_e4m3-prefill": 0.002, "fp8_e5m2-prefill": 0.006,
+                "fp4_mx_block16": 0.03}
 
 
 def _rel_bound(spec: str) -> float:
-    return MAX_REL_ERR[spec] if spec.startswith("int") else MAX_REL_ERR[spec.removeprefix("turbo")]
+    return MAX_REL_ERR[spec] if spec in MAX_REL_ERR else MAX_REL_ERR[spec.removeprefix("turbo")]
 
 
 def test_specs_and_aliases() -> None:
-    assert len(set(CODEC_SPECS)) == len(CODEC_SPECS) == 16
+    assert len(set(CODEC_SPECS)) == len(CODEC_SPECS) == 27
     for spec in (*CODEC_SPECS, *ALIASES, " Turbo4 ", "Q8"):
         assert is_valid_spec(spec)
     for bad in ("turbo5", "int3", "fp8", "", "turbo1-qjl", "turbo2.25"):
@@ -141,8 +146,9 @@ def test_bits_per_element_of_a_spec_from_the_registry() -> None:
     assert codec_bits_per_element("turbo4", 64) == 4.25  # 32 code bytes + a 2-byte norm per 64 elements
     assert codec_bits_per_element("int8", 64) == 9.0 and codec_bits_per_element("fp16", 128) == 16.0
     for spec in CODEC_SPECS:
-        both = [codec_from_spec(spec, role).bits_per_element(80) for role in ("k", "v")]
-        assert codec_bits_per_element(spec, 80) == sum(both) / 2
+        d = 96 if spec in GGML_TYPES or spec == "fp4_mx_block16" else 80  # blocks of 32 / 16 values
+        both = [codec_from_spec(spec, role).bits_per_element(d) for role in ("k", "v")]
+        assert codec_bits_per_element(spec, d) == sum(both) / 2
     assert [nominal_bits(s) for s in ("turbo2.5", "turbo3-qjl", "int8", "fp16", "fp32", "q4")] == [
         2.5, 3.0, 8.0, 16.0, 32.0, 4.0]
     with pytest.raises(ValueError, match="unknown codec"):

@@ -100,9 +100,13 @@ def test_policies_json_lists_every_preset():
 
     r = cli("--headless", "policies", "--json")
     rows = json.loads(r.stdout)
-    from tqbench.engine.policy import shipped_policy_names
+    from tqbench.engine.policy import ENGINE_PRESETS, shipped_policy_names
 
-    assert [row["name"] for row in rows] == list(PRESETS) + [n for n in shipped_policy_names() if n not in PRESETS]
+    assert [row["name"] for row in rows] == list(PRESETS) + [n for n in shipped_policy_names() if n not in PRESETS] \
+        + list(ENGINE_PRESETS)
+    q8 = next(row for row in rows if row["name"] == "llamacpp:q8_0/q4_0")
+    assert q8["meaning"].startswith("llama.cpp -ctk q8_0 -ctv q4_0: the engine's own KV storage, bit-exact")
+    assert q8["policy"] == "k=q8_0,v=q4_0" and q8["bits_per_element"] == 6.5
     fp16 = rows[0]
     assert fp16["bits_per_element"] == 16 and fp16["saved_pct"] == 0
 

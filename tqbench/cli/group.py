@@ -1,8 +1,8 @@
 """``tqbench``: the workbench (TUI), ``tqbench --headless <command>`` for scripts and CI.
 
 The click group lives here and every command family is registered on it from its own module: ``bench``
-(bench, policies), ``validate``, ``compare`` (compare-policies, niah), ``scan``, ``estimate`` (kv-estimate)
-and ``serve``. Heavy imports (torch, transformers) happen inside commands so ``tqbench --help`` starts at once.
+(bench, policies), ``validate``, ``compare`` (compare-policies, niah), ``scan``, ``estimate`` (kv-estimate),
+``export`` (a policy as an engine's KV setting) and ``serve``. Heavy imports (torch, transformers) happen inside commands so ``tqbench --help`` starts at once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tqbench.cli.bench import bench, policies
 from tqbench.cli.calibrate import calibrate
 from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
+from tqbench.cli.export import export
 from tqbench.cli.scan import scan
 from tqbench.cli.serve import serve
 from tqbench.cli.sweep import sweep
@@ -51,7 +52,7 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
         open_workbench(ctx)
 
 
-for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep):
+for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep, export):
     main.add_command(command)
 main.add_command(calibrate)  # calibrated key transforms (pcaq codecs)
 

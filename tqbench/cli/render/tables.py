@@ -112,15 +112,17 @@ class PresetRow:
 
 
 def preset_rows(seq_len: int) -> list[PresetRow]:
-    """Every preset, then every shipped (model-specific) policy file, by name."""
+    """Every preset, then every shipped (model-specific) policy file, by name, then the engines' own settings."""
     from tqbench.engine import estimate_kv, get_preset, parse_policy
     from tqbench.engine.cache import default_geometry
-    from tqbench.engine.policy import PRESET_TEXT, shipped_policy_names
+    from tqbench.engine.codecs.engine_formats import describe_setting
+    from tqbench.engine.policy import ENGINE_PRESETS, PRESET_TEXT, shipped_policy_names
 
     geo = default_geometry()
     named = [(name, get_preset(name), meaning) for name, (_, meaning) in PRESET_TEXT.items()]
     named += [(name, parse_policy(name), shipped_meaning(name)) for name in shipped_policy_names()
               if name not in PRESET_TEXT]
+    named += [(name, parse_policy(name), describe_setting(name)) for name in ENGINE_PRESETS]
     rows = []
     for name, pol, meaning in named:
         est = estimate_kv(pol, geo, seq_len)

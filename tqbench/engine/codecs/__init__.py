@@ -9,6 +9,9 @@ from .affine import AffineChannelCodec, AffineTokenCodec
 from .base import Codec, Encoded, compute_dtype
 from .calibrated import CALIBRATED_SPECS, PcaKeyCodec, calibrated_bits, is_calibrated_spec
 from .dense import DenseCodec
+from .fp4 import Fp4Block16Codec
+from .fp8 import Fp8Codec
+from .ggml import GGML_TYPES, GgmlCodec
 from .rotation import ROTATIONS
 from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
 
@@ -22,6 +25,10 @@ __all__ = [
     "AffineTokenCodec",
     "Codec",
     "DenseCodec",
+    "ENGINE_FORMAT_SPECS",
+    "Fp4Block16Codec",
+    "Fp8Codec",
+    "GgmlCodec",
     "Encoded",
     "PcaKeyCodec",
     "TurboCodec",
@@ -53,8 +60,23 @@ CODEC_SPECS: tuple[str, ...] = (
     "turbo2-qjl",
     "turbo3-qjl",
     "turbo4-qjl",
+    # the engines' own KV formats, bit-exact (ggml.py, fp8.py)
+    "q8_0",
+    "q5_1",
+    "q5_0",
+    "q4_1",
+    "q4_0",
+    "iq4_nl",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_e4m3-prefill",
+    "fp8_e5m2-prefill",
+    "fp4_mx_block16",
 )
-ALIASES: dict[str, str] = {"q8": "int8", "q4": "int4", "q2": "int2"}
+#: the codecs that are an inference engine's own KV storage (llama.cpp's GGML types, fp8 with per-tensor scales)
+ENGINE_FORMAT_SPECS: tuple[str, ...] = (*GGML_TYPES, "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-prefill", "fp8_e5m2-prefill",
+                                        "fp4_mx_block16")
+ALIASES: dict[str, str] = {"q8": "int8", "q4": "int4", "q2": "int2", "f16": "fp16", "f32": "fp32"}
 ROLES = ("k", "v")
 #: option name -> default
 CODEC_OPTS: dict[str, Any] = {
@@ -132,6 +154,13 @@ def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, **opts
         return PcaKeyCodec(calibrated_bits(name), layer, o["calib"], role)
     if name in ("fp16", "bf16", "fp32"):
         return DenseCodec(name)
+    if name in GGML_TYPES:
+        return GgmlCodec(name)
+    if name == "fp4_mx_block16":
+        return Fp4Block16Codec()
+    if name.startswith("fp8_"):
+        fmt, _, scale = name[4:].partition("-")
+        return Fp8Codec(fmt, scale or "static")
     if name.startswith("int"):
         bits = int(name[3:])
         return AffineChannelCodec(bits, o["kblock"]) if role == "k" else AffineTokenCodec(bits, o["group"])
@@ -156,8 +185,15 @@ def codec_bits_per_element(spec: str, head_dim: int, **opts: Any) -> float:
 
 
 def nominal_bits(spec: str) -> float:
-    """The bits a spec is named by: ``turbo2.5`` -> 2.5, ``turbo3-qjl`` -> 3, ``int8`` -> 8, ``fp16`` -> 16."""
+    """The bits a spec is named by: ``turbo2.5`` -> 2.5, ``turbo3-qjl`` -> 3, ``int8`` -> 8, ``fp16`` -> 16,
+    ``q4_0`` -> 4 (its scales are in ``codec_bits_per_element``: 4.5), ``fp8_e4m3`` -> 8."""
     name = canonical_spec(spec)
+    if name in GGML_TYPES:
+        return float(GGML_TYPES[name].bits)
+    if name.startswith("fp8_"):
+        return 8.0
+    if name == "fp4_mx_block16":
+        return 4.0
     if name.startswith("pcaq"):
         return float(name[4:])
     digits = name.removeprefix("turbo").removeprefix("int").removeprefix("fp").removeprefix("bf")

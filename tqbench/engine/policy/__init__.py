@@ -16,6 +16,7 @@ from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.policy.spec import (
     BYPASS_CHOICES,
     DENSE_SPECS,
+    ENGINE_PRESETS,
     FULL_PRECISION,
     PRESET_TEXT,
     PRESETS,
@@ -25,6 +26,7 @@ from tqbench.engine.policy.spec import (
     FittedOn,
     LayerPlan,
     Policy,
+    engine_policy,
     get_preset,
     load_policy_file,
     parse_compact,
@@ -36,6 +38,7 @@ from tqbench.engine.policy.spec import (
 __all__ = [
     "BYPASS_CHOICES",
     "DENSE_SPECS",
+    "ENGINE_PRESETS",
     "FULL_PRECISION",
     "PRESETS",
     "PRESET_TEXT",
@@ -52,6 +55,7 @@ __all__ = [
     "shipped_policy_names",
     "shipped_policy_path",
     "Policy",
+    "engine_policy",
     "get_preset",
     "load_policy_file",
     "parse_compact",

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tqbench.constants import POLICIES_DATA_DIR
 from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_calibrated_spec, is_valid_spec
+from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, engine_setting, is_engine_setting
 from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.tomlfile import read_toml
 
@@ -412,12 +413,31 @@ PRESET_TEXT: dict[str, tuple[str, str]] = {
 }
 
 
+def engine_policy(text: str) -> Policy:
+    """An engine's own KV setting as a policy: ``llamacpp:q8_0/q4_0`` (K/V), ``llamacpp:q4_0`` (both),
+    ``vllm:fp8``: those codecs on every layer, no sinks, no recent window (the engines keep none)."""
+    k, v = engine_setting(text)
+    engine, _, kinds = text.strip().lower().partition(":")
+    return Policy(k=k, v=v).with_name(f"{engine}:{kinds.strip()}")
+
+
+#: engine settings listed beside the presets (every other type pair the engines accept parses too)
+ENGINE_PRESETS = (
+    "llamacpp:q8_0", "llamacpp:q8_0/q4_0", "llamacpp:q5_1", "llamacpp:q5_0", "llamacpp:q4_1", "llamacpp:q4_0",
+    "llamacpp:iq4_nl", "vllm:fp8", "vllm:fp8_e5m2", "sglang:fp4_mx_block16", "trtllm:fp8",
+)
+
+
 def get_preset(name: str) -> Policy:
+    if is_engine_setting(name):
+        return engine_policy(name)
     if name not in PRESET_TEXT:
         shipped = shipped_policy_names()
         raise ValueError(
             f"unknown policy preset {name!r}: valid presets are {', '.join(PRESET_TEXT)}"
             + (f" (shipped policy files: {', '.join(shipped)})" if shipped else "")
+            + f"; or an engine's KV setting ENGINE:TYPE or ENGINE:K_TYPE/V_TYPE ({', '.join(ENGINE_KV_TYPES)}), "
+            "e.g. llamacpp:q8_0/q4_0, vllm:fp8"
         )
     return parse_compact(PRESET_TEXT[name][0]).with_name(name)
 

@@ -34,6 +34,7 @@ class PoliciesPane(Horizontal):
     PoliciesPane .row Select { width: 22; }
     PoliciesPane .row Input { width: 1fr; max-width: 40; }
     PoliciesPane #estimate { height: auto; padding: 1 0 0 0; }
+    PoliciesPane #export { height: auto; padding: 0 0 1 0; }
     PoliciesPane #policy-buttons { height: 1; }
     PoliciesPane #policy-buttons Button { margin-right: 2; }
     """
@@ -53,6 +54,7 @@ class PoliciesPane(Horizontal):
 
     def compose(self) -> ComposeResult:
         from tqbench.engine.codecs import CODEC_SPECS
+        from tqbench.engine.deploy import ENGINE_LABELS
         from tqbench.engine.policy import ROTATION_CHOICES, SLIDING_CHOICES
 
         codecs = [(c, c) for c in CODEC_SPECS]
@@ -98,6 +100,11 @@ class PoliciesPane(Horizontal):
                 yield Label("name")
                 yield Input("", id="policy-name", compact=True, placeholder="my-policy")
             yield Static("", id="estimate")
+            with Horizontal(classes="row"):
+                yield Label("export to")
+                yield Select([(label, e) for e, label in ENGINE_LABELS.items()], value="llamacpp",
+                             id="export-engine", compact=True, allow_blank=False)
+            yield Static("", id="export")
             with Horizontal(id="policy-buttons"):
                 yield Button("Use as candidate ^u", id="use", compact=True, variant="primary")
                 yield Button("Keep ^k", id="keep", compact=True)
@@ -110,13 +117,14 @@ class PoliciesPane(Horizontal):
     # ---- the list --------------------------------------------------------------------------------
     def reload_list(self) -> None:
         from tqbench.engine.cache.estimate import estimate_kv
-        from tqbench.engine.policy import PRESET_TEXT, parse_policy, shipped_policy_names
+        from tqbench.engine.policy import ENGINE_PRESETS, PRESET_TEXT, parse_policy, shipped_policy_names
 
         geo, ctx = self.geometry(), self.context()
         ol = self.query_one("#policy-list", OptionList)
         ol.clear_options()
         entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + \
-            [(name, name) for name in shipped_policy_names()] + list(self.kept.items())
+            [(name, name) for name in shipped_policy_names()] + [(name, name) for name in ENGINE_PRESETS] + \
+            list(self.kept.items())
         for name, text in entries:
             try:
                 est = estimate_kv(parse_policy(text), geo, ctx)
@@ -212,6 +220,9 @@ class PoliciesPane(Horizontal):
                 pass
         if getattr(event, "input", None) is not None and event.input.id == "policy-name":
             return
+        if getattr(event, "select", None) is not None and event.select.id == "export-engine":
+            self.show_export()
+            return
         self.recompute()
 
     def recompute(self) -> None:
@@ -246,6 +257,33 @@ class PoliciesPane(Horizontal):
             f"{f' (V {g.v_dim})' if g.v_dim != g.head_dim else ''}; every byte "
             f"counted (norms, scales, fp16 sink/window rows, rotations and codebooks once)[/dim]"
         )
+        self.show_export()
+
+    def show_export(self) -> None:
+        """The built policy as the chosen engine's closest KV setting (``deploy.map_policy``, what ``export``
+        prints): its flags, the bits against the policy's, and what the setting cannot carry."""
+        from rich.markup import escape
+
+        from tqbench.engine.deploy import map_policy
+
+        out = self.query_one("#export", Static)
+        engine = self.query_one("#export-engine", Select).value
+        if not self.current:
+            out.update("")
+            return
+        try:
+            s = map_policy(self.current, engine, self.geometry(), self.context())
+        except ValueError as exc:
+            out.update(f"[b red]no {engine} setting[/]: {escape(str(exc))}")
+            return
+        lines = [f"[b]{escape(s.lines[0])}[/b]", *(escape(x) for x in s.lines[1:] if not x.startswith("(")),
+                 f"{s.mapped_bits:.2f} bits/element vs the policy's {s.original_bits:.2f}"]
+        if s.unmapped:
+            lines.append("[b yellow]could not map[/]: " + " · ".join(escape(u) for u in s.unmapped))
+        lines += [f"[dim]{escape(n)}[/dim]" for n in s.notes]
+        lines.append(f"[dim]measured next to the policy: tqbench --headless export "
+                     f"\"{escape(self.current)}\" --to {engine}[/dim]")
+        out.update("\n".join(lines))
 
     # ---- actions ---------------------------------------------------------------------------------
     @on(Button.Pressed, "#use")

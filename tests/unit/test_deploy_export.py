@@ -1,0 +1,105 @@
+"""``export``: a policy as an engine's closest KV setting, what it cannot map, and both measured here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tqbench.cli import main
+from tqbench.engine.cache import KVGeometry, default_geometry
+from tqbench.engine.deploy import export_policy, map_policy
+from tqbench.engine.engine import Engine
+
+ALLOC = "tqbench/data/policies/smollm2-alloc-2.5bit.toml"
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["--headless", *args])
+
+
+def test_allocation_to_llamacpp_names_the_flags_and_what_it_could_not_map():
+    s = map_policy(ALLOC, "llamacpp", default_geometry())
+    assert (s.k_type, s.v_type, s.mapped_policy) == ("q4_0", "q4_0", "llamacpp:q4_0")
+    assert s.lines[0] == "llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on"
+    assert s.unmapped[0].startswith("per-layer K widths (turbo2 on 10 layers, turbo3 on 12 layers, turbo1 on 8 "
+                                    "layers): llama.cpp has one K type for every layer")
+    assert s.unmapped[1].startswith("per-layer V widths (turbo3 on 4 layers, turbo2 on 14 layers, turbo1 on 12")
+    assert "sink=4 / recent=16 full-precision tokens: llama.cpp stores every token in its cache type" in s.unmapped
+    assert s.unmapped[-1] == ("the llama.cpp setting stores 4.50 bits/element against the policy's 2.48: the cache "
+                              "is 1.81x larger")
+    assert s.mapped_bits == 4.5 and round(s.original_bits, 4) == 2.4833
+    assert any("flash attention (-fa on)" in n for n in s.notes)
+
+
+def test_an_engine_setting_maps_onto_itself_with_nothing_lost():
+    s = map_policy("llamacpp:q8_0/q4_0", "llamacpp", default_geometry())
+    assert (s.k_type, s.v_type, s.unmapped, s.original_bits, s.mapped_bits) == ("q8_0", "q4_0", (), 6.5, 6.5)
+    assert "GGML_CUDA_FA_ALL_QUANTS" in " ".join(s.notes)
+    v = map_policy("vllm:fp8", "vllm", default_geometry())
+    assert v.lines == ("vllm serve MODEL --kv-cache-dtype fp8",) and v.unmapped == ()
+
+
+def test_nearest_types_per_role_and_vllm_skip_layers():
+    geo = default_geometry()  # 30 layers
+    s = map_policy("k=int8,v=int4,protect=first2+last2", "llamacpp", geo)
+    assert (s.k_type, s.v_type) == ("q8_0", "q4_1")
+    assert "fp16 layers 0,1,28,29: llama.cpp cannot leave single layers unquantized" in " ".join(s.unmapped)
+    v = map_policy("k=int8,v=int4,protect=first2+last2", "vllm", geo)
+    assert v.skip_layers == (0, 1, 28, 29)
+    assert v.lines == ("vllm serve MODEL --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 1 28 29",)
+    assert v.mapped_policy == "k=fp8_e4m3,v=fp8_e4m3,kv@0+1+28+29=fp16"
+    assert "different K and V codecs: vLLM's --kv-cache-dtype sets both" in " ".join(v.unmapped)
+    t = map_policy("turbo4", "vllm", geo)
+    assert "turboquant_4bit_nc" in " ".join(t.unmapped) and t.k_type == "fp8"
+    g = map_policy("turbo4", "sglang", geo)
+    assert g.lines == ("python -m sglang.launch_server --model-path MODEL --kv-cache-dtype fp4_mx_block16",)
+    assert g.mapped_bits == 4.5
+    r = map_policy("turbo4", "trtllm", geo)
+    assert r.lines[1:] == ("kv_cache_config:", "  dtype: fp8") and r.mapped_policy == "trtllm:fp8"
+
+
+def test_head_dim_without_ggml_blocks_maps_to_f16_and_says_why():
+    s = map_policy("turbo4", "llamacpp", KVGeometry(4, 2, 16))
+    assert (s.k_type, s.v_type) == ("f16", "f16")
+    assert ("llama.cpp's q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl need head_dim a multiple of 32 (this model: 16): not "
+            "available for this model") in s.unmapped
+
+
+def test_bad_engine_and_measure_without_model():
+    with pytest.raises(ValueError, match="unknown engine 'ollama': valid engines are llamacpp, vllm, sglang, trtllm"):
+        map_policy("turbo4", "ollama", default_geometry())
+    with pytest.raises(ValueError, match="measuring the mapped setting needs a loaded model"):
+        export_policy("turbo4", "vllm", geometry=default_geometry())
+
+
+def test_measured_export_on_the_tiny_model():
+    engine = Engine.tiny(head_dim=32)
+    rep = export_policy("k=turbo4,v=turbo4,recent=4", "llamacpp", engine=engine, corpus="bread", context_tokens=24,
+                        eval_tokens=6)
+    assert rep.original.kv_policy == "k=turbo4,v=turbo4,recent=4" and rep.mapped.kv_policy == "llamacpp:q4_0"
+    assert rep.mapped.bits_per_element == 4.5 and rep.measured.steps == 6
+    assert rep.original.kl_mean >= 0 and rep.mapped.kl_mean > 0 and 0 <= rep.mapped.top1_agreement <= 1
+    d = rep.to_dict()
+    assert d["measured"]["mapped"]["kv_policy"] == "llamacpp:q4_0" and d["lines"][0].endswith("-ctv q4_0 -fa on")
+
+
+def test_cli_export_of_the_saved_allocation_to_llamacpp():
+    r = run("export", ALLOC, "--to", "llamacpp", "--no-measure")
+    assert r.exit_code == 0, r.output
+    assert "llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on" in r.stdout
+    assert "could not map:" in r.stdout and "per-layer K widths" in r.stdout
+    j = run("export", ALLOC, "--to", "vllm", "--no-measure", "--json")
+    d = json.loads(j.stdout)
+    assert d["lines"] == ["vllm serve MODEL --kv-cache-dtype fp8"] and d["mapped_bits_per_element"] == 8.0
+
+
+def test_cli_export_measured_on_tiny_and_bad_input():
+    r = run("export", "turbo4", "--to", "vllm", "--model", "tiny", "--corpus", "bread", "--tf-context", "16",
+            "--tf-tokens", "4", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["measured"]["original"]["kv_policy"] == "turbo4" and d["measured"]["mapped"]["kv_policy"] == "vllm:fp8"
+    bad = run("export", "turbo9", "--to", "llamacpp", "--no-measure")
+    assert bad.exit_code == 2 and "unknown policy preset 'turbo9'" in bad.stderr

@@ -1,0 +1,84 @@
+"""``export``: a policy as an engine's closest KV setting, measured here next to the original.
+
+``export_policy(policy, "llamacpp", engine=Engine)`` maps the policy (``mapping.map_policy``) and, unless
+``measure=False``, runs the engine's teacher-forced quality (``validate.quality.teacher_forced_quality``: KL to
+the dense baseline, top-1 agreement, perplexity) on the original and on the mapped setting, so the user sees
+what carrying the policy to that engine costs. Without a loaded model it maps on a geometry alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tqbench.engine.deploy.mapping import EngineSetting, map_policy
+from tqbench.engine.events import CancelFlag, OnEvent
+from tqbench.engine.policy.spec import Policy, parse_policy
+
+__all__ = ["ExportReport", "export_policy"]
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    setting: EngineSetting
+    model: str
+    measured: object | None = None  # validate.quality.TeacherForcedReport: results[0] original, [1] mapped
+    warning: str | None = None  # the policy was fitted on another model
+
+    @property
+    def original(self):
+        return self.measured.results[0] if self.measured is not None else None
+
+    @property
+    def mapped(self):
+        return self.measured.results[1] if self.measured is not None else None
+
+    def to_dict(self) -> dict:
+        out = {"model": self.model, **self.setting.to_dict(), "warning": self.warning}
+        if self.measured is not None:
+            m = self.measured
+            out["measured"] = {
+                "source": m.source, "cache_mode": m.cache_mode, "prefill_tokens": m.prefill_tokens,
+                "steps": m.steps, "original": self.original.to_dict(), "mapped": self.mapped.to_dict(),
+            }
+        return out
+
+
+def export_policy(
+    policy: Policy | str,
+    engine_name: str,
+    *,
+    engine=None,
+    geometry=None,
+    model_name: str = "",
+    seq_len: int = 1024,
+    measure: bool = True,
+    corpus: str = "rivers",
+    context_tokens: int = 256,
+    eval_tokens: int = 64,
+    cache_mode: str = "compressed",
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
+) -> ExportReport:
+    """Map ``policy`` to ``engine_name`` for ``engine``'s model (or ``geometry`` of ``model_name``), and measure
+    both unless ``measure`` is False (measuring needs ``engine``)."""
+    from tqbench.engine.policy.artifact import artifact_warning_for
+
+    if engine is None and geometry is None:
+        raise ValueError("export needs a loaded model (engine) or a KV geometry to map the policy on")
+    if measure and engine is None:
+        raise ValueError("measuring the mapped setting needs a loaded model; pass measure=False to map only")
+    geo = engine.geometry if engine is not None else geometry
+    pol = parse_policy(policy)
+    setting = map_policy(pol, engine_name, geo, seq_len)
+    fingerprint = getattr(getattr(engine, "loaded", None), "fingerprint", None) if engine is not None else None
+    warning = artifact_warning_for(policy, fingerprint, geo) if isinstance(policy, str) else None
+    measured = None
+    if measure:
+        from tqbench.engine.validate.quality import teacher_forced_quality
+
+        measured = teacher_forced_quality(
+            engine, [pol, setting.mapped_policy], corpus=corpus, context_tokens=context_tokens,
+            eval_tokens=eval_tokens, cache_mode=cache_mode, on_event=on_event, cancel=cancel,
+        )
+    name = engine.name if engine is not None else f"{model_name or 'a model'} (geometry only, not measured)"
+    return ExportReport(setting, name, measured, warning)
