@@ -304,6 +304,21 @@ def check_policies(argv, out, tmp):
     assert all(name in out for name in PRESETS)
 
 
+def check_presets_table(cmd, args, runner):
+    """The page's presets table (``| `name` | `policy` | bits | saved% |``) is what the command computes."""
+    page = (ROOT / cmd.block.path).read_text(encoding="utf-8")
+    rows = re.findall(r"(?m)^\| `([\w.-]+)` \| `([^`]+)` \| ([\d.]+) \| ([\d.]+)% \|", page)
+    if not rows:
+        return
+    real = {r["name"]: r for r in json.loads(runner.invoke(main, ["--headless", *args, "--json"]).stdout)}
+    for name, policy, bits, saved in rows:
+        assert name in real, f"{cmd.block.path}: preset {name} is not listed by the command"
+        got = real[name]
+        assert (got["policy"], f"{got['bits_per_element']:.2f}", f"{got['saved_pct']:.1f}") == (policy, bits, saved), (
+            f"{cmd.block.path}: the table's row for {name} ({policy}, {bits}, {saved}%) is not what "
+            f"`{cmd.text}` computes: {got}")
+
+
 def check_allocate(argv, out, tmp):
     budget = float(opt(argv, "--budget"))
     if "--json" in argv:
@@ -378,6 +393,8 @@ def test_docs_command(cmd, runner, block_dirs, monkeypatch):
     else:
         assert result.exit_code == 0, f"{cmd.text}\n-> {args}\nexit {result.exit_code}\n{result.output}\n{result.exception!r}"
     CHECKS[sub](args, stdout, tmp_path)
+    if sub == "policies" and "--json" not in args:
+        check_presets_table(cmd, args, runner)
     if sub in EXACT:
         missing = {n for n in documented_numbers(cmd.documented) if n not in stdout}
         assert not missing, f"{cmd.id}: documented figures not in the real output: {sorted(missing)}\n{stdout}"
@@ -557,7 +574,10 @@ def test_docs_curl(block, docs_server):
 def test_docs_openai_python(block, docs_server, capsys):
     pytest.importorskip("openai")
     _, port, _ = docs_server
+    before = _health(port)[1]["requests"]
     namespace: dict = {"__name__": "docs_snippet"}
     exec(compile(_served("\n".join(block.lines), port), f"{block.path}:{block.line}", "exec"), namespace)  # noqa: S102
     printed = capsys.readouterr().out
-    assert printed.strip() and "resp" in namespace
+    after = _health(port)[1]["requests"]
+    assert printed.strip(), f"{block.path}:{block.line} printed nothing"
+    assert after != before, f"{block.path}:{block.line} sent no request to the server ({before} -> {after})"
