@@ -26,7 +26,7 @@ lint: setup
 
 # the documentation site (mkdocs.yml): strict, so a broken link or anchor fails; offline (no plugin fetches)
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings strict counts
 
 test: lint docs
 	$(BIN)/python -m pytest -q
