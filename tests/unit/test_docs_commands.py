@@ -163,7 +163,7 @@ CURL = [b for b in BLOCKS if b.marker is None and any(s.startswith("curl ") for 
 
 # ---- the extraction itself --------------------------------------------------------------------------------
 def test_the_docs_show_commands_of_every_front_end_and_few_skips():
-    subcommands = {split(c.text)[1] for c in CLI}
+    subcommands = {subcommand(split(c.text)) for c in CLI}
     assert {"bench", "validate", "scan", "niah", "kv-estimate", "allocate", "sweep", "calibrate"} <= subcommands
     assert SERVE and WORKBENCH and CURL and OPENAI_PYTHON and ENGINE_PYTHON
     skipped = {(b.path, b.first()) for b in BLOCKS if b.marker == "skip"}
@@ -529,6 +529,7 @@ def _served(text: str, port: int) -> str:
     return text.replace("SmolLM2-135M-Instruct", "tiny")
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("cmd", SERVE, ids=[c.id for c in SERVE])
 def test_docs_serve_command_serves(cmd, request, tmp_path):
     """The server starts with the documented options: /health reports its policy, mode and KV budget."""
@@ -549,6 +550,7 @@ def test_docs_serve_command_serves(cmd, request, tmp_path):
         assert f"kv_policy {health['kv_policy']}, cache mode {health['cache_mode']}" in startup, startup
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("block", CURL, ids=[f"{b.path}:{b.line}" for b in CURL])
 def test_docs_curl(block, docs_server):
     if not (shutil.which("curl") and shutil.which("jq")):
@@ -570,6 +572,7 @@ def test_docs_curl(block, docs_server):
         assert values and all(v is not None for v in values), out
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("block", OPENAI_PYTHON, ids=[f"{b.path}:{b.line}" for b in OPENAI_PYTHON])
 def test_docs_openai_python(block, docs_server, capsys):
     pytest.importorskip("openai")
