@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.tqbench-installed
 
-.PHONY: setup run test lint unit integration bench-quality bench-decode bench-attention bench-validation serve bench-serve clean
+.PHONY: setup run test lint docs unit integration bench-quality bench-decode bench-attention bench-validation serve bench-serve clean
 
 setup: $(STAMP)
 
@@ -24,7 +24,11 @@ lint: setup
 	$(BIN)/ruff check tqbench tests benchmarks
 	$(BIN)/lint-imports
 
-test: lint
+# the documentation site (mkdocs.yml): strict, so a broken link or anchor fails; offline (no plugin fetches)
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings strict counts
+
+test: lint docs
 	$(BIN)/python -m pytest -q
 
 unit: setup
@@ -52,4 +56,4 @@ bench-validation: setup
 	$(BIN)/python benchmarks/validation.py --threads 1
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
