@@ -53,10 +53,13 @@ MARKER = re.compile(r"<!--\s*docs-test:\s*(synopsis|skip:\s*(?P<reason>.*?))\s*-
 #: the blocks excluded on purpose (file, the first command or line of the block); the reasons are in the docs
 SKIPPED_BLOCKS = {
     ("docs/sweeps.md", "tqbench --headless sweep examples/sweep.toml --out sweeps/example-ray --ray"),
+    ("docs/deploy.md", "tqbench --headless export tqbench/data/policies/smollm2-alloc-2.5bit.toml --to llamacpp --threads 1"),
+    ("docs/speculative.md", "from tqbench.engine.cache import TQCache"),
     ("docs/serving.md", "lm_eval --model local-completions --tasks tqbench_mc --include_path tests/data/lm_eval"),
 }
 #: commands that load weights: they run on the tiny model
-MODEL_COMMANDS = {"bench", "validate", "compare-policies", "niah", "scan", "allocate", "calibrate", "serve"}
+MODEL_COMMANDS = {"bench", "validate", "compare-policies", "niah", "scan", "allocate", "calibrate", "serve",
+                  "export"}
 #: commands with a gate: exit 1 (with ``gate failed:`` on stderr) is a documented outcome
 GATED = {"validate", "compare-policies", "niah", "scan", "allocate", "kv-estimate", "sweep"}
 #: options whose value is a file the command writes
@@ -341,6 +344,15 @@ def check_sweep(argv, out, tmp):
     assert all(c["status"] == "ok" for c in report["cells"]), [c for c in report["cells"] if c["status"] != "ok"]
 
 
+def check_export(argv, out, tmp):
+    engine = opt(argv, "--to")
+    flags = {"llamacpp": ("-ctk", "-ctv"), "vllm": ("--kv-cache-dtype",), "sglang": ("--kv-cache-dtype",),
+             "trtllm": ("dtype",)}[engine]
+    assert all(f in out for f in flags) and "bits/element" in out, out
+    if "--no-measure" not in argv:
+        assert "KL mean" in out and "mapped" in out, out
+
+
 def check_version(argv, out, tmp):
     from tqbench import __version__
 
@@ -349,7 +361,8 @@ def check_version(argv, out, tmp):
 
 CHECKS = {"bench": check_bench, "validate": check_validate, "scan": check_scan, "niah": check_niah,
           "kv-estimate": check_kv_estimate, "policies": check_policies, "allocate": check_allocate,
-          "calibrate": check_calibrate, "sweep": check_sweep, "--version": check_version}
+          "calibrate": check_calibrate, "sweep": check_sweep, "export": check_export,
+          "--version": check_version}
 EXACT = {"kv-estimate", "policies"}  # their documented output is byte arithmetic: it must match
 
 
