@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.models import (
     DEFAULT_MODEL_ID,
-    ModelNotFoundError,
     converted_dir,
     load_model,
-    resolve_model,
 )
 
 pytestmark = pytest.mark.integration
@@ -18,10 +17,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def default():
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     messages: list[str] = []
     loaded = load_model("default", device="cpu", dtype="float32", on_progress=messages.append)
     loaded.messages = messages  # for the test that reads them

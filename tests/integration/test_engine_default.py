@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.integration.default_model import require_default_model
 from tqbench.constants import CACHE_MODES
 from tqbench.engine.engine import Engine
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 
 pytestmark = pytest.mark.integration
 
@@ -33,10 +33,7 @@ NEW = 24
 
 
 def _load(**kwargs) -> Engine:
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     return Engine.load("default", device="cpu", **kwargs)
 
 

@@ -8,18 +8,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.engine import Engine
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 from tqbench.engine.validate import corpus_ids
 
 pytestmark = pytest.mark.integration
 
 
 def test_default_model_baseline_is_unchanged_by_the_fused_install():
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     eng = Engine.load("default", device="cpu", dtype="float32")
     assert eng.model.config._attn_implementation == "sdpa"
     ids = corpus_ids(eng.tokenizer, "rivers", 96)

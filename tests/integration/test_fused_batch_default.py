@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.batch import decode_step
 from tqbench.engine.engine import Engine
 from tqbench.engine.events import TokenGenerated
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 from tqbench.engine.validate import corpus_ids
 
 pytestmark = pytest.mark.integration
@@ -19,10 +19,7 @@ BUDGETS = (8, 12, 6)
 
 
 def _engine(dtype) -> Engine:
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     eng = Engine.load("default", device="cpu", dtype=dtype)
     eng.enable_fused()
     return eng

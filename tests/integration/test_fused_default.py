@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.engine import Engine
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 from tqbench.engine.validate import corpus_ids
 
 pytestmark = pytest.mark.integration
@@ -26,10 +26,7 @@ PROMPT = (
 
 
 def _engine(dtype: str) -> Engine:
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     return Engine.load("default", device="cpu", dtype=dtype)
 
 

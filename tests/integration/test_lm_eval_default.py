@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.engine import Engine
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 
 pytestmark = pytest.mark.integration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -18,10 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 @pytest.fixture(scope="module")
 def default_engine():
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     return Engine.load("default", device="cpu", threads=1)
 
 

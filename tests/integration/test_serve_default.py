@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.engine import Engine
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 
 pytestmark = pytest.mark.integration
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -20,10 +20,7 @@ def test_default_model_served_to_openai_client():
 
     from tqbench.server import create_app
 
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     engine = Engine.load("default", device="cpu", threads=1)
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     solo = engine.generate(messages, "turbo4", max_new_tokens=16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.engine import Engine
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 
 pytestmark = pytest.mark.integration
 
@@ -16,10 +16,7 @@ PROMPT = ("Repeat this list exactly, then continue it with three more animals: c
 
 @pytest.fixture(scope="module")
 def engine64():
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     return Engine.load("default", device="cpu", dtype="float64", threads=1)
 
 

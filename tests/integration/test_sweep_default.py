@@ -11,8 +11,8 @@ import pytest
 import tomllib
 from click.testing import CliRunner
 
+from tests.integration.default_model import require_default_model
 from tqbench.cli import main
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 from tqbench.engine.sweep import SweepDir, numbers
 
 pytestmark = pytest.mark.integration
@@ -21,10 +21,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sweep.toml"
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory) -> Path:
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     data = tomllib.loads(EXAMPLE.read_text(encoding="utf-8"))
     assert data["models"] == ["default"]
     text = EXAMPLE.read_text(encoding="utf-8")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.default_model import require_default_model
 from tqbench.engine.engine import Engine
 from tqbench.engine.metrics import compare_tokens, decide_verdict
-from tqbench.engine.models import ModelNotFoundError, resolve_model
 from tqbench.engine.scan import scan
 from tqbench.engine.validate import self_test, validate
 
@@ -17,10 +17,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    try:
-        resolve_model("default")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_default_model()
     return Engine.load("default", device="cpu", dtype="float32")
 
 

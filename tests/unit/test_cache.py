@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.unit.cache_helpers import assert_report_matches_estimate
 from tqbench.engine.cache import CACHE_MODES, TQCache
 from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
 from tqbench.engine.policy import PRESETS, parse_policy
@@ -80,18 +81,7 @@ def test_lossy_policy_changes_what_attention_reads(tiny_engine):
 @pytest.mark.parametrize("tokens", [1, 7, 40, 77])
 def test_report_bytes_match_config_only_estimate_to_the_byte(tiny_engine, policy, tokens):
     model = tiny_engine.model
-    cache = TQCache(policy, model.config, mode="compressed")
-    ids = torch.randint(3, 200, (1, tokens))
-    with torch.inference_mode():
-        model(ids[:, : max(tokens - 3, 1)], cache=cache)  # prefill, then single-token steps
-        for t in range(max(tokens - 3, 1), tokens):
-            model(ids[:, t : t + 1], cache=cache)
-    rep = cache.report()
-    est = estimate_kv(policy, KVGeometry.from_config(model.config), tokens)
-    assert rep.compressed_storage_bytes == est.total_bytes
-    assert [r.total_bytes for r in rep.layers] == est.layer_bytes
-    assert rep.dense_fp16_bytes == est.dense_fp16_bytes
-    assert sum(r.total_bytes for r in rep.layers) + rep.shared_bytes == rep.compressed_storage_bytes
+    assert_report_matches_estimate(model, TQCache(policy, model.config, mode="compressed"), policy, tokens)
 
 
 def test_hand_computed_bytes_for_turbo4_window_policy(tiny_engine):

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from tqbench.engine.cache import KVGeometry, TQCache, estimate_kv
+from tests.unit.cache_helpers import assert_report_matches_estimate
+from tqbench.engine.cache import TQCache
 from tqbench.engine.calibrate import fit_transforms
 from tqbench.engine.codecs import canonical_spec, codec_bits_per_element, codec_from_spec
 from tqbench.engine.codecs.calibrated import pack_widths, unpack_widths
@@ -152,18 +153,7 @@ def test_the_query_metric_beats_the_random_rotation_on_anisotropic_keys_and_quer
 @pytest.mark.parametrize("extra", ["", ",sink=3,recent=5", ",k@1=turbo3,k@2=pcaq3"])
 def test_report_bytes_match_the_estimate_to_the_byte(tiny_engine, tiny_fit, tokens, extra):
     policy = f"k=pcaq2.5,v=turbo2,calib={tiny_fit}{extra}"
-    model = tiny_engine.model
-    cache = tiny_engine.make_cache(policy, "compressed")
-    ids = torch.randint(3, 200, (1, tokens))
-    with torch.inference_mode():
-        model(ids[:, : max(tokens - 3, 1)], cache=cache)
-        for t in range(max(tokens - 3, 1), tokens):
-            model(ids[:, t : t + 1], cache=cache)
-    rep = cache.report()
-    est = estimate_kv(policy, KVGeometry.from_config(model.config), tokens)
-    assert rep.compressed_storage_bytes == est.total_bytes
-    assert [r.total_bytes for r in rep.layers] == est.layer_bytes
-    assert rep.shared_bytes == est.shared_bytes
+    assert_report_matches_estimate(tiny_engine.model, tiny_engine.make_cache(policy, "compressed"), policy, tokens)
 
 
 def test_shared_transform_bytes_are_counted_once_per_layer_by_hand(tiny_engine, tiny_fit):

@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from tests.unit.cache_helpers import assert_report_matches_estimate
 from tqbench.engine.cache import KVGeometry, TQCache
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.codecs import codec_bits_per_element, codec_from_spec, nominal_bits
@@ -190,16 +191,7 @@ def engine32() -> Engine:
 @pytest.mark.parametrize("tokens", [1, 9, 40])
 def test_report_bytes_match_estimate_to_the_byte(engine32, policy, tokens):
     model = engine32.model
-    cache = TQCache(policy, model.config, mode="compressed")
-    ids = torch.randint(3, 200, (1, tokens))
-    with torch.inference_mode():
-        model(ids[:, : max(tokens - 3, 1)], cache=cache)
-        for t in range(max(tokens - 3, 1), tokens):
-            model(ids[:, t : t + 1], cache=cache)
-    rep = cache.report()
-    est = estimate_kv(policy, KVGeometry.from_config(model.config), tokens)
-    assert rep.compressed_storage_bytes == est.total_bytes
-    assert [r.total_bytes for r in rep.layers] == est.layer_bytes
+    assert_report_matches_estimate(model, TQCache(policy, model.config, mode="compressed"), policy, tokens)
 
 
 def test_q4_0_cache_bytes_by_hand(engine32):

@@ -248,14 +248,14 @@ def test_wrong_types_are_refused_by_the_binding():
         native_module().Side(64)  # keyword-only: a positional mix-up cannot pass
 
 
-def test_random_mutations_never_crash_or_return_garbage():
-    """200 random one-field mutations of a valid call: each is refused by name, or (when it is a valid different
-    store, e.g. other code values) runs and gives finite output of the right shape."""
-    gen = torch.Generator().manual_seed(0)
-    fields = ["codes", "norms", "levels", "rotation", "mu", "dense"]
+def _mutate_and_call(codecs: tuple[str, str], fields: list[str], trials: int, seed: int,
+                     dtypes: tuple[torch.dtype, ...]) -> int:
+    """``trials`` random one-field mutations of a valid call over ``codecs`` (K, V) sides: each must be refused
+    by name (the side it mutated) or run and give finite output of the right shape. Returns how many were refused."""
+    gen = torch.Generator().manual_seed(seed)
     refused = 0
-    for trial in range(200):
-        q, ks, vs, *_ = _sides("turbo4", "turbo3", seed=trial % 5)
+    for trial in range(trials):
+        q, ks, vs, *_ = _sides(*codecs, seed=trial % 5)
         side = ks if trial % 2 == 0 else vs
         name = fields[int(torch.randint(len(fields), (1,), generator=gen))]
         if name == "mu" and side.mu is None:
@@ -265,9 +265,8 @@ def test_random_mutations_never_crash_or_return_garbage():
         sizes = list(t.shape)
         k = int(torch.randint(len(sizes), (1,), generator=gen))
         sizes[k] = max(0, sizes[k] + int(torch.randint(-2, 3, (1,), generator=gen)))
-        dts = [t.dtype, torch.uint8, torch.float16, torch.float32, torch.float64, torch.int64]
-        new_dt = dts[int(torch.randint(len(dts), (1,), generator=gen))]
-        new = (torch.rand(sizes, generator=gen) * 4).to(new_dt)
+        dts = [t.dtype, *dtypes]
+        new = (torch.rand(sizes, generator=gen) * 4).to(dts[int(torch.randint(len(dts), (1,), generator=gen))])
         setattr(side, name, [new] if name == "dense" else new)
         try:
             out, _ = _call(q, ks, vs)
@@ -276,6 +275,14 @@ def test_random_mutations_never_crash_or_return_garbage():
             assert f"{'k' if trial % 2 == 0 else 'v'}_sides[0]" in str(exc), str(exc)
             continue
         assert out.shape == (1, 9, 1, 64) and bool(torch.isfinite(out).all())
+    return refused
+
+
+def test_random_mutations_never_crash_or_return_garbage():
+    """200 random one-field mutations of a valid call: each is refused by name, or (when it is a valid different
+    store, e.g. other code values) runs and gives finite output of the right shape."""
+    refused = _mutate_and_call(("turbo4", "turbo3"), ["codes", "norms", "levels", "rotation", "mu", "dense"], 200, 0,
+                               (torch.uint8, torch.float16, torch.float32, torch.float64, torch.int64))
     assert refused > 150  # almost every random change is a wrong size or dtype
 
 
@@ -497,26 +504,6 @@ def test_workspace_counts_the_conversions_to_the_compute_dtype():
 def test_random_affine_mutations_never_crash_or_return_garbage():
     """The random one-field mutations again over affine sides (KIVI keys, grouped values): codes, scales, zeros
     and dense rows of random sizes and dtypes are refused by name, or read as a valid store."""
-    gen = torch.Generator().manual_seed(1)
-    fields = ["codes", "scales", "zeros", "dense"]
-    refused = 0
-    for trial in range(120):
-        q, ks, vs, *_ = _sides("int4", "int2", seed=trial % 5)
-        side = ks if trial % 2 == 0 else vs
-        name = fields[int(torch.randint(len(fields), (1,), generator=gen))]
-        t = getattr(side, name)
-        t = t[0] if name == "dense" else t
-        sizes = list(t.shape)
-        k = int(torch.randint(len(sizes), (1,), generator=gen))
-        sizes[k] = max(0, sizes[k] + int(torch.randint(-2, 3, (1,), generator=gen)))
-        dts = [t.dtype, torch.uint8, torch.float16, torch.float32, torch.float64]
-        new = (torch.rand(sizes, generator=gen) * 4).to(dts[int(torch.randint(len(dts), (1,), generator=gen))])
-        setattr(side, name, [new] if name == "dense" else new)
-        try:
-            out, _ = _call(q, ks, vs)
-        except RuntimeError as exc:
-            refused += 1
-            assert f"{'k' if trial % 2 == 0 else 'v'}_sides[0]" in str(exc), str(exc)
-            continue
-        assert out.shape == (1, 9, 1, 64) and bool(torch.isfinite(out).all())
+    refused = _mutate_and_call(("int4", "int2"), ["codes", "scales", "zeros", "dense"], 120, 1,
+                               (torch.uint8, torch.float16, torch.float32, torch.float64))
     assert refused > 90
