@@ -310,3 +310,25 @@ async def test_policies_tab_shows_the_engine_export_of_the_policy_on_screen(data
         text = plain(pane.query_one("#export", Static))
         assert text.startswith("vllm serve MODEL --kv-cache-dtype fp8\n8.00 bits/element vs the policy's 2.48")
         assert "--to vllm" in text
+
+
+async def test_a_listed_policy_that_does_not_fit_the_model_says_so_and_why(data_dir, steady_engine):
+    """The shipped SmolLM2 allocation names layers 0-29: on the 4-layer tiny model the list marks it "n/a" (not a
+    bare "?"), and highlighting it shows the estimate's own reason."""
+    from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
+    from tqbench.engine.policy import parse_policy
+
+    with pytest.raises(ValueError) as exc:
+        estimate_kv(parse_policy("smollm2-alloc-2.5bit"), KVGeometry.from_config(steady_engine.config), 1024)
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        ol = app.policies_pane.query_one("#policy-list", OptionList)
+        idx = next(i for i in range(ol.option_count) if ol.get_option_at_index(i).id == "p:smollm2-alloc-2.5bit")
+        row = str(ol.get_option_at_index(idx).prompt)
+        assert "n/a" in row and "not for this model: highlight it for why" in row and "?" not in row
+        ol.highlighted = idx
+        await pilot.pause()
+        shown = plain(app.policies_pane.query_one("#estimate"))
+        assert shown.startswith("invalid policy: ") and str(exc.value)[:40] in shown

@@ -126,12 +126,13 @@ class PoliciesPane(Horizontal):
             [(name, name) for name in shipped_policy_names()] + [(name, name) for name in ENGINE_PRESETS] + \
             list(self.kept.items())
         for name, text in entries:
+            tag = " [i](kept)[/i]" if name in self.kept else ""
             try:
                 est = estimate_kv(parse_policy(text), geo, ctx)
                 bits = f"{est.bits_per_element:5.2f} b"
-            except ValueError:
-                bits = "  ?   "
-            tag = " [i](kept)[/i]" if name in self.kept else ""
+            except ValueError:  # e.g. an allocation or a calibrated fit made for another geometry
+                bits = "  n/a "
+                tag += " [dim]not for this model: highlight it for why[/dim]"
             ol.add_option(Option(f"{name:<26} {bits}{tag}", id=f"p:{name}"))
         ol.border_title = f"presets · bits/element at {ctx} tokens"
 
