@@ -1,4 +1,5 @@
-"""KL vs bits per element: one point per measured policy, presets (o) and allocations (*) (plotext 6)."""
+"""KL vs bits per element: one point per measured policy (plotext 6). Markers by kind: uniform presets ``o``,
+per-layer allocations ``*``, per-KV-head allocations ``+``; with calibrated (pcaq) keys ``O``, ``#``, ``x``."""
 
 from __future__ import annotations
 
@@ -10,11 +11,26 @@ from textual.widgets import Static
 
 _BG = re.compile(r"\x1b\[48;[25];[0-9;]+m")
 KL_FLOOR = 1e-6  # log scale: a KL of 0 (a lossless policy) is drawn at this floor
+#: point kind -> (marker, marker with calibrated pcaq keys: a kind ending in "+pcaq")
+MARKERS = {"preset": ("o", "O"), "layer": ("*", "#"), "head": ("+", "x")}
+#: older sessions and callers say "allocation" for a per-layer allocation
+ALIASES = {"allocation": "layer"}
+CALIBRATED = "+pcaq"
+
+
+def split_kind(kind: str) -> tuple[str, bool]:
+    """``(base kind, calibrated)`` of a point kind such as ``"head+pcaq"``."""
+    calibrated = kind.endswith(CALIBRATED)
+    base = kind[: -len(CALIBRATED)] if calibrated else kind
+    base = ALIASES.get(base, base)
+    if base not in MARKERS:
+        raise ValueError(f"unknown frontier point kind {kind!r}: use one of {', '.join(MARKERS)} (+pcaq)")
+    return base, calibrated
 
 
 class FrontierPlot(Static):
-    """``set_points(points)`` with ``points``: ``{label: (bits_per_element, kl, kind)}``, kind "preset" or
-    "allocation". The y axis is log10 of the teacher-forced KL."""
+    """``set_points(points)`` with ``points``: ``{label: (bits_per_element, kl, kind)}``, kind one of ``MARKERS``
+    (optionally ending in ``+pcaq``). The y axis is log10 of the teacher-forced KL."""
 
     DEFAULT_CSS = """
     FrontierPlot { height: 1fr; min-height: 10; border: round $panel; padding: 0 1; }
@@ -23,9 +39,11 @@ class FrontierPlot(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.points: dict[str, tuple[float, float, str]] = {}
-        self.border_title = "frontier: log10 KL vs bits/element · o presets · * allocations"
+        self.border_title = "log10 KL vs bits/el · o presets · * per-layer · + per-head · O # x: the same, pcaq keys"
 
     def set_points(self, points: dict[str, tuple[float, float, str]], subtitle: str = "") -> None:
+        for _, _, kind in points.values():
+            split_kind(kind)
         self.points = dict(points)
         self.border_subtitle = subtitle
         self.refresh()
@@ -42,11 +60,12 @@ class FrontierPlot(Static):
         fig = plt.figure
         fig.clear()
         fig.plot_size(w, h)
-        for kind, marker in (("preset", "o"), ("allocation", "*")):
-            pts = sorted((b, math.log10(max(kl, KL_FLOOR))) for b, kl, k in self.points.values() if k == kind)
-            if pts:
-                sig = fig.signal([p[0] for p in pts], [p[1] for p in pts], marker=marker)
-                fig.draw(sig)
+        groups: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+        for b, kl, kind in self.points.values():
+            groups.setdefault(split_kind(kind), []).append((b, math.log10(max(kl, KL_FLOOR))))
+        for (base, calibrated), pts in sorted(groups.items()):
+            pts.sort()
+            fig.draw(fig.signal([p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[base][calibrated]))
         fig.legend(active=False)  # the border title names the markers; a legend box would hide points
         fig.label("bits/element", "x")
         return Text.from_ansi(_BG.sub("", fig.build().string()))
