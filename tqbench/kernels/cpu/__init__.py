@@ -19,15 +19,23 @@ import hashlib
 import os
 import shutil
 import threading
+import time
+import warnings
 from pathlib import Path
 
-__all__ = ["DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "cflags", "native_module", "native_status"]
+__all__ = ["DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "cflags", "native_module", "native_status", "wait_for_build_lock"]
 
 DISABLE_ENV = "TQBENCH_NATIVE"  # "0" turns the native kernel off (the torch reference runs, and says so)
 SOURCE = Path(__file__).with_name("fused_attention.cpp")
 ISA_ENV = "TQBENCH_NATIVE_ISA"  # "avx2" / "generic": build without AVX-512 (/ without AVX2 too); unset: the CPU's best
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 _ISA_FLAGS = {"": [], "native": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+#: a build lock in a build folder where nothing has changed for this long was left by a killed build (a build
+#: writes its object file within a few minutes even on a loaded 2-core machine)
+STALE_LOCK_SECONDS = 900
+#: after this long waiting on another process's build lock, say so (once)
+WAIT_WARN_SECONDS = 30
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -81,14 +89,57 @@ def _build():
     except Exception as exc:  # pragma: no cover - torch always ships it
         raise NativeUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
     flags = cflags()
+    name = f"tqbench_fused_cpu_{_cpu_tag()}_{_source_tag(flags)}"
     try:
-        return load(
-            name=f"tqbench_fused_cpu_{_cpu_tag()}_{_source_tag(flags)}", sources=[str(SOURCE)], extra_cflags=flags,
-            extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        wait_for_build_lock(build_dir)
+        source = _stable_source(build_dir)
+        return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise NativeUnavailable(f"the native kernel failed to build: {first[:300]}") from exc
+
+
+def _stable_source(build_dir: Path) -> Path:
+    """The source as a file inside its build folder: every checkout of the same source (worktrees, a fresh clone)
+    then gives ninja the same command, so they share one build instead of rebuilding it in turn."""
+    dest = build_dir / SOURCE.name
+    data = SOURCE.read_bytes()
+    if not dest.is_file() or dest.read_bytes() != data:
+        tmp = build_dir / f".{SOURCE.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+    return dest
+
+
+def wait_for_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> str | None:
+    """Wait while another process holds the build lock (torch's ``lock`` file, which torch itself waits on
+    forever); a lock in a folder where nothing has changed for ``stale_after`` seconds is left over from a killed
+    build and is removed. Returns what was done about a stale lock, or None."""
+    lock = build_dir / "lock"
+    start, warned = time.monotonic(), False
+    while lock.exists():
+        try:
+            newest = max(p.stat().st_mtime for p in build_dir.iterdir())
+        except (FileNotFoundError, ValueError):  # the build finished (or the folder went) while we looked
+            continue
+        if time.time() - newest > stale_after:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                pass
+            note = (f"removed a stale native-kernel build lock {lock}: nothing in its folder changed for "
+                    f"{stale_after:.0f} s (a killed build left it)")
+            warnings.warn(note, stacklevel=2)
+            return note
+        if not warned and time.monotonic() - start > WAIT_WARN_SECONDS:
+            warnings.warn(f"waiting for another process's native-kernel build ({lock}); a build takes about a "
+                          "minute on 2 cores. If no tqbench process is running, delete that file", stacklevel=2)
+            warned = True
+        time.sleep(poll)
+    return None
 
 
 def native_module():
