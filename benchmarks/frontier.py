@@ -73,11 +73,16 @@ def _reused(pol: str, kind: str, text: str, args, engine, reuse: list[dict]) -> 
     return None
 
 
+def policy_list(text: str) -> list[str]:
+    """Policies separated by ";" (compact policies hold commas), or by "," when there is no ";"."""
+    return [p.strip() for p in text.split(";" if ";" in text else ",") if p.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--allocated", required=True, help="comma-separated policy artifacts (.toml) or names")
-    ap.add_argument("--uniform", default=",".join(UNIFORM), help="comma-separated uniform presets")
+    ap.add_argument("--allocated", required=True, help="policy artifacts (.toml) or names, comma-separated (or ;-separated)")
+    ap.add_argument("--uniform", default=",".join(UNIFORM), help="uniform presets, comma-separated; ;-separated when a compact policy holds commas")
     ap.add_argument("--texts", default="rivers", help="comma-separated shipped corpus texts (not the calibration text)")
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=256)
@@ -88,8 +93,8 @@ def main() -> None:
     args = ap.parse_args()
     console = Console(width=220)
     engine = Engine.load(args.model, threads=args.threads)
-    allocated = [p for p in args.allocated.split(",") if p]
-    uniform = [p for p in args.uniform.split(",") if p]
+    allocated = policy_list(args.allocated)
+    uniform = policy_list(args.uniform)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     results = {}
