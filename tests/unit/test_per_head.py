@@ -254,3 +254,17 @@ def test_a_pcaq_head_list_counts_its_bytes_exactly(tiny_engine, tiny_fit, tokens
     assert rep.compressed_storage_bytes == est.total_bytes and est.shared_bytes == rep.shared_bytes
     assert any(":h0:basis" in name for name in rep.shared_objects)
     assert not any(":h1:basis" in name for name in rep.shared_objects)  # head 1 is turbo2: no basis counted
+
+
+def test_protect_and_sliding_rules_replace_a_head_list_and_the_bits_grid_shows_its_mean():
+    from tqbench.engine.allocate.solver import Allocation
+
+    pol = parse_policy("k=turbo4|turbo2,v=turbo2|int4,protect=last1")
+    plans = pol.plan(3, ["full_attention", "sliding_attention", "full_attention"])
+    assert [(p.k, p.v) for p in plans] == [("turbo4|turbo2", "turbo2|int4"), ("turbo4|turbo2", "turbo2|int4"),
+                                           ("fp16", "fp16")]
+    assert plans[1].dense_window  # a mixed model's sliding layer is bypassed, as for any policy
+    geo = KVGeometry(num_layers=3, kv_heads=2, head_dim=16)
+    est = estimate_kv(pol, geo, 50)
+    alloc = Allocation(pol, tuple(p.k for p in plans), tuple(p.v for p in plans), 0.0, 3.0, est)
+    assert alloc.bits_grid() == [[3.0, 3.0], [3.0, 3.0], [16.0, 16.0]]
