@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from tqbench.engine.cache.fused.groups import GroupStore
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
 from tqbench.engine.cache.store import FP_BYTES
-from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, HeadSplitCodec, TurboCodec
 from tqbench.engine.policy.spec import Policy
 
 __all__ = ["build_report", "fused_reference_peak_bytes"]
@@ -56,8 +57,12 @@ def build_report(cache) -> CacheReport:
     layers = [la for la in cache.layers if isinstance(la, TQLayer)]
     fallbacks: dict[str, int] = {}
     impls: dict[str, int] = {}
+    groups: dict[str, dict[str, int]] = {}
     sparse = [0, 0]
     for layer in layers:
+        for group, ran in layer.fused_groups.items():
+            for case, n in ran.items():
+                groups.setdefault(group, {})[case] = groups.get(group, {}).get(case, 0) + n
         sparse = [sparse[0] + layer.sparse_v_rows[0], sparse[1] + layer.sparse_v_rows[1]]
         for case, n in layer.fallbacks.items():
             fallbacks[case] = fallbacks.get(case, 0) + n
@@ -74,7 +79,7 @@ def build_report(cache) -> CacheReport:
     rep = CacheReport.build(
         mode=cache.mode, policy=cache.policy, layers=rows, shared=shared,
         transient_layer_bytes=max_layer_dense, fused_calls=sum(la.fused_calls for la in layers),
-        fallbacks=fallbacks, fused_impl=impls,
+        fallbacks=fallbacks, fused_impl=impls, fused_groups=groups,
         sparse_v=_sparse_v_summary(cache.policy, sparse) if cache.mode == "fused" else None,
         held_dtype=str(getattr(cache.layers[0], "dtype", "")).replace("torch.", ""),
     )
@@ -112,26 +117,33 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_h
     if not layer.is_initialized:
         return 0
     elem = torch.promote_types(layer.dtype, torch.float32).itemsize
-    bh = _batch_of(layer) * kv_heads
-    peak = 0
-    for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim or head_dim)):
-        fp_rows = bh * (store.n_full_precision + 1) * dim * elem
-        rows = bh * store.n_packed * dim * elem
-        codec = store.codec
-        if not store.n_packed:
-            side = 0
-        elif type(codec) in (TurboCodec, AffineChannelCodec, AffineTokenCodec):
-            code_bytes = store.packed["idx" if type(codec) is TurboCodec else "q"].view().numel()
-            if codec.bits == 8:
-                side = rows
-            elif 8 % codec.bits == 0:
-                side = rows + 4 * code_bytes
-            else:
-                side = rows + 5 * bh * store.n_packed * dim
+    b = _batch_of(layer)
+    v_head_dim = v_head_dim or head_dim
+    if isinstance(layer.k_codec, HeadSplitCodec):  # groups of heads run one after another: the largest one
+        return max(max(_side_peak(GroupStore(layer.k_store, g), head_dim, b * len(heads), elem),
+                       _side_peak(GroupStore(layer.v_store, g), v_head_dim, b * len(heads), elem))
+                   for g, heads in enumerate(layer.k_codec.groups))
+    return max(_side_peak(layer.k_store, head_dim, b * kv_heads, elem),
+               _side_peak(layer.v_store, v_head_dim, b * kv_heads, elem))
+
+
+def _side_peak(store, dim: int, bh: int, elem: int) -> int:
+    fp_rows = bh * (store.n_full_precision + 1) * dim * elem
+    rows = bh * store.n_packed * dim * elem
+    codec = store.codec
+    if not store.n_packed:
+        side = 0
+    elif type(codec) in (TurboCodec, AffineChannelCodec, AffineTokenCodec):
+        code_bytes = store.packed["idx" if type(codec) is TurboCodec else "q"].view().numel()
+        if codec.bits == 8:
+            side = rows
+        elif 8 % codec.bits == 0:
+            side = rows + 4 * code_bytes
         else:
-            side = 2 * rows
-        peak = max(peak, side + fp_rows)
-    return peak
+            side = rows + 5 * bh * store.n_packed * dim
+    else:
+        side = 2 * rows
+    return side + fp_rows
 
 
 def _batch_of(layer: TQLayer) -> int:

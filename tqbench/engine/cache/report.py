@@ -67,12 +67,15 @@ class CacheReport:
     fallbacks: dict[str, int] = field(default_factory=dict)
     fused_impl: dict[str, int] = field(default_factory=dict)  # which implementation ran, calls per case
     sparse_v: dict | None = None  # fused Sparse-V: threshold, skipped / weighted value rows, share
+    #: per-head layers in fused mode: each group of heads ("k=turbo4 v=turbo2 heads 0,2") -> implementation -> calls
+    fused_groups: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @classmethod
     def build(cls, *, mode, policy, layers, shared, transient_layer_bytes, fused_calls, fallbacks, held_dtype,
-              fused_impl=None, sparse_v=None):
+              fused_impl=None, sparse_v=None, fused_groups=None):
         fused_impl = dict(fused_impl or {})
+        fused_groups = {k: dict(v) for k, v in (fused_groups or {}).items()}
         storage = sum(r.total_bytes for r in layers) + sum(shared.values())
         dense = sum(r.dense_fp16_bytes for r in layers)
         if mode in ("dense-shadow", "simulate"):
@@ -101,6 +104,10 @@ class CacheReport:
                 )
             else:
                 notes.append(f"fused: {ran}; the kernels hold only split-K partials (nothing decoded resident)")
+        if fused_groups:
+            notes.append("fused per-head groups (each group of KV heads attended with its own K and V codecs): "
+                         + "; ".join(f"{g}: " + ", ".join(f"{k} x{v}" for k, v in sorted(ran.items()))
+                                     for g, ran in sorted(fused_groups.items())))
         if sparse_v:
             notes.append(
                 f"sparse-V (threshold {sparse_v['threshold']:g}): skipped {sparse_v['skipped_rows']} of "
@@ -136,6 +143,7 @@ class CacheReport:
             fallbacks=dict(fallbacks),
             fused_impl=fused_impl,
             sparse_v=sparse_v,
+            fused_groups=fused_groups,
             notes=notes,
         )
 

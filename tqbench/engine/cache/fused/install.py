@@ -28,6 +28,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 
 from tqbench.engine.cache.fused.batch_kv import FusedBatch
 from tqbench.engine.cache.fused.choose import NATIVE, REFERENCE, TRITON, choose_impl
+from tqbench.engine.cache.fused.groups import (
+    group_label,
+    group_views,
+    is_per_head,
+    put_heads,
+    query_index,
+    same_groups,
+    take_heads,
+)
 from tqbench.engine.cache.fused.support import (
     FusedUnsupportedError,
     check_fused_support,
@@ -143,8 +152,6 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
     members = batch.members
     impl, _ = choose_impl(query)
     if impl == NATIVE and all(kv.k_parts or kv.v_parts for kv in members):
-        from tqbench.engine.cache.fused.native_glue import native_fused_attention_ragged
-
         scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
@@ -152,13 +159,10 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
         if attention_mask is not None:
             masks = [window_mask(attention_mask[b : b + 1], kv.k_store_tokens + kv.new_k.shape[2])
                      for b, kv in enumerate(members)]
-        out = native_fused_attention_ragged(query, members, masks, scaling, softcap=kwargs.get("softcap"),
-                                            sinks=kwargs.get("s_aux", kwargs.get("sinks")),
-                                            sparse_v=members[0].layer.policy.sparsev)
+        out = _ragged(query, members, masks, scaling, kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks")))
         if not isinstance(out, str):
             for kv in members:
                 kv.layer.fused_calls += 1
-                kv.layer.fused_impl[NATIVE] = kv.layer.fused_impl.get(NATIVE, 0) + 1
             return out.transpose(1, 2).contiguous(), None
     outs = []
     for b, kv in enumerate(members):
@@ -166,6 +170,46 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
         out, _ = fused_attention_forward(module, query[b : b + 1], kv, kv, mask, *args, **kwargs)
         outs.append(out)
     return torch.cat(outs, dim=0), None
+
+
+def _count(layer, label: str, group: str | None) -> None:
+    layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
+    if group is not None:  # a per-head layer: which implementation ran for each group of heads
+        ran = layer.fused_groups.setdefault(group, {})
+        ran[label] = ran.get(label, 0) + 1
+
+
+def _ragged(query, members, masks, scaling, softcap, sinks):
+    """The native kernel's ragged call over every sequence of a batch (one call per group of heads on a per-head
+    layer), or ``str`` (why not: the caller runs each sequence's own fused call)."""
+    from tqbench.engine.cache.fused.native_glue import native_fused_attention_ragged
+
+    sparse_v = members[0].layer.policy.sparsev
+    if not is_per_head(members[0]):
+        out = native_fused_attention_ragged(query, members, masks, scaling, softcap=softcap, sinks=sinks,
+                                            sparse_v=sparse_v)
+        if not isinstance(out, str):
+            for kv in members:
+                _count(kv.layer, NATIVE, None)
+        return out
+    if not same_groups(members):
+        return "the sequences' per-head layers group their heads differently"
+    views = [group_views(kv) for kv in members]
+    n_rep = query.shape[1] // members[0].new_k.shape[1]
+    out = None
+    for g in range(len(views[0])):
+        qi = query_index(views[0][g].k_store.heads, n_rep, query.device)
+        o = native_fused_attention_ragged(take_heads(query, qi), [v[g] for v in views], masks, scaling,
+                                          softcap=softcap, sinks=None if sinks is None else take_heads(sinks, qi, 0),
+                                          sparse_v=sparse_v)
+        if isinstance(o, str):
+            return f"{o} ({group_label(views[0][g])})"
+        if out is None:
+            out = o.new_empty(query.shape[0], query.shape[1], *o.shape[2:])
+        put_heads(out, qi, o)
+        for v in views:
+            _count(v[g].layer, NATIVE, group_label(v[g]))
+    return out
 
 
 def window_mask(attention_mask, total: int) -> torch.Tensor | None:
@@ -191,7 +235,24 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
     softmax denominator (it takes no value).
 
     Counts which implementation ran (``TQLayer.fused_impl``); a call the native kernel cannot take (a codec
-    without a native form, an additive bias) runs on the torch reference and is counted as a fallback."""
+    without a native form, an additive bias) runs on the torch reference and is counted as a fallback. A
+    per-head layer runs group by group (``groups.py``), each group counted (``TQLayer.fused_groups``)."""
+    if not is_per_head(kv):
+        return _fused_one(query, kv, attention_mask, scaling, softcap, sinks, None)
+    n_rep = query.shape[1] // kv.new_k.shape[1]
+    out = None
+    for kv_g in group_views(kv):
+        qi = query_index(kv_g.k_store.heads, n_rep, query.device)
+        o = _fused_one(take_heads(query, qi), kv_g, attention_mask, scaling, softcap,
+                       None if sinks is None else take_heads(sinks, qi, 0), group_label(kv_g))
+        if out is None:
+            out = o.new_empty(query.shape[0], query.shape[1], *o.shape[2:])
+        put_heads(out, qi, o)
+    return out
+
+
+def _fused_one(query, kv, attention_mask, scaling, softcap, sinks, group: str | None) -> torch.Tensor:
+    """One fused call over one store (a whole layer, or one group of heads of a per-head layer)."""
     impl, why = choose_impl(query)
     layer = kv.layer
     if impl == NATIVE:
@@ -200,14 +261,14 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
         out = native_fused_attention(query, kv, attention_mask, scaling, softcap=softcap, sinks=sinks,
                                      sparse_v=layer.policy.sparsev)
         if not isinstance(out, str):
-            layer.fused_impl[NATIVE] = layer.fused_impl.get(NATIVE, 0) + 1
+            _count(layer, NATIVE, group)
             return out
-        layer.note_fallback(f"native: {out} (torch reference)")
+        layer.note_fallback(f"native: {out} (torch reference)" + (f" [{group}]" if group else ""))
         impl, why = REFERENCE, f"native kernel: {out}"
     if impl == TRITON and (softcap is not None or sinks is not None):  # (the triton kernels have neither)
         impl, why = REFERENCE, "soft-capping or sink logits (the triton kernels have neither)"
     label = TRITON if impl == TRITON else f"{REFERENCE} ({why})"
-    layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
+    _count(layer, label, group)
     if impl == TRITON:
         from tqbench.engine.cache.fused.triton_glue import triton_fused_attention
 
