@@ -23,7 +23,13 @@ import torch
 
 from tqbench.engine.allocate.chunk import ChunkRunner, quantized_rows
 from tqbench.engine.allocate.sensitivity import SensitivityTable
-from tqbench.engine.allocate.solver import Allocation, allocation_of, budget_bytes, solve_allocation, unit_bytes
+from tqbench.engine.allocate.solver import (
+    Allocation,
+    allocation_of,
+    budget_bytes,
+    solve_allocation,
+    unit_bytes,
+)
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 from tqbench.engine.policy.spec import Policy
@@ -192,7 +198,7 @@ def improve(
     while count < max_measurements:
         raise_if_cancelled(cancel, JOB)
         cand = None
-        for delta, new, desc in _moves(alloc.choice, table, ub, room):
+        for _delta, new, desc in _moves(alloc.choice, table, ub, room):
             if frozenset(new.items()) in tried:
                 continue
             tried.add(frozenset(new.items()))

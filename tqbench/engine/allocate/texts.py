@@ -7,7 +7,8 @@ ends in its kind and its measured chunk (the last ``steps`` tokens) is text of t
 name, ``corpus:NAME``, ``heldout:NAME``, ``calibration:NAME`` or a UTF-8 file) gives one sequence.
 
 Verification (never chosen on): ``rivers`` (corpus) and a second unseen text of another kind
-(``heldout:technical``). ``check_unseen`` refuses any overlap with a message that says which text and what to do.
+(``heldout:code+technical``: code docstrings then technical prose, concatenated because each is shorter than the
+1K prefill + 256 steps; the measured steps read the technical text). ``check_unseen`` refuses any overlap with a message that says which text and what to do.
 """
 
 from __future__ import annotations
@@ -91,10 +92,21 @@ def calibration_set(tokenizer, calibration: str, prefill: int, steps: int) -> Ca
     return CalibrationSet(ids[None, :n], prefill, label, (path,))
 
 
+def resolve_texts(name: str) -> tuple[list[Path], str]:
+    """``resolve_text`` for a name or texts joined by ``+`` in one folder (``heldout:code+technical``: the texts
+    concatenated in that order, so the last one is what the measured steps read)."""
+    kind, sep, stems = name.rpartition(":")
+    if "+" not in stems or Path(name).is_file():
+        path, label = resolve_text(name)
+        return [path], label
+    found = [resolve_text(f"{kind}{sep}{stem}") for stem in stems.split("+")]
+    return [p for p, _ in found], (f"{kind}{sep}" if sep else "corpus:") + "+".join(stems.split("+"))
+
+
 def text_ids(tokenizer, name: str, n: int) -> tuple[torch.Tensor, str]:
-    """The first ``n`` token ids ``[1, n]`` of a text (``resolve_text`` names) and its label."""
-    path, label = resolve_text(name)
-    ids = _tokens(tokenizer, path)
+    """The first ``n`` token ids ``[1, n]`` of a text (``resolve_texts`` names) and its label."""
+    paths, label = resolve_texts(name)
+    ids = torch.cat([_tokens(tokenizer, p) for p in paths])
     if ids.shape[0] < n:
         raise ValueError(f"{label} has {ids.shape[0]} tokens, fewer than the {n} needed (prefill + steps + 1)")
     return ids[None, :n], label
@@ -106,8 +118,10 @@ def check_unseen(calibration: CalibrationSet, verify: list[str | None]) -> None:
     for name, flag in zip(verify, ("--verify-text", "--unseen-text")):
         if name is None:
             continue
-        path, label = resolve_text(name)
-        if path in seen:
-            raise ValueError(f"{flag} {label} is also used for {seen[path]}: no text used for choosing (or already "
-                             f"verified on) may be used for verifying; give another {flag}")
-        seen[path] = f"verification ({flag} {label})"
+        paths, label = resolve_texts(name)
+        for path in paths:
+            if path in seen:
+                raise ValueError(f"{flag} {label} is also used for {seen[path]}: no text used for choosing (or "
+                                 f"already verified on) may be used for verifying; give another {flag}")
+        for path in paths:
+            seen[path] = f"verification ({flag} {label})"
