@@ -1,14 +1,13 @@
-"""Per-(layer, role, codec) sensitivity: the KL that quantizing one layer's K (or V) alone costs.
+"""Per-unit sensitivity: the KL that quantizing one layer's (or one KV head's) K or V alone costs.
 
-The measure (a "one-layer chunk" proxy of teacher-forced KL): prefill ``prefill`` tokens of a calibration text
-once with exact attention and keep the dense K/V; then, for each cell, replace one layer's K (or V) history by
-what a ``KVStore`` under that codec gives back (sinks and the recent window exact, the rest packed and
-dequantized, the codec calibrated on those rows as the cache does) and feed the next ``steps`` tokens in one
-forward call. The cell's sensitivity is the mean KL(exact || candidate) of those ``steps`` next-token
-distributions (``metrics.kl_rows``). One chunk forward per cell instead of ``steps`` single-token calls: on
-SmolLM2-135M (2 threads) 0.45 s a cell against 12.7 s for the one-layer teacher-forced run, and it ranks the
-60 (layer, role) cells at turbo2 like that run (Spearman 0.94 against benchmarks/results/sensitivity-turbo2.json;
-``rank_correlation`` below, see the README's Auto-policy section).
+The measure (a "one-unit chunk" proxy of teacher-forced KL, ``chunk.ChunkRunner``): prefill the calibration
+sequences once with exact attention and keep the dense K/V; then, for each cell, replace one layer's K (or V)
+history, or one KV head's rows of it, by what a ``KVStore`` under that codec gives back (sinks and the recent window
+exact, the rest packed and dequantized, the codec calibrated on those rows as the cache does) and feed the next
+``steps`` tokens of every sequence in one forward call, starting at the cell's layer (the layers below read exact
+K/V). The cell's sensitivity is the mean KL(exact || candidate) of those next-token distributions
+(``metrics.kl_rows``). With one sequence and 64 steps it ranked the 60 (layer, role) cells of SmolLM2 at turbo2 like
+the teacher-forced one-layer run (Spearman 0.94; ``rank_correlation`` below).
 
 Sliding-window layers (transformers' bounded dense window) are not quantized by any policy and get no cells.
 """
