@@ -69,7 +69,7 @@ def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
     """(bytes, packed_tokens) of one K or V store holding ``tokens`` rows."""
     rows = batch * heads
     if codec.lossless:
-        return tokens * rows * codec.unit_bytes(head_dim), 0
+        return tokens * batch * codec.units_bytes(head_dim, heads), 0
     head = min(sink, tokens)
     rest = tokens - head
     tpu = codec.tokens_per_unit
@@ -78,7 +78,7 @@ def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
     if not packed:
         return fp, 0
     units = packed // tpu
-    return fp + units * rows * codec.unit_bytes(head_dim) + _state_bytes(codec, batch, heads, head_dim), packed
+    return fp + units * batch * codec.units_bytes(head_dim, heads) + _state_bytes(codec, batch, heads, head_dim), packed
 
 
 def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1) -> KVEstimate:
@@ -99,7 +99,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             dense_total += dense
             continue
         total = 0
-        codecs = [(pol.build_codec(spec, role, layer=plan.layer), spec) for spec, role in ((plan.k, "k"), (plan.v, "v"))]
+        codecs = list(zip(pol.layer_codecs(plan, g.kv_heads), (plan.k, plan.v)))
         held, fp16_held = seq_len, seq_len
         if plan.sliding and g.sliding_window:  # a window-bounded store (store.window_start)
             keep = g.sliding_window - 1

@@ -48,13 +48,14 @@ class TQLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, plan: LayerPlan, mode: str, policy: Policy, sliding_window: int | None = None) -> None:
+    def __init__(self, plan: LayerPlan, mode: str, policy: Policy, sliding_window: int | None = None,
+                 kv_heads: int | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.mode = check_mode(mode)
         self.policy = policy
-        self.k_codec = policy.build_codec(plan.k, "k", layer=plan.layer)
-        self.v_codec = policy.build_codec(plan.v, "v", layer=plan.layer)
+        # (per-KV-head lists: K and V over the same groups of heads, each list checked against ``kv_heads``)
+        self.k_codec, self.v_codec = policy.layer_codecs(plan, kv_heads)
         # a sliding-window layer: attention reads the last window - 1 stored rows (as transformers'
         # DynamicSlidingWindowLayer keeps them), the stores hold at most a codec unit more
         self.window = sliding_window - 1 if (plan.sliding and sliding_window) else None
@@ -69,6 +70,7 @@ class TQLayer(CacheLayerMixin):
         self.fused_calls = 0
         self.fallbacks: dict[str, int] = {}
         self.fused_impl: dict[str, int] = {}  # "native-cpu" / "triton" / "torch-reference (why)" -> calls
+        self.fused_groups: dict[str, dict[str, int]] = {}  # per-head layers: group ("k=.. v=.. heads ..") -> impl -> calls
         self.native_workspace = 0  # largest transient bytes of one native call (partials + full-precision rows)
         self.sparse_v_rows = [0, 0]  # Sparse-V: value rows skipped, value rows with weight (native kernel)
 

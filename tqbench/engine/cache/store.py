@@ -281,7 +281,7 @@ class KVStore:
         for buf in (self.head, self.tail):
             if buf.data is not None:
                 fp += buf.data[:, :, :1].numel() * FP_BYTES * buf.n
-        packed = sum(buf.nbytes() for buf in self.packed.values())
+        packed = self.codec.packed_nbytes(self.packed)
         state = self.codec.state_bytes(self.state) if self.state else 0
         return {"full_precision": fp, "packed": packed, "state": state}
 

@@ -61,7 +61,7 @@ class TQCache(Cache):
             if plan.dense_window:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geo.sliding_window))
             else:
-                layers.append(TQLayer(plan, self.mode, self.policy, geo.sliding_window))
+                layers.append(TQLayer(plan, self.mode, self.policy, geo.sliding_window, geo.kv_heads))
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

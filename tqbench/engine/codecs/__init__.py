@@ -12,6 +12,7 @@ from .dense import DenseCodec
 from .fp4 import Fp4Block16Codec
 from .fp8 import Fp8Codec
 from .ggml import GGML_TYPES, GgmlCodec
+from .heads import HEAD_SEP, HeadSplitCodec, group_heads, is_head_list, split_head_list
 from .rotation import ROTATIONS
 from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
 
@@ -29,6 +30,8 @@ __all__ = [
     "Fp4Block16Codec",
     "Fp8Codec",
     "GgmlCodec",
+    "HEAD_SEP",
+    "HeadSplitCodec",
     "Encoded",
     "PcaKeyCodec",
     "TurboCodec",
@@ -38,6 +41,8 @@ __all__ = [
     "codec_bits_per_element",
     "codec_from_spec",
     "compute_dtype",
+    "head_codecs",
+    "is_head_list",
     "is_calibrated_spec",
     "is_valid_spec",
     "nominal_bits",
@@ -91,7 +96,18 @@ CODEC_OPTS: dict[str, Any] = {
 
 
 def canonical_spec(spec: str) -> str:
-    """The canonical name of ``spec`` (aliases resolved, case and spaces ignored); ValueError if unknown."""
+    """The canonical name of ``spec`` (aliases resolved, case and spaces ignored); ValueError if unknown.
+
+    A per-KV-head list ``SPEC0|SPEC1|...`` gives its canonical entries joined by ``|``, or the one entry when
+    they are all equal."""
+    if is_head_list(spec):
+        entries = []
+        for e in split_head_list(spec):
+            try:
+                entries.append(canonical_spec(e))
+            except ValueError as exc:
+                raise ValueError(f"head list {spec!r}: {exc}") from None
+        return entries[0] if len(set(entries)) == 1 else HEAD_SEP.join(entries)
     name = spec.strip().lower() if isinstance(spec, str) else spec
     name = ALIASES.get(name, name)
     if isinstance(name, str) and name.startswith("pcaq"):  # calibrated: any pcaq{b}, b in 0.5..6
@@ -138,20 +154,26 @@ def _check_opts(opts: dict[str, Any]) -> dict[str, Any]:
     return o
 
 
-def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, **opts: Any) -> Codec:
+def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, heads: tuple[int, ...] | None = None,
+                    **opts: Any) -> Codec:
     """Build the codec named ``spec`` for keys (``role="k"``) or values (``role="v"``).
 
     Options (ignored by codecs they do not apply to): ``rotation`` ("qr" | "hadamard"), ``center``,
     ``norm_correction``, ``group`` (V/per-token affine group), ``kblock`` (K per-channel affine token
     block), ``seed``, ``calib`` (calibrated codecs' transforms file). ``layer``: the layer the codec serves
-    (calibrated codecs hold one fitted transform per layer; the others ignore it).
+    (calibrated codecs hold one fitted transform per layer; the others ignore it). ``heads``: the layer's KV
+    heads this codec serves, in the order of the rows it gets (calibrated codecs select those heads' fitted
+    tables; the others ignore it). A head list (``turbo2|turbo4``) gives a ``HeadSplitCodec`` (one sub-codec
+    per group of equal entries; ``head_codecs`` groups a layer's K and V together).
     """
     name = canonical_spec(spec)
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}: valid roles are {', '.join(ROLES)}")
+    if is_head_list(name):
+        return head_codecs({role: name}, layer, heads=heads, opts={role: opts})[role]
     o = _check_opts(opts)
     if name.startswith("pcaq"):
-        return PcaKeyCodec(calibrated_bits(name), layer, o["calib"], role)
+        return PcaKeyCodec(calibrated_bits(name), layer, o["calib"], role, heads)
     if name in ("fp16", "bf16", "fp32"):
         return DenseCodec(name)
     if name in GGML_TYPES:
@@ -172,6 +194,53 @@ def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, **opts
     return TurboCodec(int(name[5:]), **turbo)
 
 
+def head_codecs(specs: dict[str, str], layer: int | None = None, kv_heads: int | None = None,
+                heads: tuple[int, ...] | None = None, opts: dict[str, dict] | None = None) -> dict[str, Codec]:
+    """The codecs of one layer's roles (``{"k": spec, "v": spec}``, either a head list or one spec), built
+    together: when any is a head list, every role gets a ``HeadSplitCodec`` over the same groups of heads (heads
+    with equal codecs in every role), so attention can read each group with its K and V codecs over the same
+    heads. ``kv_heads``: the model's KV heads, checked against each list's length (the error names the layer,
+    the role and both counts). ``heads``: the KV-head indices the rows cover (default all); ``opts``: per role,
+    as for ``codec_from_spec``."""
+    opts = opts or {}
+    where = f"layer {layer}: " if layer is not None else ""
+    lists = {}
+    for role, spec in specs.items():
+        if not is_head_list(spec):
+            continue
+        entries = split_head_list(spec)
+        n = kv_heads if kv_heads is not None else (len(heads) if heads is not None else None)
+        if n is not None and len(entries) != n:
+            raise ValueError(f"{where}the {role.upper()} head list {spec!r} has {len(entries)} entries but the model "
+                             f"has {n} KV heads: give one codec per KV head, in head order (SPEC0|...|SPEC{n - 1})")
+        lists[role] = entries
+    if not lists:
+        return {role: codec_from_spec(spec, role, layer, heads=heads, **opts.get(role, {}))
+                for role, spec in specs.items()}
+    counts = {len(e) for e in lists.values()}
+    if len(counts) > 1:
+        raise ValueError(f"{where}the K and V head lists have {' and '.join(str(len(e)) for e in lists.values())} "
+                         "entries: give both one codec per KV head")
+    n = counts.pop()
+    per_head = {}
+    for role, spec in specs.items():
+        try:
+            per_head[role] = [canonical_spec(e) for e in lists[role]] if role in lists else [canonical_spec(spec)] * n
+        except ValueError as exc:
+            raise ValueError(f"{where}{role.upper()} codec: {exc}") from None
+    groups = group_heads(*per_head.values())
+    index = tuple(range(n)) if heads is None else tuple(heads)
+    if len(index) != n:
+        raise ValueError(f"{where}heads={heads} gives {len(index)} heads for a head list of {n} codecs")
+    out = {}
+    for role, entries in per_head.items():
+        subs = [codec_from_spec(entries[g[0]], role, layer, heads=tuple(index[h] for h in g), **opts.get(role, {}))
+                for g in groups]
+        name = entries[0] if len(set(entries)) == 1 else HEAD_SEP.join(entries)
+        out[role] = HeadSplitCodec(name, n, groups, subs)
+    return out
+
+
 def codec_bits_per_element(spec: str, head_dim: int, **opts: Any) -> float:
     """Packed bits per K and V element of ``spec`` at ``head_dim``, averaged over the two roles.
 
@@ -179,15 +248,19 @@ def codec_bits_per_element(spec: str, head_dim: int, **opts: Any) -> float:
     codebooks) excluded: ``Codec.bits_per_element``. ``opts`` as for ``codec_from_spec``. A key-only codec
     (``pcaq``) gives its key bits.
     """
-    if is_calibrated_spec(spec):
+    if is_calibrated_spec(spec) or (is_head_list(spec) and any(is_calibrated_spec(e) for e in split_head_list(spec))):
         return codec_from_spec(spec, "k", **opts).bits_per_element(head_dim)
     return sum(codec_from_spec(spec, role, **opts).bits_per_element(head_dim) for role in ROLES) / len(ROLES)
 
 
 def nominal_bits(spec: str) -> float:
     """The bits a spec is named by: ``turbo2.5`` -> 2.5, ``turbo3-qjl`` -> 3, ``int8`` -> 8, ``fp16`` -> 16,
-    ``q4_0`` -> 4 (its scales are in ``codec_bits_per_element``: 4.5), ``fp8_e4m3`` -> 8."""
+    ``q4_0`` -> 4 (its scales are in ``codec_bits_per_element``: 4.5), ``fp8_e4m3`` -> 8; a head list: the mean
+    over its heads."""
     name = canonical_spec(spec)
+    if is_head_list(name):
+        entries = split_head_list(name)
+        return sum(nominal_bits(e) for e in entries) / len(entries)
     if name in GGML_TYPES:
         return float(GGML_TYPES[name].bits)
     if name.startswith("fp8_"):

@@ -68,6 +68,14 @@ class Codec(ABC):
     def unit_bytes(self, head_dim: int) -> int:
         """Exact bytes of one unit of one (batch, head), all per-unit metadata included."""
 
+    def units_bytes(self, head_dim: int, heads: int) -> int:
+        """Exact bytes of one unit over ``heads`` KV heads of one batch row (a per-head codec's heads differ)."""
+        return heads * self.unit_bytes(head_dim)
+
+    def packed_nbytes(self, fields: dict) -> int:
+        """Bytes of the packed fields a store holds (``name -> GrowBuffer``): their tensors' bytes."""
+        return sum(buf.nbytes() for buf in fields.values())
+
     def shared_items(self, head_dim: int) -> dict[str, int]:
         """Shared objects by identity -> bytes; a cache counts each identity once across all codecs."""
         return {}

@@ -89,7 +89,8 @@ def unpack_widths(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
 class PcaKeyCodec(Codec):
     """``pcaq{b}`` for the keys of one layer (``layer``) under the transforms in ``calib`` ("" = shipped)."""
 
-    def __init__(self, bits: float, layer: int | None = None, calib: str = "", role: str = "k") -> None:
+    def __init__(self, bits: float, layer: int | None = None, calib: str = "", role: str = "k",
+                 heads: tuple[int, ...] | None = None) -> None:
         if role != "k":
             raise ValueError(
                 f"pcaq{bits:g} is a key codec (PCA in the metric of the queries): for values the measured "
@@ -100,6 +101,8 @@ class PcaKeyCodec(Codec):
         self.bits = float(bits)
         self.layer = layer
         self.calib = calib or ""
+        #: the layer's KV heads this codec serves, in row order (None: all of them): their fitted tables
+        self.heads = None if heads is None else tuple(int(h) for h in heads)
         self.spec = f"pcaq{self.bits:g}"
 
     # -- the fit and this layer's tables --------------------------------------------------------------
@@ -121,20 +124,40 @@ class PcaKeyCodec(Codec):
         return self.layer
 
     def widths(self, head_dim: int) -> torch.Tensor:
-        """Bits per coordinate ``int64 [H, D]`` for this layer (water-filled; every row sums to ``b * D``)."""
+        """Bits per coordinate ``int64 [H, D]`` for this layer's heads (water-filled; every row sums to ``b * D``)."""
         return self._layer_tables(head_dim, "cpu", torch.float32)[0]
+
+    def _fit(self) -> dict[str, torch.Tensor]:
+        """This layer's fitted tensors, for the heads this codec serves."""
+        tr = self.transforms
+        fit = tr.head(self._layer_index())
+        if self.heads is None:
+            return fit
+        if any(not 0 <= h < tr.kv_heads for h in self.heads):
+            raise TransformsMismatch(f"{self.spec}: heads {list(self.heads)} are not all KV heads of the calibrated "
+                                     f"transforms ({tr.describe()}, {tr.kv_heads} KV heads)")
+        index = torch.tensor(self.heads)
+        return {name: t.index_select(0, index) for name, t in fit.items()}
+
+    def _check_rows(self, heads: int, head_dim: int) -> None:
+        if self.heads is None:
+            self.transforms.check_geometry(heads, head_dim)
+            return
+        self.transforms.check_geometry(self.transforms.kv_heads, head_dim)
+        if heads != len(self.heads):
+            raise ValueError(f"{self.spec}: built for heads {list(self.heads)}, got rows of {heads} heads")
 
     def _layer_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
         tr = self.transforms
-        key = (tr.path, tr.digest, self._layer_index(), self.bits, head_dim, str(device), dtype)
+        key = (tr.path, tr.digest, self._layer_index(), self.heads, self.bits, head_dim, str(device), dtype)
         if key in _TABLES:
             return _TABLES[key]
         if len(_TABLES) > 512:  # a handful of fits x layers x widths: bounded
             _TABLES.clear()
-        fit = tr.head(self._layer_index())
+        fit = self._fit()
         heads, d = fit["basis"].shape[0], fit["basis"].shape[-1]
         if d != head_dim:
-            tr.check_geometry(heads, head_dim)
+            self._check_rows(heads, head_dim)
         total = self.total_bits(d)
         widths = torch.stack([water_fill(fit["var"][h], fit["mse"][h], total) for h in range(heads)])
         nlev = 1 << MAX_BITS
@@ -159,7 +182,7 @@ class PcaKeyCodec(Codec):
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         self.check_input(x)
         layer = self._layer_index()
-        self.transforms.check_geometry(x.shape[1], x.shape[-1])
+        self._check_rows(x.shape[1], x.shape[-1])
         self.transforms.head(layer)
         return {"mu": x.to(compute_dtype(x.dtype)).mean(dim=2, keepdim=True).to(torch.float16)}
 
@@ -174,7 +197,7 @@ class PcaKeyCodec(Codec):
         cd = compute_dtype(x.dtype)
         widths, _, enc, _, bounds = self._layer_tables(d, x.device, cd)
         if widths.shape[0] != h:
-            self.transforms.check_geometry(h, d)
+            self._check_rows(h, d)
         xc = x.to(cd) - self._mu(state).to(cd)
         z = torch.einsum("bhtd,hjd->bhtj", xc, enc)  # standardized coordinates
         zt = z.permute(1, 3, 0, 2).reshape(h, d, b * t).contiguous()
@@ -201,23 +224,32 @@ class PcaKeyCodec(Codec):
 
     def shared_items(self, head_dim: int) -> dict[str, int]:
         """Per layer: the basis (int8) + its column scales (fp16), whatever the width; per width the bit map
-        (uint8) and the Lloyd-Max levels it uses (fp16, one table per group of coordinates and width in use)."""
+        (uint8) and the Lloyd-Max levels it uses (fp16, one table per group of coordinates and width in use).
+        A codec serving some heads (``heads``) names them per head, so heads served by codecs of different
+        widths count one basis each."""
         tr = self.transforms
         layer = self._layer_index()
-        fit = tr.head(layer)
+        fit = self._fit()
         heads, d = fit["basis"].shape[0], fit["basis"].shape[-1]
         widths = self.widths(head_dim)
-        levels = 0
+        levels = [0] * heads
         for h in range(heads):
             for g in range(0, d, GROUP):
                 for w in {int(x) for x in widths[h, g:g + GROUP]} - {0}:
-                    levels += (1 << w) * 2
+                    levels[h] += (1 << w) * 2
         tag = f"calib:{tr.digest}:L{layer}:k"
-        return {f"{tag}:basis": heads * d * d + heads * d * 2,
-                f"{tag}:{self.spec}:bitmap+levels": heads * d + levels}
+        if self.heads is None:
+            return {f"{tag}:basis": heads * d * d + heads * d * 2,
+                    f"{tag}:{self.spec}:bitmap+levels": heads * d + sum(levels)}
+        out = {}
+        for i, h in enumerate(self.heads):
+            out[f"{tag}:h{h}:basis"] = d * d + d * 2
+            out[f"{tag}:h{h}:{self.spec}:bitmap+levels"] = d + levels[i]
+        return out
 
     def __repr__(self) -> str:
-        return f"PcaKeyCodec({self.spec!r}, layer={self.layer}, calib={self.calib!r})"
+        heads = "" if self.heads is None else f", heads={self.heads}"
+        return f"PcaKeyCodec({self.spec!r}, layer={self.layer}, calib={self.calib!r}{heads})"
 
 
 __all__ += ["TransformsMismatch"]

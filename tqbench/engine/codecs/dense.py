@@ -33,3 +33,7 @@ class DenseCodec(Codec):
 
     def unit_bytes(self, head_dim: int) -> int:
         return self.width * head_dim
+
+    def packed_nbytes(self, fields: dict) -> int:
+        """Rows packed beside other heads' codes (a per-head list) are kept as given, counted at the named width."""
+        return sum(buf.nbytes() // buf.data.element_size() * self.width for buf in fields.values() if buf.data is not None)

@@ -14,8 +14,18 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from tqbench.constants import POLICIES_DATA_DIR
-from tqbench.engine.codecs import CODEC_SPECS, codec_from_spec, is_calibrated_spec, is_valid_spec
+from tqbench.engine.codecs import (
+    CODEC_SPECS,
+    HEAD_SEP,
+    canonical_spec,
+    codec_from_spec,
+    head_codecs,
+    is_calibrated_spec,
+    is_head_list,
+    is_valid_spec,
+)
 from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, engine_setting, is_engine_setting
+from tqbench.engine.codecs.heads import split_head_list
 from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.tomlfile import read_toml
 
@@ -115,8 +125,8 @@ class Policy:
     fitted_on: FittedOn | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for role, spec in (("k", self.k), ("v", self.v)):
-            _check_codec(spec, role)
+        for role in ("k", "v"):
+            object.__setattr__(self, role, _check_codec(getattr(self, role), role))
         for what, val in (("sink", self.sink), ("recent", self.recent)):
             if not isinstance(val, int) or val < 0:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
@@ -141,8 +151,7 @@ class Policy:
         for role, sel, spec in self.overrides:
             if role not in _ROLES:
                 raise ValueError(f"override role {role!r} is invalid: use k@, v@ or kv@")
-            _check_codec(spec, role)
-            fixed.append((role, validate_selector(sel), spec))
+            fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
 
     # ---- forms ------------------------------------------------------------------------------
@@ -178,9 +187,13 @@ class Policy:
         kw = dict(data)
         if "kv" in kw:
             kw["k"] = kw["v"] = kw.pop("kv")
+        for role in ("k", "v"):
+            if role in kw:
+                kw[role] = _list_spec(kw[role], role)
         if "overrides" in kw:
             kw["overrides"] = tuple(
-                (o["role"], str(o["layers"]), o["codec"]) if isinstance(o, dict) else tuple(o) for o in kw["overrides"]
+                (o["role"], str(o["layers"]), _list_spec(o["codec"], o["role"])) if isinstance(o, dict) else tuple(o)
+                for o in kw["overrides"]
             )
         return replace(base, **kw)
 
@@ -244,9 +257,23 @@ class Policy:
             "calib": self.calib,
         }
 
-    def build_codec(self, spec: str, role: str, layer: int | None = None):
-        """The codec of ``spec`` for ``role``; ``layer``: the layer it serves (calibrated codecs need it)."""
-        return codec_from_spec(spec, role=role, layer=layer, **self.codec_options(role))
+    def build_codec(self, spec: str, role: str, layer: int | None = None, heads: tuple[int, ...] | None = None):
+        """The codec of ``spec`` for ``role``; ``layer``: the layer it serves (calibrated codecs need it);
+        ``heads``: the layer's KV-head indices it serves, in the order of the rows it gets (calibrated codecs
+        select those heads' fitted tables; the others ignore it)."""
+        return codec_from_spec(spec, role=role, layer=layer, heads=heads, **self.codec_options(role))
+
+    def layer_codecs(self, plan: LayerPlan, kv_heads: int | None = None) -> tuple:
+        """``(k_codec, v_codec)`` of one layer. Where a role has a per-KV-head list both roles are built over the
+        same groups of heads (``codecs.head_codecs``); ``kv_heads``: the model's, checked against each list."""
+        out = head_codecs({"k": plan.k, "v": plan.v}, plan.layer, kv_heads,
+                          opts={role: self.codec_options(role) for role in ("k", "v")})
+        return out["k"], out["v"]
+
+    @property
+    def per_head(self) -> bool:
+        """True when any codec of the policy is a per-KV-head list."""
+        return any(is_head_list(s) for s in (self.k, self.v, *(o[2] for o in self.overrides)))
 
 
 def _fmt(val) -> str:
@@ -255,14 +282,38 @@ def _fmt(val) -> str:
     return str(val)
 
 
-def _check_codec(spec: str, role: str) -> None:
+def _list_spec(spec, role: str):
+    """A policy file's codec field: a spec, or a list of specs (one per KV head) -> its head-list string."""
+    if not isinstance(spec, list):
+        return spec
+    if not spec or any(not isinstance(e, str) for e in spec):
+        raise ValueError(f"{role.upper()} codec {spec!r}: a per-KV-head list is a flat list of codec names, one per "
+                         'KV head (e.g. ["turbo2", "turbo4", "turbo2"]); lists cannot nest')
+    if any(HEAD_SEP in e for e in spec):
+        raise ValueError(f"{role.upper()} codec {spec!r}: an entry of a per-KV-head list is one codec (lists cannot "
+                         "nest)")
+    return HEAD_SEP.join(spec)
+
+
+def _check_codec(spec: str, role: str) -> str:
+    """Validate a codec spec for ``role``; a per-KV-head list comes back canonical (equal entries: that one spec)."""
+    if is_head_list(spec):
+        entries = split_head_list(spec)  # (empty entries, nesting: refused with their own message)
+        for e in entries:
+            try:
+                _check_codec(e, role)
+            except ValueError as exc:
+                raise ValueError(f"{role.upper()} head list {spec!r}: {exc}") from None
+        return canonical_spec(spec)
     if not isinstance(spec, str) or not is_valid_spec(spec):
         raise ValueError(
-            f"unknown {role.upper()} codec {spec!r}: valid codecs are {', '.join(CODEC_SPECS)}"
+            f"unknown {role.upper()} codec {spec!r}: valid codecs are {', '.join(CODEC_SPECS)}, or one per KV head "
+            "as SPEC0|SPEC1|..."
         )
     if role in ("v", "kv") and is_calibrated_spec(spec):
         raise ValueError(f"{spec} is a key codec (calibrated in the metric of the queries): give it to keys only "
                          f"(k={spec} or k@LAYERS={spec}) and a value codec such as turbo2 to values")
+    return spec
 
 
 # ---- compact text ----------------------------------------------------------------------------------
