@@ -174,3 +174,28 @@ def test_resume_across_granularities_skips_measured_cells(tiny_engine, tmp_path)
     assert (again.measured_cells, again.resumed_cells) == (0, 24)
     cells = json.loads(open(partial).read())["cells"]
     assert len(cells) == 24 and "3/v/turbo4" in cells
+
+
+def test_head_cells_solve_within_the_exact_budget_with_protection_options():
+    geo, base = KVGeometry(3, 2, 64), parse_policy("sink=4,recent=16")
+    codecs = ("turbo1", "turbo2", "turbo4")
+    t = SensitivityTable(list(range(3)), list(codecs), heads=[0, 1])
+    for la in range(3):
+        for r in "kv":
+            for h in (0, 1):
+                t.kl[(la, r, h)] = {c: (la + 1) * (h + 1) * (2.0 if r == "k" else 1.0) * 0.1 / 4 ** i
+                                    for i, c in enumerate(codecs)}
+    seen = []
+
+    def measure(choice, pol):
+        seen.append(pol)
+        return sum(t.kl[u][c] for u, c in choice.items()) * (1.5 if len(seen) % 2 else 1.0)
+
+    for budget in (2.6, 3.0, 3.7):
+        alloc, measured, steps = improve(t, geo, budget, 2048, base, measure, protections=[(4, 16), (16, 64)],
+                                         max_measurements=6)
+        est = estimate_kv(alloc.policy, geo, 2048)
+        assert est.total_bytes == alloc.estimate.total_bytes and est.bits_per_element <= budget
+        assert all(s.bits_per_element is None or s.bits_per_element <= budget for s in steps)
+        assert any("|" in spec for spec in alloc.k + alloc.v) or len(set(alloc.choice.values())) == 1
+        assert len(alloc.choice) == 3 * 2 * 2 and measured == min(s.measured_kl for s in steps if s.accepted)

@@ -108,8 +108,8 @@ def choice_policy(choice: dict, base: Policy, geometry: KVGeometry, name: str | 
 
 
 def unit_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> dict[tuple, dict[str, int]]:
-    """Exact bytes of every unit's choices at ``context`` tokens (per-layer state of calibrated codecs shared
-    by the heads of a layer: each head's unit carries its share, rounded up)."""
+    """Exact bytes of every unit's choices at ``context`` tokens (a calibrated codec's basis and tables for the
+    heads the unit serves included)."""
     out: dict[tuple, dict[str, int]] = {}
     for unit in table.units():
         layer, role = unit[0], unit[1]
@@ -119,9 +119,8 @@ def unit_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: in
         for spec in table.choices(role):
             codec = build_codec(base, spec, role, layer, heads)
             nbytes, _ = store_bytes(codec, base.sink, base.recent, context, 1, n, g.head_dim)
-            if is_calibrated_spec(spec):
-                per_layer = sum(codec.shared_items(g.head_dim).values())
-                nbytes += -(-per_layer * n // g.kv_heads)
+            if is_calibrated_spec(spec):  # its basis and tables for the heads it serves
+                nbytes += sum(codec.shared_items(g.head_dim).values())
             row[spec] = nbytes
         out[unit] = row
     return out
