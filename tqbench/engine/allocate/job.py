@@ -143,9 +143,9 @@ def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
 def calibrated_k_choices(engine, base: Policy) -> tuple[list[str], str | None]:
     """The ``pcaq`` key codecs this model can use (its calibrated fit), or [] and the reason."""
     try:
-        for spec in CALIBRATED_K:
-            build_codec(base, spec, "k", 0).shared_items(engine.geometry.head_dim)
-            break
+        codec = build_codec(base, CALIBRATED_K[0], "k", 0)
+        codec.shared_items(engine.geometry.head_dim)
+        codec.transforms.check_model(engine.loaded.fingerprint, engine.name)
     except Exception as exc:  # noqa: BLE001 - the reason goes into the report
         return [], f"pcaq key codecs not offered: {str(exc).splitlines()[0]}"
     return list(CALIBRATED_K), None

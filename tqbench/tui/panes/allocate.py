@@ -29,7 +29,8 @@ FRONTIER = {"text": "rivers", "prefill": 1024, "steps": 256}
 CALIBRATION = {"calibration": "lighthouses", "calib_prefill": 1024, "calib_steps": 64}
 #: the workbench runs the additive per-layer solve at the builder's sink/recent, verified on one text (the measured
 #: solver, the protection grid and the second unseen text are the CLI's ``allocate``; see docs/allocation.md)
-SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": None}
+SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": None,
+          "k_codecs": ("turbo1", "turbo2", "turbo3", "turbo4")}
 
 
 class AllocatePanel(Vertical):
