@@ -10,6 +10,7 @@ from textual.widgets import DataTable, Label
 
 from tests.tui.tui_helpers import plain, wait_for
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
+from tqbench.tui.panes.allocate import SOLVER
 
 pytestmark = pytest.mark.anyio
 SIZE = (160, 50)
@@ -42,7 +43,7 @@ async def test_budget_enter_allocates_shows_bits_and_the_frontier(data_dir, stea
         await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the allocation")
         assert panel.status == "done", plain(panel.query_one("#alloc-status", Label))
         expected = allocate_policy(steady_engine, 4.5, base="sink=2,recent=4", context=96, name="alloc-4.5bit",
-                                   verify_text="rivers", verify_prefill=48, verify_steps=6, **SMALL_CALIBRATION)
+                                   verify_text="rivers", verify_prefill=48, verify_steps=6, **SMALL_CALIBRATION, **SOLVER)
         a = panel.result.allocation
         assert a.policy == expected.allocation.policy and a.bits_per_element <= 4.5
         hm = panel.query_one("#alloc-heatmap", DataTable)

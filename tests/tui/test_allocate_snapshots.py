@@ -10,6 +10,7 @@ import pytest
 from tests.tui.test_allocate_pane import SIZE
 from tests.tui.test_snapshots import compare, settle, steady_screen  # noqa: F401 (an autouse fixture)
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
+from tqbench.tui.panes.allocate import SOLVER
 
 pytestmark = pytest.mark.anyio
 #: small on purpose: 30 layers x K/V x 4 codecs are 240 measured cells
@@ -22,7 +23,7 @@ def measured(words_engine):
     from tqbench.engine import allocate_policy, frontier
 
     rep = allocate_policy(words_engine, 3.5, base="sink=2,recent=4", context=96, name="alloc-3.5bit",
-                          verify_prefill=FRONTIER["prefill"], verify_steps=FRONTIER["steps"], **CALIBRATION)
+                          verify_prefill=FRONTIER["prefill"], verify_steps=FRONTIER["steps"], **CALIBRATION, **SOLVER)
     rep.resumed_cells = 0
     presets = frontier(words_engine, ["turbo2", "turbo3", "turbo4", "q8k-int4v"], context=96, **FRONTIER)
     return rep, presets

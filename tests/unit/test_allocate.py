@@ -23,7 +23,7 @@ from tqbench.engine.events import Cancelled, SensitivityMeasured
 from tqbench.engine.policy import load_policy_artifact, parse_policy, save_policy_artifact
 
 SMALL = dict(calibration="bread", calib_prefill=48, calib_steps=8, verify_prefill=48, verify_steps=6, context=96,
-             base="sink=2,recent=4")
+             base="sink=2,recent=4", protections=[], max_measurements=0, unseen_text=None)
 CODECS = ["turbo1", "turbo2", "turbo4"]
 
 
@@ -133,10 +133,8 @@ def test_allocation_is_verified_and_its_cache_report_is_within_budget(tiny_engin
     assert v.report_bits_per_element <= 4.5 and rep.allocation.bits_per_element <= 4.5
     (again,) = frontier(tiny_engine, [rep.allocation.policy], text="rivers", prefill=48, steps=6, context=96)
     assert again.kl_mean == v.kl_mean  # one definition: the same teacher-forced run
-    with pytest.raises(ValueError, match="is the calibration text"):
+    with pytest.raises(ValueError, match="--verify-text corpus:bread is also used for calibration"):
         allocate_policy(tiny_engine, 4.5, **{**SMALL, "verify_text": "bread"})
-    with pytest.raises(ValueError, match="only per-layer allocation is implemented"):
-        allocate_policy(tiny_engine, 4.5, granularity="head", **SMALL)
 
 
 def test_artifact_round_trips_and_warns_on_another_model(tiny_engine, tmp_path):
@@ -174,7 +172,8 @@ def _cli(*args):
 
 
 TINY_CLI = ["--calibration", "bread", "--calib-prefill", "48", "--calib-steps", "8", "--verify-prefill", "48",
-            "--verify-steps", "6", "--context", "96", "--sink", "2", "--recent", "4", "--codecs", "turbo1,turbo2,turbo4"]
+            "--verify-steps", "6", "--context", "96", "--sink", "2", "--recent", "4", "--codecs", "turbo1,turbo2,turbo4",
+            "--sinks", "2,4", "--recents", "4", "--max-measurements", "3"]
 
 
 def test_cli_allocate_json_and_out(tmp_path):
@@ -185,6 +184,8 @@ def test_cli_allocate_json_and_out(tmp_path):
     assert data["allocation"]["bits_per_element"] <= 4.5
     assert data["verified"]["report_bits_per_element"] <= 4.5 and data["verified"]["text"] == "corpus:rivers"
     assert len(data["bits_grid"]) == 4 and data["out"] == str(out)
+    assert [s["kind"] for s in data["steps"]] == ["protection", "protection", "exchange"]
+    assert data["unseen"]["text"] == "heldout:code+technical" and data["fitted_vs_unseen"]["unseen_kl"] is not None
     assert load_policy_artifact(out).policy.label == "p"
     assert json.loads((tmp_path / "p.partial.json").read_text())["setup"]["calibration"] == "corpus:bread"
     again = _cli("--budget", "4.0", "--json", "--out", str(tmp_path / "q.toml"), "--resume",
@@ -195,8 +196,9 @@ def test_cli_allocate_json_and_out(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--budget", "0.5"], "budget 0.5 bits/element does not fit at 96 tokens"),
-    (["--budget", "3", "--granularity", "head"], "only per-layer allocation is implemented"),
-    (["--budget", "3", "--verify-text", "bread"], "is the calibration text"),
+    (["--budget", "3", "--granularity", "rows"], "'rows' is not one of 'layer', 'head'"),
+    (["--budget", "3", "--verify-text", "bread"], "--verify-text corpus:bread is also used for calibration"),
+    (["--budget", "3", "--sinks", "4,x"], "--sinks '4,x' / --recents '4' must be comma-separated token counts"),
     (["--budget", "3", "--out", "p.json"], "must end in .toml"),
     (["--budget", "3", "--codecs", "turbo9"], "unknown codec 'turbo9'"),
     (["--budget", "3", "--calibration", "soup"], "neither a text file nor a shipped text"),

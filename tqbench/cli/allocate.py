@@ -20,19 +20,31 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
               help="Bits per KV element for the whole cache (all metadata, sinks and window included).")
 @click.option("--context", type=click.IntRange(min=1), default=1024, show_default=True,
               help="The context length (tokens) the budget is stated at: bits/element fall as context grows.")
-@click.option("--calibration", default="lighthouses", show_default=True,
-              help="Calibration text: a shipped corpus name (bread, lighthouses, rivers) or a UTF-8 text file.")
+@click.option("--calibration", default="mix", show_default=True,
+              help="Calibration: 'mix' (the shipped prose, code, legal and chat texts, one sequence per kind), a "
+                   "shipped text (bread, corpus:lighthouses, heldout:code, calibration:prose ...) or a UTF-8 file.")
 @click.option("--calib-prefill", type=int, default=1024, show_default=True)
-@click.option("--calib-steps", type=int, default=64, show_default=True,
-              help="Tokens after the prefill whose next-token KL scores each cell.")
-@click.option("--granularity", default="layer", show_default=True,
-              help="layer (per-KV-head allocation is not implemented: the store keeps one width per layer).")
+@click.option("--calib-steps", type=int, default=32, show_default=True,
+              help="Tokens after the prefill (per calibration sequence) whose next-token KL scores each cell.")
+@click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
+              help="One codec per layer and role, or per KV head.")
 @click.option("--codecs", default="turbo1,turbo2,turbo3,turbo4", show_default=True,
-              help="Codec choices per layer and role.")
-@click.option("--sink", type=click.IntRange(min=0), default=4, show_default=True, help="fp16 sink tokens.")
-@click.option("--recent", type=click.IntRange(min=0), default=16, show_default=True, help="fp16 recent window.")
+              help="Codec choices per unit (V; K too unless --k-codecs).")
+@click.option("--k-codecs", default=None,
+              help="K choices (default: --codecs plus pcaq2,pcaq3,pcaq4 when the model has a calibrated fit).")
+@click.option("--sink", type=click.IntRange(min=0), default=4, show_default=True,
+              help="fp16 sink tokens the cells are measured at.")
+@click.option("--recent", type=click.IntRange(min=0), default=16, show_default=True,
+              help="fp16 recent window the cells are measured at.")
+@click.option("--sinks", default="4,16,64", show_default=True,
+              help="Sink options searched (each x --recents, measured jointly); '' for --sink only.")
+@click.option("--recents", default="16,64,128", show_default=True, help="Recent-window options searched.")
+@click.option("--max-measurements", type=click.IntRange(min=0), default=24, show_default=True,
+              help="Joint measurements (protection options + exchange steps); 0: the additive solution only.")
 @click.option("--verify-text", default="rivers", show_default=True,
-              help="Shipped text for teacher-forced verification (not the calibration text); 'none' skips it.")
+              help="Text for teacher-forced verification (not a calibration text); 'none' skips it.")
+@click.option("--unseen-text", default="heldout:code+technical", show_default=True,
+              help="A second unseen text of another kind, verified the same way; 'none' skips it.")
 @click.option("--verify-prefill", type=int, default=1024, show_default=True)
 @click.option("--verify-steps", type=int, default=256, show_default=True)
 @click.option("--name", default=None, help="Policy name (default: the --out file's stem, else alloc-<budget>bit).")
@@ -43,8 +55,10 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
-             codecs, sink, recent, verify_text, verify_prefill, verify_steps, name, out, resume, max_kl, as_json):
-    """The best per-layer KV policy under --budget bits/element: measure, solve exactly, verify, save."""
+             codecs, k_codecs, sink, recent, sinks, recents, max_measurements, verify_text, unseen_text,
+             verify_prefill, verify_steps, name, out, resume, max_kl, as_json):
+    """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
+    jointly, verify on two unseen texts, save."""
     import json
 
     from tqbench.cli.render.allocate import print_allocation
@@ -61,14 +75,24 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     if resume is None and out is not None:
         resume = out[: -len(".toml")] + ".partial.json"
     verify = None if verify_text.lower() == "none" else verify_text
+    unseen = None if unseen_text.lower() == "none" else unseen_text
+    try:
+        grid = [(int(a), int(b)) for a in csv(sinks) or [] for b in csv(recents) or []]
+    except ValueError:
+        raise ValueError(f"--sinks {sinks!r} / --recents {recents!r} must be comma-separated token counts, "
+                         "e.g. 4,16,64") from None
+    if any(a < 0 or b < 0 for a, b in grid):
+        raise ValueError("--sinks and --recents must be 0 or more tokens")
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
         with EventProgress(enabled=not as_json, label="allocate") as prog:
             rep = allocate_policy(
                 engine, budget, calibration=calibration, calib_prefill=calib_prefill, calib_steps=calib_steps,
-                codecs=csv(codecs) or [], granularity=granularity, base=f"sink={sink},recent={recent}",
-                context=context, verify_text=verify, verify_prefill=verify_prefill, verify_steps=verify_steps,
+                codecs=csv(codecs) or [], k_codecs=csv(k_codecs) if k_codecs else None, granularity=granularity,
+                base=f"sink={sink},recent={recent}", context=context, protections=grid,
+                max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
+                verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""

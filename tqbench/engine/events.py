@@ -185,3 +185,4 @@ class SensitivityMeasured(Progress):
     codec: str = ""
     kl: float = 0.0
     resumed: bool = False
+    head: int = -1  # the KV head at head granularity; -1: the whole layer

@@ -1,4 +1,5 @@
-"""Rich output of ``allocate`` (``AllocationReport``): the per-layer codecs and the verified frontier point."""
+"""Rich output of ``allocate`` (``AllocationReport``): the codecs per layer, the measured steps, and the verified
+points (fitted vs unseen)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,53 @@ from tqbench.cli.render.console import out
 from tqbench.cli.render.formats import human_bytes
 
 
+def _f(x, fmt: str = ".4f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def print_allocation(rep) -> None:
     a = rep.allocation
     t = Table(title=f"allocation for {rep.model}: {a.policy.label} (budget {a.budget_bits:g} bits/element at "
-                    f"{a.estimate.seq_len} tokens)")
+                    f"{a.estimate.seq_len} tokens, granularity {rep.setup['granularity']})")
     for col in ("layer", "K", "V", "KL K", "KL V"):
         t.add_column(col, justify="right")
+    cell = {}
+    for unit, spec in a.choice.items():
+        cell[(unit[0], unit[1])] = cell.get((unit[0], unit[1]), 0.0) + rep.table.kl[unit][spec]
     for layer in rep.table.layers:
-        t.add_row(str(layer), a.k[layer], a.v[layer], f"{rep.table.get(layer, 'k', a.k[layer]):.2e}",
-                  f"{rep.table.get(layer, 'v', a.v[layer]):.2e}")
+        t.add_row(str(layer), a.k[layer], a.v[layer], f"{cell.get((layer, 'k'), 0.0):.2e}",
+                  f"{cell.get((layer, 'v'), 0.0):.2e}")
     out.print(t)
     out.print(f"policy: {a.policy.to_string()}")
     out.print(f"exact bytes at {a.estimate.seq_len} tokens: {a.estimate.total_bytes} ({human_bytes(a.estimate.total_bytes)})"
               f" = {a.bits_per_element:.4f} bits/element (fp16: {a.estimate.dense_fp16_bytes}); "
-              f"predicted KL {a.predicted_kl:.4f}")
+              f"additive KL {a.predicted_kl:.4f}, predicted (measured) KL {rep.predicted_kl:.4f}")
     out.print(f"sensitivity: {rep.measured_cells} cells measured, {rep.resumed_cells} resumed, on "
               f"{rep.setup['calibration']} ({rep.seconds['sensitivity']:.0f} s, {rep.seconds['threads']} threads)")
-    v = rep.verified
-    if v is None:
-        out.print("not verified (--verify-text none)")
+    for note in rep.notes:
+        out.print(f"note: {note}")
+    if rep.steps:
+        s = Table(title="solver steps (joint chunk KL on the calibration sequences)")
+        for col in ("step", "kind", "move", "additive KL", "measured KL", "bits/el", "accepted"):
+            s.add_column(col, justify="left" if col in ("kind", "move") else "right")
+        for st in rep.steps:
+            s.add_row(str(st.step), st.kind, st.move, _f(st.predicted_kl), _f(st.measured_kl),
+                      _f(st.bits_per_element, ".3f"), "yes" if st.accepted else "no")
+        out.print(s)
+    points = [p for p in (rep.verified, rep.unseen) if p is not None]
+    if not points:
+        out.print("not verified (--verify-text none --unseen-text none)")
         return
-    f = Table(title=f"verified on {v.text} (not seen by the allocator): {v.prefill_tokens} prefill + {v.steps} "
+    f = Table(title=f"verified on text no step chose on: {points[0].prefill_tokens} prefill + {points[0].steps} "
                     "teacher-forced steps")
-    for col in ("policy", "bits/el", "report bits/el", "KL", "top-1", "ppl", "ppl delta"):
-        f.add_column(col, justify="left" if col == "policy" else "right")
-    f.add_row(v.kv_policy, f"{v.bits_per_element:.3f}", f"{v.report_bits_per_element:.3f}", f"{v.kl_mean:.4f}",
-              f"{v.top1_agreement:.3f}", f"{v.ppl_candidate:.3f}", f"{v.ppl_delta:+.3f}")
+    for col in ("text", "bits/el", "report bits/el", "KL", "top-1", "ppl", "ppl delta"):
+        f.add_column(col, justify="left" if col == "text" else "right")
+    for v in points:
+        f.add_row(v.text, f"{v.bits_per_element:.3f}", f"{v.report_bits_per_element:.3f}", f"{v.kl_mean:.4f}",
+                  f"{v.top1_agreement:.3f}", f"{v.ppl_candidate:.3f}", f"{v.ppl_delta:+.3f}")
     out.print(f)
+    fv = rep.fitted_vs_unseen()
+    out.print(f"fitted vs unseen: predicted {_f(fv['predicted_kl'])} ({fv['predictor']}), verification "
+              f"{_f(fv['verification_kl'])}, unseen {_f(fv['unseen_kl'])}; unseen/verification "
+              f"{_f(fv['unseen_over_verification'], '.2f')}, predicted/verification "
+              f"{_f(fv['predicted_over_verification'], '.2f')}")

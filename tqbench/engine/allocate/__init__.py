@@ -1,11 +1,14 @@
 """Auto-policy: the least-KL per-layer policy under a byte budget, measured, solved exactly, verified, saved.
 
-``sensitivity.py`` (one-layer chunk KL per layer, role and codec), ``solver.py`` (exact-bytes
-multiple-choice knapsack), ``verify.py`` (teacher-forced frontier points on held-out text) and ``job.py``
-(``allocate_policy``: the three steps as one cancellable, resumable job). The saved policy it writes lives with
+``texts.py`` (the calibration mix and the unseen verification texts), ``chunk.py`` (the chunk KL measure, with
+layer skipping), ``sensitivity.py`` (one-unit chunk KL per layer or KV head, role and codec), ``solver.py``
+(exact-bytes multiple-choice knapsack), ``exchange.py`` (protection options and exchange steps scored by the joint
+measured KL), ``verify.py`` (teacher-forced frontier points on held-out text) and ``job.py`` (``allocate_policy``:
+the steps as one cancellable, resumable job). The saved policy it writes lives with
 the policy: ``tqbench.engine.policy`` (``save_policy_artifact``, ``load_policy_artifact``).
 """
 
+from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve
 from tqbench.engine.allocate.job import (
     DEFAULT_CODECS,
     GRANULARITIES,
@@ -22,11 +25,14 @@ __all__ = [
     "GRANULARITIES",
     "Allocation",
     "AllocationReport",
+    "ExchangeStep",
+    "JointMeasure",
     "FrontierPoint",
     "SensitivityTable",
     "allocate_policy",
     "calibration_ids",
     "frontier",
+    "improve",
     "measure_sensitivity",
     "policy_from_choices",
     "rank_correlation",

@@ -1,11 +1,14 @@
-"""``allocate_policy``: measure, solve, verify. The one allocation job the CLI and the workbench run.
+"""``allocate_policy``: measure, solve, measure jointly, verify. The one allocation job the CLI and the workbench run.
 
-1. sensitivity (``sensitivity.measure_sensitivity``) on a calibration text, every cell persisted to a partial
-   results file as it is measured, so a cancelled or killed job resumes where it stopped (and another budget
-   or codec list for the same calibration and token protection reuses every cell it shares);
-2. the exact-bytes solve (``solver.solve_allocation``) at the stated context;
-3. verification (``verify.frontier``) teacher-forced on a shipped text that was not the calibration text.
-Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"verify", ...)``, ``TeacherForcedStep``;
+1. sensitivity (``sensitivity.measure_sensitivity``) on the calibration sequences (``texts.calibration_set``:
+   by default the shipped mix of four kinds), per layer or per KV head, every cell persisted to a partial results
+   file as it is measured, so a cancelled or killed job resumes where it stopped (another budget, codec list or
+   granularity for the same calibration and token protection reuses every cell it shares);
+2. the exact-bytes additive solve (``solver.solve_allocation``) at each sink/recent option, then exchange steps,
+   every candidate measured as the joint chunk KL of the whole policy (``exchange.improve``);
+3. verification (``verify.frontier``) teacher-forced on two texts no step chose on (``rivers`` and
+   ``heldout:code+technical`` by default; any overlap with the calibration texts is refused).
+Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"measure"|"verify", ...)``, ``TeacherForcedStep``;
 ``cancel`` is checked every step (``Cancelled``).
 """
 
@@ -20,9 +23,11 @@ from pathlib import Path
 
 import torch
 
-from tqbench.constants import CORPUS_DIR
+from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
+from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
-from tqbench.engine.allocate.solver import Allocation, solve_allocation
+from tqbench.engine.allocate.solver import Allocation
+from tqbench.engine.allocate.texts import MIX, calibration_set, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec
@@ -32,8 +37,12 @@ from tqbench.engine.policy.artifact import PolicyArtifact
 from tqbench.engine.policy.spec import Policy, parse_policy
 
 DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4")
-GRANULARITIES = ("layer",)
+#: calibrated key codecs added to the K choices when the model has a fit (``pcaq``)
+CALIBRATED_K = ("pcaq2", "pcaq3", "pcaq4")
+GRANULARITIES = ("layer", "head")
 PARTIAL_FORMAT = "tqbench-allocate-partial/1"
+#: joint measurements (protection options + exchange steps) by default
+DEFAULT_MEASUREMENTS = 24
 
 
 @dataclass
@@ -48,11 +57,33 @@ class AllocationReport:
     resumed_cells: int
     seconds: dict = field(default_factory=dict)
     partial_path: str | None = None
+    measured_kl: float | None = None  # the chosen policy's joint chunk KL on the calibration sequences
+    steps: list[ExchangeStep] = field(default_factory=list)
+    unseen: FrontierPoint | None = None  # the second unseen text
+    notes: list[str] = field(default_factory=list)  # what was not available and why (pcaq, layer skipping)
+
+    @property
+    def predicted_kl(self) -> float:
+        """The measured-based prediction: the joint calibration KL (the additive sum when not measured)."""
+        return self.measured_kl if self.measured_kl is not None else self.allocation.predicted_kl
+
+    def fitted_vs_unseen(self) -> dict:
+        v, u = self.verified, self.unseen
+        return {"predicted_kl": self.predicted_kl, "predictor": "joint chunk KL on the calibration sequences"
+                if self.measured_kl is not None else "additive sum of cells",
+                "additive_kl": self.allocation.predicted_kl, "calibration_joint_kl": self.measured_kl,
+                "verification_text": v.text if v else None, "verification_kl": v.kl_mean if v else None,
+                "unseen_text": u.text if u else None, "unseen_kl": u.kl_mean if u else None,
+                "unseen_over_verification": (u.kl_mean / v.kl_mean) if u and v and v.kl_mean else None,
+                "predicted_over_verification": (self.predicted_kl / v.kl_mean) if v and v.kl_mean else None}
 
     def to_dict(self) -> dict:
         return {"model": self.model, "fingerprint": self.fingerprint, "setup": self.setup,
                 "allocation": self.allocation.to_dict(), "bits_grid": self.allocation.bits_grid(),
                 "verified": self.verified.to_dict() if self.verified else None,
+                "unseen": self.unseen.to_dict() if self.unseen else None,
+                "fitted_vs_unseen": self.fitted_vs_unseen(),
+                "steps": [s.to_dict() for s in self.steps], "notes": self.notes,
                 "measured_cells": self.measured_cells, "resumed_cells": self.resumed_cells,
                 "seconds": self.seconds, "partial_path": self.partial_path,
                 "sensitivity": self.table.to_rows()}
@@ -61,32 +92,27 @@ class AllocationReport:
         a = self.allocation
         model = {"name": self.model, "fingerprint": self.fingerprint, "num_layers": geometry.num_layers,
                  "kv_heads": geometry.kv_heads, "head_dim": geometry.head_dim}
+        fvu = {k: v for k, v in self.fitted_vs_unseen().items() if v is not None}
         alloc = {"budget_bits": a.budget_bits, "context_tokens": a.estimate.seq_len,
                  "bits_per_element": a.bits_per_element, "total_bytes": a.estimate.total_bytes,
-                 "dense_fp16_bytes": a.estimate.dense_fp16_bytes, "predicted_kl": a.predicted_kl,
-                 "k_codecs": list(a.k), "v_codecs": list(a.v), **self.setup}
+                 "dense_fp16_bytes": a.estimate.dense_fp16_bytes, "predicted_kl": self.predicted_kl,
+                 "additive_kl": a.predicted_kl, "k_codecs": list(a.k), "v_codecs": list(a.v),
+                 "joint_measurements": sum(1 for s in self.steps if s.measured_kl is not None),
+                 **self.setup, "fitted_vs_unseen": fvu}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
-        return PolicyArtifact(a.policy, model, alloc, self.verified.to_dict() if self.verified else {}, tensors)
+        verified = self.verified.to_dict() if self.verified else {}
+        if self.unseen:
+            verified = verified | {"unseen": self.unseen.to_dict()}
+        return PolicyArtifact(a.policy, model, alloc, verified, tensors)
 
 
 def calibration_ids(tokenizer, calibration: str, n: int) -> tuple[torch.Tensor, str]:
-    """The first ``n`` tokens of a shipped corpus text (by name) or of a UTF-8 text file; and its label."""
-    path = Path(calibration)
-    if path.suffix and path.is_file():
-        ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
-        label = f"file:{path.name}"
-    elif (CORPUS_DIR / f"{calibration}.txt").is_file():
-        ids = tokenizer((CORPUS_DIR / f"{calibration}.txt").read_text(encoding="utf-8"),
-                        return_tensors="pt")["input_ids"]
-        label = f"corpus:{calibration}"
-    else:
-        names = ", ".join(sorted(p.stem for p in CORPUS_DIR.glob("*.txt")))
-        raise ValueError(f"calibration {calibration!r} is neither a text file nor a shipped text ({names})")
-    if ids.shape[1] < n:
-        raise ValueError(f"calibration {label} has {ids.shape[1]} tokens, fewer than the {n} needed "
-                         "(prefill + steps): give a longer text or lower --calib-prefill / --calib-steps")
-    return ids[:, :n], label
+    """The first ``n`` tokens of one text (``texts.resolve_text`` names) and its label."""
+    cs = calibration_set(tokenizer, calibration, n - 1, 1) if calibration != MIX else None
+    if cs is None:
+        raise ValueError("calibration_ids reads one text: use texts.calibration_set for the mix")
+    return cs.ids, cs.label
 
 
 def _read_partial(path: str, setup: dict) -> dict[str, float]:
@@ -99,8 +125,10 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
     if data.get("format") != PARTIAL_FORMAT:
         raise ValueError(f"{path!r} is not an allocate partial results file: give another --resume path")
     old = data.get("setup", {})
-    diff = sorted(k for k in set(setup) | set(old) if k != "codecs" and setup.get(k) != old.get(k))
-    if diff:  # cells are keyed by codec: another codec list reuses the cells of the codecs it shares
+    # cells are keyed by codec and by unit (layer or layer.head): another codec list or granularity reuses them
+    free = ("codecs", "k_codecs", "granularity")
+    diff = sorted(k for k in set(setup) | set(old) if k not in free and setup.get(k) != old.get(k))
+    if diff:
         raise ValueError(f"partial results file {path!r} was measured with another setup ({', '.join(diff)} "
                          "differ): delete it, or give another --resume path")
     return {k: float(v) for k, v in data.get("cells", {}).items()}
@@ -112,18 +140,33 @@ def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
     atomic_write(Path(path), json.dumps(doc).encode("utf-8"))
 
 
+def calibrated_k_choices(engine, base: Policy) -> tuple[list[str], str | None]:
+    """The ``pcaq`` key codecs this model can use (its calibrated fit), or [] and the reason."""
+    try:
+        codec = build_codec(base, CALIBRATED_K[0], "k", 0)
+        codec.shared_items(engine.geometry.head_dim)
+        codec.transforms.check_model(engine.loaded.fingerprint, engine.name)
+    except Exception as exc:  # noqa: BLE001 - the reason goes into the report
+        return [], f"pcaq key codecs not offered: {str(exc).splitlines()[0]}"
+    return list(CALIBRATED_K), None
+
+
 def allocate_policy(
     engine,
     budget: float,
     *,
-    calibration: str = "lighthouses",
+    calibration: str = MIX,
     calib_prefill: int = 1024,
-    calib_steps: int = 64,
+    calib_steps: int = 32,
     codecs: list[str] | tuple[str, ...] = DEFAULT_CODECS,
+    k_codecs: list[str] | tuple[str, ...] | None = None,
     granularity: str = "layer",
     base: Policy | str = "sink=4,recent=16",
     context: int = 1024,
+    protections: list[tuple[int, int]] | None = None,
+    max_measurements: int = DEFAULT_MEASUREMENTS,
     verify_text: str | None = "rivers",
+    unseen_text: str | None = "heldout:code+technical",
     verify_prefill: int = 1024,
     verify_steps: int = 256,
     name: str | None = None,
@@ -132,31 +175,53 @@ def allocate_policy(
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
 ) -> AllocationReport:
-    """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on ``verify_text``.
+    """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
-    ``base`` gives the token protection (sink, recent) and codec options every layer shares; ``codecs`` the
-    choices per layer and role. ``verify_text=None`` skips verification. ``partial_path``: the partial results
-    file (read if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
+    ``base`` gives the token protection (sink, recent) the cells are measured at and the codec options every layer
+    shares; ``codecs`` the choices per unit (``k_codecs``: K's, default ``codecs`` plus the calibrated ``pcaq``
+    codecs when the model has a fit). ``protections``: (sink, recent) options searched (None: the default grid;
+    ``[]``: ``base``'s only). ``max_measurements``: joint measurements (0: the additive solution only).
+    ``verify_text``/``unseen_text`` None skip that verification. ``partial_path``: the partial results file (read
+    if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
     """
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity {granularity!r} is not available: only per-layer allocation is implemented "
-                         "(the cache store keeps one codec width per layer); use --granularity layer")
+        raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
+                         "(one width per KV head)")
     specs = [canonical_spec(c) for c in codecs]
     if len(set(specs)) != len(specs) or not specs:
         raise ValueError(f"--codecs {','.join(codecs)!r} is invalid: give distinct codecs, e.g. turbo1,turbo2,turbo4")
     base_pol = parse_policy(base)
+    notes: list[str] = []
+    if k_codecs is None:
+        extra, why = calibrated_k_choices(engine, base_pol)
+        if why:
+            notes.append(why)
+        kspecs = specs + [c for c in extra if c not in specs]
+    else:
+        kspecs = [canonical_spec(c) for c in k_codecs]
+    if granularity == "head":
+        try:
+            canonical_spec("turbo2|turbo4")
+        except ValueError:
+            raise ValueError("--granularity head needs per-KV-head codecs (head-list specs like turbo2|turbo4), "
+                             "which this build does not have: use --granularity layer") from None
     if calib_prefill < 1 or calib_steps < 1:
         raise ValueError("--calib-prefill and --calib-steps must be at least 1")
-    ids, calib_label = calibration_ids(engine.tokenizer, calibration, calib_prefill + calib_steps)
-    if verify_text is not None and f"corpus:{verify_text}" == calib_label:
-        raise ValueError(f"the verification text {verify_text!r} is the calibration text: verify on text the "
-                         "allocator did not see (another --verify-text)")
-    setup = {"calibration": calib_label, "calib_prefill": calib_prefill, "calib_steps": calib_steps,
-             "codecs": specs, "granularity": granularity, "sink": base_pol.sink, "recent": base_pol.recent,
-             "codec_options": base_pol.to_string(), "model_fingerprint": engine.loaded.fingerprint,
-             "measure": "one-layer chunk KL"}
+    if max_measurements < 0:
+        raise ValueError("--max-measurements must be 0 or more")
+    calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
+    check_unseen(calib, [verify_text, unseen_text])
+    if protections is None:
+        protections = [(s, r) for s in SINK_GRID for r in RECENT_GRID]
+    options = list(dict.fromkeys([(base_pol.sink, base_pol.recent), *protections]))
+    setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
+             "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
+             "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": base_pol.to_string(),
+             "model_fingerprint": engine.loaded.fingerprint, "measure": "one-unit chunk KL"}
     if partial_path is None and partial_dir is not None:
-        digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(json.dumps({k: v for k, v in setup.items() if k not in ("codecs", "k_codecs",
+                                                                                           "granularity")},
+                                           sort_keys=True).encode()).hexdigest()[:12]
         os.makedirs(partial_dir, exist_ok=True)
         partial_path = os.path.join(partial_dir, f"{digest}.partial.json")
     known = _read_partial(partial_path, setup) if partial_path else {}
@@ -168,27 +233,43 @@ def allocate_policy(
             _write_partial(partial_path, setup, cells)
 
     t0 = time.perf_counter()
-    table = measure_sensitivity(engine, ids, calib_prefill, specs, base_pol, known=known, on_cell=persist,
-                                on_event=on_event, cancel=cancel)
+    runner = ChunkRunner(engine, calib.ids, calib_prefill) if (max_measurements or not known) else None
+    if runner is not None and runner.skip_note:
+        notes.append(runner.skip_note)
+    table = measure_sensitivity(engine, calib.ids, calib_prefill, specs, base_pol, known=known, on_cell=persist,
+                                on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
+                                runner=runner)
     t1 = time.perf_counter()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))
-    alloc = solve_allocation(table, engine.geometry, budget, context, base_pol,
-                             name or f"alloc-{budget:g}bit")
+    measure = JointMeasure(runner) if runner is not None else None
+    if max_measurements and measure is not None:
+        alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
+                                         protections=options, max_measurements=max_measurements,
+                                         name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel)
+    else:
+        from tqbench.engine.allocate.solver import solve_allocation
+
+        alloc = solve_allocation(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
+        measured, steps = None, []
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
     t2 = time.perf_counter()
-    verified = None
-    if verify_text is not None:
-        (verified,) = frontier(engine, [alloc.policy], text=verify_text, prefill=verify_prefill, steps=verify_steps,
-                               context=context, on_event=on_event, cancel=cancel)
+    points = {}
+    for text in (verify_text, unseen_text):
+        if text is not None:
+            (points[text],) = frontier(engine, [alloc.policy], text=text, prefill=verify_prefill, steps=verify_steps,
+                                       context=context, on_event=on_event, cancel=cancel)
     t3 = time.perf_counter()
-    n_cells = len(table.layers) * 2 * len(specs)
-    resumed = sum(1 for k in known if k in {f"{la}/{r}/{c}" for la in table.layers for r in "kv" for c in specs})
+    keys = {k for k in cells if k in known}
+    n_cells = sum(len(table.choices(u[1])) for u in table.units())
+    resumed = sum(1 for u in table.units() for c in table.choices(u[1])
+                  if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     return AllocationReport(
-        engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table, verified,
-        n_cells - resumed, resumed,
-        {"sensitivity": round(t1 - t0, 2), "solve": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
-         "threads": torch.get_num_threads()},
-        partial_path,
+        engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
+        points.get(verify_text) if verify_text else None, n_cells - resumed, resumed,
+        {"sensitivity": round(t1 - t0, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
+         "threads": torch.get_num_threads(), "chunk_forwards": runner.calls if runner else 0,
+         "layer_skipping": bool(runner and runner.layer_skipping)},
+        partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
     )
 
 

@@ -1,14 +1,13 @@
-"""Per-(layer, role, codec) sensitivity: the KL that quantizing one layer's K (or V) alone costs.
+"""Per-unit sensitivity: the KL that quantizing one layer's (or one KV head's) K or V alone costs.
 
-The measure (a "one-layer chunk" proxy of teacher-forced KL): prefill ``prefill`` tokens of a calibration text
-once with exact attention and keep the dense K/V; then, for each cell, replace one layer's K (or V) history by
-what a ``KVStore`` under that codec gives back (sinks and the recent window exact, the rest packed and
-dequantized, the codec calibrated on those rows as the cache does) and feed the next ``steps`` tokens in one
-forward call. The cell's sensitivity is the mean KL(exact || candidate) of those ``steps`` next-token
-distributions (``metrics.kl_rows``). One chunk forward per cell instead of ``steps`` single-token calls: on
-SmolLM2-135M (2 threads) 0.45 s a cell against 12.7 s for the one-layer teacher-forced run, and it ranks the
-60 (layer, role) cells at turbo2 like that run (Spearman 0.94 against benchmarks/results/sensitivity-turbo2.json;
-``rank_correlation`` below, see the README's Auto-policy section).
+The measure (a "one-unit chunk" proxy of teacher-forced KL, ``chunk.ChunkRunner``): prefill the calibration
+sequences once with exact attention and keep the dense K/V; then, for each cell, replace one layer's K (or V)
+history, or one KV head's rows of it, by what a ``KVStore`` under that codec gives back (sinks and the recent window
+exact, the rest packed and dequantized, the codec calibrated on those rows as the cache does) and feed the next
+``steps`` tokens of every sequence in one forward call, starting at the cell's layer (the layers below read exact
+K/V). The cell's sensitivity is the mean KL(exact || candidate) of those next-token distributions
+(``metrics.kl_rows``). With one sequence and 64 steps it ranked the 60 (layer, role) cells of SmolLM2 at turbo2 like
+the teacher-forced one-layer run (Spearman 0.94; ``rank_correlation`` below).
 
 Sliding-window layers (transformers' bounded dense window) are not quantized by any policy and get no cells.
 """
@@ -19,54 +18,58 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from tqbench.engine.cache.store import KVStore
+from tqbench.engine.allocate.chunk import ChunkRunner, quantized_rows
 from tqbench.engine.events import CancelFlag, OnEvent, SensitivityMeasured, emit, raise_if_cancelled
-from tqbench.engine.metrics import kl_rows
 from tqbench.engine.policy.spec import Policy
 
 JOB = "allocate"
 ROLES = ("k", "v")
 
+__all__ = ["ROLES", "SensitivityTable", "cell_key", "measure_sensitivity", "quantized_rows", "rank_correlation"]
 
-def cell_key(layer: int, role: str, codec: str) -> str:
-    return f"{layer}/{role}/{codec}"
+
+def cell_key(layer: int, role: str, codec: str, head: int | None = None) -> str:
+    """``L/role/codec`` (a whole layer) or ``L.h/role/codec`` (KV head ``h`` of layer ``L`` alone)."""
+    return f"{layer}/{role}/{codec}" if head is None else f"{layer}.{head}/{role}/{codec}"
 
 
 @dataclass
 class SensitivityTable:
-    """``kl[(layer, role)][codec]``: the measured KL of quantizing that layer's K or V alone with that codec."""
+    """``kl[unit][codec]``: the measured KL of quantizing one unit alone with that codec. A unit is
+    ``(layer, role)`` (layer granularity, ``heads`` None) or ``(layer, role, head)`` (head granularity)."""
 
     layers: list[int]
     codecs: list[str]
-    kl: dict[tuple[int, str], dict[str, float]] = field(default_factory=dict)
+    kl: dict[tuple, dict[str, float]] = field(default_factory=dict)
+    heads: list[int] | None = None
+    role_codecs: dict[str, list[str]] | None = None  # the choices per role (None: ``codecs`` for both)
 
-    def get(self, layer: int, role: str, codec: str) -> float:
-        return self.kl[(layer, role)][codec]
+    def choices(self, role: str) -> list[str]:
+        return list(self.role_codecs[role]) if self.role_codecs else list(self.codecs)
+
+    def units(self) -> list[tuple]:
+        if self.heads is None:
+            return [(layer, role) for layer in self.layers for role in ROLES]
+        return [(layer, role, h) for layer in self.layers for role in ROLES for h in self.heads]
+
+    def get(self, layer: int, role: str, codec: str, head: int | None = None) -> float:
+        return self.kl[(layer, role) if head is None else (layer, role, head)][codec]
 
     def to_rows(self) -> list[dict]:
-        return [{"layer": layer, "role": role, **{c: self.kl[(layer, role)][c] for c in self.codecs}}
-                for layer in self.layers for role in ROLES]
+        nan = float("nan")
+        return [{"layer": u[0], "role": u[1], **({"head": u[2]} if len(u) == 3 else {}),
+                 **{c: self.kl[u].get(c, nan) for c in self.codecs}} for u in self.units()]
 
     def as_tensor(self) -> torch.Tensor:
-        """``[layers, 2 (k, v), codecs]`` float64 (the policy artifact's safetensors sidecar)."""
-        return torch.tensor([[[self.kl[(layer, r)][c] for c in self.codecs] for r in ROLES] for layer in self.layers],
-                            dtype=torch.float64)
-
-
-def quantized_rows(policy: Policy, spec: str, role: str, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` ([batch, heads, tokens, head_dim]) as a cache under ``policy`` with codec ``spec`` holds them."""
-    store = KVStore(policy.build_codec(spec, role), policy.sink, policy.recent)
-    store.append(rows)
-    return store.dense(rows.dtype)
-
-
-def _dense_cache(config, keys: list, values: list) -> DynamicCache:
-    cache = DynamicCache(config=config)
-    for i, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k, v, i)
-    return cache
+        """``[layers, 2 (k, v), codecs]`` (layer granularity) or ``[layers, 2, heads, codecs]`` float64 (the
+        policy artifact's safetensors sidecar); NaN where a role has no such choice."""
+        nan = float("nan")
+        if self.heads is None:
+            return torch.tensor([[[self.kl[(layer, r)].get(c, nan) for c in self.codecs] for r in ROLES]
+                                 for layer in self.layers], dtype=torch.float64)
+        return torch.tensor([[[[self.kl[(layer, r, h)].get(c, nan) for c in self.codecs] for h in self.heads]
+                              for r in ROLES] for layer in self.layers], dtype=torch.float64)
 
 
 def measure_sensitivity(
@@ -80,63 +83,67 @@ def measure_sensitivity(
     on_cell: Callable[[str, float], None] | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    granularity: str = "layer",
+    k_codecs: list[str] | None = None,
+    runner: ChunkRunner | None = None,
 ) -> SensitivityTable:
-    """Measure every (layer, role, codec) cell on ``ids`` ([1, prefill + steps]).
+    """Measure every cell on ``ids`` ([sequences, prefill + steps]): per (layer, role, codec) at layer
+    granularity, per (layer, KV head, role, codec) at head granularity (only that head's rows quantized, the codec
+    built for that head: ``heads=(h,)``).
 
-    ``policy`` supplies the token protection (sink, recent) and codec options (rotation, centering, ...).
-    Cells already in ``known`` (``cell_key`` -> KL, a resumed job's partial results) are not measured again;
-    ``on_cell(key, kl)`` is called after each new measurement (to persist it). One ``SensitivityMeasured`` per
-    cell; ``cancel`` is checked before each: a cancelled job raises ``Cancelled``.
+    ``codecs``: the choices (``k_codecs``: other choices for K, e.g. with calibrated ``pcaq`` codecs). ``policy``
+    supplies the token protection (sink, recent) and codec options. Cells already in ``known`` (``cell_key`` ->
+    KL) are not measured again; ``on_cell(key, kl)`` after each new one. One ``SensitivityMeasured`` per cell;
+    ``cancel`` is checked before each. ``runner``: a ``ChunkRunner`` on the same ids to reuse.
     """
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"ids must be shaped [1, tokens], got {tuple(ids.shape)}")
-    steps = ids.shape[1] - prefill
-    if prefill < 1 or steps < 1:
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be shaped [sequences, tokens], got {tuple(ids.shape)}")
+    if prefill < 1 or ids.shape[1] - prefill < 1:
         raise ValueError(f"prefill={prefill} must leave at least one calibration step in {ids.shape[1]} tokens")
     if not codecs:
         raise ValueError("no codecs to measure: give at least one, e.g. turbo1,turbo2,turbo3,turbo4")
+    if granularity not in ("layer", "head"):
+        raise ValueError(f"granularity {granularity!r} is invalid: layer or head")
     known = dict(known or {})
     geo = engine.geometry
     plans = policy.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None)
     layers = [p.layer for p in plans if not p.dense_window]
     if not layers:
         raise ValueError(f"{engine.name} has only sliding-window layers: there is nothing to allocate")
-    table = SensitivityTable(layers, list(codecs))
-    cells = [(layer, role, c) for layer in layers for role in ROLES for c in codecs]
-    device = next(engine.model.parameters()).device
-    ids = ids.to(device)
-    chunk = ids[:, prefill:]
+    role_codecs = {"k": list(k_codecs or codecs), "v": list(codecs)}
+    allc = list(dict.fromkeys(role_codecs["k"] + role_codecs["v"]))
+    heads = list(range(geo.kv_heads)) if granularity == "head" else None
+    table = SensitivityTable(layers, allc, heads=heads,
+                             role_codecs=role_codecs if role_codecs["k"] != role_codecs["v"] else None)
+    cells = [(u, c) for u in table.units() for c in table.choices(u[1])]
     raise_if_cancelled(cancel, JOB)
-    todo = [cell for cell in cells if cell_key(*cell) not in known]
-    with torch.inference_mode():
-        base_lp = None
-        if todo:
-            cache = DynamicCache(config=engine.config)
-            engine.model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
-            keys = [layer.keys.clone() for layer in cache.layers]
-            values = [layer.values.clone() for layer in cache.layers]
-            del cache
-
-            def chunk_logprobs(ks: list, vs: list) -> torch.Tensor:
-                out = engine.model(input_ids=chunk, cache=_dense_cache(engine.config, ks, vs), use_cache=True)
-                return torch.log_softmax(out.logits[0].float(), -1)
-
-            base_lp = chunk_logprobs(keys, values)
-        for i, (layer, role, spec) in enumerate(cells):
-            raise_if_cancelled(cancel, JOB)
-            key = cell_key(layer, role, spec)
-            resumed = key in known
-            if not resumed:
-                ks, vs = list(keys), list(values)
-                target = ks if role == "k" else vs
-                target[layer] = quantized_rows(policy, spec, role, target[layer])
-                kl = float(kl_rows(base_lp, chunk_logprobs(ks, vs)).mean())
-                known[key] = kl
-                if on_cell is not None:
-                    on_cell(key, kl)
-            table.kl.setdefault((layer, role), {})[spec] = known[key]
-            emit(on_event, SensitivityMeasured("sensitivity", i + 1, len(cells), f"layer {layer} {role.upper()} {spec}",
-                                               layer=layer, role=role, codec=spec, kl=known[key], resumed=resumed))
+    todo = [cell for cell in cells if cell_key(cell[0][0], cell[0][1], cell[1], *cell[0][2:]) not in known]
+    if todo and runner is None:
+        runner = ChunkRunner(engine, ids, prefill)
+    for i, (unit, spec) in enumerate(cells):
+        raise_if_cancelled(cancel, JOB)
+        layer, role = unit[0], unit[1]
+        head = unit[2] if len(unit) == 3 else None
+        key = cell_key(layer, role, spec, head)
+        resumed = key in known
+        if not resumed:
+            ks, vs = list(runner.keys), list(runner.values)
+            target = ks if role == "k" else vs
+            if head is None:
+                target[layer] = quantized_rows(policy, spec, role, target[layer], layer)
+            else:
+                rows = target[layer].clone()
+                rows[:, head:head + 1] = quantized_rows(policy, spec, role, rows[:, head:head + 1], layer, (head,))
+                target[layer] = rows
+            kl = runner.kl(ks, vs, start=layer)
+            known[key] = kl
+            if on_cell is not None:
+                on_cell(key, kl)
+        table.kl.setdefault(unit, {})[spec] = known[key]
+        where = f"layer {layer}" + (f" head {head}" if head is not None else "")
+        emit(on_event, SensitivityMeasured("sensitivity", i + 1, len(cells), f"{where} {role.upper()} {spec}",
+                                           layer=layer, role=role, codec=spec, kl=known[key], resumed=resumed,
+                                           head=-1 if head is None else head))
     return table
 
 

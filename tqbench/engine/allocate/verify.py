@@ -12,10 +12,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tqbench.engine.allocate.texts import text_ids
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 from tqbench.engine.policy.spec import Policy, parse_policy
-from tqbench.engine.validate.quality import baseline_logprobs, corpus_ids, teacher_forced
+from tqbench.engine.validate.quality import baseline_logprobs, teacher_forced
 
 JOB = "verify"
 
@@ -60,10 +61,11 @@ def report_at_context(engine, policy: Policy, ids: torch.Tensor, context: int):
 def frontier(engine, policies: list, *, text: str = "rivers", prefill: int = 1024, steps: int = 256,
              context: int = 1024, cache_mode: str = "simulate", on_event: OnEvent | None = None,
              cancel: CancelFlag | None = None) -> list[FrontierPoint]:
-    """One ``FrontierPoint`` per policy on the shipped corpus ``text``; one dense baseline for all."""
+    """One ``FrontierPoint`` per policy on ``text`` (a shipped corpus name, ``heldout:NAME`` or a file); one dense
+    baseline for all."""
     pols = [parse_policy(p) for p in policies]
     n = max(prefill + steps + 1, context)
-    ids = corpus_ids(engine.tokenizer, text, n)
+    ids, label = text_ids(engine.tokenizer, text, n)
     raise_if_cancelled(cancel, JOB)
     base = baseline_logprobs(engine, ids[:, : prefill + steps + 1], prefill, on_event, cancel=cancel)
     out = []
@@ -74,7 +76,7 @@ def frontier(engine, policies: list, *, text: str = "rivers", prefill: int = 102
                            on_event=on_event, cancel=cancel)
         rep = report_at_context(engine, pol, ids, context)
         est = estimate_kv(pol, engine.geometry, context)
-        out.append(FrontierPoint(pol.label, f"corpus:{text}", context, est.bits_per_element, rep.bits_per_element,
+        out.append(FrontierPoint(pol.label, label, context, est.bits_per_element, rep.bits_per_element,
                                  rep.compressed_storage_bytes, prefill, r.steps, r.kl_mean, r.kl_max,
                                  r.top1_agreement, r.ppl_baseline, r.ppl_candidate))
     emit(on_event, Progress("verify", len(pols), len(pols), "done"))

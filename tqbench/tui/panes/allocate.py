@@ -27,6 +27,10 @@ FRONTIER_PRESETS = ("turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", 
 FRONTIER = {"text": "rivers", "prefill": 1024, "steps": 256}
 #: the allocation's calibration (``allocate_policy`` arguments)
 CALIBRATION = {"calibration": "lighthouses", "calib_prefill": 1024, "calib_steps": 64}
+#: the workbench runs the additive per-layer solve at the builder's sink/recent, verified on one text (the measured
+#: solver, the protection grid and the second unseen text are the CLI's ``allocate``; see docs/allocation.md)
+SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": None,
+          "k_codecs": ("turbo1", "turbo2", "turbo3", "turbo4")}
 
 
 class AllocatePanel(Vertical):
@@ -138,7 +142,7 @@ class AllocatePanel(Vertical):
         result, error, cancelled = run_engine_job(lambda: allocate_policy(
             engine, budget, base=f"sink={sink},recent={recent}", context=context, name=f"alloc-{budget:g}bit",
             verify_text=self.frontier["text"], verify_prefill=self.frontier["prefill"],
-            verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration,
+            verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         self.post_message(self.Finished(result, error, cancelled, "allocate"))
 

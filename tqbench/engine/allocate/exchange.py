@@ -1,0 +1,221 @@
+"""A solver that measures: protection options and exchange steps, each scored by the JOINT chunk KL.
+
+The additive solution (``solver.solve_allocation``) assumes the cells' KLs add up; measured totals are about twice
+that. Here every candidate policy is measured as a whole (``JointMeasure``: all layers and heads quantized at once,
+one chunk forward over the calibration sequences) and kept only when the measured total falls:
+
+1. protection options: for each (sink, recent) of a small grid, the additive solve at that protection (it costs
+   bytes inside the budget), measured jointly; the best by measured KL is kept;
+2. exchange steps from it: upgrade one unit and downgrade one or more others so the exact bytes stay within the
+   budget (``estimate_kv``), candidates ranked by their additive change, each measured; accepted when the measured
+   total falls; at most ``max_measurements`` joint measurements in all.
+
+Every measurement is one ``ExchangeStep`` (``to_dict`` for the JSON report). The calibration sequences are the only
+text any step sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from tqbench.engine.allocate.chunk import ChunkRunner, quantized_rows
+from tqbench.engine.allocate.sensitivity import SensitivityTable
+from tqbench.engine.allocate.solver import (
+    Allocation,
+    allocation_of,
+    budget_bytes,
+    solve_allocation,
+    unit_bytes,
+)
+from tqbench.engine.cache.geometry import KVGeometry
+from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
+from tqbench.engine.policy.spec import Policy
+
+JOB = "allocate"
+#: the default grid of full-precision sink tokens x recent window (at the stated context)
+SINK_GRID = (4, 16, 64)
+RECENT_GRID = (16, 64, 128)
+
+
+@dataclass(frozen=True)
+class ExchangeStep:
+    step: int
+    kind: str  # "protection" (an additive solve at one sink/recent) or "exchange" (a move from the best so far)
+    move: str
+    predicted_kl: float | None  # additive: the sum of the chosen cells' KL (None: the option did not fit)
+    measured_kl: float | None  # joint chunk KL on the calibration sequences
+    bits_per_element: float | None
+    total_bytes: int
+    sink: int
+    recent: int
+    accepted: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _unit_name(unit: tuple) -> str:
+    return f"L{unit[0]}" + (f".h{unit[2]}" if len(unit) == 3 else "") + f" {unit[1].upper()}"
+
+
+class JointMeasure:
+    """``measure(choice, policy)``: the chunk KL with every unit quantized as ``choice`` says, under ``policy``'s
+    token protection and codec options (quantized rows are kept between calls: a move re-quantizes only what it
+    changes)."""
+
+    def __init__(self, runner: ChunkRunner, max_cached: int = 600) -> None:
+        self.runner = runner
+        self.count = 0
+        self._rows: dict[tuple, torch.Tensor] = {}
+        self._max = max_cached
+
+    def _q(self, policy: Policy, spec: str, role: str, layer: int, head: int | None) -> torch.Tensor:
+        key = (policy.sink, policy.recent, policy.to_string(), spec, role, layer, head)
+        if key not in self._rows:
+            src = (self.runner.keys if role == "k" else self.runner.values)[layer]
+            if head is None:
+                out = quantized_rows(policy, spec, role, src, layer)
+            else:
+                out = quantized_rows(policy, spec, role, src[:, head:head + 1], layer, (head,))
+            if len(self._rows) >= self._max:
+                self._rows.pop(next(iter(self._rows)))
+            self._rows[key] = out
+        return self._rows[key]
+
+    def __call__(self, choice: dict, policy: Policy) -> float:
+        ks, vs = list(self.runner.keys), list(self.runner.values)
+        per_head: dict[tuple[int, str], dict[int, str]] = {}
+        for unit, spec in choice.items():
+            layer, role = unit[0], unit[1]
+            if len(unit) == 2:
+                (ks if role == "k" else vs)[layer] = self._q(policy, spec, role, layer, None)
+            else:
+                per_head.setdefault((layer, role), {})[unit[2]] = spec
+        for (layer, role), specs in per_head.items():
+            target = ks if role == "k" else vs
+            rows = target[layer].clone()
+            for h, spec in specs.items():
+                rows[:, h:h + 1] = self._q(policy, spec, role, layer, h)
+            target[layer] = rows
+        start = min((u[0] for u in choice), default=0)
+        self.count += 1
+        return self.runner.kl(ks, vs, start=start)
+
+
+def _moves(choice: dict, table: SensitivityTable, ub: dict, room: int) -> list[tuple[float, dict, str]]:
+    """Candidate moves from ``choice``: (additive KL change, new choice, description), best first. ``room``: the
+    bytes the units may use in all (the budget less fixed and shared bytes)."""
+    used = sum(ub[u][c] for u, c in choice.items())
+    downs = []  # the cheapest next-lower choice of every unit, by KL lost per byte saved
+    for u, c in choice.items():
+        lower = [(ub[u][d], d) for d in table.choices(u[1]) if ub[u][d] < ub[u][c]]
+        if lower:
+            nb, d = max(lower)
+            loss = table.kl[u][d] - table.kl[u][c]
+            downs.append((loss / (ub[u][c] - nb), u, d, ub[u][c] - nb, loss))
+    downs.sort(key=lambda t: t[0])
+    out = []
+    for u, c in choice.items():
+        for up in table.choices(u[1]):
+            extra = ub[u][up] - ub[u][c]
+            gain = table.kl[u][c] - table.kl[u][up]
+            if extra <= 0 or gain <= 0:
+                continue
+            need = used + extra - room
+            new = dict(choice)
+            new[u] = up
+            delta, parts = -gain, [f"up {_unit_name(u)} {c}->{up}"]
+            for _, du, d, saved, loss in downs:
+                if need <= 0:
+                    break
+                if du == u:
+                    continue
+                new[du] = d
+                need -= saved
+                delta += loss
+                parts.append(f"down {_unit_name(du)} {choice[du]}->{d}")
+            if need <= 0:
+                out.append((delta, new, "; ".join(parts)))
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+def improve(
+    table: SensitivityTable,
+    geometry: KVGeometry,
+    budget_bits: float,
+    context: int,
+    base: Policy,
+    measure: Callable[[dict, Policy], float],
+    *,
+    protections: list[tuple[int, int]] | None = None,
+    max_measurements: int = 24,
+    name: str | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
+) -> tuple[Allocation, float, list[ExchangeStep]]:
+    """The best allocation found by measuring (see the module doc): (allocation, its measured joint KL, steps).
+
+    ``protections``: the (sink, recent) options (None: ``base``'s only); options whose cheapest choice does not
+    fit the budget are skipped (a step with ``move`` saying so, not measured). ``measure`` is called at most
+    ``max_measurements`` times (at least once per fitting protection option)."""
+    options = protections or [(base.sink, base.recent)]
+    steps: list[ExchangeStep] = []
+    best: tuple[Allocation, float, Policy] | None = None
+    count = 0
+    total = max(max_measurements, len(options))
+    first_error: ValueError | None = None
+    for sink, recent in options:
+        raise_if_cancelled(cancel, JOB)
+        pol = replace(base, sink=sink, recent=recent)
+        try:
+            alloc = solve_allocation(table, geometry, budget_bits, context, pol, name)
+        except ValueError as exc:
+            first_error = first_error or exc
+            steps.append(ExchangeStep(len(steps), "protection", f"sink={sink},recent={recent}: does not fit the "
+                                      "budget", None, None, None, 0, sink, recent, False))
+            continue
+        emit(on_event, Progress("measure", count, total, f"sink={sink} recent={recent}"))
+        m = measure(alloc.choice, pol)
+        count += 1
+        better = best is None or m < best[1]
+        steps.append(ExchangeStep(len(steps), "protection", f"solve at sink={sink},recent={recent}",
+                                  alloc.predicted_kl, m, alloc.bits_per_element, alloc.estimate.total_bytes, sink,
+                                  recent, better))
+        if better:
+            best = (alloc, m, pol)
+    if best is None:  # the first option's message says what fits
+        raise ValueError(f"{first_error} (no sink/recent option {options} fits)") from None
+    alloc, m, pol = best
+    ub = unit_bytes(table, pol, geometry, context)
+    used = sum(ub[u][c] for u, c in alloc.choice.items())
+    # the units may use the bytes the solve used plus what estimate_kv says is still free
+    room = used + max(0, budget_bytes(geometry, budget_bits, context) - alloc.estimate.total_bytes)
+    tried: set[frozenset] = {frozenset(alloc.choice.items())}
+    while count < max_measurements:
+        raise_if_cancelled(cancel, JOB)
+        cand = None
+        for _delta, new, desc in _moves(alloc.choice, table, ub, room):
+            if frozenset(new.items()) in tried:
+                continue
+            tried.add(frozenset(new.items()))
+            trial = allocation_of(new, table, geometry, budget_bits, context, pol, name)
+            if trial is not None:  # exact bytes within budget
+                cand = (trial, desc)
+                break
+        if cand is None:
+            break
+        trial, desc = cand
+        emit(on_event, Progress("measure", count, total, desc))
+        mt = measure(trial.choice, pol)
+        count += 1
+        accepted = mt < m
+        steps.append(ExchangeStep(len(steps), "exchange", desc, trial.predicted_kl, mt, trial.bits_per_element,
+                                  trial.estimate.total_bytes, pol.sink, pol.recent, accepted))
+        if accepted:
+            alloc, m = trial, mt
+    emit(on_event, Progress("measure", total, total, f"{count} joint measurements"))
+    return alloc, m, steps
