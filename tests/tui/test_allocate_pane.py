@@ -51,15 +51,44 @@ async def test_budget_enter_allocates_shows_bits_and_the_frontier(data_dir, stea
         assert panel.query_one("#alloc-heatmap").values == a.bits_grid()
         assert pane.kept["alloc-4.5bit"] == a.policy.to_string()
         assert app.session.policies["alloc-4.5bit"] == a.policy.to_string()
-        assert panel.points["alloc-4.5bit"][0].kl_mean == expected.verified.kl_mean
-        assert "verified KL" in plain(panel.query_one("#alloc-status", Label))
+        assert panel.points["rivers"]["alloc-4.5bit"] == (expected.verified, "layer")
+        assert panel.points["heldout:technical"]["alloc-4.5bit"] == (expected.unseen, "layer")
+        status = plain(panel.query_one("#alloc-status", Label))
+        assert "verified KL" in status and f"{expected.unseen.kl_mean:.4f} on heldout:technical" in status
         await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: not panel.running, what="the frontier")
-        assert panel.status == "done" and len(panel.points) == 9, plain(panel.query_one("#alloc-status", Label))
+        assert panel.status == "done" and len(panel.points["rivers"]) == 9, plain(panel.query_one("#alloc-status", Label))
         (turbo4,) = frontier(steady_engine, ["turbo4"], context=96, **SMALL_FRONTIER)
-        assert panel.points["turbo4"] == (turbo4, "preset")
+        assert panel.points["rivers"]["turbo4"] == (turbo4, "preset")
         plot = panel.query_one("#frontier-plot")
-        assert set(plot.points) == set(panel.points) and plot.points["alloc-4.5bit"][2] == "allocation"
+        assert set(plot.points) == set(panel.points["rivers"]) and plot.points["alloc-4.5bit"][2] == "layer"
+        # the plot's text: the allocation's point on the second unseen text (no presets measured there yet)
+        panel.query_one("#frontier-text").value = "heldout:technical"
+        await pilot.pause()
+        assert plot.points == {"alloc-4.5bit": (expected.unseen.bits_per_element, expected.unseen.kl_mean, "layer")}
+        assert plot.border_subtitle.startswith("heldout:technical: 48 prefill + 6 steps · 1 points")
+
+
+async def test_per_head_granularity_allocates_one_width_per_kv_head(data_dir, steady_engine):
+    from tqbench.engine import allocate_policy
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        pane, panel = await open_panel(pilot, app)
+        panel.query_one("#granularity").value = "head"
+        await pilot.click("#budget")
+        await pilot.press("4", ".", "5", "enter")
+        await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the allocation")
+        assert panel.status == "done", plain(panel.query_one("#alloc-status", Label))
+        expected = allocate_policy(steady_engine, 4.5, base="sink=2,recent=4", context=96, name="alloc-4.5bit-head",
+                                   granularity="head", verify_text="rivers", verify_prefill=48, verify_steps=6,
+                                   **SMALL_CALIBRATION, **SOLVER)
+        a = panel.result.allocation
+        assert panel.result.setup["granularity"] == "head" and a.policy == expected.allocation.policy
+        assert "|" in a.policy.to_string()  # heads of one layer got different widths (K0 turbo3|turbo4 here)
+        assert panel.query_one("#alloc-heatmap").values == a.bits_grid()  # a per-head layer: its mean bits
+        assert pane.kept["alloc-4.5bit-head"] == a.policy.to_string()
+        assert panel.points["rivers"]["alloc-4.5bit-head"] == (expected.verified, "head")
 
 
 async def test_escape_cancels_an_allocation_and_keeps_nothing(data_dir, steady_engine, monkeypatch):

@@ -1,9 +1,10 @@
-"""Auto-policy in the Policies tab: a budget field that runs ``allocate_policy`` in a worker, then the per-layer
-K/V bits as a heatmap and the KL-vs-bits frontier of every preset and allocation measured on the loaded model.
+"""Auto-policy in the Policies tab: a budget field that runs ``allocate_policy`` in a worker (per layer or per KV
+head), then the per-layer K/V bits as a heatmap and the KL-vs-bits frontier of every preset and allocation measured
+on the loaded model, on either of two texts the allocator never saw (``FRONTIER_TEXTS``: prose, technical).
 
-The allocation takes its sink, recent window and context from the Policies builder's fields; its verified point
-and the presets' points (ctrl+t) are measured once per model on the same held-out text (``FRONTIER``) and kept
-for the workbench session. The allocated policy is kept (listed in Policies, saved with the session).
+The allocation takes its sink, recent window and context from the Policies builder's fields and is verified on both
+texts; the presets' points (ctrl+t) are measured on the text the plot shows. Points are kept per model for the
+workbench session. The allocated policy is kept (listed in Policies, saved with the session).
 """
 
 from __future__ import annotations
@@ -15,21 +16,26 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.widgets import Button, Input, Label, ProgressBar
+from textual.widgets import Button, Input, Label, ProgressBar, Select
 
+from tqbench.engine.codecs import is_calibrated_spec, is_head_list, split_head_list
 from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
 from tqbench.tui.widgets.frontier_plot import FrontierPlot
 from tqbench.tui.widgets.heatmap import Heatmap
 
 #: the presets the frontier measures (uniform bits, cheapest first)
 FRONTIER_PRESETS = ("turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", "turbo4", "q8k-int4v")
-#: where every frontier point is measured: a held-out shipped text (not the calibration text)
-FRONTIER = {"text": "rivers", "prefill": 1024, "steps": 256}
-#: the allocation's calibration (``allocate_policy`` arguments)
-CALIBRATION = {"calibration": "lighthouses", "calib_prefill": 1024, "calib_steps": 64}
-#: the workbench runs the additive per-layer solve at the builder's sink/recent, verified on one text (the measured
-#: solver, the protection grid and the second unseen text are the CLI's ``allocate``; see docs/allocation.md)
-SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": None,
+#: where frontier points are measured: shipped texts of two kinds that no allocation or fit chooses on
+FRONTIER_TEXTS = ("rivers", "heldout:technical")
+FRONTIER = {"text": FRONTIER_TEXTS[0], "prefill": 1024, "steps": 256}
+GRANULARITY_CHOICES = (("per layer", "layer"), ("per KV head", "head"))
+#: a FrontierPoint's text label -> the frontier text it belongs to
+_TEXT_LABELS = {f"corpus:{t}" if ":" not in t else t: t for t in FRONTIER_TEXTS}
+#: the allocation's calibration (``allocate_policy`` arguments): the shipped mix of four kinds, as the CLI's default
+CALIBRATION = {"calibration": "mix", "calib_prefill": 1024, "calib_steps": 32}
+#: the workbench runs the additive solve at the builder's sink/recent (the measured solver's exchange steps and the
+#: protection grid are the CLI's ``allocate``; see docs/allocation.md), verified on both frontier texts
+SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": FRONTIER_TEXTS[1],
           "k_codecs": ("turbo1", "turbo2", "turbo3", "turbo4")}
 
 
@@ -47,6 +53,8 @@ class AllocatePanel(Vertical):
     AllocatePanel .row { height: 1; }
     AllocatePanel .row Label { width: 16; color: $text-muted; }
     AllocatePanel #budget { width: 10; }
+    AllocatePanel #granularity { width: 16; margin-left: 1; }
+    AllocatePanel #frontier-text { width: 22; margin-left: 1; }
     AllocatePanel #alloc-bar { width: 30; margin-left: 2; }
     AllocatePanel #alloc-status { width: 1fr; height: auto; }
     AllocatePanel #alloc-body { height: 18; }
@@ -69,7 +77,8 @@ class AllocatePanel(Vertical):
         self.running = False
         self.status = "idle"
         self.result = None  # the last AllocationReport
-        self.points: dict[str, tuple] = {}  # label -> FrontierPoint, kind ("preset" / "allocation")
+        #: text -> label -> (FrontierPoint, kind: "preset" / "layer" / "head", "+pcaq" with calibrated keys)
+        self.points: dict[str, dict[str, tuple]] = {t: {} for t in FRONTIER_TEXTS}
         self.frontier = dict(FRONTIER)
         self.calibration = dict(CALIBRATION)
         self._cancel = threading.Event()
@@ -79,9 +88,13 @@ class AllocatePanel(Vertical):
         with Horizontal(classes="row"):
             yield Label("budget bits/el")
             yield Input("3.0", id="budget", compact=True, type="number",
-                        tooltip="Enter: allocate the best per-layer policy within this budget")
+                        tooltip="Enter: allocate the best policy within this budget")
+            yield Select(GRANULARITY_CHOICES, value="layer", id="granularity", compact=True, allow_blank=False,
+                         tooltip="one codec width per layer and role, or per KV head")
             yield Button("Allocate ⏎", id="allocate", compact=True, variant="primary")
             yield Button("Frontier ^t", id="frontier-button", compact=True)
+            yield Select([(t, t) for t in FRONTIER_TEXTS], value=FRONTIER_TEXTS[0], id="frontier-text", compact=True,
+                         allow_blank=False, tooltip="the text the frontier plot shows (ctrl+t measures the presets on it)")
             yield ProgressBar(total=None, show_eta=False, id="alloc-bar")
         yield Label("enter a budget: the allocation uses the sink, recent window and context above", id="alloc-status")
         with Horizontal(id="alloc-body"):
@@ -130,17 +143,20 @@ class AllocatePanel(Vertical):
         except ValueError as exc:
             self.app.notify(str(exc), title="cannot allocate", severity="error")
             return
+        granularity = self.query_one("#granularity", Select).value
         self._start("allocate", engine)
-        self.query_one("#alloc-status", Label).update(f"allocating {budget:g} bits/element at {context} tokens ...")
-        self._allocate(engine, budget, sink, recent, context)
+        self.query_one("#alloc-status", Label).update(
+            f"allocating {budget:g} bits/element at {context} tokens, per {'KV head' if granularity == 'head' else 'layer'} ...")
+        self._allocate(engine, budget, sink, recent, context, granularity)
 
     @work(thread=True, exclusive=True, group="allocate", exit_on_error=False)
-    def _allocate(self, engine, budget, sink, recent, context) -> None:
+    def _allocate(self, engine, budget, sink, recent, context, granularity) -> None:
         from tqbench.engine import allocate_policy
         from tqbench.sessions.store import data_dir
 
         result, error, cancelled = run_engine_job(lambda: allocate_policy(
-            engine, budget, base=f"sink={sink},recent={recent}", context=context, name=f"alloc-{budget:g}bit",
+            engine, budget, base=f"sink={sink},recent={recent}", context=context, granularity=granularity,
+            name=f"alloc-{budget:g}bit" + ("-head" if granularity == "head" else ""),
             verify_text=self.frontier["text"], verify_prefill=self.frontier["prefill"],
             verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
@@ -156,8 +172,9 @@ class AllocatePanel(Vertical):
             self.app.notify(str(exc), title="cannot measure the frontier", severity="error")
             return
         self._start("frontier", engine)
-        todo = [p for p in FRONTIER_PRESETS if p not in self.points]
-        self.query_one("#alloc-status", Label).update(f"measuring {len(todo)} presets on {self.frontier['text']} ...")
+        text = self.frontier["text"]
+        todo = [p for p in FRONTIER_PRESETS if p not in self.points[text]]
+        self.query_one("#alloc-status", Label).update(f"measuring {len(todo)} presets on {text} ...")
         self._frontier(engine, todo, context)
 
     @on(Button.Pressed, "#frontier-button")
@@ -197,9 +214,11 @@ class AllocatePanel(Vertical):
         if msg.kind == "frontier" and not msg.error and not msg.cancelled:
             self.running = False
             self.status = "done"
+            text = self.frontier["text"]
             for p in msg.result:
-                self.points[p.kv_policy] = (p, "preset")
-            self.query_one("#alloc-status", Label).update(f"frontier: {len(self.points)} policies measured")
+                self.points[text][p.kv_policy] = (p, "preset")
+            self.query_one("#alloc-status", Label).update(
+                f"frontier on {text}: {len(self.points[text])} policies measured")
             self.redraw_plot()
             return
         finish_job(self, msg, "#alloc-status", "allocation" if msg.kind == "allocate" else "frontier")
@@ -207,7 +226,8 @@ class AllocatePanel(Vertical):
     # ---- showing ---------------------------------------------------------------------------------
     def _forget_other_model(self, engine) -> None:
         if self._points_model != engine.loaded.fingerprint:
-            self.points.clear()
+            for pts in self.points.values():
+                pts.clear()
             self._points_model = engine.loaded.fingerprint
 
     def show_result(self, rep) -> None:
@@ -218,19 +238,28 @@ class AllocatePanel(Vertical):
         hm.set_data(a.bits_grid(), list(range(len(a.k))), higher_is_worse=False, columns=["K bits", "V bits"])
         hm.border_title = f"{a.policy.label}: bits per layer"
         v = rep.verified
-        if v is not None:
-            self.points[a.policy.label] = (v, "allocation")
+        calibrated = any(is_calibrated_spec(e) for c in a.k for e in (split_head_list(c) if is_head_list(c) else [c]))
+        kind = rep.setup.get("granularity", "layer") + ("+pcaq" if calibrated else "")
+        for point in (v, rep.unseen):
+            if point is not None and point.text in _TEXT_LABELS:
+                self.points[_TEXT_LABELS[point.text]][a.policy.label] = (point, kind)
         self.query_one("#alloc-bar", ProgressBar).update(total=1, progress=1)
         self.query_one("#alloc-status", Label).update(
             f"[b]{a.policy.label}[/b]: {a.bits_per_element:.3f} bits/element at {a.estimate.seq_len} tokens "
             f"({a.estimate.total_bytes} B)" + (f" · verified KL [b]{v.kl_mean:.4f}[/b], top-1 {v.top1_agreement:.3f}"
                                                   f" on {v.text}" if v else "")
+            + (f" · {rep.unseen.kl_mean:.4f} on {rep.unseen.text}" if rep.unseen else "")
             + f" · {rep.measured_cells} cells measured, {rep.resumed_cells} reused · kept as {a.policy.label}")
         self._builder().keep_policy(a.policy.label, a.policy.to_string())
         self.redraw_plot()
 
+    @on(Select.Changed, "#frontier-text")
+    def _text_changed(self, event: Select.Changed) -> None:
+        self.frontier["text"] = event.value
+        self.redraw_plot()
+
     def redraw_plot(self) -> None:
-        pts = {label: (p.bits_per_element, p.kl_mean, kind) for label, (p, kind) in self.points.items()}
+        pts = {label: (p.bits_per_element, p.kl_mean, kind) for label, (p, kind) in self.points[self.frontier["text"]].items()}
         f = self.frontier
         self.query_one("#frontier-plot", FrontierPlot).set_points(
             pts, f"{f['text']}: {f['prefill']} prefill + {f['steps']} steps · {len(pts)} points")
