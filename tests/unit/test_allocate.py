@@ -185,7 +185,7 @@ def test_cli_allocate_json_and_out(tmp_path):
     assert data["verified"]["report_bits_per_element"] <= 4.5 and data["verified"]["text"] == "corpus:rivers"
     assert len(data["bits_grid"]) == 4 and data["out"] == str(out)
     assert [s["kind"] for s in data["steps"]] == ["protection", "protection", "exchange"]
-    assert data["unseen"]["text"] == "heldout:code+technical" and data["fitted_vs_unseen"]["unseen_kl"] is not None
+    assert data["unseen"]["text"] == "heldout:technical" and data["fitted_vs_unseen"]["unseen_kl"] is not None
     assert load_policy_artifact(out).policy.label == "p"
     assert json.loads((tmp_path / "p.partial.json").read_text())["setup"]["calibration"] == "corpus:bread"
     again = _cli("--budget", "4.0", "--json", "--out", str(tmp_path / "q.toml"), "--resume",

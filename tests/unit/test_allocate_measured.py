@@ -158,10 +158,10 @@ def test_report_json_has_every_step_and_fitted_vs_unseen(tiny_engine, tmp_path):
     best = min((s for s in data["steps"] if s["measured_kl"] is not None), key=lambda s: s["measured_kl"])
     fv = data["fitted_vs_unseen"]
     assert fv["predicted_kl"] == best["measured_kl"] == rep.measured_kl
-    assert fv["verification_text"] == "corpus:rivers" and fv["unseen_text"] == "heldout:code+technical"
+    assert fv["verification_text"] == "corpus:rivers" and fv["unseen_text"] == "heldout:technical"
     assert fv["unseen_over_verification"] == pytest.approx(fv["unseen_kl"] / fv["verification_kl"])
     assert fv["predicted_over_verification"] == pytest.approx(fv["predicted_kl"] / fv["verification_kl"])
-    assert data["unseen"]["text"] == "heldout:code+technical" and data["setup"]["calibration"].startswith("mix:")
+    assert data["unseen"]["text"] == "heldout:technical" and data["setup"]["calibration"].startswith("mix:")
     assert data["allocation"]["bits_per_element"] <= 4.5 and data["seconds"]["layer_skipping"] is True
     assert any("pcaq key codecs not offered" in n for n in data["notes"])  # the tiny model has no calibrated fit
 

@@ -43,7 +43,7 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
               help="Joint measurements (protection options + exchange steps); 0: the additive solution only.")
 @click.option("--verify-text", default="rivers", show_default=True,
               help="Text for teacher-forced verification (not a calibration text); 'none' skips it.")
-@click.option("--unseen-text", default="heldout:code+technical", show_default=True,
+@click.option("--unseen-text", default="heldout:technical", show_default=True,
               help="A second unseen text of another kind, verified the same way; 'none' skips it.")
 @click.option("--verify-prefill", type=int, default=1024, show_default=True)
 @click.option("--verify-steps", type=int, default=256, show_default=True)

@@ -7,7 +7,7 @@
 2. the exact-bytes additive solve (``solver.solve_allocation``) at each sink/recent option, then exchange steps,
    every candidate measured as the joint chunk KL of the whole policy (``exchange.improve``);
 3. verification (``verify.frontier``) teacher-forced on two texts no step chose on (``rivers`` and
-   ``heldout:code+technical`` by default; any overlap with the calibration texts is refused).
+   ``heldout:technical`` by default; any overlap with the calibration texts is refused).
 Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"measure"|"verify", ...)``, ``TeacherForcedStep``;
 ``cancel`` is checked every step (``Cancelled``).
 """
@@ -166,7 +166,7 @@ def allocate_policy(
     protections: list[tuple[int, int]] | None = None,
     max_measurements: int = DEFAULT_MEASUREMENTS,
     verify_text: str | None = "rivers",
-    unseen_text: str | None = "heldout:code+technical",
+    unseen_text: str | None = "heldout:technical",
     verify_prefill: int = 1024,
     verify_steps: int = 256,
     name: str | None = None,

@@ -7,8 +7,7 @@ ends in its kind and its measured chunk (the last ``steps`` tokens) is text of t
 name, ``corpus:NAME``, ``heldout:NAME``, ``calibration:NAME`` or a UTF-8 file) gives one sequence.
 
 Verification (never chosen on): ``rivers`` (corpus) and a second unseen text of another kind
-(``heldout:code+technical``: code docstrings then technical prose, concatenated because each is shorter than the
-1K prefill + 256 steps; the measured steps read the technical text). ``check_unseen`` refuses any overlap with a message that says which text and what to do.
+(``heldout:technical``, a maintenance manual; texts joined by ``+`` are concatenated, e.g. ``heldout:code+technical``). ``check_unseen`` refuses any overlap with a message that says which text and what to do.
 """
 
 from __future__ import annotations
