@@ -110,3 +110,13 @@ def test_decode_benchmark_at_a_shape_preset_fills_the_caches(tmp_path):
     # 2 layers x (K + V) x 3 KV heads x d64 at 300 filled + 1 warm-up + 3 timed tokens, fp16 basis
     assert row["dense_fp16_bytes"] == 2 * 2 * 3 * 64 * 304 * 2
     assert data["summary"][0]["fused_vs_dense"] == row["ratio_vs_dense"] > 0
+
+
+def test_allocate_table_reads_a_committed_allocate_report():
+    """The measured head allocation at 2.5 bits (committed JSON): its row, as docs/allocation.md shows it."""
+    report = "benchmarks/results/allocate/i21/head-2.5bit.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "allocate_table.py"), report], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = proc.stdout.splitlines()[2]
+    assert row.startswith("| 2.5 | head | 2.500 | 0.0412 | 0.0889 | 2.16 | 0.0331 | 0.80 | 0.0331 | 6/19 | 4/16 |")
