@@ -38,7 +38,7 @@ async def test_allocation_heatmap_and_frontier(measured, words_engine, data_dir)
         panel = app.policies_pane.query_one("#allocate-panel")
         panel.frontier = dict(FRONTIER)
         for p in presets:
-            panel.points[p.kv_policy] = (p, "preset")
+            panel.points["rivers"][p.kv_policy] = (p, "preset")
         panel.show_result(rep)
         await settle(pilot)
         compare(app, "policies_allocation_160x50")
