@@ -332,3 +332,24 @@ async def test_a_listed_policy_that_does_not_fit_the_model_says_so_and_why(data_
         await pilot.pause()
         shown = plain(app.policies_pane.query_one("#estimate"))
         assert shown.startswith("invalid policy: ") and str(exc.value)[:40] in shown
+
+
+async def test_highlighting_a_per_head_policy_loads_it_into_the_builder(data_dir, words_engine):
+    """The shipped per-KV-head allocation (head lists ``a|b|c``) highlights like any policy: its string and bits are
+    the builder's, on the model geometry it was made for (30 layers x 3 KV heads)."""
+    from tqbench.engine.cache.estimate import estimate_kv
+    from tqbench.engine.policy import parse_policy
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny-words"), engine=words_engine)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        pane = app.policies_pane
+        ol = pane.query_one("#policy-list", OptionList)
+        ol.highlighted = next(i for i in range(ol.option_count) if ol.get_option_at_index(i).id == "p:smollm2-head-2.5bit")
+        await pilot.pause()
+        pol = parse_policy("smollm2-head-2.5bit")
+        assert "|" in pol.k and pane.current == pol.to_string()
+        est = estimate_kv(pol, words_engine.geometry, 1024)
+        assert pane.estimate.total_bytes == est.total_bytes
+        assert f"{est.bits_per_element:.2f} bits/element" in plain(pane.query_one("#estimate"))

@@ -158,8 +158,8 @@ class PoliciesPane(Horizontal):
 
         pol = parse_policy(self.policy_text(name))
         with self.prevent(Input.Changed, Select.Changed, Checkbox.Changed):
-            self.query_one("#k-codec", Select).value = pol.k
-            self.query_one("#v-codec", Select).value = pol.v
+            _set_codec(self.query_one("#k-codec", Select), pol.k)
+            _set_codec(self.query_one("#v-codec", Select), pol.v)
             self.query_one("#rotation", Select).value = pol.rotation
             self.query_one("#center", Checkbox).value = pol.center
             self.query_one("#sliding", Select).value = pol.sliding
@@ -324,3 +324,14 @@ class PoliciesPane(Horizontal):
     def set_kept(self, kept: dict[str, str]) -> None:
         self.kept = dict(kept)
         self.reload_list()
+
+
+def _set_codec(select: Select, spec: str) -> None:
+    """Show ``spec`` in a codec choice; a spec the list does not hold (a per-KV-head list such as
+    ``turbo1|turbo2|turbo2``, an allocation's own codec) is added as a choice of its own, so the builder keeps the
+    policy as it is instead of refusing it."""
+    from tqbench.engine.codecs import CODEC_SPECS
+
+    if spec not in {value for _, value in select._options}:
+        select.set_options([(c, c) for c in CODEC_SPECS] + [(spec, spec)])
+    select.value = spec
