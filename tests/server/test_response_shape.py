@@ -21,7 +21,7 @@ CACHE_REPORT_KEYS = [
     "cache_mode", "kv_policy", "policy_string", "tokens", "compressed_storage_bytes", "dense_fp16_bytes",
     "resident_decode_bytes", "shared_bytes", "bits_per_element", "memory_saved_pct",
     "compressed_at_rest_saved_pct", "active_decode_memory_saved_pct", "quality_claims", "shared_objects",
-    "fused_calls", "fallbacks", "fused_impl", "sparse_v", "notes", "layer_count", "bypassed_layer_count",
+    "fused_calls", "fallbacks", "fused_impl", "sparse_v", "fused_groups", "notes", "layer_count", "bypassed_layer_count",
 ]
 
 
