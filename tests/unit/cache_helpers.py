@@ -28,3 +28,14 @@ def assert_report_matches_estimate(model, cache, policy, tokens: int) -> None:
     assert rep.shared_bytes == est.shared_bytes
     assert rep.dense_fp16_bytes == est.dense_fp16_bytes
     assert sum(r.total_bytes for r in rep.layers) + rep.shared_bytes == rep.compressed_storage_bytes
+
+
+def store_bytes_snapshot(store) -> dict:
+    """Everything a ``KVStore`` holds, as bytes (so equal means byte for byte), plus its counts."""
+    out = {"counts": (store.seen, store.dropped, store.n_packed, store.head.n, store.tail.n)}
+    for name, t in (("head", store.head.view()), ("tail", store.tail.view()),
+                    *((f"packed.{k}", v) for k, v in store.packed_view().items()),
+                    *((f"state.{k}", v) for k, v in (store.state or {}).items())):
+        if t is not None:
+            out[name] = t.contiguous().view(torch.uint8).flatten().tolist()
+    return out

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.unit.cache_helpers import store_bytes_snapshot
 from tqbench.engine.cache import KVGeometry, TQCache, estimate_kv
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.codecs import HeadSplitCodec, canonical_spec, codec_from_spec, nominal_bits
@@ -172,15 +173,6 @@ def test_dense_shadow_reads_exact_rows_with_a_per_head_store(tiny_engine):
         .report().compressed_storage_bytes
 
 
-def _store_bytes(store: KVStore) -> dict:
-    out = {"counts": (store.seen, store.dropped, store.n_packed, store.head.n, store.tail.n)}
-    for name, t in (("head", store.head.view()), ("tail", store.tail.view()),
-                    *((f"packed.{k}", v) for k, v in store.packed_view().items()),
-                    *((f"state.{k}", v) for k, v in (store.state or {}).items())):
-        if t is not None:
-            out[name] = t.contiguous().view(torch.uint8).flatten().tolist()
-    return out
-
 
 @pytest.mark.parametrize("spec,window", [("turbo4|int4", None), ("turbo2|turbo4", None), ("int4|turbo3", 40)])
 @pytest.mark.parametrize("prompt,drafts,keep", [(30, 5, 2), (30, 5, 0), (3, 9, 6), (0, 40, 37)])
@@ -201,7 +193,7 @@ def test_crop_leaves_a_per_head_store_as_if_the_tokens_were_never_appended(spec,
     spec_store.crop(prompt + keep)
     for i in range(prompt, prompt + keep):
         ref.append(x[:, :, i : i + 1])
-    assert _store_bytes(spec_store) == _store_bytes(ref)
+    assert store_bytes_snapshot(spec_store) == store_bytes_snapshot(ref)
     assert spec_store.bytes_breakdown() == ref.bytes_breakdown()
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.unit.cache_helpers import store_bytes_snapshot
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.cache.tqcache import TQCache, TQLayer
 from tqbench.engine.engine import Engine
@@ -32,16 +33,6 @@ def fit(tiny_engine, tmp_path_factory):
 def _rows(n, seed=0, dtype=torch.float32):
     return torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
-
-def _store_bytes(store: KVStore) -> dict:
-    """Everything a store holds, as bytes (so equal means byte for byte), plus its counts."""
-    out = {"counts": (store.seen, store.dropped, store.n_packed, store.head.n, store.tail.n)}
-    for name, t in (("head", store.head.view()), ("tail", store.tail.view()),
-                    *((f"packed.{k}", v) for k, v in store.packed_view().items()),
-                    *((f"state.{k}", v) for k, v in (store.state or {}).items())):
-        if t is not None:
-            out[name] = t.contiguous().view(torch.uint8).flatten().tolist()
-    return out
 
 
 CODECS = [  # (policy, role, window)
@@ -77,13 +68,13 @@ def test_crop_leaves_the_store_as_if_the_tokens_were_never_appended(policy, role
         ref.append(x[:, :, :prompt])
     for i in range(prompt, prompt + keep):
         ref.append(x[:, :, i : i + 1])
-    assert _store_bytes(spec) == _store_bytes(ref)
+    assert store_bytes_snapshot(spec) == store_bytes_snapshot(ref)
     assert spec.bytes_breakdown() == ref.bytes_breakdown()
     # and it goes on as the reference does
     more = _rows(6, seed=1)
     spec.append(more)
     ref.append(more)
-    assert _store_bytes(spec) == _store_bytes(ref)
+    assert store_bytes_snapshot(spec) == store_bytes_snapshot(ref)
 
 
 def test_crop_of_a_calibrated_codec_restores_its_packed_rows_byte_for_byte(fit):
@@ -100,7 +91,7 @@ def test_crop_of_a_calibrated_codec_restores_its_packed_rows_byte_for_byte(fit):
     for i in range(12, 15):
         ref.append(x[:, :, i : i + 1])
     assert spec.n_packed == ref.n_packed == 15 - 2 - 3
-    assert _store_bytes(spec) == _store_bytes(ref)
+    assert store_bytes_snapshot(spec) == store_bytes_snapshot(ref)
 
 
 def test_a_crop_into_rows_packed_before_the_mark_is_refused_and_says_why():
