@@ -257,7 +257,7 @@ def test_sparse_v_policy_reports_its_skipped_share(tiny_engine):
 
 
 def test_sparse_v_bad_threshold_is_refused():
-    from tqbench.engine.policy.spec import parse_policy
+    from tqbench.engine.policy.files import parse_policy
 
     with pytest.raises(ValueError, match=r"sparsev=1.5 is invalid: use a softmax-weight threshold in \[0, 1\)"):
         parse_policy("turbo4,sparsev=1.5")

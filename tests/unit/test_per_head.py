@@ -13,7 +13,7 @@ from tqbench.engine.cache import KVGeometry, TQCache, estimate_kv
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.codecs import HeadSplitCodec, canonical_spec, codec_from_spec, nominal_bits
 from tqbench.engine.policy import Policy, parse_policy
-from tqbench.engine.policy.spec import load_policy_file
+from tqbench.engine.policy.files import load_policy_file
 
 MIXED = [
     "k=turbo4|int4,v=turbo2,sink=2,recent=3",  # per-channel KIVI keys (32-token blocks) beside a per-token head

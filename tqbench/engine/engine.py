@@ -14,7 +14,8 @@ from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import PromptTooLongError, check_context
 
 __all__ = ["Engine", "Prompt", "PromptTooLongError"]

@@ -134,7 +134,7 @@ def preset_rows(seq_len: int) -> list[PresetRow]:
 
 def shipped_meaning(name: str) -> str:
     """A shipped policy file's one-line meaning: its ``description``, else the model it was fitted on."""
-    from tqbench.engine.policy.spec import shipped_policy_path
+    from tqbench.engine.policy.presets import shipped_policy_path
     from tqbench.engine.tomlfile import read_toml
 
     path = shipped_policy_path(name)

@@ -34,7 +34,8 @@ from tqbench.engine.codecs import canonical_spec
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit
 from tqbench.engine.models.fingerprint import model_config_summary
 from tqbench.engine.policy.artifact import PolicyArtifact
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 
 DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4")
 #: calibrated key codecs added to the K choices when the model has a fit (``pcaq``)

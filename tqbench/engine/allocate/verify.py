@@ -15,7 +15,8 @@ import torch
 from tqbench.engine.allocate.texts import text_ids
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.validate.quality import baseline_logprobs, teacher_forced
 
 JOB = "verify"

@@ -18,7 +18,8 @@ import torch
 from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
 from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import FP_BYTES, window_start
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 
 __all__ = [
     "KVEstimate",

@@ -28,7 +28,8 @@ from tqbench.engine.cache.layer import TQLayer, check_mode
 from tqbench.engine.cache.layer_report import build_report
 from tqbench.engine.cache.report import CacheReport
 from tqbench.engine.policy.artifact import artifact_warning_for
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 
 __all__ = ["CACHE_MODES", "FusedKV", "TQCache", "TQLayer", "check_mode"]
 

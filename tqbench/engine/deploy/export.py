@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from tqbench.engine.deploy.mapping import EngineSetting, map_policy
 from tqbench.engine.events import CancelFlag, OnEvent
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 
 __all__ = ["ExportReport", "export_policy"]
 

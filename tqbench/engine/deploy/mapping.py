@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 from tqbench.engine.codecs import codec_from_spec
 from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, canonical_engine
-from tqbench.engine.policy.spec import DENSE_SPECS, Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import DENSE_SPECS, Policy
 
 __all__ = ["ENGINE_LABELS", "EngineSetting", "map_policy"]
 

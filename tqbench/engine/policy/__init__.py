@@ -1,6 +1,8 @@
 """Policies: which codec K and V get per layer, plus token- and layer-level protection.
 
-``spec.py`` (the ``Policy`` dataclass, its compact/TOML/JSON forms, the presets registry), ``layers.py``
+``spec.py`` (the ``Policy`` dataclass and its checks), ``grammar.py`` (the compact text form, presets by name),
+``files.py`` (dicts and JSON/TOML files; ``parse_policy``, the door for every form), ``presets.py`` (the
+registry of named presets and shipped policy files), ``layers.py``
 (layer selectors) and ``artifact.py`` (a saved policy: TOML + safetensors, the model it was fitted on; the
 allocation that writes one lives in ``tqbench.engine.allocate``).
 """
@@ -12,27 +14,26 @@ from tqbench.engine.policy.artifact import (
     load_policy_artifact,
     save_policy_artifact,
 )
+from tqbench.engine.policy.files import load_policy_file, parse_policy, policy_from_dict
+from tqbench.engine.policy.grammar import engine_policy, get_preset, parse_compact
 from tqbench.engine.policy.layers import select_layers, validate_selector
+from tqbench.engine.policy.presets import (
+    ENGINE_PRESETS,
+    PRESET_TEXT,
+    PRESETS,
+    SHIPPED_POLICY_DIR,
+    shipped_policy_names,
+    shipped_policy_path,
+)
 from tqbench.engine.policy.spec import (
     BYPASS_CHOICES,
     DENSE_SPECS,
-    ENGINE_PRESETS,
     FULL_PRECISION,
-    PRESET_TEXT,
-    PRESETS,
     ROTATION_CHOICES,
-    SHIPPED_POLICY_DIR,
     SLIDING_CHOICES,
     FittedOn,
     LayerPlan,
     Policy,
-    engine_policy,
-    get_preset,
-    load_policy_file,
-    parse_compact,
-    parse_policy,
-    shipped_policy_names,
-    shipped_policy_path,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "load_policy_file",
     "parse_compact",
     "parse_policy",
+    "policy_from_dict",
     "select_layers",
     "validate_selector",
 ]

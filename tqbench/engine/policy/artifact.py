@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from tqbench.engine.atomic import atomic_write, check_output_path
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.tomlfile import read_toml
 
 FORMAT = "tqbench-policy/1"
@@ -88,7 +89,7 @@ def load_policy_artifact(path: str | os.PathLike) -> PolicyArtifact:
     """Read an artifact written by ``save_policy_artifact`` (any policy TOML works: missing tables are empty)."""
     from safetensors.torch import load_file
 
-    from tqbench.engine.policy.spec import load_policy_file
+    from tqbench.engine.policy.files import load_policy_file
 
     p = Path(path)
     if not p.is_file():

@@ -1,19 +1,15 @@
 """KV policies: which codec each layer's K and V get, plus token- and layer-level protection.
 
-Three interchangeable forms:
-- compact text: ``k=turbo4,v=turbo3,sink=4,recent=32,protect=first2+last2`` (a preset name may lead:
-  ``turbo4,recent=64``); per-layer overrides ``v@last8=int8``, ``kv@0-3=fp16``;
-- a dict (JSON / TOML file) with the same keys;
-- a named preset from ``PRESETS``.
+This module holds the value (``Policy``, ``LayerPlan``, ``FittedOn``) and its checks. Its three interchangeable
+forms live beside it: compact text in ``grammar.py`` (``k=turbo4,v=turbo3,sink=4,recent=32,protect=first2+last2``,
+a preset name may lead; per-layer overrides ``v@last8=int8``), dicts and files in ``files.py`` (JSON / TOML with the
+same keys; ``parse_policy`` is the door for every form), named presets in ``presets.py``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 
-from tqbench.constants import POLICIES_DATA_DIR
 from tqbench.engine.codecs import (
     CODEC_SPECS,
     HEAD_SEP,
@@ -24,21 +20,16 @@ from tqbench.engine.codecs import (
     is_head_list,
     is_valid_spec,
 )
-from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, engine_setting, is_engine_setting
 from tqbench.engine.codecs.heads import split_head_list
 from tqbench.engine.policy.layers import select_layers, validate_selector
-from tqbench.engine.tomlfile import read_toml
 
 FULL_PRECISION = "fp16"
-#: model-specific policies shipped with the package (per-layer allocations), usable by name
-SHIPPED_POLICY_DIR = POLICIES_DATA_DIR
 BYPASS_CHOICES = ("none", "global")
 #: what a sliding-window layer does: compress (the policy's codecs in a window-bounded store), dense (fp16 in
 #: a window-bounded store), bypass (transformers' own bounded dense window), auto (compress when every layer
 #: slides, else bypass)
 SLIDING_CHOICES = ("auto", "compress", "dense", "bypass")
 ROTATION_CHOICES = ("qr", "hadamard")
-_BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
 _ROLES = ("k", "v", "kv")
 
 
@@ -173,12 +164,12 @@ class Policy:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict) -> Policy:
+    def from_dict(cls, data: dict, base: Policy | None = None) -> Policy:
+        """The dict (JSON/TOML) form over ``base`` (default: the empty policy); a ``preset`` key is resolved by
+        ``policy.files.policy_from_dict``, which names its base."""
         if "preset" in data:
-            base = get_preset(data["preset"])
-            data = {k: v for k, v in data.items() if k != "preset"}
-        else:
-            base = cls()
+            raise ValueError("a policy dict with a preset key is read by tqbench.engine.policy.policy_from_dict")
+        base = cls() if base is None else base
         data = {k: v for k, v in data.items() if not k.startswith("_")}  # "_source" and other notes
         valid = set(cls.__dataclass_fields__) - {"fitted_on"}
         unknown = sorted(set(data) - valid - {"kv"})
@@ -314,183 +305,3 @@ def _check_codec(spec: str, role: str) -> str:
         raise ValueError(f"{spec} is a key codec (calibrated in the metric of the queries): give it to keys only "
                          f"(k={spec} or k@LAYERS={spec}) and a value codec such as turbo2 to values")
     return spec
-
-
-# ---- compact text ----------------------------------------------------------------------------------
-_INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
-_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib")
-_BOOL_KEYS = ("center", "vcenter", "normfix")
-_FLOAT_KEYS = ("sparsev",)
-_VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
-
-
-def parse_compact(text: str) -> Policy:
-    text = text.strip()
-    if not text:
-        raise ValueError("empty policy: give a preset name (see `tqbench --headless policies`) or k=...,v=...")
-    items = [p.strip() for p in text.split(",") if p.strip()]
-    base = Policy()
-    if "=" not in items[0]:
-        base = get_preset(items[0])
-        items = items[1:]
-    kw: dict = {}
-    overrides = list(base.overrides)
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"policy part {item!r} is not key=value: valid keys are {', '.join(_VALID_KEYS)}")
-        key, val = (s.strip() for s in item.split("=", 1))
-        key = key.lower()
-        if "@" in key:
-            role, sel = key.split("@", 1)
-            if role not in _ROLES:
-                raise ValueError(f"policy part {item!r}: override must start with k@, v@ or kv@")
-            overrides.append((role, sel, val))
-        elif key in ("k", "v"):
-            kw[key] = val
-        elif key == "kv":
-            kw["k"] = kw["v"] = val
-        elif key in _INT_KEYS:
-            try:
-                kw[key] = int(val)
-            except ValueError:
-                raise ValueError(f"policy part {item!r}: {key} must be a whole number") from None
-        elif key in _FLOAT_KEYS:
-            try:
-                kw[key] = float(val)
-            except ValueError:
-                raise ValueError(f"policy part {item!r}: {key} must be a number such as 0.001") from None
-        elif key in _BOOL_KEYS:
-            if val.lower() not in _BOOL:
-                raise ValueError(f"policy part {item!r}: {key} must be on or off")
-            kw[key] = _BOOL[val.lower()]
-        elif key in _STR_KEYS:
-            kw[key] = "" if (key == "protect" and val.lower() == "none") else val
-        else:
-            raise ValueError(f"unknown policy key {key!r} in {item!r}: valid keys are {', '.join(_VALID_KEYS)}")
-    name = kw.pop("name", None)
-    pol = replace(base, overrides=tuple(overrides), **kw)
-    if name is not None:
-        return pol.with_name(name)
-    if kw or overrides != list(base.overrides):  # a changed preset is no longer that preset: label by its string
-        return pol.with_name(None)
-    return base
-
-
-def load_policy_file(path: str) -> Policy:
-    fitted = None  # an artifact's [model] table: the model the policy was fitted on
-    if path.endswith(".toml"):
-        data = read_toml(path, "policy file")
-        fitted = data.get("model") if "policy" in data else None
-        data = data.get("policy", data)
-    else:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"policy file {path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"policy file {path}: a policy file holds one object with keys k, v, sink, recent, ...")
-    try:
-        pol = Policy.from_dict(data)
-    except ValueError as exc:  # a field's error, named with the file it came from
-        raise ValueError(f"policy file {path}: {exc}") from None
-    pol = replace(pol, fitted_on=FittedOn.from_dict(fitted if isinstance(fitted, dict) else None))
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), pol.calib) if pol.calib else ""
-    if pol.calib and not os.path.isabs(pol.calib) and os.path.isfile(beside):  # a transforms file next to it
-        pol = replace(pol, calib=beside)
-    return pol if pol.name else pol.with_name(os.path.splitext(os.path.basename(path))[0])
-
-
-def shipped_policy_names() -> list[str]:
-    """Names of the policy files shipped with the package (``tqbench/data/policies/*.toml|json``)."""
-    return sorted({p.stem for ext in ("toml", "json") for p in SHIPPED_POLICY_DIR.glob(f"*.{ext}")})
-
-
-def shipped_policy_path(name: str):
-    """The shipped policy file named ``name`` (TOML preferred), or None."""
-    for ext in ("toml", "json"):
-        path = SHIPPED_POLICY_DIR / f"{name}.{ext}"
-        if path.is_file():
-            return path
-    return None
-
-
-def parse_policy(text: str | Policy) -> Policy:
-    """A preset name, a compact string, or a path to a .json/.toml policy file."""
-    if isinstance(text, Policy):
-        return text
-    text = text.strip()
-    if text in PRESETS:
-        return get_preset(text)
-    if "," not in text and "=" not in text:
-        shipped = shipped_policy_path(text)
-        if shipped is not None:
-            return load_policy_file(str(shipped))
-    if text.endswith((".json", ".toml")):
-        if not os.path.exists(text):
-            raise ValueError(f"policy file {text!r} does not exist")
-        return load_policy_file(text)
-    return parse_compact(text)
-
-
-# ---- presets -----------------------------------------------------------------------------------
-_TURBO_TOKENS = "sink=4,recent=16"
-
-#: name -> (compact form, meaning)
-PRESET_TEXT: dict[str, tuple[str, str]] = {
-    "fp16": ("k=fp16,v=fp16", "no compression: the baseline"),
-    "fp16k-q8v": ("k=fp16,v=int8", "fp16 keys, int8 values (per-token groups)"),
-    "boundary-fp16-fp16k-q8v": ("k=fp16,v=int8,protect=first2+last2", "fp16k-q8v, first and last 2 layers fp16"),
-    "boundary-fp16-q8k-q8v": ("k=int8,v=int8,protect=first2+last2", "q8k-q8v, first and last 2 layers fp16"),
-    "q8k-q8v": ("k=int8,v=int8", "int8 keys (per-channel blocks) and int8 values"),
-    "fp16k-int4v": ("k=fp16,v=int4", "fp16 keys, int4 values"),
-    "q8k-int4v": ("k=int8,v=int4", "int8 keys, int4 values"),
-    "fp16k-int4v-last8-fp16": ("k=fp16,v=int4,protect=last8", "fp16k-int4v, the last 8 layers fp16"),
-    "q8k-int4v-last8-q8v": ("k=int8,v=int4,v@last8=int8", "q8k-int4v, the last 8 layers keep int8 values"),
-    "fp16k-int4v-boundary-last": ("k=fp16,v=int4,protect=last2", "fp16k-int4v, the last 2 layers fp16"),
-    "q8k-turbo4v": ("k=int8,v=turbo4", "int8 keys, TurboQuant 4-bit values"),
-    "turbo4": (f"k=turbo4,v=turbo4,{_TURBO_TOKENS}", "TurboQuant 4-bit K and V, centered keys, 4 sinks + 16 recent fp16"),
-    "turbo3.5": (f"k=turbo3.5,v=turbo3.5,{_TURBO_TOKENS}", "TurboQuant 3.5-bit (outlier split 4/3 bits)"),
-    "turbo3": (f"k=turbo3,v=turbo3,{_TURBO_TOKENS}", "TurboQuant 3-bit K and V"),
-    "turbo2.5": (f"k=turbo2.5,v=turbo2.5,{_TURBO_TOKENS}", "TurboQuant 2.5-bit (outlier split 3/2 bits)"),
-    "turbo2": (f"k=turbo2,v=turbo2,{_TURBO_TOKENS}", "TurboQuant 2-bit K and V"),
-    "k4v2": (f"k=turbo4,v=turbo2,{_TURBO_TOKENS}", "asymmetric: 4-bit keys, 2-bit values"),
-    "k3v2": (f"k=turbo3,v=turbo2,{_TURBO_TOKENS}", "asymmetric: 3-bit keys, 2-bit values"),
-    "turbo4-qjl": (
-        f"k=turbo4-qjl,v=turbo4,{_TURBO_TOKENS}",
-        "TurboQuant-prod keys (3-bit MSE + 1-bit QJL: unbiased scores), 4-bit values",
-    ),
-}
-
-
-def engine_policy(text: str) -> Policy:
-    """An engine's own KV setting as a policy: ``llamacpp:q8_0/q4_0`` (K/V), ``llamacpp:q4_0`` (both),
-    ``vllm:fp8``: those codecs on every layer, no sinks, no recent window (the engines keep none)."""
-    k, v = engine_setting(text)
-    engine, _, kinds = text.strip().lower().partition(":")
-    return Policy(k=k, v=v).with_name(f"{engine}:{kinds.strip()}")
-
-
-#: engine settings listed beside the presets (every other type pair the engines accept parses too)
-ENGINE_PRESETS = (
-    "llamacpp:q8_0", "llamacpp:q8_0/q4_0", "llamacpp:q5_1", "llamacpp:q5_0", "llamacpp:q4_1", "llamacpp:q4_0",
-    "llamacpp:iq4_nl", "vllm:fp8", "vllm:fp8_e5m2", "sglang:fp4_mx_block16", "trtllm:fp8",
-)
-
-
-def get_preset(name: str) -> Policy:
-    if is_engine_setting(name):
-        return engine_policy(name)
-    if name not in PRESET_TEXT:
-        shipped = shipped_policy_names()
-        raise ValueError(
-            f"unknown policy preset {name!r}: valid presets are {', '.join(PRESET_TEXT)}"
-            + (f" (shipped policy files: {', '.join(shipped)})" if shipped else "")
-            + f"; or an engine's KV setting ENGINE:TYPE or ENGINE:K_TYPE/V_TYPE ({', '.join(ENGINE_KV_TYPES)}), "
-            "e.g. llamacpp:q8_0/q4_0, vllm:fp8"
-        )
-    return parse_compact(PRESET_TEXT[name][0]).with_name(name)
-
-
-PRESETS = tuple(PRESET_TEXT)

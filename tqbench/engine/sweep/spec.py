@@ -200,7 +200,8 @@ def _models(raw, device: str, dtype: str) -> tuple[ModelEntry, ...]:
 
 
 def _policy(raw, key: str, base_dir: Path) -> PolicyEntry:
-    from tqbench.engine.policy.spec import PRESETS, load_policy_file, parse_policy
+    from tqbench.engine.policy.files import load_policy_file, parse_policy
+    from tqbench.engine.policy.presets import PRESETS
 
     try:
         if isinstance(raw, str):

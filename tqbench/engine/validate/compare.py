@@ -31,7 +31,9 @@ from tqbench.engine.metrics import (
     decide_verdict,
     worst_verdict,
 )
-from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.presets import PRESETS
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.validate.steps import (
     StepRecord,
     check_generation_args,

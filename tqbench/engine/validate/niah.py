@@ -23,7 +23,8 @@ from tqbench.engine.events import (
     emit,
     raise_if_cancelled,
 )
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import check_max_new_tokens
 
 WORDS = ("amber", "falcon", "copper", "meadow", "violet", "harbor", "lantern", "cobalt", "juniper", "marble",

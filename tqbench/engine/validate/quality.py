@@ -21,7 +21,8 @@ from tqbench.constants import CORPUS_DIR, auto_prefill_chunk
 from tqbench.engine.events import CancelFlag, OnEvent, TeacherForcedStep, emit, raise_if_cancelled
 from tqbench.engine.generate import prefill as prefill_ids
 from tqbench.engine.metrics import teacher_forced_stats
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.validate.steps import check_generation_args
 
 JOB = "teacher-forced quality"

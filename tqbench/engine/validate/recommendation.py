@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 
 from tqbench.engine.codecs import nominal_bits
-from tqbench.engine.policy.spec import PRESETS, Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.presets import PRESETS
+from tqbench.engine.policy.spec import Policy
 
 STATUS = {
     "exact-match": "safe",

@@ -25,7 +25,8 @@ from tqbench.engine.events import (
 )
 from tqbench.engine.generate import GREEDY, Sampling
 from tqbench.engine.metrics import DEFAULT_QUALITY_THRESHOLD
-from tqbench.engine.policy.spec import Policy, parse_policy
+from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.validate.report import ValidationReport, build_report
 from tqbench.engine.validate.steps import StepRecord, check_generation_args, step_record
 
