@@ -146,7 +146,9 @@ def test_teacher_forced_quality(tiny_engine):
     d = rep.to_dict()
     assert d["source"] == "corpus:bread" and d["prefill_tokens"] == 48 and d["steps"] == 12
     fp16, turbo2 = d["results"]
-    assert fp16["kv_policy"] == "fp16" and fp16["kl_mean"] < 1e-9 and fp16["top1_agreement"] == 1.0
+    # the baseline is one causal forward, the candidate single-token steps: the same math, another float32
+    # summation order (fp16 KL ~2e-8 here; 0 to 1e-20 in float64, test_allocate_verify_batch.py)
+    assert fp16["kv_policy"] == "fp16" and fp16["kl_mean"] < 1e-6 and fp16["top1_agreement"] == 1.0
     assert fp16["ppl_candidate"] == pytest.approx(fp16["ppl_baseline"], rel=1e-6)
     assert turbo2["kl_mean"] > fp16["kl_mean"] and turbo2["bits_per_element"] < 16
     rep = teacher_forced_quality(tiny_engine, "turbo4", prompt=PROMPT, max_new_tokens=6)

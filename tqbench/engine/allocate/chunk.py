@@ -21,6 +21,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
+from tqbench.engine.allocate.gqa import grouped_sdpa
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.metrics import kl_rows
@@ -121,6 +122,10 @@ class ChunkRunner:
         return cache
 
     def _forward(self, keys: list, values: list, start: int, full: bool = False) -> torch.Tensor:
+        with grouped_sdpa(self.ids.device):
+            return self._forward_layers(keys, values, start, full)
+
+    def _forward_layers(self, keys: list, values: list, start: int, full: bool = False) -> torch.Tensor:
         self.calls += 1
         cache = self._cache(keys, values)
         if full or start == 0 or self._layers is None:

@@ -28,7 +28,7 @@ from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeSte
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.texts import MIX, calibration_set, check_unseen
-from tqbench.engine.allocate.verify import FrontierPoint, frontier
+from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit
@@ -234,9 +234,15 @@ def allocate_policy(
             _write_partial(partial_path, setup, cells)
 
     t0 = time.perf_counter()
-    runner = ChunkRunner(engine, calib.ids, calib_prefill) if (max_measurements or not known) else None
-    if runner is not None and runner.skip_note:
-        notes.append(runner.skip_note)
+    runner = None
+    if max_measurements or not known:
+        emit(on_event, Progress("setup", 0, 1, f"exact prefill of {calib.ids.shape[0]} x {calib_prefill} "
+                                               "calibration tokens"))
+        runner = ChunkRunner(engine, calib.ids, calib_prefill)
+        emit(on_event, Progress("setup", 1, 1, "calibration prefill done"))
+        if runner.skip_note:
+            notes.append(runner.skip_note)
+    ts = time.perf_counter()
     table = measure_sensitivity(engine, calib.ids, calib_prefill, specs, base_pol, known=known, on_cell=persist,
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
@@ -254,11 +260,10 @@ def allocate_policy(
         measured, steps = None, []
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
     t2 = time.perf_counter()
-    points = {}
-    for text in (verify_text, unseen_text):
-        if text is not None:
-            (points[text],) = frontier(engine, [alloc.policy], text=text, prefill=verify_prefill, steps=verify_steps,
-                                       context=context, on_event=on_event, cancel=cancel)
+    texts = [t for t in (verify_text, unseen_text) if t is not None]
+    points = {t: p for t, (p,) in frontier_texts(engine, [alloc.policy], texts=texts, prefill=verify_prefill,
+                                                 steps=verify_steps, context=context, on_event=on_event,
+                                                 cancel=cancel).items()} if texts else {}
     t3 = time.perf_counter()
     keys = {k for k in cells if k in known}
     n_cells = sum(len(table.choices(u[1])) for u in table.units())
@@ -267,7 +272,7 @@ def allocate_policy(
     return AllocationReport(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
         points.get(verify_text) if verify_text else None, n_cells - resumed, resumed,
-        {"sensitivity": round(t1 - t0, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
+        {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
          "threads": torch.get_num_threads(), "chunk_forwards": runner.calls if runner else 0,
          "layer_skipping": bool(runner and runner.layer_skipping)},
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,

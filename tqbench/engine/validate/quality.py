@@ -13,11 +13,13 @@ each: a cancelled run raises ``Cancelled``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
 from tqbench.constants import CORPUS_DIR, auto_prefill_chunk
+from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.events import CancelFlag, OnEvent, TeacherForcedStep, emit, raise_if_cancelled
 from tqbench.engine.generate import prefill as prefill_ids
 from tqbench.engine.metrics import teacher_forced_stats
@@ -79,28 +81,142 @@ class TeacherForcedReport:
 
 
 def _run(model, ids: torch.Tensor, prefill: int, cache, run: str, kv_policy: str, on_event: OnEvent | None,
-         cancel: CancelFlag | None, chunk: int = 0) -> list[torch.Tensor]:
-    """Log-softmax rows predicting tokens prefill+1 .. len-1 (one per single-token step); the prefill in forward
-    calls of ``chunk`` tokens (0: one call; ``generate.prefill``)."""
+         cancel: CancelFlag | None, chunk: int = 0, after_prefill=None) -> torch.Tensor:
+    """Log-softmax rows ``[batch, steps, vocab]`` (float32, on the CPU) predicting tokens prefill+1 .. len-1 of every
+    sequence of ``ids`` ([batch, N], equal lengths), one single-token step each through ``cache``; the prefill in
+    forward calls of ``chunk`` tokens (0: one call; ``generate.prefill``). ``after_prefill(cache)`` runs between the
+    prefill and the first step."""
     out = []
     steps = ids.shape[1] - 1 - prefill
     device = next(model.parameters()).device
     ids = ids.to(device)
     raise_if_cancelled(cancel, JOB)
     with torch.inference_mode():
-        prefill_ids(model, ids[:, :prefill], cache, chunk=chunk)
+        if ids.shape[0] == 1:
+            prefill_ids(model, ids[:, :prefill], cache, chunk=chunk)
+        else:  # generate.prefill reads one sequence; a batch of equal lengths prefills the same way
+            step = chunk if chunk > 0 else prefill
+            for a in range(0, prefill, step):
+                model(input_ids=ids[:, a : min(a + step, prefill)], cache=cache, use_cache=True)
+        if after_prefill is not None:
+            after_prefill(cache)
         for t in range(prefill, ids.shape[1] - 1):
             raise_if_cancelled(cancel, JOB)
-            logits = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1]
             out.append(torch.log_softmax(logits.float(), -1).cpu())
             emit(on_event, TeacherForcedStep(run, t - prefill + 1, steps, kv_policy=kv_policy))
-    return out
+    return torch.stack(out, 1)
+
+
+def _keeps_logits(model) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def dense_logprobs(engine, ids: torch.Tensor, prefill: int, on_event: OnEvent | None = None, *,
+                   cancel: CancelFlag | None = None) -> torch.Tensor:
+    """The dense baseline's log-softmax rows ``[batch, steps, vocab]`` for ``ids`` ([batch, N]) after ``prefill``
+    tokens: ONE causal forward over ``ids[:, :-1]`` (exact attention over every earlier token: the same math as a
+    prefill then single-token steps through a ``DynamicCache``, up to float summation order), the vocabulary
+    projection on the last ``steps`` positions only. One ``TeacherForcedStep`` per fed token afterwards (``cancel``
+    checked before each), as a stepped run gives."""
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be shaped [sequences, tokens], got {tuple(ids.shape)}")
+    steps = ids.shape[1] - 1 - prefill
+    if prefill < 1 or steps < 1:
+        raise ValueError(f"prefill={prefill} must leave at least one step in {ids.shape[1]} tokens")
+    model = engine.model
+    device = next(model.parameters()).device
+    raise_if_cancelled(cancel, JOB)
+    with torch.inference_mode():
+        x = ids[:, :-1].to(device)
+        if _keeps_logits(model):
+            logits = model(input_ids=x, use_cache=False, logits_to_keep=steps).logits[:, -steps:]
+        else:
+            logits = model(input_ids=x, use_cache=False).logits[:, prefill:]
+        lp = torch.log_softmax(logits.float(), -1).cpu()
+    for i in range(steps):
+        raise_if_cancelled(cancel, JOB)
+        emit(on_event, TeacherForcedStep("baseline", i + 1, steps, kv_policy="dynamic-cache"))
+    return lp
 
 
 def baseline_logprobs(engine, ids: torch.Tensor, prefill: int, on_event: OnEvent | None = None, *,
                       cancel: CancelFlag | None = None) -> list[torch.Tensor]:
-    """The dense baseline's log-softmax rows for ``ids`` after ``prefill`` tokens (one per fed token)."""
-    return _run(engine.model, ids, prefill, engine.make_cache(None), "baseline", "dynamic-cache", on_event, cancel)
+    """The dense baseline's log-softmax rows for ``ids`` ([1, N]) after ``prefill`` tokens (one per fed token;
+    ``dense_logprobs``)."""
+    return list(dense_logprobs(engine, ids, prefill, on_event, cancel=cancel)[0])
+
+
+def teacher_forced_batch(
+    engine,
+    ids: torch.Tensor,
+    prefill: int,
+    policy,
+    cache_mode: str = "simulate",
+    baseline: torch.Tensor | list | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
+    prefill_chunk: int | None = None,
+    after_prefill=None,
+) -> list[TeacherForcedResult]:
+    """``teacher_forced`` for every sequence of ``ids`` ([batch, N], equal lengths) in ONE cache of that batch (one
+    single-token step feeds every sequence): one result per sequence, equal to running each alone (a cache treats
+    the sequences of a batch independently; ``tests/unit/test_allocate_verify_batch.py``). ``baseline``:
+    ``dense_logprobs`` of the same ids (a list of rows when the batch is one sequence). A result's byte fields are
+    one sequence's: the layers' bytes split evenly (equal lengths store equal bytes) plus the shared objects once.
+    ``after_prefill(cache)``: see ``_run``."""
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be shaped [sequences, tokens], got {tuple(ids.shape)}")
+    if not 0 < prefill < ids.shape[1] - 1:
+        raise ValueError(f"prefill={prefill} must leave at least one step in {ids.shape[1]} tokens")
+    if baseline is None:
+        baseline = dense_logprobs(engine, ids, prefill, on_event, cancel=cancel)
+    elif isinstance(baseline, list):
+        baseline = torch.stack(baseline)[None]
+    cache = engine.make_cache(policy, cache_mode)
+    chunk = auto_prefill_chunk(prefill, cache_mode, prefill_chunk)
+    cand = _run(engine.model, ids, prefill, cache, "candidate", parse_policy(policy).label, on_event, cancel, chunk,
+                after_prefill)
+    rep = per_sequence(cache.report(), ids.shape[0])
+    out = []
+    for b in range(ids.shape[0]):
+        stats = teacher_forced_stats(list(baseline[b]), list(cand[b]), ids[b, prefill + 1 :].cpu())
+        out.append(TeacherForcedResult(
+            kv_policy=rep["kv_policy"],
+            cache_mode=cache_mode,
+            prefill_tokens=prefill,
+            steps=stats.steps,
+            kl_mean=stats.kl_mean,
+            kl_max=stats.kl_max,
+            top1_agreement=stats.top1_agreement,
+            ppl_baseline=stats.ppl_baseline,
+            ppl_candidate=stats.ppl_candidate,
+            bits_per_element=rep["bits_per_element"],
+            memory_saved_pct=rep["memory_saved_pct"],
+            compressed_storage_bytes=rep["compressed_storage_bytes"],
+            dense_fp16_bytes=rep["dense_fp16_bytes"],
+        ))
+    return out
+
+
+def per_sequence(rep, batch: int) -> dict:
+    """One sequence's share of a ``CacheReport`` of ``batch`` equal-length sequences: the layers' bytes / batch,
+    the shared objects (rotations, codebooks, calibrated bases) once; bits and saving recomputed from those."""
+    if batch == 1:
+        return {"kv_policy": rep.kv_policy, "bits_per_element": rep.bits_per_element,
+                "memory_saved_pct": rep.memory_saved_pct, "compressed_storage_bytes": rep.compressed_storage_bytes,
+                "dense_fp16_bytes": rep.dense_fp16_bytes}
+    shared = rep.shared_bytes
+    layers = rep.compressed_storage_bytes - shared
+    if layers % batch or rep.dense_fp16_bytes % batch:
+        raise ValueError(f"a cache of {batch} sequences stored {layers} layer bytes: not an equal share each")
+    storage, dense = layers // batch + shared, rep.dense_fp16_bytes // batch
+    return {"kv_policy": rep.kv_policy, "bits_per_element": round(bits_vs_fp16(storage, dense), 4),
+            "memory_saved_pct": round(100.0 * (1 - storage / dense), 2) if dense else 0.0,
+            "compressed_storage_bytes": storage, "dense_fp16_bytes": dense}
 
 
 def teacher_forced(
@@ -116,33 +232,11 @@ def teacher_forced(
 ) -> TeacherForcedResult:
     """Compare ``policy`` against a dense baseline on ``ids`` ([1, N]): N-1-prefill single-token steps; the
     candidate's prefill in calls of ``prefill_chunk`` tokens (None: by length, ``constants.auto_prefill_chunk``;
-    the baseline always prefills in one call over exact K/V)."""
+    the baseline is one forward over exact K/V, ``dense_logprobs``). ``teacher_forced_batch`` with one sequence."""
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"ids must be shaped [1, tokens], got {tuple(ids.shape)}")
-    if not 0 < prefill < ids.shape[1] - 1:
-        raise ValueError(f"prefill={prefill} must leave at least one step in {ids.shape[1]} tokens")
-    if baseline is None:
-        baseline = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
-    cache = engine.make_cache(policy, cache_mode)
-    chunk = auto_prefill_chunk(prefill, cache_mode, prefill_chunk)
-    cand = _run(engine.model, ids, prefill, cache, "candidate", parse_policy(policy).label, on_event, cancel, chunk)
-    stats = teacher_forced_stats(baseline, cand, ids[0, prefill + 1 :].cpu())
-    rep = cache.report()
-    return TeacherForcedResult(
-        kv_policy=rep.kv_policy,
-        cache_mode=cache_mode,
-        prefill_tokens=prefill,
-        steps=stats.steps,
-        kl_mean=stats.kl_mean,
-        kl_max=stats.kl_max,
-        top1_agreement=stats.top1_agreement,
-        ppl_baseline=stats.ppl_baseline,
-        ppl_candidate=stats.ppl_candidate,
-        bits_per_element=rep.bits_per_element,
-        memory_saved_pct=rep.memory_saved_pct,
-        compressed_storage_bytes=rep.compressed_storage_bytes,
-        dense_fp16_bytes=rep.dense_fp16_bytes,
-    )
+    (r,) = teacher_forced_batch(engine, ids, prefill, policy, cache_mode, baseline, on_event, cancel, prefill_chunk)
+    return r
 
 
 def _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens,
