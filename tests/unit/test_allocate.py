@@ -186,6 +186,9 @@ def test_cli_allocate_json_and_out(tmp_path):
     assert len(data["bits_grid"]) == 4 and data["out"] == str(out)
     assert [s["kind"] for s in data["steps"]] == ["protection", "protection", "exchange"]
     assert data["unseen"]["text"] == "heldout:technical" and data["fitted_vs_unseen"]["unseen_kl"] is not None
+    assert {"setup", "sensitivity", "solve_and_measure", "verify"} <= set(data["seconds"])
+    for phase in ("setup", "sensitivity", "solve", "measure", "baseline", "candidate", "verify"):
+        assert f"allocate: {phase} " in res.stderr, phase  # progress lines on stderr in every phase, --json too
     assert load_policy_artifact(out).policy.label == "p"
     assert json.loads((tmp_path / "p.partial.json").read_text())["setup"]["calibration"] == "corpus:bread"
     again = _cli("--budget", "4.0", "--json", "--out", str(tmp_path / "q.toml"), "--resume",

@@ -86,7 +86,9 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
-        with EventProgress(enabled=not as_json, label="allocate") as prog:
+        # progress on stderr in every phase, --json too (stdout holds the report): plain lines when stderr is
+        # not a terminal (a log file), where a live bar draws nothing
+        with EventProgress(label="allocate", lines=not err.is_terminal) as prog:
             rep = allocate_policy(
                 engine, budget, calibration=calibration, calib_prefill=calib_prefill, calib_steps=calib_steps,
                 codecs=csv(codecs) or [], k_codecs=csv(k_codecs) if k_codecs else None, granularity=granularity,

@@ -10,18 +10,23 @@ from tqbench.cli.render.console import err
 
 
 class EventProgress:
-    """An ``on_event`` callback that draws engine events as a rich progress bar on stderr."""
+    """An ``on_event`` callback that draws engine events as a rich progress bar on stderr.
 
-    def __init__(self, enabled: bool = True, total: float | None = None, label: str = "work") -> None:
+    ``lines``: plain progress lines instead (``ProgressLines``): what a redirected stderr (a log file, ``--json``
+    runs) can show; a rich bar draws nothing there."""
+
+    def __init__(self, enabled: bool = True, total: float | None = None, label: str = "work",
+                 lines: bool = False) -> None:
         self.enabled = enabled
         self.total = total
         self.label = label
         self.progress = None
         self.task = None
         self.tasks: dict[str, int] = {}
+        self.lines = ProgressLines(label) if lines and enabled else None
 
     def __enter__(self) -> EventProgress:
-        if self.enabled:
+        if self.enabled and self.lines is None:
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), console=err, transient=True)
             self.progress.__enter__()
@@ -33,6 +38,9 @@ class EventProgress:
             self.progress.__exit__(*exc)
 
     def __call__(self, ev: object) -> None:
+        if self.lines is not None:
+            self.lines(ev)
+            return
         if self.progress is None:
             return
         from tqbench.engine import events as E
@@ -50,6 +58,40 @@ class EventProgress:
                          description=f"{self.label}: {ev.message}" if ev.message else self.label)
         elif isinstance(ev, E.ScanLayerDone):
             p.update(self.task, completed=ev.index + 1, total=ev.total, description=f"scan: layer {ev.layer}")
+
+
+class ProgressLines:
+    """Engine ``Progress`` events as plain lines on stderr: one when a phase (the event's ``task``) starts or ends,
+    otherwise at most one every ``every`` seconds, each with the seconds since the first event."""
+
+    def __init__(self, label: str, every: float = 10.0, stream=None) -> None:
+        self.label = label
+        self.every = every
+        self.stream = stream
+        self.start: float | None = None
+        self.last = 0.0
+        self.phase: str | None = None
+
+    def __call__(self, ev: object) -> None:
+        import time
+
+        from tqbench.engine import events as E
+
+        if not isinstance(ev, E.Progress):
+            return
+        now = time.monotonic()
+        if self.start is None:
+            self.start = now
+        new_phase = ev.task != self.phase
+        final = ev.total is not None and ev.done >= ev.total
+        if not (new_phase or final or now - self.last >= self.every):
+            return
+        self.phase, self.last = ev.task, now
+        count = f" {ev.done:g}/{ev.total:g}" if ev.total is not None else ""
+        message = f" {ev.message}" if ev.message else ""
+        stream = self.stream or sys.stderr
+        stream.write(f"{self.label}: {ev.task}{count}{message} [{now - self.start:.0f} s]\n")
+        stream.flush()
 
 
 class TokenPrinter:
