@@ -33,10 +33,11 @@ GRANULARITY_CHOICES = (("per layer", "layer"), ("per KV head", "head"))
 _TEXT_LABELS = {f"corpus:{t}" if ":" not in t else t: t for t in FRONTIER_TEXTS}
 #: the allocation's calibration (``allocate_policy`` arguments): the shipped mix of four kinds, as the CLI's default
 CALIBRATION = {"calibration": "mix", "calib_prefill": 1024, "calib_steps": 32}
-#: the workbench runs the additive solve at the builder's sink/recent (the measured solver's exchange steps and the
-#: protection grid are the CLI's ``allocate``; see docs/allocation.md), verified on both frontier texts
-SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": FRONTIER_TEXTS[1],
-          "k_codecs": ("turbo1", "turbo2", "turbo3", "turbo4")}
+#: the workbench runs the CLI's measuring solver (``allocate_policy``'s defaults: the calibrated ``pcaq`` key choices
+#: when the model has a fit, the sink/recent grid beside the builder's own, exchange steps, each measured jointly;
+#: see docs/allocation.md), cells measured at the builder's sink/recent, verified on both frontier texts
+#: (``protections``, ``max_measurements`` and ``k_codecs`` left at those defaults)
+SOLVER = {"unseen_text": FRONTIER_TEXTS[1]}
 
 
 class AllocatePanel(Vertical):
@@ -157,7 +158,7 @@ class AllocatePanel(Vertical):
         result, error, cancelled = run_engine_job(lambda: allocate_policy(
             engine, budget, base=f"sink={sink},recent={recent}", context=context, granularity=granularity,
             name=f"alloc-{budget:g}bit" + ("-head" if granularity == "head" else ""),
-            verify_text=self.frontier["text"], verify_prefill=self.frontier["prefill"],
+            verify_text=FRONTIER_TEXTS[0], verify_prefill=self.frontier["prefill"],
             verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         self.post_message(self.Finished(result, error, cancelled, "allocate"))
@@ -205,9 +206,12 @@ class AllocatePanel(Vertical):
             status.update(f"sensitivity {ev.done}/{ev.total}: {ev.message}" + (" (resumed)" if ev.resumed else ""))
         elif isinstance(ev, TeacherForcedStep):
             bar.update(total=ev.total, progress=ev.done)
-            status.update(f"verifying on {self.frontier['text']}: {ev.task} step {ev.done}/{ev.total}")
-        elif isinstance(ev, Progress):
-            status.update(f"{ev.task}: {ev.message}")
+            status.update(f"verifying: {ev.task} step {ev.done}/{ev.total}")
+        elif isinstance(ev, Progress):  # setup, solve, measure (joint measurements), verify
+            if ev.total:
+                bar.update(total=ev.total, progress=ev.done)
+            status.update(f"{ev.task} {ev.done:g}/{ev.total:g}: {ev.message}" if ev.total else
+                          f"{ev.task}: {ev.message}")
 
     @on(Finished)
     def _finished(self, msg: Finished) -> None:
