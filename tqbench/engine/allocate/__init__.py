@@ -18,7 +18,7 @@ from tqbench.engine.allocate.job import (
 )
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity, rank_correlation
 from tqbench.engine.allocate.solver import Allocation, policy_from_choices, solve_allocation
-from tqbench.engine.allocate.verify import FrontierPoint, frontier
+from tqbench.engine.allocate.verify import FrontierPoint, frontier, frontier_texts
 
 __all__ = [
     "DEFAULT_CODECS",
@@ -32,6 +32,7 @@ __all__ = [
     "allocate_policy",
     "calibration_ids",
     "frontier",
+    "frontier_texts",
     "improve",
     "measure_sensitivity",
     "policy_from_choices",
