@@ -31,7 +31,8 @@ def print_allocation(rep) -> None:
               f" = {a.bits_per_element:.4f} bits/element (fp16: {a.estimate.dense_fp16_bytes}); "
               f"additive KL {a.predicted_kl:.4f}, predicted (measured) KL {rep.predicted_kl:.4f}")
     out.print(f"sensitivity: {rep.measured_cells} cells measured, {rep.resumed_cells} resumed, on "
-              f"{rep.setup['calibration']} ({rep.seconds['sensitivity']:.0f} s, {rep.seconds['threads']} threads)")
+              f"{rep.setup['calibration']} ({rep.seconds['sensitivity']:.0f} s after a {rep.seconds.get('setup', 0):.0f} s "
+              f"calibration prefill, {rep.seconds['threads']} threads)")
     for note in rep.notes:
         out.print(f"note: {note}")
     if rep.steps:

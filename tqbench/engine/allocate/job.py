@@ -233,7 +233,7 @@ def allocate_policy(
         if partial_path:
             _write_partial(partial_path, setup, cells)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     runner = None
     if max_measurements or not known:
         emit(on_event, Progress("setup", 0, 1, f"exact prefill of {calib.ids.shape[0]} x {calib_prefill} "
@@ -242,11 +242,11 @@ def allocate_policy(
         emit(on_event, Progress("setup", 1, 1, "calibration prefill done"))
         if runner.skip_note:
             notes.append(runner.skip_note)
-    ts = time.perf_counter()
+    ts, cs = time.perf_counter(), time.process_time()
     table = measure_sensitivity(engine, calib.ids, calib_prefill, specs, base_pol, known=known, on_cell=persist,
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))
     measure = JointMeasure(runner) if runner is not None else None
     if max_measurements and measure is not None:
@@ -259,12 +259,12 @@ def allocate_policy(
         alloc = solve_allocation(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
         measured, steps = None, []
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     texts = [t for t in (verify_text, unseen_text) if t is not None]
     points = {t: p for t, (p,) in frontier_texts(engine, [alloc.policy], texts=texts, prefill=verify_prefill,
                                                  steps=verify_steps, context=context, on_event=on_event,
                                                  cancel=cancel).items()} if texts else {}
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     keys = {k for k in cells if k in known}
     n_cells = sum(len(table.choices(u[1])) for u in table.units())
     resumed = sum(1 for u in table.units() for c in table.choices(u[1])
@@ -273,6 +273,9 @@ def allocate_policy(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
         points.get(verify_text) if verify_text else None, n_cells - resumed, resumed,
         {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
+         # CPU seconds of this process per phase (all threads): less sensitive to other processes than wall time
+         "cpu": {"setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2), "solve_and_measure": round(c2 - c1, 2),
+                 "verify": round(c3 - c2, 2)},
          "threads": torch.get_num_threads(), "chunk_forwards": runner.calls if runner else 0,
          "layer_skipping": bool(runner and runner.layer_skipping)},
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
