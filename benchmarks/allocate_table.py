@@ -52,7 +52,7 @@ def main() -> None:
               f"{fmt(r['kl_unseen'], '.4f')} | {fmt(r['unseen_over_verify'], '.2f')} | {fmt(r['predicted'], '.4f')} | "
               f"{fmt(r['predicted_over_verify'], '.2f')} | {fmt(r['additive'], '.4f')} | "
               f"{r['accepted']}/{r['exchange_steps']} | {r['sink_recent'] or ''} | "
-              f"{s['setup'] + s['sensitivity'] if 'setup' in s else s.get('sensitivity', '')} + "
+              f"{round(s['setup'] + s['sensitivity'], 2) if 'setup' in s else s.get('sensitivity', '')} + "
               f"{s.get('solve_and_measure', '')} + {s.get('verify', '')} |")
 
 
