@@ -62,3 +62,62 @@ def test_cli_reports_are_written_atomically(tmp_path, monkeypatch):
     monkeypatch.undo()
     write_reports({"new": 1}, "# md\n", str(target), str(tmp_path / "r.md"), as_json=False)
     assert json.loads(target.read_text()) == {"new": 1} and (tmp_path / "r.md").read_text() == "# md\n"
+
+
+# ---- no engine message names a CLI flag --------------------------------------------------------------------
+#: flags the engine may name, with why: they belong to other programs, not to tqbench's CLI
+FOREIGN_FLAGS = {
+    "deploy/mapping.py": ({"--cache-type-k", "--cache-type-v", "--kv-cache-dtype", "--kv-cache-dtype-skip-layers",
+                           "--model-path", "--extra_llm_api_options"}, "the deploy targets' own flags"),
+    "codecs/engine_formats.py": ({"--kv-cache-dtype"}, "vLLM's and SGLang's flag that selects the format"),
+    "models/resolve.py": ({"--no-deps", "--force-reinstall"}, "pip's flags in an install hint"),
+}
+
+
+def _engine_strings():
+    """(file relative to the engine, line, text) of every string literal in the engine but docstrings."""
+    import ast
+    from pathlib import Path
+
+    import tqbench.engine
+
+    root = Path(tqbench.engine.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                yield path.relative_to(root).as_posix(), node.lineno, node.value
+
+
+def test_no_engine_message_names_a_cli_flag():
+    import re
+
+    found = []
+    for rel, line, text in _engine_strings():
+        allowed = FOREIGN_FLAGS.get(rel, (set(), ""))[0]
+        found += [f"{rel}:{line}: {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+                  if flag not in allowed]
+    assert not found, "engine messages name CLI flags (name the field; the CLI spells it):\n" + "\n".join(found)
+
+
+def test_the_scan_reads_f_strings_and_not_docstrings():
+    texts = {(rel, text) for rel, _, text in _engine_strings()}
+    assert ("request.py", " is invalid: ") in texts  # a literal part of an f-string
+    assert not any(text.startswith("What a front end asks") for rel, text in texts if rel == "request.py")
+
+
+def test_the_cli_spells_an_engine_field_as_its_flag():
+    from click.testing import CliRunner
+
+    from tqbench.cli.group import main
+
+    r = CliRunner().invoke(main, ["--headless", "kv-estimate", "--seq-len", "0"])
+    assert r.exit_code == 2 and "error: --seq-len=0 is invalid: use at least 1 token" in r.stderr
+    from tqbench.engine.cache import kv_estimate, model_geometry
+    from tqbench.engine.request import RequestError
+
+    with pytest.raises(RequestError, match=r"^seq_len=0 is invalid: use at least 1 token$"):
+        kv_estimate(model_geometry("default"), ["fp16"], 0)

@@ -14,7 +14,7 @@ from tqbench.engine.policy.artifact import artifact_warning_for
 
 SHIPPED = "smollm2-alloc-2.5bit"
 FITTED = ("this policy was fitted on SmolLM2-135M-Instruct (fingerprint fd81e99705258ac1), not on this model "
-          "(fingerprint {fp}): its allocation may not suit it; run `tqbench --headless allocate` for this model")
+          "(fingerprint {fp}): its allocation may not suit it; allocate a policy for this model")
 
 
 def fitting_artifact(tmp_path):

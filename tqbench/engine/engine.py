@@ -73,7 +73,7 @@ class Engine:
     def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0) -> torch.Tensor:
         """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template."""
         if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("the prompt is empty: give some text with --prompt or --prompt-file")
+            raise ValueError("the prompt is empty: give some text")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat and has_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

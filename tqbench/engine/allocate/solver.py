@@ -232,7 +232,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
-            "bits/element; raise --budget, add a cheaper codec or shrink --sink/--recent"
+            "bits/element; raise the budget, add a cheaper codec or shrink the sink / recent window"
         )
     return best
 

@@ -20,6 +20,7 @@ from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import FP_BYTES, window_start
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 
 __all__ = [
     "KVEstimate",
@@ -191,11 +192,11 @@ class KVEstimateReport:
 def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
                 memory_budget_bytes: int | None = None) -> KVEstimateReport:
     if seq_len < 1:
-        raise ValueError(f"--seq-len {seq_len} is invalid: use at least 1 token")
+        raise RequestError("seq_len", seq_len, "use at least 1 token")
     if batch < 1:
-        raise ValueError(f"--batch {batch} is invalid: use at least 1")
+        raise RequestError("batch", batch, "use at least 1")
     if not policies:
-        raise ValueError("no policy given: use --kv-policy fp16,turbo4")
+        raise RequestError("policies", list(policies), "give at least one policy, e.g. fp16,turbo4")
     rep = KVEstimateReport(model, seq_len, batch, memory_budget_bytes)
     for text in policies:
         pol = parse_policy(text)

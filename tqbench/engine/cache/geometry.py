@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqbench.constants import MODELS_DATA_DIR
+from tqbench.engine.request import RequestError
 
 MODELS_DIR = MODELS_DATA_DIR
 ALIASES = {"default": "SmolLM2-135M", "smollm2-135m-instruct": "SmolLM2-135M",
@@ -61,7 +62,7 @@ def check_supported(config) -> None:
     if why:
         raise UnsupportedModelError(
             f"{model_label(config)} cannot use the compressed cache in any mode: {why}; run it with the plain "
-            "fp16 DynamicCache baseline (no --kv-policy)"
+            "fp16 DynamicCache baseline (no KV policy)"
         )
 
 
@@ -173,7 +174,7 @@ def model_geometry(model: str) -> ModelGeometry:
     if key.lower() not in by_lower:
         raise ValueError(f"unknown model {model!r} for kv-estimate: shipped configs are "
                          f"{', '.join(shipped_models())}; or give a config.json, a model folder, or "
-                         "--layers --kv-heads --head-dim")
+                         "an explicit geometry (layers, kv_heads, head_dim)")
     name = by_lower[key.lower()]
     data = json.loads((MODELS_DIR / f"{name}.json").read_text(encoding="utf-8"))
     return _from_config_dict(name, data, f"shipped config {name}.json")
@@ -186,8 +187,8 @@ def default_geometry() -> KVGeometry:
 
 
 def explicit_geometry(layers: int, kv_heads: int, head_dim: int) -> ModelGeometry:
-    for what, val in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
+    for what, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         if val is None or val < 1:
-            raise ValueError(f"{what} {val} is invalid: give a whole number >= 1")
+            raise RequestError(what, val, "give a whole number >= 1")
     return ModelGeometry("explicit geometry",
                          KVGeometry(layers, kv_heads, head_dim), None, "explicit")

@@ -227,9 +227,9 @@ def compare_policies(
     Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_generation_args(max_new_tokens, quality_threshold)
     if not policies:
-        raise ValueError("no policies to compare: give --policies a,b,c")
+        raise ValueError("no policies to compare: give at least one")
     if not prompts:
-        raise ValueError("no prompts to compare on: give --prompt or --prompt-file")
+        raise ValueError("no prompts to compare on: give at least one")
     base_pol = parse_policy(baseline)
     pols = _parse_policies(policies)
     baseline_mode = baseline_mode or cache_mode

@@ -25,7 +25,7 @@ from tqbench.engine.events import (
 )
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import check_max_new_tokens
+from tqbench.engine.request import RequestError, check_max_new_tokens
 
 WORDS = ("amber", "falcon", "copper", "meadow", "violet", "harbor", "lantern", "cobalt", "juniper", "marble",
          "orchid", "saffron", "thistle", "walnut", "zephyr", "granite", "indigo", "kestrel", "larch", "quartz")
@@ -112,7 +112,7 @@ def _prompts(engine, lengths, depths, chat: bool, max_new_tokens: int, max_conte
             ids = engine.encode_prompt(f"{hay}\n\n{QUESTION}", chat, max_new_tokens)
             if limit and ids.shape[1] + max_new_tokens > limit:
                 raise ValueError(f"length {n} needs {ids.shape[1]} prompt tokens + {max_new_tokens} new, over the "
-                                 f"{limit}-token limit: use shorter --lengths or a larger --max-context")
+                                 f"{limit}-token limit: use shorter lengths or a larger max_context")
             prompts[(n, d)] = (ids, phrase)
     return prompts
 
@@ -144,8 +144,9 @@ def needle_in_haystack(
     """Recall of the baseline and each policy on every (length, depth) cell; ``NiahCell`` per cell.
     Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_max_new_tokens(max_new_tokens)
-    if not lengths or not depths:
-        raise ValueError("give at least one --lengths value and one --depths value")
+    for what, values in (("lengths", lengths), ("depths", depths)):
+        if not values:
+            raise RequestError(what, list(values), "give at least one")
     base_pol = parse_policy(baseline)
     pols = [parse_policy(p) for p in policies]
     prompts = _prompts(engine, lengths, depths, chat, max_new_tokens, max_context, seed)
