@@ -121,3 +121,18 @@ def test_the_cli_spells_an_engine_field_as_its_flag():
 
     with pytest.raises(RequestError, match=r"^seq_len=0 is invalid: use at least 1 token$"):
         kv_estimate(model_geometry("default"), ["fp16"], 0)
+
+
+# ---- the dense fp16 baseline: K rows and V rows, each its own width ----------------------------------------
+def test_dense_fp16_bytes_counts_k_and_v_at_their_own_widths():
+    from tqbench.engine.allocate.solver import budget_bytes, dense_elements
+    from tqbench.engine.cache.geometry import KVGeometry, dense_fp16_bytes, fp16_row_bytes
+
+    g = KVGeometry(4, 2, 32, v_head_dim=8)  # MLA-like: V rows narrower than K rows
+    assert fp16_row_bytes(10, 32) == 10 * 32 * 2
+    assert dense_fp16_bytes(10, 32, 8) == 10 * (32 + 8) * 2 and dense_fp16_bytes(10, 32) == 10 * 64 * 2
+    assert g.dense_fp16_bytes(41) == 2 * 41 * (32 + 8) * 2 and g.dense_fp16_bytes(41, batch=3) == 3 * 2 * 41 * 40 * 2
+    assert estimate_kv("q8k-int4v", g, 41).dense_fp16_bytes == 4 * g.dense_fp16_bytes(41)
+    assert estimate_kv("q8k-int4v", g, 41, batch=2).dense_fp16_bytes == 4 * g.dense_fp16_bytes(41, batch=2)
+    assert dense_elements(g, 41) == 4 * 2 * 41 * (32 + 8)
+    assert budget_bytes(g, 16.0, 41) == 4 * g.dense_fp16_bytes(41)  # 16 bits per element is the fp16 cache

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
+from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_bytes
 from tqbench.engine.cache.report import bits_vs_fp16
-from tqbench.engine.cache.store import FP_BYTES, window_start
+from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
@@ -76,7 +76,7 @@ def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
     rest = tokens - head
     tpu = codec.tokens_per_unit
     packed = max(0, (rest - recent) // tpu) * tpu
-    fp = (tokens - packed) * rows * head_dim * FP_BYTES
+    fp = fp16_row_bytes((tokens - packed) * rows, head_dim)
     if not packed:
         return fp, 0
     units = packed // tpu
@@ -96,7 +96,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         if plan.dense_window:
             # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
             held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
-            dense = batch * g.kv_heads * held * g.row_dims * FP_BYTES
+            dense = g.dense_fp16_bytes(held, batch)
             per_layer.append(dense)
             dense_total += dense
             continue
@@ -114,7 +114,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             if packed:
                 shared.update(codec.shared_items(dim))
         per_layer.append(total)
-        dense_total += batch * g.kv_heads * fp16_held * g.row_dims * FP_BYTES
+        dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())
     return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
 

@@ -76,6 +76,22 @@ def falcon_cache_heads(cfg) -> int:
     return 1
 
 
+#: full-precision rows (sinks, recent window, partial blocks, the fp16 baseline) are counted as fp16, the deployment
+#: dtype
+FP_BYTES = 2
+
+
+def fp16_row_bytes(rows: int, width: int) -> int:
+    """Bytes of ``rows`` rows of ``width`` elements held in fp16 (one role: K or V)."""
+    return rows * width * FP_BYTES
+
+
+def dense_fp16_bytes(rows: int, head_dim: int, v_head_dim: int | None = None) -> int:
+    """What an fp16 cache holds for ``rows`` (batch x KV heads x tokens) K rows ``head_dim`` wide plus as many V
+    rows ``v_head_dim`` wide (None: as wide as K). The one definition of the dense fp16 baseline."""
+    return fp16_row_bytes(rows, head_dim) + fp16_row_bytes(rows, v_head_dim or head_dim)
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
@@ -91,8 +107,12 @@ class KVGeometry:
 
     @property
     def row_dims(self) -> int:
-        """K width + V width: the fp16 bytes of one token of one KV head are 2 * row_dims."""
+        """K width + V width: the elements of one token of one KV head."""
         return self.head_dim + self.v_dim
+
+    def dense_fp16_bytes(self, tokens: int, batch: int = 1) -> int:
+        """What an fp16 cache holds for ``tokens`` tokens of one layer (``dense_fp16_bytes``)."""
+        return dense_fp16_bytes(batch * self.kv_heads * tokens, self.head_dim, self.v_dim)
 
     @classmethod
     def from_config(cls, config) -> KVGeometry:
