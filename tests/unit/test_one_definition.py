@@ -136,3 +136,21 @@ def test_dense_fp16_bytes_counts_k_and_v_at_their_own_widths():
     assert estimate_kv("q8k-int4v", g, 41, batch=2).dense_fp16_bytes == 4 * g.dense_fp16_bytes(41, batch=2)
     assert dense_elements(g, 41) == 4 * 2 * 41 * (32 + 8)
     assert budget_bytes(g, 16.0, 41) == 4 * g.dense_fp16_bytes(41)  # 16 bits per element is the fp16 cache
+
+
+# ---- a sliding layer keeps window - 1 rows -----------------------------------------------------------------
+def test_window_rows_is_the_one_sliding_rule(tiny_engine):
+    from tqbench.engine.cache.geometry import KVGeometry, window_rows
+    from tqbench.engine.cache.layer import TQLayer
+    from tqbench.engine.policy import parse_policy
+
+    assert window_rows(8) == 7 and window_rows(None) is None
+    g = KVGeometry(2, 1, 16, ("sliding_attention", "full_attention"), 8)
+    assert g.window_rows == 7 and g.window_held(5) == 5 and g.window_held(40) == 7
+    assert KVGeometry(2, 1, 16).window_held(40) == 40
+    pol = parse_policy("turbo4,sliding=compress")
+    plans = pol.plan(2, ["sliding_attention", "full_attention"])
+    assert [TQLayer(p, "compressed", pol, 8).window for p in plans] == [7, None]
+    # the dense basis holds the window on the sliding layer (bypassed or compressed), everything on the full one
+    for text in ("turbo4", "turbo4,sliding=compress"):
+        assert estimate_kv(text, g, 40).dense_fp16_bytes == g.dense_fp16_bytes(7) + g.dense_fp16_bytes(40)

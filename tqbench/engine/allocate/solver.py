@@ -192,8 +192,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     fixed = 0  # sliding-window layers' dense windows
     for p in plans:
         if p.dense_window:
-            held = min(context, (g.sliding_window - 1) if g.sliding_window else context)
-            fixed += g.dense_fp16_bytes(held)
+            fixed += g.dense_fp16_bytes(g.window_held(context))
     total_budget = budget_bytes(g, budget_bits, context)
     items = table.units()
     ub = unit_bytes(table, base, g, context)

@@ -94,8 +94,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
     dense_total = 0
     for plan in plans:
         if plan.dense_window:
-            # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
-            held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
+            held = g.window_held(seq_len)  # transformers' DynamicSlidingWindowLayer
             dense = g.dense_fp16_bytes(held, batch)
             per_layer.append(dense)
             dense_total += dense
@@ -104,10 +103,9 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         codecs = list(zip(pol.layer_codecs(plan, g.kv_heads), (plan.k, plan.v)))
         held, fp16_held = seq_len, seq_len
         if plan.sliding and g.sliding_window:  # a window-bounded store (store.window_start)
-            keep = g.sliding_window - 1
             align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
-            held = seq_len - window_start(seq_len, keep, align)
-            fp16_held = min(seq_len, keep)
+            held = seq_len - window_start(seq_len, g.window_rows, align)
+            fp16_held = g.window_held(seq_len)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
             nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += nbytes

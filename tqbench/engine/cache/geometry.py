@@ -92,6 +92,12 @@ def dense_fp16_bytes(rows: int, head_dim: int, v_head_dim: int | None = None) ->
     return fp16_row_bytes(rows, head_dim) + fp16_row_bytes(rows, v_head_dim or head_dim)
 
 
+def window_rows(sliding_window: int | None) -> int | None:
+    """The rows a sliding-window layer keeps between calls: the last ``sliding_window - 1`` (as transformers'
+    ``DynamicSlidingWindowLayer`` keeps them); None without a window. The one definition of that rule."""
+    return sliding_window - 1 if sliding_window else None
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
@@ -109,6 +115,15 @@ class KVGeometry:
     def row_dims(self) -> int:
         """K width + V width: the elements of one token of one KV head."""
         return self.head_dim + self.v_dim
+
+    @property
+    def window_rows(self) -> int | None:
+        """The rows a sliding layer of this model keeps between calls (``window_rows``)."""
+        return window_rows(self.sliding_window)
+
+    def window_held(self, tokens: int) -> int:
+        """Of ``tokens`` seen, the rows a sliding layer holds between calls (all of them without a window)."""
+        return tokens if self.window_rows is None else min(tokens, self.window_rows)
 
     def dense_fp16_bytes(self, tokens: int, batch: int = 1) -> int:
         """What an fp16 cache holds for ``tokens`` tokens of one layer (``dense_fp16_bytes``)."""

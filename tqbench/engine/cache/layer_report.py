@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tqbench.engine.cache.fused.groups import GroupStore
-from tqbench.engine.cache.geometry import dense_fp16_bytes, fp16_row_bytes
+from tqbench.engine.cache.geometry import dense_fp16_bytes, fp16_row_bytes, window_rows
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, HeadSplitCodec, TurboCodec
@@ -88,7 +88,7 @@ def build_report(cache) -> CacheReport:
     rep.notes.extend(slow)  # the append path's fast path did not run: say so, and why
     if windowed:
         rep.notes.append(
-            f"{len(windowed)} sliding-window layers hold only their window ({cache.sliding_window - 1} tokens, "
+            f"{len(windowed)} sliding-window layers hold only their window ({window_rows(cache.sliding_window)} tokens, "
             f"plus up to one codec unit): their bytes and tokens stay bounded at any context"
         )
     verify = sum(la.verify_calls for la in layers)
