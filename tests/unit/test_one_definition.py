@@ -154,3 +154,32 @@ def test_window_rows_is_the_one_sliding_rule(tiny_engine):
     # the dense basis holds the window on the sliding layer (bypassed or compressed), everything on the full one
     for text in ("turbo4", "turbo4,sliding=compress"):
         assert estimate_kv(text, g, 40).dense_fp16_bytes == g.dense_fp16_bytes(7) + g.dense_fp16_bytes(40)
+
+
+# ---- codec names are decoded by one parser ------------------------------------------------------------------
+@pytest.mark.parametrize("spec, family, bits, cls", [
+    ("fp16", "dense", 16, "DenseCodec"), ("bf16", "dense", 16, "DenseCodec"), ("fp32", "dense", 32, "DenseCodec"),
+    ("int8", "affine", 8, "AffineTokenCodec"), ("int2", "affine", 2, "AffineTokenCodec"),
+    ("turbo3", "turbo", 3, "TurboCodec"), ("turbo2.5", "turbo-split", 2.5, "TurboSplitCodec"),
+    ("turbo4-qjl", "turbo-qjl", 4, "TurboProdCodec"), ("q4_0", "ggml", 4, "GgmlCodec"),
+    ("q5_1", "ggml", 5, "GgmlCodec"), ("fp8_e5m2-prefill", "fp8", 8, "Fp8Codec"),
+    ("fp4_mx_block16", "fp4", 4, "Fp4Block16Codec"), ("pcaq2.5", "pcaq", 2.5, "PcaKeyCodec"),
+])
+def test_one_codec_name_parser(spec, family, bits, cls):
+    from tqbench.engine.codecs import nominal_bits, parse_codec_name
+
+    n = parse_codec_name(spec)
+    assert (n.spec, n.family, n.bits) == (spec, family, bits) and nominal_bits(spec) == bits
+    if family != "pcaq":  # a calibrated codec loads its transforms file
+        assert type(codec_from_spec(spec, "v")).__name__ == cls
+
+
+def test_every_registered_codec_name_parses():
+    from tqbench.engine.codecs import CODEC_SPECS, parse_codec_name
+    from tqbench.engine.codecs.names import FAMILIES
+
+    assert {parse_codec_name(s).family for s in CODEC_SPECS} == set(FAMILIES) - {"pcaq"}
+    assert (parse_codec_name("fp8_e4m3").fmt, parse_codec_name("fp8_e4m3").scale) == ("e4m3", "static")
+    for bad in ("turbox", "int", "turbo4-qjlx", "zstd"):
+        with pytest.raises(ValueError, match="is not a codec name"):
+            parse_codec_name(bad)
