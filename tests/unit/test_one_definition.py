@@ -183,3 +183,45 @@ def test_every_registered_codec_name_parses():
     for bad in ("turbox", "int", "turbo4-qjlx", "zstd"):
         with pytest.raises(ValueError, match="is not a codec name"):
             parse_codec_name(bad)
+
+
+# ---- one attention-mask rule for both fused kernel paths ---------------------------------------------------
+def _masks():
+    import torch
+
+    neg = torch.finfo(torch.float32).min
+    want = torch.tensor([[[True, True, False, True]]])
+    bias = torch.zeros(1, 1, 1, 4)
+    bias[..., 2] = -0.5
+    return want, {
+        "bool": want[:, None].clone(),
+        "-inf": torch.tensor([[[[0.0, 0.0, float("-inf"), 0.0]]]]),
+        "finfo.min": torch.tensor([[[[0.0, 0.0, neg, 0.0]]]]),
+        "bias": bias,
+        "per-head": torch.zeros(1, 2, 1, 4),
+    }
+
+
+@pytest.mark.parametrize("path", ["native", "triton"])
+def test_both_kernel_paths_read_a_mask_the_same_way(path):
+    import torch
+
+    if path == "native":
+        from tqbench.engine.cache.fused.native_glue import bool_mask as read
+    else:
+        pytest.importorskip("triton")
+        from tqbench.engine.cache.fused.triton_glue import kernel_mask
+
+        def read(m, seq, total):
+            return kernel_mask(m, seq, total, "cpu")
+
+    want, masks = _masks()
+    for name in ("bool", "-inf", "finfo.min"):
+        assert torch.equal(read(masks[name], 1, 4), want), name
+    assert read(masks["bias"], 1, 4) == "an additive attention bias (not a 0/-inf mask)"  # never read as "attend"
+    assert read(masks["per-head"], 1, 4) == "per-head attention masks"
+    assert read(None, 1, 4) is None  # one query row attends to every row
+    if path == "triton":  # the Triton kernels take the causal mask spelled out
+        assert read(None, 2, 4).tolist() == [[[True, True, True, False], [True, True, True, True]]]
+    else:  # the native kernel applies it itself
+        assert read(None, 2, 4) is None
