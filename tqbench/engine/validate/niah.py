@@ -23,7 +23,7 @@ from tqbench.engine.events import (
     emit,
     raise_if_cancelled,
 )
-from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError, check_max_new_tokens
 
@@ -117,7 +117,7 @@ def _prompts(engine, lengths, depths, chat: bool, max_new_tokens: int, max_conte
     return prompts
 
 
-def _answer(engine, ids, pol: Policy, cache_mode: str, max_new_tokens: int, cancel: CancelFlag | None) -> str:
+def _answer(engine, ids, pol: CheckedPolicy, cache_mode: str, max_new_tokens: int, cancel: CancelFlag | None) -> str:
     res = None
     for ev in engine.stream(ids, pol, cache_mode, max_new_tokens=max_new_tokens, cancel=cancel):
         if isinstance(ev, GenerationFinished):
@@ -147,8 +147,8 @@ def needle_in_haystack(
     for what, values in (("lengths", lengths), ("depths", depths)):
         if not values:
             raise RequestError(what, list(values), "give at least one")
-    base_pol = parse_policy(baseline)
-    pols = [parse_policy(p) for p in policies]
+    base_pol = engine.check_policy(baseline)  # checked once: every cell's cache takes it as it is
+    pols = [engine.check_policy(p) for p in policies]
     prompts = _prompts(engine, lengths, depths, chat, max_new_tokens, max_context, seed)
     result = NiahResult(engine.name, base_pol.label, [p.label for p in pols], list(lengths), list(depths), cache_mode)
     total = len(prompts) * (1 + len(pols))

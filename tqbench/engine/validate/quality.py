@@ -189,7 +189,7 @@ def teacher_forced_quality(
     """
     if isinstance(candidates, (str, Policy)):
         candidates = [candidates]
-    pols = [parse_policy(c) for c in candidates]
+    pols = [engine.check_policy(c) for c in candidates]  # checked once, before the baseline runs
     ids, prefill, source = _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens, cancel)
     base = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
     results = [teacher_forced(engine, ids, prefill, p, cache_mode, baseline=base, on_event=on_event, cancel=cancel,
