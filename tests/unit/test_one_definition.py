@@ -1,4 +1,5 @@
-"""Rules written once: bits per element, "every fused call ran in a kernel", and atomic file writes."""
+"""Rules written once: bits per element, "every fused call ran in a kernel", atomic file writes, no CLI flag in an
+engine message, the dense fp16 bytes, a sliding layer's window - 1 rows, codec names, the fused kernels' mask."""
 
 from __future__ import annotations
 
