@@ -198,7 +198,7 @@ def test_a_fit_for_another_model_is_refused_with_what_to_do(tiny_engine, tiny_fi
                                  dict(tr.tensors), tr.calibration)
     path = save_transforms(other, tmp_path / "other.safetensors")
     with pytest.raises(TransformsMismatch, match=r"fitted on SomeOtherModel \(fingerprint 0123456789abcdef\).*"
-                                                 r"not on this model.*tqbench --headless calibrate"):
+                                                 r"not on this model.*tqbench calibrate"):
         tiny_engine.make_cache(f"k=pcaq2,v=turbo2,calib={path}", "compressed")
     # the same geometry check from a config alone (TQCache without an engine): a fit of other head shapes
     bad = CalibratedTransforms("SmolLM2", "fd81e99705258ac1", 4, 3, 64, {

@@ -24,7 +24,7 @@ def one_line_error(r, text: str) -> None:
 
 @pytest.mark.parametrize("args,text", [
     (["validate", "--candidate", "turbo9"], "unknown policy preset 'turbo9': valid presets are"),
-    (["validate", "--max-new-tokens", "0"], "max_new_tokens=0 is invalid: ask for at least 1 token"),
+    (["validate", "--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: ask for at least 1 token"),
     (["validate", "--prompt-file", "/nonexistent/p.txt"], "prompt file '/nonexistent/p.txt' does not exist"),
     (["validate", "--self-test", "--candidate", "turbo4"], "--self-test compares the baseline with itself"),
     (["validate", "--prompt", "x", "--prompt-file", "y"], "give either --prompt or --prompt-file, not both"),

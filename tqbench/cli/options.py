@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from tqbench.cli.flags import spelled
 from tqbench.constants import COMPARE_PROMPTS, DEFAULT_PROMPT
 
 
@@ -32,7 +33,8 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except (ValueError, ModelLoadError, FileNotFoundError) as exc:
-            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            text = spelled(exc)  # an engine field named as this command's flag
+            fail(text.splitlines()[0] if text else type(exc).__name__)
 
     return wrapper
 

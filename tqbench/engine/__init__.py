@@ -33,6 +33,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "load_model": (_MODELS, "load_model"),
     "resolve_model": (_MODELS, "resolve_model"),
     "Policy": (_POLICY, "Policy"),
+    "CheckedPolicy": (_POLICY, "CheckedPolicy"),
     "parse_policy": (_POLICY, "parse_policy"),
     "PRESETS": (_POLICY, "PRESETS"),
     "get_preset": (_POLICY, "get_preset"),

@@ -16,7 +16,7 @@ def check_output_path(path: str | os.PathLike, suffix: str, what: str) -> Path:
     if path.suffix != suffix:
         raise ValueError(f"{what} {str(path)!r} must end in {suffix}")
     if not path.parent.is_dir():
-        raise ValueError(f"folder {str(path.parent)!r} does not exist: create it or pick another --out path")
+        raise ValueError(f"folder {str(path.parent)!r} does not exist: create it or pick another path")
     return path
 
 

@@ -157,7 +157,7 @@ def test_falcon_fused_is_refused_before_generation_and_the_engine_stays_usable()
     msg = str(err.value)
     assert msg.startswith("FalconForCausalLM cannot run the fused cache mode: its attention does not go through "
                           "transformers' AttentionInterface")
-    assert "use --cache-mode compressed / simulate / dense-shadow" in msg
+    assert "use cache mode compressed / simulate / dense-shadow" in msg
     assert eng.model.config._attn_implementation == "sdpa"
     assert _gen(eng, None, "compressed").token_ids == before
     assert len(_gen(eng, "turbo4", "compressed").token_ids) == 12

@@ -21,8 +21,7 @@ import numpy as np
 from tqbench.engine.allocate.chunk import build_codec
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
-from tqbench.engine.cache.geometry import KVGeometry
-from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.cache.geometry import FP_BYTES, KVGeometry
 from tqbench.engine.codecs.base import bits_per_element
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.policy.spec import Policy
@@ -168,8 +167,13 @@ def _solve_dp(costs: list[list[int]], kls: list[list[float]], budget: int) -> li
     return out[::-1]
 
 
+def dense_elements(g: KVGeometry, context: int) -> int:
+    """K and V elements of every layer at ``context`` tokens: what a budget in bits per element is over."""
+    return g.num_layers * g.dense_fp16_bytes(context) // FP_BYTES
+
+
 def budget_bytes(g: KVGeometry, budget_bits: float, context: int) -> int:
-    return int(budget_bits * 2 * g.kv_heads * context * g.head_dim * g.num_layers / 8)
+    return int(budget_bits * dense_elements(g, context) / 8)
 
 
 def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits: float, context: int,
@@ -184,12 +188,11 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
     g = geometry
     plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
-    dense_elems = 2 * g.kv_heads * context * g.head_dim * g.num_layers
+    dense_elems = dense_elements(g, context)
     fixed = 0  # sliding-window layers' dense windows
     for p in plans:
         if p.dense_window:
-            held = min(context, (g.sliding_window - 1) if g.sliding_window else context)
-            fixed += 2 * g.kv_heads * held * g.head_dim * FP_BYTES
+            fixed += g.dense_fp16_bytes(g.window_held(context))
     total_budget = budget_bytes(g, budget_bits, context)
     items = table.units()
     ub = unit_bytes(table, base, g, context)
@@ -232,7 +235,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
-            "bits/element; raise --budget, add a cheaper codec or shrink --sink/--recent"
+            "bits/element; raise the budget, add a cheaper codec or shrink the sink / recent window"
         )
     return best
 

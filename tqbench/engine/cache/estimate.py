@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
+from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_bytes
 from tqbench.engine.cache.report import bits_vs_fp16
-from tqbench.engine.cache.store import FP_BYTES, window_start
+from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 
 __all__ = [
     "KVEstimate",
@@ -75,7 +76,7 @@ def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
     rest = tokens - head
     tpu = codec.tokens_per_unit
     packed = max(0, (rest - recent) // tpu) * tpu
-    fp = (tokens - packed) * rows * head_dim * FP_BYTES
+    fp = fp16_row_bytes((tokens - packed) * rows, head_dim)
     if not packed:
         return fp, 0
     units = packed // tpu
@@ -93,9 +94,8 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
     dense_total = 0
     for plan in plans:
         if plan.dense_window:
-            # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
-            held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
-            dense = batch * g.kv_heads * held * g.row_dims * FP_BYTES
+            held = g.window_held(seq_len)  # transformers' DynamicSlidingWindowLayer
+            dense = g.dense_fp16_bytes(held, batch)
             per_layer.append(dense)
             dense_total += dense
             continue
@@ -103,17 +103,16 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         codecs = list(zip(pol.layer_codecs(plan, g.kv_heads), (plan.k, plan.v)))
         held, fp16_held = seq_len, seq_len
         if plan.sliding and g.sliding_window:  # a window-bounded store (store.window_start)
-            keep = g.sliding_window - 1
             align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
-            held = seq_len - window_start(seq_len, keep, align)
-            fp16_held = min(seq_len, keep)
+            held = seq_len - window_start(seq_len, g.window_rows, align)
+            fp16_held = g.window_held(seq_len)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
             nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += nbytes
             if packed:
                 shared.update(codec.shared_items(dim))
         per_layer.append(total)
-        dense_total += batch * g.kv_heads * fp16_held * g.row_dims * FP_BYTES
+        dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())
     return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
 
@@ -191,11 +190,11 @@ class KVEstimateReport:
 def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
                 memory_budget_bytes: int | None = None) -> KVEstimateReport:
     if seq_len < 1:
-        raise ValueError(f"--seq-len {seq_len} is invalid: use at least 1 token")
+        raise RequestError("seq_len", seq_len, "use at least 1 token")
     if batch < 1:
-        raise ValueError(f"--batch {batch} is invalid: use at least 1")
+        raise RequestError("batch", batch, "use at least 1")
     if not policies:
-        raise ValueError("no policy given: use --kv-policy fp16,turbo4")
+        raise RequestError("policies", list(policies), "give at least one policy, e.g. fp16,turbo4")
     rep = KVEstimateReport(model, seq_len, batch, memory_budget_bytes)
     for text in policies:
         pol = parse_policy(text)

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import replace
 
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.grammar import get_preset, parse_compact
 from tqbench.engine.policy.presets import PRESETS, shipped_policy_path
 from tqbench.engine.policy.spec import FittedOn, Policy
@@ -47,8 +48,10 @@ def load_policy_file(path: str) -> Policy:
     return pol if pol.name else pol.with_name(os.path.splitext(os.path.basename(path))[0])
 
 
-def parse_policy(text: str | Policy) -> Policy:
-    """A preset name, a compact string, or a path to a .json/.toml policy file."""
+def parse_policy(text: str | Policy | CheckedPolicy) -> Policy:
+    """A preset name, a compact string, or a path to a .json/.toml policy file (a ``CheckedPolicy``: its policy)."""
+    if isinstance(text, CheckedPolicy):
+        return text.policy
     if isinstance(text, Policy):
         return text
     text = text.strip()

@@ -21,7 +21,7 @@ _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS
 def parse_compact(text: str) -> Policy:
     text = text.strip()
     if not text:
-        raise ValueError("empty policy: give a preset name (see `tqbench --headless policies`) or k=...,v=...")
+        raise ValueError("empty policy: give a preset name or k=...,v=...")
     items = [p.strip() for p in text.split(",") if p.strip()]
     base = Policy()
     if "=" not in items[0]:

@@ -81,7 +81,7 @@ class FittedOn:
         fitted = f"{self.name or '?'} (fingerprint {self.fingerprint or '?'})"
         if fingerprint is not None and self.fingerprint and self.fingerprint != fingerprint:
             return (f"this policy was fitted on {fitted}, not on this model (fingerprint {fingerprint}): its "
-                    "allocation may not suit it; run `tqbench --headless allocate` for this model")
+                    "allocation may not suit it; allocate a policy for this model")
         if geometry is not None:
             want = (self.num_layers, self.kv_heads, self.head_dim)
             have = (geometry.num_layers, geometry.kv_heads, geometry.head_dim)

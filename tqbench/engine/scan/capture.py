@@ -15,6 +15,7 @@ import torch
 
 from tqbench.engine.events import CancelFlag, OnEvent, QKVCaptured, emit, raise_if_cancelled
 from tqbench.engine.policy.layers import select_layers
+from tqbench.engine.request import RequestError
 
 CAPTURE_ATTN = "tqbench_capture"
 CAPTURE_ATTN_EAGER = "tqbench_capture_eager"
@@ -116,7 +117,7 @@ def resolve_layers(layers, num_layers: int) -> list[int]:
     if isinstance(layers, str):
         parts = [p.strip() for p in layers.replace(",", "+").split("+") if p.strip()]
         if not parts:
-            raise ValueError("empty --layers: give indices like 0,3,-1 or a selector like first2+last2")
+            raise RequestError("layers", layers, "give indices like 0,3,-1 or a selector like first2+last2")
         layers = "+".join(parts)
         return sorted(select_layers(layers, num_layers))
     out = set()

@@ -115,7 +115,7 @@ def parse_thresholds(text: str | dict | None) -> dict[str, float]:
                              f"(or kl, out, cos, score, kmse, vmse)")
         out[key] = float(val)
     if not out:
-        raise ValueError("no thresholds given: e.g. --thresholds kl=0.02,out=0.15")
+        raise ValueError("no thresholds given: e.g. kl=0.02,out=0.15")
     return out
 
 

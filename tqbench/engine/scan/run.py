@@ -33,6 +33,7 @@ from tqbench.engine.codecs import (
 )
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, ScanLayerDone, emit, raise_if_cancelled
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 from tqbench.engine.scan.capture import Capture, LayerQKV, capture_qkv
 from tqbench.engine.scan.metrics import (
     THRESHOLD_METRICS,
@@ -77,7 +78,7 @@ def default_codecs(engine, calib: str = "") -> list[str]:
 
 def resolve_codecs(codecs=None, preset: str | None = None) -> list[str]:
     if codecs is not None and preset is not None:
-        raise ValueError("give either --codecs or --preset, not both")
+        raise ValueError("give either codecs or a codec preset, not both")
     if preset is not None:
         if preset not in CODEC_PRESETS:
             raise ValueError(f"unknown codec preset {preset!r}: valid presets are {', '.join(CODEC_PRESETS)}")
@@ -87,7 +88,7 @@ def resolve_codecs(codecs=None, preset: str | None = None) -> list[str]:
     if isinstance(codecs, str):
         codecs = [c.strip() for c in codecs.split(",") if c.strip()]
     if not codecs:
-        raise ValueError("empty --codecs: give codec names like int8,turbo4,turbo3")
+        raise RequestError("codecs", codecs, "give codec names like int8,turbo4,turbo3")
     for c in codecs:
         if c not in CODEC_SPECS and not is_calibrated_spec(c):
             raise ValueError(f"unknown codec {c!r}: valid codecs are {', '.join(CODEC_SPECS)} "

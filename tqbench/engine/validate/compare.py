@@ -31,6 +31,7 @@ from tqbench.engine.metrics import (
     decide_verdict,
     worst_verdict,
 )
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.presets import PRESETS
 from tqbench.engine.policy.spec import Policy
@@ -158,7 +159,7 @@ def _steps(base: _Run, cand: _Run) -> list[StepRecord]:
     return [step_record(i, at(base, i), at(cand, i)) for i in range(max(len(base.tokens), len(cand.tokens)))]
 
 
-def _cell(pol: Policy, i: int, base: _Run, cand: _Run, quality_threshold: float) -> dict:
+def _cell(pol: CheckedPolicy, i: int, base: _Run, cand: _Run, quality_threshold: float) -> dict:
     """One (policy, prompt) cell: the candidate run compared with the stored baseline, as ``validate`` does."""
     steps = _steps(base, cand)
     comp = compare_tokens(base.result.token_ids, cand.result.token_ids)
@@ -227,11 +228,11 @@ def compare_policies(
     Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_generation_args(max_new_tokens, quality_threshold)
     if not policies:
-        raise ValueError("no policies to compare: give --policies a,b,c")
+        raise ValueError("no policies to compare: give at least one")
     if not prompts:
-        raise ValueError("no prompts to compare on: give --prompt or --prompt-file")
-    base_pol = parse_policy(baseline)
-    pols = _parse_policies(policies)
+        raise ValueError("no prompts to compare on: give at least one")
+    base_pol = engine.check_policy(baseline)  # checked once: every cell's cache takes it as it is
+    pols = [engine.check_policy(p) for p in _parse_policies(policies)]
     baseline_mode = baseline_mode or cache_mode
     ids = [engine.encode_prompt(p, chat, max_new_tokens) for p in prompts]
     total = len(pols) * len(prompts) + len(prompts)
@@ -263,7 +264,7 @@ def compare_policies(
             emit(on_event, CompareCell(pol.label, i, cell["verdict"], cell["comparison"]["token_match_ratio"],
                                        logits["kl_mean"] if logits else None))
         result.cells.extend(cells)
-        result.rows.append(_row(pol, cells))
+        result.rows.append(_row(pol.policy, cells))
     progress("done")
     result.recommendation = recommend_policy(result.rows, base_pol.label, storage_only)
     return result

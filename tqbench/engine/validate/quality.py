@@ -23,6 +23,7 @@ from tqbench.engine.generate import prefill as prefill_ids
 from tqbench.engine.metrics import teacher_forced_stats
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 from tqbench.engine.validate.steps import check_generation_args
 
 JOB = "teacher-forced quality"
@@ -149,8 +150,9 @@ def _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_t
             cancel: CancelFlag | None) -> tuple[torch.Tensor, int, str]:
     """(ids [1, N], prefill, source) from a corpus text, or from the prompt plus the baseline's continuation."""
     if corpus is not None:
-        if context_tokens < 1 or eval_tokens < 1:
-            raise ValueError("--tf-context and --tf-tokens must be at least 1")
+        for what, value in (("context_tokens", context_tokens), ("eval_tokens", eval_tokens)):
+            if value < 1:
+                raise RequestError(what, value, "use at least 1")
         return corpus_ids(engine.tokenizer, corpus, context_tokens + eval_tokens + 1), context_tokens, \
             f"corpus:{corpus}"
     if prompt is None:
@@ -187,7 +189,7 @@ def teacher_forced_quality(
     """
     if isinstance(candidates, (str, Policy)):
         candidates = [candidates]
-    pols = [parse_policy(c) for c in candidates]
+    pols = [engine.check_policy(c) for c in candidates]  # checked once, before the baseline runs
     ids, prefill, source = _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens, cancel)
     base = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
     results = [teacher_forced(engine, ids, prefill, p, cache_mode, baseline=base, on_event=on_event, cancel=cancel,

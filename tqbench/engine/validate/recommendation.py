@@ -17,14 +17,14 @@ STATUS = {
 }
 NEXT_STEP = {
     "safe": "use it; try the next more aggressive policy to find the edge",
-    "usable-with-care": "use it where small late wording changes are acceptable; check with --teacher-forced",
+    "usable-with-care": "use it where small late wording changes are acceptable; check its teacher-forced quality",
     "risky": "not for exact reproduction; try the next safer policy",
     "unsafe": "do not use; try the next safer policy",
 }
 STORAGE_ONLY = {
     "status": "storage-only",
     "cause_hint": "dense-shadow mode: attention read exact K/V, so the tokens say nothing about quality",
-    "next_step": "rerun with --cache-mode compressed (or simulate / fused) for a quality verdict",
+    "next_step": "rerun in compressed cache mode (or simulate / fused) for a quality verdict",
 }
 
 

@@ -15,22 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from tqbench.engine.cache.fused.layout import kernel_sides
+from tqbench.engine.cache.fused.masks import bool_mask
 from tqbench.kernels.cpu.attention import native_attention_batch
-
-
-def _bool_mask(attention_mask, seq: int, total: int):
-    """``[B, L, total]`` bool (True = attend), ``None`` (no mask), or a string saying why the kernel cannot."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-        return "per-head attention masks"
-    m = attention_mask[:, 0, -seq:, -total:]
-    if m.dtype == torch.bool:
-        return m
-    keep = m == 0
-    if not bool((keep | (m <= torch.finfo(m.dtype).min / 2)).all()):
-        return "an additive attention bias (not a 0/-inf mask)"
-    return keep
 
 
 def _record(layer, call, seq: slice) -> None:
@@ -48,7 +34,7 @@ def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: flo
     if isinstance(sides, str):
         return sides
     ks, vs, total, extra = sides
-    mask = _bool_mask(attention_mask, query.shape[2], total)
+    mask = bool_mask(attention_mask, query.shape[2], total)
     if isinstance(mask, str):
         return mask
     out, call = native_attention_batch(query, [ks], [vs], scaling, masks=[mask], softcap=softcap, sinks=sinks,
@@ -75,7 +61,7 @@ def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Seq
         if isinstance(sides, str):
             return sides
         ks, vs, total, x = sides
-        m = _bool_mask(None if masks is None else masks[i], query.shape[2], total)
+        m = bool_mask(None if masks is None else masks[i], query.shape[2], total)
         if isinstance(m, str):
             return m
         k_sides.append(ks)
