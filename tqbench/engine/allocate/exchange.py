@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tqbench.engine.allocate.chunk import ChunkRunner, quantized_rows
+from tqbench.engine.allocate.chunk import ChunkRunner
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.allocate.solver import (
     Allocation,
@@ -75,11 +75,7 @@ class JointMeasure:
     def _q(self, policy: Policy, spec: str, role: str, layer: int, head: int | None) -> torch.Tensor:
         key = (policy.sink, policy.recent, policy.to_string(), spec, role, layer, head)
         if key not in self._rows:
-            src = (self.runner.keys if role == "k" else self.runner.values)[layer]
-            if head is None:
-                out = quantized_rows(policy, spec, role, src, layer)
-            else:
-                out = quantized_rows(policy, spec, role, src[:, head:head + 1], layer, (head,))
+            out = self.runner.quantized(policy, spec, role, layer, head)
             if len(self._rows) >= self._max:
                 self._rows.pop(next(iter(self._rows)))
             self._rows[key] = out
@@ -193,7 +189,7 @@ def improve(
     ub = unit_bytes(table, pol, geometry, context)
     used = sum(ub[u][c] for u, c in alloc.choice.items())
     # the units may use the bytes the solve used plus what estimate_kv says is still free
-    room = used + max(0, budget_bytes(geometry, budget_bits, context) - alloc.estimate.total_bytes)
+    room = used + max(0, budget_bytes(geometry, budget_bits, context, pol) - alloc.estimate.total_bytes)
     tried: set[frozenset] = {frozenset(alloc.choice.items())}
     while count < max_measurements:
         raise_if_cancelled(cancel, JOB)

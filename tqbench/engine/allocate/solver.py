@@ -22,7 +22,7 @@ from tqbench.engine.allocate.chunk import build_codec
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
 from tqbench.engine.cache.geometry import KVGeometry
-from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.cache.store import FP_BYTES, window_start
 from tqbench.engine.codecs.base import bits_per_element
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.policy.spec import Policy
@@ -110,15 +110,22 @@ def choice_policy(choice: dict, base: Policy, geometry: KVGeometry, name: str | 
 def unit_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> dict[tuple, dict[str, int]]:
     """Exact bytes of every unit's choices at ``context`` tokens (a calibrated codec's basis and tables for the
     heads the unit serves included)."""
+    plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     out: dict[tuple, dict[str, int]] = {}
     for unit in table.units():
         layer, role = unit[0], unit[1]
         heads = (unit[2],) if len(unit) == 3 else None
         n = 1 if heads else g.kv_heads
+        plan = plans[layer]
         row = {}
         for spec in table.choices(role):
             codec = build_codec(base, spec, role, layer, heads)
-            nbytes, _ = store_bytes(codec, base.sink, base.recent, context, 1, n, g.head_dim)
+            if plan.sliding and g.sliding_window:  # a window-bounded store (aligned to this codec's units alone:
+                # the layer's K/V alignment, and so its bytes, can differ by a unit; estimate_kv checks the sum)
+                held = context - window_start(context, g.sliding_window - 1, codec.tokens_per_unit)
+                nbytes, _ = store_bytes(codec, plan.sink, plan.recent, held, 1, n, g.head_dim)
+            else:
+                nbytes, _ = store_bytes(codec, plan.sink, plan.recent, context, 1, n, g.head_dim)
             if is_calibrated_spec(spec):  # its basis and tables for the heads it serves
                 nbytes += sum(codec.shared_items(g.head_dim).values())
             row[spec] = nbytes
@@ -168,8 +175,25 @@ def _solve_dp(costs: list[list[int]], kls: list[list[float]], budget: int) -> li
     return out[::-1]
 
 
-def budget_bytes(g: KVGeometry, budget_bits: float, context: int) -> int:
-    return int(budget_bits * 2 * g.kv_heads * context * g.head_dim * g.num_layers / 8)
+def dense_elements(g: KVGeometry, context: int, base: Policy | None = None) -> int:
+    """The K/V elements an fp16 cache holds at ``context`` tokens under ``base``'s layer plan (``estimate_kv``'s
+    basis: a sliding-window layer holds its window, ``window - 1`` rows, whether bypassed or compressed)."""
+    pol = replace(base or Policy(), k="fp16", v="fp16", protect="", overrides=())  # the basis needs no codec
+    return estimate_kv(pol, g, context).dense_fp16_bytes // FP_BYTES
+
+
+def budget_bytes(g: KVGeometry, budget_bits: float, context: int, base: Policy | None = None) -> int:
+    """The most bytes a cache may hold at ``context`` tokens for ``budget_bits`` per element (exactly
+    ``estimate_kv``'s bits per element: over the elements an fp16 cache would hold, ``dense_elements``)."""
+    return int(budget_bits * dense_elements(g, context, base) / 8)
+
+
+def fixed_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> int:
+    """Bytes of the layers the table offers no choice for (sliding-window layers ``base`` bypasses or keeps
+    dense): what they hold in every allocation (fp16, as ``layer_specs`` leaves them)."""
+    est = estimate_kv(choice_policy({}, base, g), g, context)
+    offered = set(table.layers)
+    return sum(b for layer, b in enumerate(est.layer_bytes) if layer not in offered)
 
 
 def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits: float, context: int,
@@ -183,14 +207,9 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     if budget_bits <= 0:
         raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
     g = geometry
-    plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
-    dense_elems = 2 * g.kv_heads * context * g.head_dim * g.num_layers
-    fixed = 0  # sliding-window layers' dense windows
-    for p in plans:
-        if p.dense_window:
-            held = min(context, (g.sliding_window - 1) if g.sliding_window else context)
-            fixed += 2 * g.kv_heads * held * g.head_dim * FP_BYTES
-    total_budget = budget_bytes(g, budget_bits, context)
+    dense_elems = dense_elements(g, context, base)
+    fixed = fixed_bytes(table, base, g, context)  # sliding-window layers' windows the table offers no choice for
+    total_budget = budget_bytes(g, budget_bits, context, base)
     items = table.units()
     ub = unit_bytes(table, base, g, context)
     specs = [table.choices(u[1]) for u in items]
@@ -243,7 +262,7 @@ def allocation_of(choice: dict, table: SensitivityTable, geometry: KVGeometry, b
     (``estimate_kv``) are over the budget."""
     pol = choice_policy(choice, base, geometry, name)
     est = estimate_kv(pol, geometry, context)
-    if est.total_bytes > budget_bytes(geometry, budget_bits, context) or est.bits_per_element > budget_bits + 1e-12:
+    if est.total_bytes > budget_bytes(geometry, budget_bits, context, base) or est.bits_per_element > budget_bits + 1e-12:
         return None
     k, v = layer_specs(choice, geometry.num_layers, geometry.kv_heads)
     pred = sum(table.kl[u][c] for u, c in choice.items())
