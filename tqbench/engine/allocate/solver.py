@@ -23,7 +23,6 @@ from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.store import FP_BYTES, window_start
-from tqbench.engine.codecs.base import bits_per_element
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.policy.spec import Policy
 
@@ -110,6 +109,11 @@ def choice_policy(choice: dict, base: Policy, geometry: KVGeometry, name: str | 
 def unit_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> dict[tuple, dict[str, int]]:
     """Exact bytes of every unit's choices at ``context`` tokens (a calibrated codec's basis and tables for the
     heads the unit serves included)."""
+    return {u: {c: b for c, (b, _) in row.items()} for u, row in _unit_stores(table, base, g, context).items()}
+
+
+def _unit_stores(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> dict:
+    """``unit_bytes`` with the packed token count: unit -> spec -> (bytes, packed tokens)."""
     plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     out: dict[tuple, dict[str, int]] = {}
     for unit in table.units():
@@ -123,12 +127,12 @@ def unit_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: in
             if plan.sliding and g.sliding_window:  # a window-bounded store (aligned to this codec's units alone:
                 # the layer's K/V alignment, and so its bytes, can differ by a unit; estimate_kv checks the sum)
                 held = context - window_start(context, g.sliding_window - 1, codec.tokens_per_unit)
-                nbytes, _ = store_bytes(codec, plan.sink, plan.recent, held, 1, n, g.head_dim)
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, 1, n, g.head_dim)
             else:
-                nbytes, _ = store_bytes(codec, plan.sink, plan.recent, context, 1, n, g.head_dim)
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, context, 1, n, g.head_dim)
             if is_calibrated_spec(spec):  # its basis and tables for the heads it serves
                 nbytes += sum(codec.shared_items(g.head_dim).values())
-            row[spec] = nbytes
+            row[spec] = (nbytes, packed)
         out[unit] = row
     return out
 
@@ -207,11 +211,13 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     if budget_bits <= 0:
         raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
     g = geometry
-    dense_elems = dense_elements(g, context, base)
     fixed = fixed_bytes(table, base, g, context)  # sliding-window layers' windows the table offers no choice for
     total_budget = budget_bytes(g, budget_bits, context, base)
     items = table.units()
-    ub = unit_bytes(table, base, g, context)
+    stores = _unit_stores(table, base, g, context)
+    ub = {u: {c: b for c, (b, _) in row.items()} for u, row in stores.items()}
+    # a codec's shared objects count only where it packs rows (a window the recent rows cover packs none)
+    packing = {(u[1], c) for u, row in stores.items() for c, (_, packed) in row.items() if packed}
     specs = [table.choices(u[1]) for u in items]
     exact = [[ub[u][c] for c in cs] for u, cs in zip(items, specs)]
     kls = [[table.kl[u][c] for c in cs] for u, cs in zip(items, specs)]
@@ -224,7 +230,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     while frozenset(reserve_specs) not in tried:
         tried.add(frozenset(reserve_specs))
         for _ in range(6):
-            room = total_budget - fixed - _shared(base, reserve_specs, g.head_dim) - slack
+            room = total_budget - fixed - _shared(base, reserve_specs & packing, g.head_dim) - slack
             picks = _solve_dp(costs, kls, room // quantum) if room >= 0 else None
             if picks is None:
                 break
@@ -245,15 +251,27 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
             best = Allocation(pol, tuple(k), tuple(v), pred, budget_bits, est, choice)
         reserve_specs = {(u[1], cs[j]) for u, cs, j in zip(items, specs, picks)}
     if best is None:
-        cheapest = [min(range(len(row)), key=row.__getitem__) for row in exact]
-        shared = _shared(base, {(u[1], cs[j]) for u, cs, j in zip(items, specs, cheapest)}, g.head_dim)
-        floor = bits_per_element(sum(row[j] for row, j in zip(exact, cheapest)) + fixed + shared, dense_elems)
+        cheapest = {u: cs[min(range(len(row)), key=row.__getitem__)] for u, cs, row in zip(items, specs, exact)}
+        floor = estimate_kv(choice_policy(cheapest, base, g), g, context).bits_per_element
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
-            f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
-            "bits/element; raise --budget, add a cheaper codec or shrink --sink/--recent"
+            f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs {floor:.3f} "
+            f"bits/element{_sliding_hint(base, g, table.layers)}; raise --budget, add a cheaper codec or shrink "
+            "--sink/--recent"
         )
     return best
+
+
+def _sliding_hint(base: Policy, g: KVGeometry, layers: list[int]) -> str:
+    """Why a model with compressed sliding-window layers may not reach a budget (empty when it has none)."""
+    plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
+    sliding = [layer for layer in layers if plans[layer].sliding]
+    if not sliding or not g.sliding_window:
+        return ""
+    held = g.sliding_window - 1
+    covered = f", all of which recent={base.recent} keeps fp16" if base.recent >= held else ""
+    return (f" ({len(sliding)} of its layers are sliding windows holding {held} rows{covered}; bits/element count "
+            "against those rows, shared rotations and codebooks included)")
 
 
 def allocation_of(choice: dict, table: SensitivityTable, geometry: KVGeometry, budget_bits: float, context: int,
