@@ -255,7 +255,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         floor = estimate_kv(choice_policy(cheapest, base, g), g, context).bits_per_element
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
-            f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs {floor:.3f} "
+            f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
             f"bits/element{_sliding_hint(base, g, table.layers)}; raise --budget, add a cheaper codec or shrink "
             "--sink/--recent"
         )
