@@ -203,7 +203,7 @@ class ChunkRunner:
                 self._decoder.layers = self._layers
                 hook.remove()
                 self._start_hidden = None
-        return torch.log_softmax(out.logits.float(), -1)
+        return torch.log_softmax(out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)), -1)
 
     def kl(self, keys: list, values: list, start: int = 0) -> float:
         """Mean KL(exact || candidate) over the chunk, with layers ``< start`` holding the exact K/V."""

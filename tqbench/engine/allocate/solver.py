@@ -121,23 +121,24 @@ def _unit_stores(table: SensitivityTable, base: Policy, g: KVGeometry, context: 
         heads = (unit[2],) if len(unit) == 3 else None
         n = 1 if heads else g.kv_heads
         plan = plans[layer]
+        dim = g.head_dim if role == "k" else g.v_dim  # (MLA caches: K and V rows of different widths)
         row = {}
         for spec in table.choices(role):
             codec = build_codec(base, spec, role, layer, heads)
             if plan.sliding and g.sliding_window:  # a window-bounded store (aligned to this codec's units alone:
                 # the layer's K/V alignment, and so its bytes, can differ by a unit; estimate_kv checks the sum)
                 held = context - window_start(context, g.sliding_window - 1, codec.tokens_per_unit)
-                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, 1, n, g.head_dim)
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, 1, n, dim)
             else:
-                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, context, 1, n, g.head_dim)
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, context, 1, n, dim)
             if is_calibrated_spec(spec):  # its basis and tables for the heads it serves
-                nbytes += sum(codec.shared_items(g.head_dim).values())
+                nbytes += sum(codec.shared_items(dim).values())
             row[spec] = (nbytes, packed)
         out[unit] = row
     return out
 
 
-def _shared(policy: Policy, specs: set[tuple[str, str]], head_dim: int) -> int:
+def _shared(policy: Policy, specs: set[tuple[str, str]], g: KVGeometry) -> int:
     """Bytes of the objects every layer shares (rotations, codebooks) for these (role, spec) choices."""
     items: dict[str, int] = {}
     for role, spec in specs:
@@ -145,7 +146,7 @@ def _shared(policy: Policy, specs: set[tuple[str, str]], head_dim: int) -> int:
             continue
         codec = policy.build_codec(spec, role)
         if not codec.lossless:
-            items.update(codec.shared_items(head_dim))
+            items.update(codec.shared_items(g.head_dim if role == "k" else g.v_dim))
     return sum(items.values())
 
 
@@ -230,7 +231,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     while frozenset(reserve_specs) not in tried:
         tried.add(frozenset(reserve_specs))
         for _ in range(6):
-            room = total_budget - fixed - _shared(base, reserve_specs & packing, g.head_dim) - slack
+            room = total_budget - fixed - _shared(base, reserve_specs & packing, g) - slack
             picks = _solve_dp(costs, kls, room // quantum) if room >= 0 else None
             if picks is None:
                 break

@@ -1,0 +1,179 @@
+"""``allocate`` on every model family (issue 30, item 3), sliding-window families first: Gemma-2/3 and gpt-oss
+alternate sliding and full layers (the sliding ones bypassed: transformers' own window, no codec, no choice),
+Mistral and Phi-3 slide on every layer (compressed in window-bounded stores). Window 8; every length here is past it.
+
+The chunk runner (the allocation's measure) is checked against the model itself in float64: its exact chunk is the
+full forward's continuation, running from a middle layer reproduces running all layers bit for bit, and a chunk over
+a quantized layer equals the same chunk fed to a real ``TQCache`` after the same prefill (sliding layers included).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tqbench.engine.allocate import allocate_policy
+from tqbench.engine.allocate.chunk import ChunkRunner
+from tqbench.engine.allocate.sensitivity import allocatable_layers
+from tqbench.engine.allocate.solver import budget_bytes, choice_policy, solve_allocation, unit_bytes
+from tqbench.engine.cache.estimate import estimate_kv
+from tqbench.engine.engine import Engine
+from tqbench.engine.models.families import FAMILIES, family_model
+from tqbench.engine.policy import parse_policy
+
+SLIDING = ("gemma2", "gemma3_text", "gpt_oss", "mistral", "phi3")
+MIXED = ("gemma2", "gemma3_text", "gpt_oss")  # sliding + full layers: sliding=auto bypasses the sliding ones
+WINDOW = 8
+PREFILL, STEPS = 24, 6  # both past the window
+BASE = "sink=2,recent=2,rotation=hadamard"  # recent below the window, so sliding stores pack rows too
+
+
+@functools.cache
+def engine(family: str, **overrides) -> Engine:
+    return Engine(family_model(family, dtype=torch.float64, **overrides))
+
+
+def _ids(batch=2, n=PREFILL + STEPS, seed=0):
+    return torch.randint(3, 300, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@functools.cache
+def runner(family: str) -> ChunkRunner:
+    return ChunkRunner(engine(family), _ids(), PREFILL)
+
+
+@pytest.mark.parametrize("family", SLIDING + ("llama",))
+def test_the_exact_chunk_is_the_full_forward_continuation(family):
+    r, eng, ids = runner(family), engine(family), _ids()
+    with torch.inference_mode():
+        full = torch.log_softmax(eng.model(ids).logits, -1)[:, PREFILL:]
+        cache = DynamicCache(config=eng.config)
+        eng.model(ids[:, :PREFILL], cache=cache)
+        continued = torch.log_softmax(eng.model(ids[:, PREFILL:], cache=cache).logits, -1)
+    assert r.base_lp.dtype == torch.float64
+    assert torch.equal(r.base_lp, continued)  # transformers' own prefill + chunk, to the bit
+    # Gemma-2's eager attention takes its softmax in float32: one call and two differ by float32 rounding there
+    assert (r.base_lp - full).abs().max().item() <= (1e-5 if family == "gemma2" else 1e-12)
+    g = eng.geometry
+    expected = [WINDOW - 1 if t == "sliding_attention" else None for t in g.layer_types] if g.layer_types else [None] * 4
+    assert r.windows == expected
+    assert [k.shape[2] for k in r.keys] == [PREFILL] * 4  # every prefill row, sliding layers included
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_layer_skipping_reproduces_all_layers_bit_for_bit(family):
+    r = runner(family)
+    assert r.layer_skipping, r.skip_note
+    pol = parse_policy(BASE + ",sliding=compress")
+    for layer in range(4):
+        for role in ("k", "v"):
+            ks, vs = list(r.keys), list(r.values)
+            (ks if role == "k" else vs)[layer] = r.quantized(pol, "turbo2", role, layer)
+            skipped, full = r.logprobs(ks, vs, start=layer), r.logprobs(ks, vs, start=0)
+            assert torch.equal(skipped, full), (layer, role)
+            assert r.kl(ks, vs, start=layer) > 1e-9, (layer, role)  # the quantized rows were read
+    assert r.kl(r.keys, r.values, start=2) == 0.0
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "llama"])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_chunk_cell_equals_the_chunk_through_a_real_cache(family, layer):
+    """One layer's K at turbo2 (layer 0: sliding in gemma3 and mistral, in a window-bounded store; layer 1: full in
+    gemma3): the runner's chunk log-probs equal feeding the chunk to a ``TQCache`` prefilled with the same tokens."""
+    r, eng = runner(family), engine(family)
+    pol = parse_policy(f"{BASE},sliding=compress,k@{layer}=turbo2")
+    ks, vs = list(r.keys), list(r.values)
+    ks[layer] = r.quantized(pol, "turbo2", "k", layer)
+    cache = eng.make_cache(pol, "compressed")
+    ids = _ids()
+    with torch.inference_mode():
+        eng.model(input_ids=ids[:, :PREFILL], cache=cache, use_cache=True)
+        store = cache.layers[layer].k_store
+        held = store.dense(torch.float64)
+        assert torch.equal(ks[layer][:, :, store.dropped:], held)  # the rows the cache holds, exactly
+        real = torch.log_softmax(eng.model(input_ids=ids[:, PREFILL:], cache=cache, use_cache=True).logits, -1)
+    cell = r.logprobs(ks, vs, start=layer)
+    assert (cell - real).abs().max().item() <= 1e-12
+    assert r.kl(ks, vs, start=layer) > 1e-9
+
+
+def test_bypassed_sliding_layers_get_no_choice_and_exact_bytes():
+    eng = engine("gemma3_text")
+    g, base = eng.geometry, parse_policy(BASE)
+    assert allocatable_layers(base, g) == [1, 3]  # mixed: sliding=auto bypasses layers 0 and 2
+    assert allocatable_layers(replace(base, sliding="compress"), g) == [0, 1, 2, 3]
+    assert allocatable_layers(replace(base, sliding="dense"), g) == [1, 3]
+    assert allocatable_layers(replace(base, sliding="bypass", bypass="global"), g) == []
+    with pytest.raises(ValueError, match="keeps every layer dense .* use sliding=compress"):
+        allocate_policy(eng, 4.0, calib_prefill=PREFILL, calib_steps=4, base=BASE + ",bypass=global", context=64,
+                        protections=[], max_measurements=0, verify_text=None, unseen_text=None)
+    # the budget is bits per element of what an fp16 cache holds (a sliding layer: its window), as estimate_kv
+    for ctx in (5, 64, 300):
+        fp16 = estimate_kv(replace(base, k="fp16", v="fp16"), g, ctx)
+        assert budget_bytes(g, 16.0, ctx, base) == fp16.total_bytes == fp16.dense_fp16_bytes
+
+
+@pytest.mark.parametrize("sliding", ["auto", "compress", "dense"])
+def test_the_solver_counts_every_layer_exactly_on_a_mixed_model(sliding):
+    """Units' bytes + the layers without choices = estimate_kv of the solved policy, to the byte."""
+    eng = engine("gemma3_text")
+    g, base = eng.geometry, parse_policy(f"{BASE},sliding={sliding}")
+    r = runner("gemma3_text")
+    from tqbench.engine.allocate import measure_sensitivity
+
+    table = measure_sensitivity(eng, r.ids, PREFILL, ["turbo1", "turbo3"], base, granularity="head", runner=r)
+    assert table.layers == allocatable_layers(base, g)
+    for ctx in (6, 64):
+        ub = unit_bytes(table, base, g, ctx)
+        for spec in ("turbo1", "turbo3"):
+            choice = {u: spec for u in table.units()}
+            est = estimate_kv(choice_policy(choice, base, g), g, ctx)
+            fixed = sum(b for i, b in enumerate(est.layer_bytes) if i not in table.layers)
+            assert sum(ub[u][spec] for u in choice) + fixed + est.shared_bytes == est.total_bytes, (ctx, spec)
+        alloc = solve_allocation(table, g, 5.0, 64, base)
+        assert alloc.estimate.total_bytes <= budget_bytes(g, 5.0, 64, base)
+        assert alloc.bits_per_element <= 5.0
+
+
+def _midway_budget(eng: Engine, base: str, context: int) -> float:
+    """Halfway between every allocatable unit at turbo1 and at turbo3 (so the solver has a real choice)."""
+    g, pol = eng.geometry, parse_policy(base)
+    units = [(layer, role, h) for layer in allocatable_layers(pol, g) for role in "kv" for h in range(g.kv_heads)]
+    lo, hi = (estimate_kv(choice_policy({u: s for u in units}, pol, g), g, context).bits_per_element
+              for s in ("turbo1", "turbo3"))
+    return round((lo + hi) / 2, 3)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_allocate_by_head_runs_on_every_family(family):
+    eng = engine(family)
+    context = 64
+    budget = _midway_budget(eng, BASE, context)
+    rep = allocate_policy(eng, budget, calib_prefill=PREFILL, calib_steps=4, codecs=["turbo1", "turbo3"],
+                          granularity="head", base=BASE, context=context, protections=[], max_measurements=2,
+                          verify_prefill=PREFILL, verify_steps=4)
+    a, g = rep.allocation, eng.geometry
+    assert rep.table.layers == allocatable_layers(parse_policy(BASE), g)
+    if family in MIXED:
+        assert rep.table.layers == [1, 3]  # the sliding layers are bypassed: no choice offered
+    assert rep.table.heads == list(range(g.kv_heads))
+    assert a.bits_per_element <= budget
+    assert a.estimate.total_bytes == estimate_kv(a.policy, g, context).total_bytes
+    assert rep.verified.report_bytes == a.estimate.total_bytes  # the cache's own report after `context` tokens
+    assert rep.measured_kl is not None and 0 < rep.measured_kl < 1
+    assert 0 < rep.verified.kl_mean < 1 and 0 < rep.unseen.kl_mean < 1
+    # layer skipping everywhere but Falcon (its decoder has no layer list: every cell runs all layers, and says so)
+    assert any("every cell runs all layers" in n for n in rep.notes) == (family == "falcon"), rep.notes
+
+
+def test_an_all_sliding_model_below_its_floor_says_why():
+    """tiny-mistral: four 7-row windows; recent=16 keeps every row fp16, so no budget under 16 bits fits."""
+    eng = engine("mistral")
+    with pytest.raises(ValueError, match=r"needs about 16.000 bits/element \(4 of its layers are sliding windows "
+                                         r"holding 7 rows, all of which recent=16 keeps fp16"):
+        allocate_policy(eng, 2.5, calib_prefill=PREFILL, calib_steps=4, base="sink=4,recent=16", context=1024,
+                        protections=[], max_measurements=0, verify_text=None, unseen_text=None)
