@@ -177,3 +177,127 @@ def test_an_all_sliding_model_below_its_floor_says_why():
                                          r"holding 7 rows, all of which recent=16 keeps fp16"):
         allocate_policy(eng, 2.5, calib_prefill=PREFILL, calib_steps=4, base="sink=4,recent=16", context=1024,
                         protections=[], max_measurements=0, verify_text=None, unseen_text=None)
+
+
+# -- a Gemma-3-shaped model: five sliding layers to one global, one KV head, head_dim 256 ----------------------------
+GEMMA3_SHAPE = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                    num_key_value_heads=1, head_dim=256, num_attention_heads=4, sliding_window=16)
+
+
+@functools.cache
+def gemma3_shaped() -> Engine:
+    return Engine(family_model("gemma3_text", dtype=torch.float64, **GEMMA3_SHAPE))
+
+
+@pytest.mark.parametrize("sliding", ["auto", "compress"])
+def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding):
+    """calibration and verification prefills of 48 tokens past a 16-token window, per KV head (one head: the
+    layer), the sliding layers bypassed (auto: only the global layer is chosen) or compressed."""
+    eng = gemma3_shaped()
+    base = f"sink=2,recent=4,rotation=hadamard,sliding={sliding}"
+    rep = allocate_policy(eng, 9.0, calib_prefill=48, calib_steps=8, codecs=["turbo1", "turbo3"], granularity="head",
+                          base=base, context=128, protections=[], max_measurements=2, verify_prefill=48,
+                          verify_steps=8)
+    a = rep.allocation
+    assert rep.table.layers == ([5] if sliding == "auto" else list(range(6))) and rep.table.heads == [0]
+    assert a.bits_per_element <= 9.0 and rep.verified.report_bytes == a.estimate.total_bytes
+    assert 0 < rep.measured_kl < 1 and 0 < rep.verified.kl_mean < 1
+    assert not any("every cell runs all layers" in n for n in rep.notes)
+
+
+def test_one_kv_head_head_dim_256_chunk_cell_equals_the_real_cache():
+    eng = gemma3_shaped()
+    ids = torch.randint(3, 300, (1, 56), generator=torch.Generator().manual_seed(1))
+    r = ChunkRunner(eng, ids, 48)
+    assert r.layer_skipping and r.windows == [15] * 5 + [None]
+    pol = parse_policy("sink=2,recent=4,rotation=hadamard,sliding=compress,k@2=turbo2,v@5=turbo2")
+    ks, vs = list(r.keys), list(r.values)
+    ks[2], vs[5] = r.quantized(pol, "turbo2", "k", 2), r.quantized(pol, "turbo2", "v", 5)
+    cache = eng.make_cache(pol, "compressed")
+    with torch.inference_mode():
+        eng.model(input_ids=ids[:, :48], cache=cache, use_cache=True)
+        real = torch.log_softmax(eng.model(input_ids=ids[:, 48:], cache=cache, use_cache=True).logits, -1)
+    assert (r.logprobs(ks, vs, start=2) - real).abs().max().item() <= 1e-12
+    assert torch.equal(r.logprobs(ks, vs, start=2), r.logprobs(ks, vs, start=0))
+
+
+# -- scan and calibrate on sliding models -----------------------------------------------------------------------------
+def test_scan_scores_sliding_layers_under_their_window():
+    from tqbench.engine.scan import head_metrics
+    from tqbench.engine.scan.capture import capture_qkv
+    from tqbench.engine.scan.metrics import roundtrip
+    from tqbench.engine.scan.run import scan, sliding_windows
+
+    eng = engine("gemma3_text")
+    assert sliding_windows(eng.geometry) == {0: WINDOW, 2: WINDOW}
+    assert sliding_windows(engine("llama").geometry) == {}
+    ids = _ids(1, 40)
+    cap = capture_qkv(eng, ids, None, 40)
+    res = scan(eng, ids, codecs=["turbo2"], capture=cap)
+    for layer in range(4):
+        d = cap.layers[layer]
+        kq, vq = roundtrip("turbo2", "k", d.k, layer=layer), roundtrip("turbo2", "v", d.v, layer=layer)
+        window = WINDOW if layer in (0, 2) else None
+        want = [round(head_metrics(d.q[2 * h:2 * h + 2], d.k[h], d.v[h], kq[h], vq[h], d.scaling, window)
+                      ["softmax_kl"], 7) for h in range(2)]
+        assert res.metrics["softmax_kl"]["turbo2"][layer] == want, layer
+    # the window mask: query t reads keys t - 7 .. t (transformers' sliding_window_overlay: kv > q - window)
+    from tqbench.engine.scan.metrics import _causal_scores
+
+    d = cap.layers[0]
+    finite = torch.isfinite(_causal_scores(d.q[:1], d.k[0], d.scaling, WINDOW)[0])
+    t = torch.arange(40)
+    assert torch.equal(finite, (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - WINDOW))
+    assert torch.isfinite(_causal_scores(d.q[:1], d.k[0], d.scaling)[0]).sum() == 40 * 41 // 2
+
+
+def test_calibrate_truncates_long_texts_before_the_context_check():
+    """tiny-gemma3_text has a 512-token context and the calibration texts are longer: the fit reads the first
+    ``max_tokens`` of each (the check applies to what is kept)."""
+    from tqbench.engine.calibrate.transforms import fit_transforms
+    from tqbench.engine.request import PromptTooLongError
+    from tqbench.engine.scan.capture import capture_qkv
+
+    eng = engine("gemma3_text")
+    tr = fit_transforms(eng, ["prose", "code"], max_tokens=40)
+    assert (tr.num_layers, tr.kv_heads, tr.head_dim) == (4, 2, 32)
+    assert [c["tokens"] for c in tr.calibration] == [40, 40]
+    with pytest.raises(PromptTooLongError):
+        capture_qkv(eng, "word " * 600, None, 600, chat=False)
+
+
+# -- the CLI --------------------------------------------------------------------------------------------------------
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from tqbench.cli.group import main
+
+    return CliRunner().invoke(main, ["--headless", "allocate", *args])
+
+
+CLI_SMALL = ["--calib-prefill", "24", "--calib-steps", "4", "--verify-prefill", "24", "--verify-steps", "4",
+             "--context", "64", "--sink", "2", "--recent", "2", "--sinks", "", "--codecs", "turbo1,turbo3",
+             "--max-measurements", "1", "--granularity", "head", "--json"]
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3_text", "tiny-mistral"])
+def test_cli_allocate_with_a_base_that_compresses_sliding_layers(model):
+    import json
+
+    res = _cli("--model", model, "--budget", "8", "--base", "rotation=hadamard,sliding=compress", *CLI_SMALL)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert "sliding=compress" in data["allocation"]["kv_policy_string"]
+    assert "rotation=hadamard" in data["allocation"]["kv_policy_string"]
+    assert data["allocation"]["bits_per_element"] <= 8
+    assert data["verified"]["report_bytes"] == data["allocation"]["total_bytes"]
+    assert data["fitted_vs_unseen"]["calibration_joint_kl"] > 0 and data["verified"]["kl_mean"] > 0
+    assert data["setup"]["codec_options"].endswith("sliding=compress,rotation=hadamard")
+
+
+@pytest.mark.parametrize("base", ["turbo4", "k=turbo2", "sink=8", "protect=first2", "k@0=turbo1"])
+def test_cli_allocate_base_takes_no_codecs_or_protection(base):
+    res = _cli("--model", "tiny-gemma3_text", "--budget", "6", "--base", base, *CLI_SMALL)
+    assert res.exit_code == 2, res.output
+    assert f"--base {base!r} must hold codec options and the layer plan only" in res.stderr
+    assert "Traceback" not in res.output
