@@ -189,17 +189,20 @@ def gemma3_shaped() -> Engine:
     return Engine(family_model("gemma3_text", dtype=torch.float64, **GEMMA3_SHAPE))
 
 
+@pytest.mark.parametrize("granularity", ["layer", "head"])
 @pytest.mark.parametrize("sliding", ["auto", "compress"])
-def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding):
-    """calibration and verification prefills of 48 tokens past a 16-token window, per KV head (one head: the
-    layer), the sliding layers bypassed (auto: only the global layer is chosen) or compressed."""
+def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding, granularity):
+    """calibration and verification prefills of 48 tokens past a 16-token window, per layer or per KV head (one
+    head: the layer), the sliding layers bypassed (auto: only the global layer is chosen) or compressed."""
     eng = gemma3_shaped()
     base = f"sink=2,recent=4,rotation=hadamard,sliding={sliding}"
-    rep = allocate_policy(eng, 9.0, calib_prefill=48, calib_steps=8, codecs=["turbo1", "turbo3"], granularity="head",
+    rep = allocate_policy(eng, 9.0, calib_prefill=48, calib_steps=8, codecs=["turbo1", "turbo3"],
+                          granularity=granularity,
                           base=base, context=128, protections=[], max_measurements=2, verify_prefill=48,
                           verify_steps=8)
     a = rep.allocation
-    assert rep.table.layers == ([5] if sliding == "auto" else list(range(6))) and rep.table.heads == [0]
+    assert rep.table.layers == ([5] if sliding == "auto" else list(range(6)))
+    assert rep.table.heads == ([0] if granularity == "head" else None)
     assert a.bits_per_element <= 9.0 and rep.verified.report_bytes == a.estimate.total_bytes
     assert 0 < rep.measured_kl < 1 and 0 < rep.verified.kl_mean < 1
     assert not any("every cell runs all layers" in n for n in rep.notes)
@@ -219,6 +222,28 @@ def test_one_kv_head_head_dim_256_chunk_cell_equals_the_real_cache():
         real = torch.log_softmax(eng.model(input_ids=ids[:, 48:], cache=cache, use_cache=True).logits, -1)
     assert (r.logprobs(ks, vs, start=2) - real).abs().max().item() <= 1e-12
     assert torch.equal(r.logprobs(ks, vs, start=2), r.logprobs(ks, vs, start=0))
+
+
+def test_calibrated_keys_on_compressed_sliding_layers(tmp_path):
+    """A pcaq fit of tiny-gemma3_text (its own), offered per KV head on every layer, the sliding ones in
+    window-bounded stores: the bytes stay exact and a calibrated key codec is measured on every layer."""
+    from tqbench.engine.calibrate.transforms import fit_transforms
+    from tqbench.engine.codecs.transforms_file import save_transforms
+
+    eng = engine("gemma3_text")
+    path = save_transforms(fit_transforms(eng, ["prose", "code"], max_tokens=64), tmp_path / "g3.safetensors")
+    base = f"sink=2,recent=2,rotation=hadamard,sliding=compress,calib={path}"
+    rep = allocate_policy(eng, 6.0, calib_prefill=PREFILL, calib_steps=4, codecs=["turbo1", "turbo3"],
+                          granularity="head", base=base, context=64, protections=[], max_measurements=2,
+                          verify_prefill=PREFILL, verify_steps=4)
+    assert rep.setup["k_codecs"] == ["turbo1", "turbo3", "pcaq2", "pcaq3", "pcaq4"]
+    assert rep.table.layers == [0, 1, 2, 3]
+    for layer in range(4):
+        for h in range(2):
+            assert 0 < rep.table.get(layer, "k", "pcaq2", h) < 1, (layer, h)
+    a = rep.allocation
+    assert a.bits_per_element <= 6.0 and rep.verified.report_bytes == a.estimate.total_bytes
+    assert a.estimate.total_bytes == estimate_kv(a.policy, eng.geometry, 64).total_bytes
 
 
 # -- scan and calibrate on sliding models -----------------------------------------------------------------------------
