@@ -3,8 +3,10 @@ alternate sliding and full layers (the sliding ones bypassed: transformers' own 
 Mistral and Phi-3 slide on every layer (compressed in window-bounded stores). Window 8; every length here is past it.
 
 The chunk runner (the allocation's measure) is checked against the model itself in float64: its exact chunk is the
-full forward's continuation, running from a middle layer reproduces running all layers bit for bit, and a chunk over
-a quantized layer equals the same chunk fed to a real ``TQCache`` after the same prefill (sliding layers included).
+full forward's continuation, running from a middle layer reproduces running all layers bit for bit, a chunk over a
+quantized full-attention layer equals the same chunk fed to a real ``TQCache`` after the same prefill, and a chunk
+over a compressed sliding layer equals teacher-forced decoding of the chunk one token at a time through a real
+``TQCache`` (on a window the chunk's own rows are most of what a query reads, packed as they age).
 """
 
 from __future__ import annotations
@@ -71,34 +73,58 @@ def test_layer_skipping_reproduces_all_layers_bit_for_bit(family):
     pol = parse_policy(BASE + ",sliding=compress")
     for layer in range(4):
         for role in ("k", "v"):
-            ks, vs = list(r.keys), list(r.values)
-            (ks if role == "k" else vs)[layer] = r.quantized(pol, "turbo2", role, layer)
+            ks, vs = r.cell(pol, layer, {(role, None): "turbo2"})
             skipped, full = r.logprobs(ks, vs, start=layer), r.logprobs(ks, vs, start=0)
             assert torch.equal(skipped, full), (layer, role)
             assert r.kl(ks, vs, start=layer) > 1e-9, (layer, role)  # the quantized rows were read
     assert r.kl(r.keys, r.values, start=2) == 0.0
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "llama"])
-@pytest.mark.parametrize("layer", [0, 1])
-def test_a_chunk_cell_equals_the_chunk_through_a_real_cache(family, layer):
-    """One layer's K at turbo2 (layer 0: sliding in gemma3 and mistral, in a window-bounded store; layer 1: full in
-    gemma3): the runner's chunk log-probs equal feeding the chunk to a ``TQCache`` prefilled with the same tokens."""
+def _decoded(eng: Engine, pol, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Log-probs of ``ids[:, prefill:]`` teacher-forced one token at a time through a real compressed ``TQCache``."""
+    cache = eng.make_cache(pol, "compressed")
+    out = []
+    with torch.inference_mode():
+        eng.model(input_ids=ids[:, :prefill], cache=cache, use_cache=True)
+        for i in range(prefill, ids.shape[1]):
+            out.append(torch.log_softmax(eng.model(input_ids=ids[:, i:i + 1], cache=cache).logits, -1))
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("family,layer", [("gemma3_text", 1), ("llama", 0), ("llama", 1)])
+def test_a_full_layer_cell_equals_the_chunk_through_a_real_cache(family, layer):
+    """One full-attention layer's K at turbo2: the runner's chunk log-probs equal feeding the chunk in one call to a
+    ``TQCache`` prefilled with the same tokens (the prefill history packed, the chunk's own rows exact)."""
     r, eng = runner(family), engine(family)
-    pol = parse_policy(f"{BASE},sliding=compress,k@{layer}=turbo2")
-    ks, vs = list(r.keys), list(r.values)
-    ks[layer] = r.quantized(pol, "turbo2", "k", layer)
+    pol = parse_policy(f"{BASE},k@{layer}=turbo2")
+    ks, vs = r.cell(pol, layer, {("k", None): "turbo2"})
     cache = eng.make_cache(pol, "compressed")
     ids = _ids()
     with torch.inference_mode():
         eng.model(input_ids=ids[:, :PREFILL], cache=cache, use_cache=True)
-        store = cache.layers[layer].k_store
-        held = store.dense(torch.float64)
-        assert torch.equal(ks[layer][:, :, store.dropped:], held)  # the rows the cache holds, exactly
         real = torch.log_softmax(eng.model(input_ids=ids[:, PREFILL:], cache=cache, use_cache=True).logits, -1)
-    cell = r.logprobs(ks, vs, start=layer)
-    assert (cell - real).abs().max().item() <= 1e-12
+    assert (r.logprobs(ks, vs, start=layer) - real).abs().max().item() <= 1e-12
     assert r.kl(ks, vs, start=layer) > 1e-9
+
+
+@pytest.mark.parametrize("family,layer", [("gemma3_text", 0), ("gemma3_text", 2), ("mistral", 1), ("gpt_oss", 0),
+                                          ("gemma2", 2)])
+@pytest.mark.parametrize("specs", [{("k", None): "turbo2"}, {("v", 1): "turbo1", ("k", 0): "turbo3"}])
+def test_a_sliding_layer_cell_equals_decoding_one_token_at_a_time(family, layer, specs):
+    """A compressed sliding layer (window 8, recent 2: the chunk's rows pack as they age): the runner's one chunk
+    call gives every query what teacher-forced decoding one token at a time through a real ``TQCache`` gives."""
+    r, eng = runner(family), engine(family)
+    base = parse_policy(f"{BASE},sliding=compress")
+    ks, vs = r.cell(base, layer, specs)
+    cand = ks[layer]
+    pol = parse_policy(f"{BASE},sliding=compress,k@{layer}={cand.k},v@{layer}={cand.v}")
+    real = _decoded(eng, pol, _ids(), PREFILL)
+    cell = r.logprobs(ks, vs, start=layer)
+    assert (cell - real).abs().max().item() <= (1e-5 if family == "gemma2" else 1e-12)  # (Gemma-2: see above)
+    assert torch.equal(cell, r.logprobs(ks, vs, start=0))
+    assert r.kl(ks, vs, start=layer) > 1e-9
+    with pytest.raises(ValueError, match="sliding-window layer: its candidate is a sliding_candidate"):
+        r.quantized(base, "turbo2", "k", layer)
 
 
 def test_bypassed_sliding_layers_get_no_choice_and_exact_bytes():
@@ -208,20 +234,22 @@ def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding, granularity
     assert not any("every cell runs all layers" in n for n in rep.notes)
 
 
-def test_one_kv_head_head_dim_256_chunk_cell_equals_the_real_cache():
+def test_one_kv_head_head_dim_256_cells_equal_the_real_cache():
     eng = gemma3_shaped()
     ids = torch.randint(3, 300, (1, 56), generator=torch.Generator().manual_seed(1))
     r = ChunkRunner(eng, ids, 48)
     assert r.layer_skipping and r.windows == [15] * 5 + [None]
-    pol = parse_policy("sink=2,recent=4,rotation=hadamard,sliding=compress,k@2=turbo2,v@5=turbo2")
-    ks, vs = list(r.keys), list(r.values)
-    ks[2], vs[5] = r.quantized(pol, "turbo2", "k", 2), r.quantized(pol, "turbo2", "v", 5)
-    cache = eng.make_cache(pol, "compressed")
+    base = parse_policy("sink=2,recent=4,rotation=hadamard,sliding=compress")
+    ks, vs = r.cell(base, 2, {("k", None): "turbo2", ("v", None): "turbo1"})  # sliding: decoded one at a time
+    real = _decoded(eng, parse_policy(f"{base.to_string()},k@2=turbo2,v@2=turbo1"), ids, 48)
+    assert (r.logprobs(ks, vs, start=2) - real).abs().max().item() <= 1e-12
+    assert torch.equal(r.logprobs(ks, vs, start=2), r.logprobs(ks, vs, start=0))
+    ks, vs = r.cell(base, 5, {("v", 0): "turbo2"})  # the global layer: one chunk call over the packed prefill
+    cache = eng.make_cache(parse_policy(f"{base.to_string()},v@5=turbo2"), "compressed")
     with torch.inference_mode():
         eng.model(input_ids=ids[:, :48], cache=cache, use_cache=True)
         real = torch.log_softmax(eng.model(input_ids=ids[:, 48:], cache=cache, use_cache=True).logits, -1)
-    assert (r.logprobs(ks, vs, start=2) - real).abs().max().item() <= 1e-12
-    assert torch.equal(r.logprobs(ks, vs, start=2), r.logprobs(ks, vs, start=0))
+    assert (r.logprobs(ks, vs, start=5) - real).abs().max().item() <= 1e-12
 
 
 def test_calibrated_keys_on_compressed_sliding_layers(tmp_path):

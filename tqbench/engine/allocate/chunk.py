@@ -10,10 +10,11 @@ and position.
 Sliding-window layers (the config's per-layer types, as ``DynamicCache(config=...)`` builds them): the chunk's
 cache holds what transformers' ``DynamicSlidingWindowLayer`` holds after the prefill, the last ``window - 1`` rows
 of the given history with ``prefill`` tokens seen, so the chunk's positions and per-layer-type masks are the ones
-a real continuation gets. ``quantized(...)`` gives a sliding layer's candidate the way a window-bounded ``KVStore``
-(``sliding=compress|dense``) holds it after that prefill: the rows it evicted were never readable, the rest
-packed past the recent window (no sinks). A proxy caveat: the chunk's own rows stay exact, so on a sliding layer
-only the first ``window - 1`` chunk positions read quantized rows (full-attention layers read them all).
+a real continuation gets. A compressed sliding layer's candidate (``sliding_candidate``) is a real ``TQLayer``
+(compressed mode, its window-bounded stores) given the exact prefill rows and then put in past recording: each
+chunk query reads that layer as teacher-forced decoding one token at a time would (the chunk's own rows packed as
+they age past the recent window; ``cache.precision``), since on a window the chunk's own rows are most of what a
+query reads. Full-attention layers keep the cheaper form: the prefill history quantized, the chunk's rows exact.
 
 Layer skipping: when only layers ``>= start`` differ from the exact K/V, the hidden state entering layer ``start``
 is the exact run's (layers below read exact K/V), so the chunk runs from layer ``start`` on: for the call the
@@ -26,33 +27,26 @@ last bit) and otherwise runs every cell from layer 0 (``skip_note`` says so and 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.metrics import kl_rows
 
 
 def quantized_rows(policy, spec: str, role: str, rows: torch.Tensor, layer: int | None = None,
-                   heads: tuple[int, ...] | None = None, window: int | None = None) -> torch.Tensor:
+                   heads: tuple[int, ...] | None = None) -> torch.Tensor:
     """``rows`` ([batch, heads, tokens, head_dim]) as a cache under ``policy`` with codec ``spec`` holds them;
-    ``layer``/``heads``: the layer and KV heads the codec serves (calibrated codecs need them). ``window``: a
-    sliding-window layer's readable rows (its ``sliding_window - 1``): the store is window-bounded as the cache's
-    (no sinks; rows before the window evicted); the result keeps ``rows``' shape, the evicted rows as given (no
-    attention reads them)."""
+    ``layer``/``heads``: the layer and KV heads the codec serves (calibrated codecs need them)."""
     codec = build_codec(policy, spec, role, layer, heads)
-    if window is None:
-        store = KVStore(codec, policy.sink, policy.recent)
-        store.append(rows)
-        return store.dense(rows.dtype)
-    store = KVStore(codec, policy.sink, policy.recent, window, codec.tokens_per_unit)
+    store = KVStore(codec, policy.sink, policy.recent)
     store.append(rows)
-    out = rows.clone()
-    out[:, :, store.dropped:] = store.dense(rows.dtype)
-    return out
+    return store.dense(rows.dtype)
 
 
 def build_codec(policy, spec: str, role: str, layer: int | None, heads: tuple[int, ...] | None = None):
@@ -73,6 +67,16 @@ def _decoder_layers(model):
         return None, None
     layers = getattr(dec, "layers", None)
     return (dec, layers) if isinstance(layers, torch.nn.ModuleList) else (None, None)
+
+
+@dataclass(frozen=True)
+class SlidingCandidate:
+    """A compressed sliding-window layer's candidate: the layer as ``policy`` plans it, with K and V specs ``k`` and
+    ``v`` (per-KV-head lists allowed). Goes in the K (and V) list handed to ``ChunkRunner.kl`` at its layer."""
+
+    policy: object
+    k: str
+    v: str
 
 
 class _PassThrough(torch.nn.Module):
@@ -101,6 +105,7 @@ class ChunkRunner:
         dec, layers = _decoder_layers(self.model)
         self._decoder, self._layers = dec, layers
         self._start_hidden: torch.Tensor | None = None
+        self._fused_ready = False
         with torch.inference_mode():
             cache = DynamicCache(config=self.config)
             #: per layer: the rows a sliding-window layer reads besides a call's own (``sliding_window - 1``), or None
@@ -160,25 +165,81 @@ class ChunkRunner:
         return self.skip_note is None
 
     def quantized(self, policy, spec: str, role: str, layer: int, head: int | None = None) -> torch.Tensor:
-        """The exact prefill's ``role`` rows of ``layer`` (of KV head ``head`` alone: ``[batch, 1, prefill, d]``)
-        as a cache under ``policy`` with codec ``spec`` holds them (``quantized_rows``; window-bounded on a
-        sliding-window layer)."""
+        """The exact prefill's ``role`` rows of full-attention layer ``layer`` (of KV head ``head`` alone:
+        ``[batch, 1, prefill, d]``) as a cache under ``policy`` with codec ``spec`` holds them (``quantized_rows``)."""
+        if self.windows[layer] is not None:
+            raise ValueError(f"layer {layer} is a sliding-window layer: its candidate is a sliding_candidate "
+                             "(read per query as decoding would), not quantized rows")
         src = (self.keys if role == "k" else self.values)[layer]
         if head is None:
-            return quantized_rows(policy, spec, role, src, layer, window=self.windows[layer])
-        return quantized_rows(policy, spec, role, src[:, head:head + 1], layer, (head,), self.windows[layer])
+            return quantized_rows(policy, spec, role, src, layer)
+        return quantized_rows(policy, spec, role, src[:, head:head + 1], layer, (head,))
+
+    def cell(self, policy, layer: int, specs: dict[tuple[str, int | None], str]) -> tuple[list, list]:
+        """(keys, values) for ``kl``: the exact prefill with ``layer``'s units as ``specs`` says, ``(role, head)``
+        -> codec (head None: the whole role). A full-attention layer's rows quantized (``quantized``); a sliding
+        layer as a ``sliding_candidate`` (roles and heads not in ``specs`` exact)."""
+        ks, vs = list(self.keys), list(self.values)
+        if self.windows[layer] is not None:
+            kv_heads = self.engine.geometry.kv_heads
+            per = {}
+            for role in ("k", "v"):
+                heads = [specs.get((role, None), specs.get((role, h), "fp16")) for h in range(kv_heads)]
+                per[role] = heads[0] if len(set(heads)) == 1 else "|".join(heads)
+            ks[layer] = vs[layer] = self.sliding_candidate(policy, layer, per["k"], per["v"])
+            return ks, vs
+        for role in ("k", "v"):
+            by_head = {h: spec for (r, h), spec in specs.items() if r == role}
+            target = ks if role == "k" else vs
+            if None in by_head:
+                target[layer] = self.quantized(policy, by_head[None], role, layer)
+            elif by_head:
+                rows = target[layer].clone()
+                for h, spec in by_head.items():
+                    rows[:, h:h + 1] = self.quantized(policy, spec, role, layer, h)
+                target[layer] = rows
+        return ks, vs
+
+    def sliding_candidate(self, policy, layer: int, k: str, v: str) -> SlidingCandidate:
+        """Sliding-window layer ``layer`` under ``policy`` with K spec ``k`` and V spec ``v`` (``fp16`` for a role
+        left exact; a per-KV-head list ``a|b`` for head cells): put it at ``layer`` in both lists given to ``kl``."""
+        if self.windows[layer] is None:
+            raise ValueError(f"layer {layer} is not a sliding-window layer: quantize its rows (quantized())")
+        return SlidingCandidate(policy, k, v)
+
+    def _sliding_layer(self, cand: SlidingCandidate, layer: int) -> TQLayer:
+        """A compressed-mode ``TQLayer`` that stored the exact prefill as the cache does, past recording from there
+        (each chunk query reads it as decoding one token at a time would)."""
+        geo = self.engine.geometry
+        plan = cand.policy.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None)[layer]
+        if not plan.sliding:
+            raise ValueError(f"layer {layer} is not compressed in a window-bounded store under "
+                             f"{cand.policy.to_string()!r} (sliding=compress, or auto when every layer slides)")
+        if not self._fused_ready:  # a verification call's per-query precision runs in tqbench's attention function
+            self.engine.enable_fused()
+            self._fused_ready = True
+        tq = TQLayer(replace(plan, k=cand.k, v=cand.v), "compressed", cand.policy, geo.sliding_window, geo.kv_heads)
+        tq.update(self.keys[layer], self.values[layer])
+        tq.activate_past_recording(self.prefill)
+        return tq
 
     def _cache(self, keys: list, values: list) -> DynamicCache:
         """A cache as transformers' holds it after the prefill: every row of a full-attention layer, the last
-        ``window - 1`` of a sliding one (``prefill`` tokens seen)."""
+        ``window - 1`` of a sliding one (``prefill`` tokens seen); a ``SlidingCandidate``'s ``TQLayer``."""
         cache = DynamicCache(config=self.config)
-        for layer, k, v, w in zip(cache.layers, keys, values, self.windows):
+        for i, (k, v, w) in enumerate(zip(keys, values, self.windows)):
+            if isinstance(k, SlidingCandidate) or isinstance(v, SlidingCandidate):
+                if k is not v:
+                    raise ValueError(f"layer {i}: a sliding candidate goes in both the K and the V list")
+                cache.layers[i] = self._sliding_layer(k, i)
+                continue
+            cl = cache.layers[i]
             if w is not None:
                 k, v = k[:, :, max(0, k.shape[2] - w):], v[:, :, max(0, v.shape[2] - w):]
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v  # the chunk's own K/V are concatenated to new tensors: ours stay intact
+            cl.lazy_initialization(k, v)
+            cl.keys, cl.values = k, v  # the chunk's own K/V are concatenated to new tensors: ours stay intact
             if w is not None:
-                layer.cumulative_length = self.prefill
+                cl.cumulative_length = self.prefill
         return cache
 
     def _enter_start(self, module, args, kwargs):

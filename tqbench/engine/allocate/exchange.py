@@ -84,9 +84,12 @@ class JointMeasure:
     def __call__(self, choice: dict, policy: Policy) -> float:
         ks, vs = list(self.runner.keys), list(self.runner.values)
         per_head: dict[tuple[int, str], dict[int, str]] = {}
+        sliding: dict[int, dict[tuple[str, int | None], str]] = {}  # a sliding layer: one TQLayer for K and V
         for unit, spec in choice.items():
             layer, role = unit[0], unit[1]
-            if len(unit) == 2:
+            if self.runner.windows[layer] is not None:
+                sliding.setdefault(layer, {})[(role, unit[2] if len(unit) == 3 else None)] = spec
+            elif len(unit) == 2:
                 (ks if role == "k" else vs)[layer] = self._q(policy, spec, role, layer, None)
             else:
                 per_head.setdefault((layer, role), {})[unit[2]] = spec
@@ -96,6 +99,8 @@ class JointMeasure:
             for h, spec in specs.items():
                 rows[:, h:h + 1] = self._q(policy, spec, role, layer, h)
             target[layer] = rows
+        for layer, specs in sliding.items():
+            ks[layer] = vs[layer] = self.runner.cell(policy, layer, specs)[0][layer]
         start = min((u[0] for u in choice), default=0)
         self.count += 1
         return self.runner.kl(ks, vs, start=start)

@@ -12,7 +12,8 @@ the teacher-forced one-layer run (Spearman 0.94; ``rank_correlation`` below).
 Sliding-window layers: those the policy bypasses (``sliding=bypass``, and ``auto`` in a model that mixes sliding and
 full layers: transformers' own bounded dense window, no tqbench codec) get no cells; their fixed fp16 window is
 counted in the bytes. Those it compresses (``sliding=compress``, and ``auto`` when every layer slides) get cells like
-any layer, their rows quantized by a window-bounded store as the cache's (``ChunkRunner.quantized``).
+any layer, read through a real window-bounded ``TQLayer`` whose every chunk query sees what one-token-at-a-time
+decoding would (``ChunkRunner.sliding_candidate``).
 """
 
 from __future__ import annotations
@@ -141,14 +142,7 @@ def measure_sensitivity(
         key = cell_key(layer, role, spec, head)
         resumed = key in known
         if not resumed:
-            ks, vs = list(runner.keys), list(runner.values)
-            target = ks if role == "k" else vs
-            if head is None:
-                target[layer] = runner.quantized(policy, spec, role, layer)
-            else:
-                rows = target[layer].clone()
-                rows[:, head:head + 1] = runner.quantized(policy, spec, role, layer, head)
-                target[layer] = rows
+            ks, vs = runner.cell(policy, layer, {(role, head): spec})
             kl = runner.kl(ks, vs, start=layer)
             known[key] = kl
             if on_cell is not None:
