@@ -37,6 +37,7 @@ from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.metrics import kl_rows
+from tqbench.engine.policy.spec import Policy
 
 
 def quantized_rows(policy, spec: str, role: str, rows: torch.Tensor, layer: int | None = None,
@@ -74,7 +75,7 @@ class SlidingCandidate:
     """A compressed sliding-window layer's candidate: the layer as ``policy`` plans it, with K and V specs ``k`` and
     ``v`` (per-KV-head lists allowed). Goes in the K (and V) list handed to ``ChunkRunner.kl`` at its layer."""
 
-    policy: object
+    policy: Policy
     k: str
     v: str
 
