@@ -234,6 +234,29 @@ def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding, granularity
     assert not any("every cell runs all layers" in n for n in rep.notes)
 
 
+def test_a_1024_token_calibration_past_a_512_token_window():
+    """The reported failure's shape: a 1024-token calibration prefill on a model with one KV head, head_dim 256 and
+    a 512-token window, five sliding layers to one global, compressed (float32, as the CLI runs it)."""
+    eng = Engine(family_model("gemma3_text", **{**GEMMA3_SHAPE, "sliding_window": 512,
+                                                "max_position_embeddings": 4096}))
+    rep = allocate_policy(eng, 4.0, calib_prefill=1024, calib_steps=8, codecs=["turbo1", "turbo2", "turbo4"],
+                          granularity="head", base="sink=4,recent=16,sliding=compress", context=2048, protections=[],
+                          max_measurements=1, verify_prefill=1024, verify_steps=4, unseen_text=None)
+    a = rep.allocation
+    assert rep.table.layers == list(range(6)) and a.bits_per_element <= 4.0
+    assert rep.verified.report_bytes == a.estimate.total_bytes
+    assert 0 < rep.measured_kl < 1 and 0 < rep.verified.kl_mean < 1
+    # bypassed (sliding=auto on a mixed model), the five 511-row fp16 windows are most of the cache: the refusal
+    # says so; and a table offering the bypassed layers is refused rather than solved
+    bypass = parse_policy("sink=4,recent=16")
+    table = replace(rep.table, layers=[5], kl={u: row for u, row in rep.table.kl.items() if u[0] == 5})
+    with pytest.raises(ValueError, match=r"5 layers keep fp16 without a choice \(sliding-window layers bypassed or "
+                                         r"dense: 56% of the fp16 cache"):
+        solve_allocation(table, eng.geometry, 4.0, 2048, bypass)
+    with pytest.raises(ValueError, match=r"offers choices for layers \[0, 1, 2, 3, 4\], which .* keeps dense"):
+        solve_allocation(rep.table, eng.geometry, 4.0, 2048, bypass)
+
+
 def test_one_kv_head_head_dim_256_cells_equal_the_real_cache():
     eng = gemma3_shaped()
     ids = torch.randint(3, 300, (1, 56), generator=torch.Generator().manual_seed(1))

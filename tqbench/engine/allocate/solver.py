@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tqbench.engine.allocate.chunk import build_codec
-from tqbench.engine.allocate.sensitivity import SensitivityTable
+from tqbench.engine.allocate.sensitivity import SensitivityTable, allocatable_layers
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.store import FP_BYTES, window_start
@@ -212,6 +212,10 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     if budget_bits <= 0:
         raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
     g = geometry
+    dense = sorted(set(table.layers) - set(allocatable_layers(base, g)))
+    if dense:
+        raise ValueError(f"the sensitivity table offers choices for layers {dense}, which {base.to_string()!r} keeps "
+                         "dense (sliding-window layers bypassed or dense): measure the table under the same base")
     fixed = fixed_bytes(table, base, g, context)  # sliding-window layers' windows the table offers no choice for
     total_budget = budget_bytes(g, budget_bits, context, base)
     items = table.units()
@@ -257,22 +261,32 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
-            f"bits/element{_sliding_hint(base, g, table.layers)}; raise --budget, add a cheaper codec or shrink "
+            f"bits/element{_sliding_hint(base, g, table.layers, context)}; raise --budget, add a cheaper codec or shrink "
             "--sink/--recent"
         )
     return best
 
 
-def _sliding_hint(base: Policy, g: KVGeometry, layers: list[int]) -> str:
-    """Why a model with compressed sliding-window layers may not reach a budget (empty when it has none)."""
+def _sliding_hint(base: Policy, g: KVGeometry, layers: list[int], context: int) -> str:
+    """Why a model with sliding-window layers may not reach a budget (empty when it has none): the layers kept
+    dense without a choice (bypassed windows) and their share of the fp16 basis; compressed windows' rows."""
     plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
-    sliding = [layer for layer in layers if plans[layer].sliding]
-    if not sliding or not g.sliding_window:
+    if not g.sliding_window:
         return ""
     held = g.sliding_window - 1
-    covered = f", all of which recent={base.recent} keeps fp16" if base.recent >= held else ""
-    return (f" ({len(sliding)} of its layers are sliding windows holding {held} rows{covered}; bits/element count "
-            "against those rows, shared rotations and codebooks included)")
+    parts = []
+    fixed = [p.layer for p in plans if p.layer not in layers]
+    if fixed:
+        est = estimate_kv(choice_policy({}, base, g), g, context)
+        share = sum(est.layer_bytes[i] for i in fixed) / est.dense_fp16_bytes
+        parts.append(f"{len(fixed)} layers keep fp16 without a choice (sliding-window layers bypassed or dense: "
+                     f"{share:.0%} of the fp16 cache, at 16 bits; --base sliding=compress offers them codecs)")
+    sliding = [layer for layer in layers if plans[layer].sliding]
+    if sliding:
+        covered = f", all of which recent={base.recent} keeps fp16" if base.recent >= held else ""
+        parts.append(f"{len(sliding)} of its layers are sliding windows holding {held} rows{covered}; bits/element "
+                     "count against those rows, shared rotations and codebooks included")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def allocation_of(choice: dict, table: SensitivityTable, geometry: KVGeometry, budget_bits: float, context: int,
