@@ -36,6 +36,9 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
               help="fp16 sink tokens the cells are measured at.")
 @click.option("--recent", type=click.IntRange(min=0), default=16, show_default=True,
               help="fp16 recent window the cells are measured at.")
+@click.option("--base", default="", show_default=False,
+              help="Codec options and layer plan every candidate shares, as policy keys without codecs or "
+                   "protection, e.g. 'rotation=hadamard,sliding=compress' (compress sliding-window layers too).")
 @click.option("--sinks", default="4,16,64", show_default=True,
               help="Sink options searched (each x --recents, measured jointly); '' for --sink only.")
 @click.option("--recents", default="16,64,128", show_default=True, help="Recent-window options searched.")
@@ -55,7 +58,7 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
-             codecs, k_codecs, sink, recent, sinks, recents, max_measurements, verify_text, unseen_text,
+             codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
              verify_prefill, verify_steps, name, out, resume, max_kl, as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
@@ -83,6 +86,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                          "e.g. 4,16,64") from None
     if any(a < 0 or b < 0 for a, b in grid):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
+    base_policy = allocation_base(base, sink, recent)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
@@ -90,7 +94,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
             rep = allocate_policy(
                 engine, budget, calibration=calibration, calib_prefill=calib_prefill, calib_steps=calib_steps,
                 codecs=csv(codecs) or [], k_codecs=csv(k_codecs) if k_codecs else None, granularity=granularity,
-                base=f"sink={sink},recent={recent}", context=context, protections=grid,
+                base=base_policy, context=context, protections=grid,
                 max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog)
@@ -112,3 +116,18 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
         if rep.verified is None:
             fail("--max-kl needs verification: drop --verify-text none")
         gate(rep.verified.kl_mean <= max_kl, f"verified KL {rep.verified.kl_mean:.4f} > --max-kl {max_kl}")
+
+
+#: policy keys ``--base`` may not set: the allocation chooses the codecs, --sink/--recent give the protection
+_NOT_IN_BASE = ("k", "v", "kv", "sink", "recent", "protect", "overrides")
+
+
+def allocation_base(base: str, sink: int, recent: int) -> str:
+    """``--base`` plus ``sink=..,recent=..`` as one policy string (checked: no codecs, no protection)."""
+    parts = [part.strip() for part in base.split(",") if part.strip()]
+    bad = [p for p in parts if "=" not in p or p.split("=", 1)[0].strip() in _NOT_IN_BASE or "@" in p]
+    if bad:
+        raise ValueError(f"--base {base!r} must hold codec options and the layer plan only (e.g. "
+                         "rotation=hadamard,sliding=compress): the allocation picks the codecs; give the protection "
+                         "with --sink/--recent")
+    return ",".join([*parts, f"sink={sink}", f"recent={recent}"])

@@ -70,8 +70,11 @@ class Engine:
         return ids
 
     # -- prompts ------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0) -> torch.Tensor:
-        """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template."""
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0, *,
+                      fit_context: bool = True) -> torch.Tensor:
+        """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template.
+        ``fit_context``: refuse a prompt (plus ``max_new_tokens``) longer than the model's context; a caller that
+        truncates the ids itself passes False and checks what it keeps."""
         if isinstance(prompt, str) and not prompt.strip():
             raise ValueError("the prompt is empty: give some text")
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -83,7 +86,8 @@ class Engine:
             if not isinstance(prompt, str):
                 prompt = "\n".join(m.get("content", "") for m in prompt)
             ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        check_context(int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
+        if fit_context:
+            check_context(int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
         return ids
 
     # -- caches -------------------------------------------------------------------------------------

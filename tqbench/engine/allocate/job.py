@@ -146,8 +146,9 @@ def calibrated_k_choices(engine, base: Policy) -> tuple[list[str], str | None]:
     """The ``pcaq`` key codecs this model can use (its calibrated fit), or [] and the reason."""
     try:
         codec = build_codec(base, CALIBRATED_K[0], "k", 0)
-        codec.shared_items(engine.geometry.head_dim)
         codec.transforms.check_model(engine.loaded.fingerprint, engine.name)
+        codec.transforms.check_geometry(engine.geometry.kv_heads, engine.geometry.head_dim)
+        codec.shared_items(engine.geometry.head_dim)
     except Exception as exc:  # noqa: BLE001 - the reason goes into the report
         return [], f"pcaq key codecs not offered: {str(exc).splitlines()[0]}"
     return list(CALIBRATED_K), None

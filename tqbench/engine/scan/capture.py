@@ -15,7 +15,7 @@ import torch
 
 from tqbench.engine.events import CancelFlag, OnEvent, QKVCaptured, emit, raise_if_cancelled
 from tqbench.engine.policy.layers import select_layers
-from tqbench.engine.request import RequestError
+from tqbench.engine.request import RequestError, check_context
 
 CAPTURE_ATTN = "tqbench_capture"
 CAPTURE_ATTN_EAGER = "tqbench_capture_eager"
@@ -155,10 +155,11 @@ def capture_qkv(engine, prompt, layers=None, max_prompt_tokens: int = 512, gener
         raise ValueError(f"generated_tokens={generated_tokens} is invalid: use 0 or more")
     n_layers = engine.geometry.num_layers
     chosen = resolve_layers(layers, n_layers)
-    ids = prompt if isinstance(prompt, torch.Tensor) else engine.encode_prompt(prompt, chat)
+    ids = prompt if isinstance(prompt, torch.Tensor) else engine.encode_prompt(prompt, chat, fit_context=False)
     truncated = ids.shape[1] > max_prompt_tokens
     ids = ids[:, :max_prompt_tokens]
     prompt_n = int(ids.shape[1])
+    check_context(prompt_n, generated_tokens, engine.max_context, engine.name)  # what is kept must fit
     if generated_tokens:
         gen = engine.generate(ids, None, max_new_tokens=generated_tokens, stop_at_eos=False, cancel=cancel).token_ids
         ids = torch.cat([ids, torch.tensor([gen], dtype=ids.dtype)], dim=1)
