@@ -34,6 +34,8 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         #: the default policy was fitted on another model (``Engine.policy_warning``): the start-up line, every
         #: response's ``tqbench.policy_warning`` and its ``X-TQBench-Policy-Warning`` header say so
         self.policy_warning = engine.policy_warning(self.policy)
+        #: the length from which the default policy stores fewer bytes than fp16 (None: never within the context)
+        self.break_even_tokens = engine.savings(self.policy, "fp16", 1).break_even_tokens
         if cache_mode == "auto":
             cache_mode, self.mode_reason = auto_mode(engine)
         else:

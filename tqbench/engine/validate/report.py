@@ -90,13 +90,9 @@ def stored_tokens(result) -> int:
 
 
 def candidate_savings(engine, policy: Policy, baseline: Policy, result, geometry=None):
-    """``cache.savings.Savings`` of ``policy`` against ``baseline`` at the length ``result``'s cache held (None
-    when the model's geometry is unknown); the break-even search stops at the model's context."""
-    from tqbench.engine.cache.savings import savings
-
-    if geometry is None:
-        return None
-    return savings(policy, baseline, geometry, stored_tokens(result), getattr(engine, "max_context", None))
+    """``Engine.savings`` of ``policy`` against ``baseline`` at the length ``result``'s cache held (None when the
+    model's ``geometry`` is unknown)."""
+    return None if geometry is None else engine.savings(policy, baseline, stored_tokens(result))
 
 
 def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, cand_res, steps, *, cache_mode,
