@@ -128,7 +128,7 @@ def _reasons(pol: Policy, g: KVGeometry, est) -> tuple[str, ...]:
     if est.shared_bytes or est.state_bytes:
         out.append(f"{est.shared_bytes + est.state_bytes} B of fixed bytes ({est.shared_bytes} B of shared "
                    f"rotations/codebooks, {est.state_bytes} B of per-layer codec state such as key centering)")
-    packed_layers = [p for p in plans if p.compressed]
+    packed_layers = sorted((p for p in plans if p.compressed), key=lambda p: p.sliding)  # full layers first
     if packed_layers and est.full_precision_bytes:
         sink, recent = packed_layers[0].sink, packed_layers[0].recent
         window = f"{sink} sink + {recent} recent tokens per layer" if sink or recent else "unfilled codec units"
