@@ -48,3 +48,6 @@ def test_health_gives_the_default_policys_break_even(live_server, tiny_engine):
     assert status == 200
     assert health["kv_policy_break_even_tokens"] == break_even_tokens(
         "turbo4", "fp16", tiny_engine.geometry, tiny_engine.max_context) == 27
+    assert live_server.state.break_even_line() == (
+        "kv_policy turbo4 stores fewer bytes than fp16 from 27 tokens on (shorter requests save nothing: "
+        "tqbench.savings in each response)")

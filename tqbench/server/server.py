@@ -54,6 +54,15 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         self.last: tuple[str, int, object] | None = None  # (response id, created, result) of the last finish
 
 
+    def break_even_line(self) -> str:
+        """The start-up line on the served policy's bytes (``break_even_tokens``)."""
+        even = self.break_even_tokens
+        head = f"kv_policy {self.policy.label} stores fewer bytes than fp16 "
+        if even is None:
+            return head + "at no length within the model's context: it saves nothing"
+        return head + f"from {even} tokens on (shorter requests save nothing: tqbench.savings in each response)"
+
+
 def _device_type(engine) -> str:
     loaded = getattr(engine, "loaded", None)
     return str(getattr(loaded, "device", "cpu")).split(":")[0]
