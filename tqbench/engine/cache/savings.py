@@ -22,16 +22,21 @@ from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 
-__all__ = ["BREAK_EVEN_LIMIT", "Savings", "break_even_tokens", "savings", "saves"]
+__all__ = ["BREAK_EVEN_LIMIT", "Savings", "break_even_tokens", "saves", "savings", "stores_less"]
 
 #: the longest length ``break_even_tokens`` searches when the model's context is unknown
 BREAK_EVEN_LIMIT = 1 << 20
 
 
+def stores_less(nbytes: int, baseline_bytes: int) -> bool:
+    """The rule itself: a policy saves when it stores fewer bytes than the baseline (equal bytes save nothing)."""
+    return nbytes < baseline_bytes
+
+
 def saves(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry, seq_len: int) -> bool:
-    """The rule: ``policy`` stores fewer bytes than ``baseline`` at ``seq_len`` tokens (exact estimate)."""
-    return (estimate_kv(policy, geometry, seq_len).total_bytes
-            < estimate_kv(baseline, geometry, seq_len).total_bytes)
+    """``stores_less`` of ``policy`` against ``baseline`` at ``seq_len`` tokens (exact estimates)."""
+    return stores_less(estimate_kv(policy, geometry, seq_len).total_bytes,
+                       estimate_kv(baseline, geometry, seq_len).total_bytes)
 
 
 def break_even_tokens(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry,
@@ -73,8 +78,8 @@ class Savings:
 
     @property
     def saves(self) -> bool:
-        """The rule (``saves``): fewer bytes than the baseline at this length."""
-        return self.bytes < self.baseline_bytes
+        """The rule (``stores_less``): fewer bytes than the baseline at this length."""
+        return stores_less(self.bytes, self.baseline_bytes)
 
     @property
     def starts_to_save(self) -> str:
@@ -113,7 +118,7 @@ def savings(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry, 
     pol, base = parse_policy(policy), parse_policy(baseline)
     est, base_est = estimate_kv(pol, geometry, seq_len), estimate_kv(base, geometry, seq_len)
     cap = max(1, limit or BREAK_EVEN_LIMIT)
-    reasons = () if est.total_bytes < base_est.total_bytes else _reasons(pol, geometry, est)
+    reasons = () if stores_less(est.total_bytes, base_est.total_bytes) else _reasons(pol, geometry, est)
     return Savings(pol.label, base.label, seq_len, est.total_bytes, base_est.total_bytes,
                    break_even_tokens(pol, base, geometry, cap), cap, reasons)
 
