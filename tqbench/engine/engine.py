@@ -131,7 +131,7 @@ class Engine:
         if any(is_calibrated_spec(s) for s in (pol.k, *(spec for _, _, spec in pol.overrides))):
             load_transforms(pol.calib).check_model(self.loaded.fingerprint, self.name)
 
-    def savings(self, policy: Policy | str, baseline: Policy | str = "fp16", seq_len: int = 0):
+    def savings(self, policy: Policy | str, baseline: Policy | str, seq_len: int):
         """``cache.savings.Savings`` of ``policy`` against ``baseline`` at ``seq_len`` tokens of this model (the
         break-even search stops at the model's context): whether it stores fewer bytes, why not, from when."""
         from tqbench.engine.cache.savings import savings
