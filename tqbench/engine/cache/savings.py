@@ -1,12 +1,13 @@
 """Does a policy store fewer bytes than its baseline, at a given length, and from which length on?
 
 One rule, one definition: a policy **saves** at ``seq_len`` tokens when its exact byte estimate
-(``estimate.estimate_kv``, what the cache report measures) is below the baseline's at the same length. Its
-**break-even** is the smallest token count at which it saves (``break_even_tokens``: doubling, then bisection
-between the last length that does not save and the first that does), or None when it does not save anywhere
-up to the searched limit (the model's context). ``Savings`` carries both, the bytes, and why a policy that
-saves nothing at this length does not: layers kept dense or bypassed, fixed bytes (shared rotations and
-codebooks, per-layer codec state) and the rows kept at 16 bits (sinks, the recent window, unfilled units).
+(``estimate.estimate_kv``, what the cache report measures) is below the baseline's at the same length
+(``stores_less``). Its **break-even** is the length from which on it saves (``break_even_tokens``: doubling,
+then bisection between the last length that does not save and the first that does, checked over one cycle
+of the policy's codec units), or None when it does not save up to the searched limit (the model's context).
+``Savings`` carries both, the bytes, and why a policy that saves nothing at this length does not: layers kept
+dense or bypassed, fixed bytes (shared rotations and codebooks, per-layer codec state) and the rows kept at
+16 bits (sinks, the recent window, unfilled units).
 
 validate, compare-policies, the workbench and the server all ask this module; none re-derives the rule.
 Messages here name no front-end flag.
@@ -15,6 +16,7 @@ Messages here name no front-end flag.
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -40,20 +42,45 @@ def saves(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry, se
 
 
 def break_even_tokens(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry,
-                      limit: int | None = None) -> int | None:
-    """The smallest token count at which ``policy`` saves against ``baseline`` (``saves``), searched up to
-    ``limit`` (default ``BREAK_EVEN_LIMIT``) by doubling then bisection; None when it does not save by then."""
-    return _break_even(parse_policy(policy), parse_policy(baseline), geometry, max(1, limit or BREAK_EVEN_LIMIT))
+                      limit: int | None = None, after: int = 0) -> int | None:
+    """The length from which on ``policy`` saves against ``baseline`` (``saves``), above ``after`` tokens and up to
+    ``limit`` (default ``BREAK_EVEN_LIMIT``); None when there is none.
+
+    The first saving length above ``after`` is found by doubling, then bisection (it does not save one token
+    below it). Bytes are not monotone in the length everywhere: a window-bounded store evicts whole codec units,
+    so a sliding layer holds up to one unit more than its window, in a cycle of that unit's length. So the
+    length found must keep saving for one full cycle (the lcm of the policy's codec units); where it does not,
+    the search goes on from the first length that does not save."""
+    return _break_even(parse_policy(policy), parse_policy(baseline), geometry, max(1, limit or BREAK_EVEN_LIMIT),
+                       max(0, after))
 
 
 @functools.lru_cache(maxsize=256)
-def _break_even(pol: Policy, base: Policy, geometry: KVGeometry, cap: int) -> int | None:
-    """``break_even_tokens`` of parsed policies (a pure function of its arguments: cached per run of cells)."""
-    lo, hi = 0, 1  # saves(lo) is False (0 tokens store nothing), hi is the next length tried
-    while not saves(pol, base, geometry, hi):
+def _break_even(pol: Policy, base: Policy, geometry: KVGeometry, cap: int, after: int) -> int | None:
+    """``break_even_tokens`` of parsed policies (a pure function of its arguments: cached for a run of cells)."""
+    period = _cycle(pol, geometry)
+    lo = after
+    while True:
+        n = _first_saving(pol, base, geometry, lo, cap)
+        if n is None:
+            return None
+        bad = next((m for m in range(n + 1, min(n + period, cap) + 1) if not saves(pol, base, geometry, m)), None)
+        if bad is None:
+            return n
+        lo = bad
+
+
+def _first_saving(pol: Policy, base: Policy, geometry: KVGeometry, lo: int, cap: int) -> int | None:
+    """The first length above ``lo`` (which does not save, or is 0: no bytes) that saves, by doubling the step
+    then bisection; None when none does up to ``cap``."""
+    step = 1
+    hi = lo + step
+    while not saves(pol, base, geometry, min(hi, cap)):
         if hi >= cap:
             return None
-        lo, hi = hi, min(2 * hi, cap)
+        lo, step = hi, 2 * step
+        hi = lo + step
+    hi = min(hi, cap)
     while hi - lo > 1:  # saves(hi), not saves(lo)
         mid = (lo + hi) // 2
         if saves(pol, base, geometry, mid):
@@ -61,6 +88,13 @@ def _break_even(pol: Policy, base: Policy, geometry: KVGeometry, cap: int) -> in
         else:
             lo = mid
     return hi
+
+
+def _cycle(pol: Policy, g: KVGeometry) -> int:
+    """The lcm of the policy's codec units over its compressed layers (the cycle of a window-bounded store)."""
+    units = [c.tokens_per_unit for p in pol.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
+             if not p.dense_window for c in pol.layer_codecs(p, g.kv_heads)]
+    return math.lcm(*units) if units else 1
 
 
 @dataclass(frozen=True)
@@ -72,7 +106,9 @@ class Savings:
     seq_len: int
     bytes: int
     baseline_bytes: int
-    break_even_tokens: int | None  # the smallest length that saves; None: none up to ``searched_to``
+    #: the length from which on it saves (``break_even_tokens``; above ``seq_len`` where it saves nothing there);
+    #: None: none up to ``searched_to``
+    break_even_tokens: int | None
     searched_to: int
     reasons: tuple[str, ...] = ()  # why it saves nothing at ``seq_len`` (empty when it saves)
 
@@ -118,9 +154,11 @@ def savings(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry, 
     pol, base = parse_policy(policy), parse_policy(baseline)
     est, base_est = estimate_kv(pol, geometry, seq_len), estimate_kv(base, geometry, seq_len)
     cap = max(1, limit or BREAK_EVEN_LIMIT)
-    reasons = () if stores_less(est.total_bytes, base_est.total_bytes) else _reasons(pol, geometry, est)
+    saving = stores_less(est.total_bytes, base_est.total_bytes)
+    reasons = () if saving else _reasons(pol, geometry, est)
+    # where it saves nothing, the break-even lies above this length (bytes need not be monotone below it)
     return Savings(pol.label, base.label, seq_len, est.total_bytes, base_est.total_bytes,
-                   break_even_tokens(pol, base, geometry, cap), cap, reasons)
+                   break_even_tokens(pol, base, geometry, cap, after=0 if saving else seq_len), cap, reasons)
 
 
 def _reasons(pol: Policy, g: KVGeometry, est) -> tuple[str, ...]:
