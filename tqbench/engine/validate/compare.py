@@ -87,7 +87,7 @@ class CompareRow:
     #: fewer bytes than the baseline on every prompt's length (``cache.savings``); None: not known
     saves: bool | None = None
     break_even_tokens: int | None = None  # the length from which the policy saves (None: never, or not known)
-    savings_note: str | None = None  # ``Savings.message`` of the shortest prompt where it saves nothing
+    savings_note: str | None = None  # ``Savings.message`` of the longest prompt where it saves nothing
 
     @property
     def key(self) -> str:
@@ -317,10 +317,12 @@ def _row(pol: Policy, cells: list[dict]) -> CompareRow:
 
 
 def _row_savings(cells: list[dict]) -> dict:
-    """A row's ``saves`` (on every prompt), break-even and the note of its shortest prompt that saves nothing."""
+    """A row's ``saves`` (on every prompt), and where it saves nothing on some prompt, the longest such prompt's
+    note and break-even (above every length that saved nothing)."""
     known = [c["savings"] for c in cells if c.get("savings")]
     if not known:
         return {}
-    short = [s for s in sorted(known, key=lambda s: s["seq_len"]) if not s["saves"]]
-    return {"saves": not short, "break_even_tokens": known[0]["break_even_tokens"],
-            "savings_note": short[0]["message"] if short else None}
+    nothing = [s for s in sorted(known, key=lambda s: s["seq_len"]) if not s["saves"]]
+    worst = nothing[-1] if nothing else known[0]
+    return {"saves": not nothing, "break_even_tokens": worst["break_even_tokens"],
+            "savings_note": worst["message"] if nothing else None}
