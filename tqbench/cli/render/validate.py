@@ -32,7 +32,8 @@ def print_validation(r) -> None:
               f"{ps['bits_per_element']:.2f} bits/element")
     t.add_row("throughput", f"{num(ps['throughput_ratio'], '.2f')}x baseline decode "
               f"({ps['candidate_decode_tokens_per_second']:.1f} vs {ps['baseline_decode_tokens_per_second']:.1f} tok/s)")
-    t.add_row("recommendation", f"{rec.status}: {rec.next_step}")
+    t.add_row("recommendation", f"{rec.status}: {rec.next_step}"
+              + (" (--cache-mode compressed)" if rec.status == "storage-only" else ""))
     if rec.savings is not None and not rec.savings.saves:
         t.add_row("savings", rec.savings.message)
     if rec.caveat:
