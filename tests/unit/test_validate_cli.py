@@ -84,7 +84,8 @@ def test_teacher_forced_and_compare_and_scan_cli(tmp_path):
     r = run("compare-policies", "--model", "tiny", "--policies", "q8k-q8v", "--prompt", "hi", "--max-new-tokens",
             "4", "--summary-only")
     assert r.exit_code == 0, r.output
-    assert "recommended:" in r.stdout and "verdict" not in r.stdout
+    assert "recommended on too little evidence: q8k-q8v (" in r.stdout and "verdict" not in r.stdout
+    assert "caveat: evidence: 1 prompt x 4 tokens; too little to call it safe" in r.stdout
     js = tmp_path / "scan.json"
     r = run("scan", "--model", "tiny", "--layers", "-1", "--codecs", "int8,turbo3", "--max-prompt-tokens", "32",
             "--report-json", str(js), "--summary-table")

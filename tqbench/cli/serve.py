@@ -90,6 +90,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
     budget = app.state.server.kv_budget
     click.echo(f"  cache mode {app.state.server.cache_mode}: {app.state.server.mode_reason}", err=True)
     click.echo(f"  KV budget {budget.bytes} bytes ({budget.bytes / 2**20:.1f} MiB): {budget.source}", err=True)
+    click.echo(f"  {app.state.server.break_even_line()}", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
     worker = app.state.server.worker
 

@@ -135,6 +135,13 @@ class Engine:
         if any(is_calibrated_spec(s) for s in (pol.k, *(spec for _, _, spec in pol.overrides))):
             load_transforms(pol.calib).check_model(self.loaded.fingerprint, self.name)
 
+    def savings(self, policy: Policy | str, baseline: Policy | str, seq_len: int):
+        """``cache.savings.Savings`` of ``policy`` against ``baseline`` at ``seq_len`` tokens of this model (the
+        break-even search stops at the model's context): whether it stores fewer bytes, why not, from when."""
+        from tqbench.engine.cache.savings import savings
+
+        return savings(policy, baseline, self.geometry, seq_len, self.max_context)
+
     def policy_warning(self, policy: Policy | str | None) -> str | None:
         """Why ``policy`` may not suit this model: it was read from a saved artifact fitted on another model (the
         fingerprint differs; or, when none is recorded, the KV geometry), else None. Works on every form a policy

@@ -136,8 +136,8 @@ def test_window_bounded_layers_hold_their_window_and_match_the_estimate(spec, to
 
 def test_sliding_option_in_plans_and_strings():
     types = ["sliding_attention", "full_attention"]
-    auto_mixed = parse_policy("turbo4").plan(2, types)
-    assert auto_mixed[0].dense_window and not auto_mixed[0].sliding
+    auto_mixed = parse_policy("turbo4").plan(2, types)  # auto compresses sliding layers in mixed models too
+    assert auto_mixed[0].sliding and not auto_mixed[0].dense_window and auto_mixed[0].k == "turbo4"
     auto_all = parse_policy("turbo4").plan(2, ["sliding_attention"] * 2)
     assert all(p.sliding and p.k == "turbo4" and p.sink == 0 for p in auto_all)
     dense = parse_policy("turbo4,sliding=dense").plan(2, types)

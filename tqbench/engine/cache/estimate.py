@@ -32,6 +32,7 @@ __all__ = [
     "longest_context",
     "parse_bytes",
     "store_bytes",
+    "store_parts",
 ]
 
 
@@ -44,6 +45,10 @@ class KVEstimate:
     dense_fp16_bytes: int
     shared_bytes: int
     layer_bytes: list[int] = field(default_factory=list)
+    #: of ``total_bytes``: per-layer codec state (key centering means, calibrated scales ...), counted per layer
+    state_bytes: int = 0
+    #: of ``total_bytes``: rows kept at 16 bits (sinks, the recent window, unfilled units, dense/bypassed layers)
+    full_precision_bytes: int = 0
 
     @property
     def bits_per_element(self) -> float:
@@ -67,20 +72,41 @@ def _state_bytes(codec, batch: int, heads: int, head_dim: int) -> int:
     return codec.state_bytes(codec.calibrate(probe))
 
 
-def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> tuple[int, int]:
-    """(bytes, packed_tokens) of one K or V store holding ``tokens`` rows."""
+@dataclass(frozen=True)
+class StoreBytes:
+    """The bytes of one K or V store: rows kept at 16 bits, packed units, per-layer codec state."""
+
+    full_precision: int
+    packed: int
+    state: int
+    packed_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.full_precision + self.packed + self.state
+
+
+def store_parts(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> StoreBytes:
+    """``StoreBytes`` of one K or V store holding ``tokens`` rows (the rules of ``store.KVStore``)."""
     rows = batch * heads
     if codec.lossless:
-        return tokens * batch * codec.units_bytes(head_dim, heads), 0
+        return StoreBytes(tokens * batch * codec.units_bytes(head_dim, heads), 0, 0, 0)
     head = min(sink, tokens)
     rest = tokens - head
     tpu = codec.tokens_per_unit
     packed = max(0, (rest - recent) // tpu) * tpu
     fp = fp16_row_bytes((tokens - packed) * rows, head_dim)
     if not packed:
-        return fp, 0
+        return StoreBytes(fp, 0, 0, 0)
     units = packed // tpu
-    return fp + units * batch * codec.units_bytes(head_dim, heads) + _state_bytes(codec, batch, heads, head_dim), packed
+    return StoreBytes(fp, units * batch * codec.units_bytes(head_dim, heads),
+                      _state_bytes(codec, batch, heads, head_dim), packed)
+
+
+def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> tuple[int, int]:
+    """(bytes, packed_tokens) of one K or V store holding ``tokens`` rows."""
+    parts = store_parts(codec, sink, recent, tokens, batch, heads, head_dim)
+    return parts.total, parts.packed_tokens
 
 
 def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1) -> KVEstimate:
@@ -91,13 +117,14 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
     plans = pol.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     shared: dict[str, int] = {}
     per_layer = []
-    dense_total = 0
+    dense_total = state_total = fp_total = 0
     for plan in plans:
         if plan.dense_window:
             held = g.window_held(seq_len)  # transformers' DynamicSlidingWindowLayer
             dense = g.dense_fp16_bytes(held, batch)
             per_layer.append(dense)
             dense_total += dense
+            fp_total += dense
             continue
         total = 0
         codecs = list(zip(pol.layer_codecs(plan, g.kv_heads), (plan.k, plan.v)))
@@ -107,14 +134,17 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             held = seq_len - window_start(seq_len, g.window_rows, align)
             fp16_held = g.window_held(seq_len)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
-            nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
-            total += nbytes
-            if packed:
+            parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
+            total += parts.total
+            state_total += parts.state
+            fp_total += parts.full_precision
+            if parts.packed_tokens:
                 shared.update(codec.shared_items(dim))
         per_layer.append(total)
         dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())
-    return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
+    return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer, state_total,
+                      fp_total)
 
 
 def longest_context(policy, geometry: KVGeometry, budget_bytes: int, batch: int = 1,

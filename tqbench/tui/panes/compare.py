@@ -62,7 +62,7 @@ class ComparePane(Vertical):
     ComparePane #cmp-progress ProgressBar { width: 40; }
     ComparePane #cmp-status { width: 1fr; padding: 0 1; }
     ComparePane #cmp-table { height: 1fr; border: round $panel; }
-    ComparePane #recommendation { height: auto; max-height: 4; padding: 0 1; background: $boost; }
+    ComparePane #recommendation { height: auto; max-height: 8; padding: 0 1; background: $boost; }
     """
 
     class Finished(Message):
@@ -221,6 +221,10 @@ class ComparePane(Vertical):
             text += f" · best risky candidate: [b]{rec['best_risky_policy']}[/b]"
         if rec.get("note"):
             text += f" · [yellow]{rec['note']}[/]"
+        for nothing in rec.get("saves_nothing_policies") or ():  # the engine's rule: never recommended
+            text += f"\n[yellow]saves nothing: {nothing['policy']}: {nothing['note']}[/]"
+        if rec.get("caveat"):
+            text += f"\n[yellow]caveat: {rec['caveat']}[/]"
         self.query_one("#recommendation", Static).update(text)
 
     def fill_cells(self, result: CompareResult) -> None:
