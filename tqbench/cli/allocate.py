@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
+from tqbench.cli.options import check_out_path, csv, fail, friendly_errors, gate, model_options
 
 
 @click.command()
@@ -66,14 +66,10 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
 
-    if out is not None:
-        if not out.endswith(".toml"):
-            raise ValueError(f"--out {out!r} must end in .toml (the policy artifact)")
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent):
-            raise ValueError(f"--out {out!r}: folder {parent!r} does not exist; create it or pick another path")
+    check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
         resume = out[: -len(".toml")] + ".partial.json"
+    check_out_path(resume, "--resume")
     verify = None if verify_text.lower() == "none" else verify_text
     unseen = None if unseen_text.lower() == "none" else unseen_text
     try:

@@ -124,10 +124,22 @@ def csv(text: str | None) -> list[str] | None:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def policy_list(text: str) -> list[str]:
-    """Comma-separated policies; a compact policy with commas goes in with ';' between policies."""
-    sep = ";" if ";" in text else ","
-    return [p.strip() for p in text.split(sep) if p.strip()]
+POLICIES_HELP = ("Repeat the option for several policies, or put ';' between them. Commas separate policies only "
+                 "when no part is key=value (fp16,turbo4: preset, shipped or engine-setting names and files); "
+                 "a value with key=value is ONE compact policy (k=turbo4,v=turbo3,sink=4,recent=16).")
+
+
+def policy_list(values: str | tuple[str, ...] | list[str]) -> list[str]:
+    """The policies of a (repeatable) policy option: each value split by the engine's one rule
+    (``split_policies``: ';' always, ',' only between names; a compact policy is never cut at its commas)."""
+    from tqbench.engine import split_policies
+
+    if isinstance(values, str):
+        values = (values,)
+    names = [name for value in values for name in split_policies(value)]
+    if not names:
+        raise ValueError("no policy given: name a preset (see `tqbench --headless policies`) or k=...,v=...")
+    return names
 
 
 def ints(text: str, flag: str) -> list[int]:
@@ -151,13 +163,20 @@ def floats(text: str, flag: str) -> list[float]:
 
 
 # ---- reports ----------------------------------------------------------------------------------------------
+def check_out_path(path: str | None, flag: str, suffix: str | None = None, folder: bool = False) -> None:
+    """Every output path a command takes (``--report-json``, ``--report-md``, ``--save-session``, ``--out`` ...)
+    is checked before any work by this one rule: the engine's ``atomic.check_output_path`` (the folder exists and
+    takes a file, the path is not a folder; a folder output is not a file). A ValueError names ``flag``."""
+    if path:
+        from tqbench.engine.atomic import check_output_path
+
+        check_output_path(path, suffix, flag, folder=folder)
+
+
 def check_out_paths(report_json: str | None, report_md: str | None) -> None:
-    """Fail before any work when a report's folder does not exist."""
-    for path, flag in ((report_json, "--report-json"), (report_md, "--report-md")):
-        if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                raise ValueError(f"{flag} {path!r}: folder {parent!r} does not exist; create it or pick another path")
+    """``--report-json`` and ``--report-md`` (``check_out_path``)."""
+    check_out_path(report_json, "--report-json")
+    check_out_path(report_md, "--report-md")
 
 
 def write_reports(payload: dict, md: str | None, report_json: str | None, report_md: str | None,

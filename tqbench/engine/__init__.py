@@ -34,6 +34,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "resolve_model": (_MODELS, "resolve_model"),
     "Policy": (_POLICY, "Policy"),
     "parse_policy": (_POLICY, "parse_policy"),
+    "split_policies": (_POLICY, "split_policies"),
     "PRESETS": (_POLICY, "PRESETS"),
     "get_preset": (_POLICY, "get_preset"),
     "Sampling": (_REQUEST, "Sampling"),
