@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from tqbench.cli.options import check_out_path, csv, fail, friendly_errors, gate, model_options
+from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendly_errors, gate, model_options
 
 
 @click.command()
@@ -64,8 +64,11 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.allocate import print_allocation
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
+    from tqbench.engine.allocate.budget import check_budget
 
+    check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rule, before the model loads
+    check_max_kl(max_kl)
+    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
     check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
         resume = out[: -len(".toml")] + ".partial.json"

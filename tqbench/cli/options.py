@@ -27,14 +27,21 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from tqbench.engine import ModelLoadError
-
         try:
             return fn(*args, **kwargs)
-        except (ValueError, ModelLoadError, FileNotFoundError) as exc:
+        except Exception as exc:
+            if not isinstance(exc, (ValueError, FileNotFoundError, *_model_load_errors())):
+                raise
             fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     return wrapper
+
+
+def _model_load_errors() -> tuple[type, ...]:
+    """The engine's ``ModelLoadError`` when its module is loaded (else no exception can be one): looked up, not
+    imported, so a command refused at the door never imports the model loader."""
+    errors = sys.modules.get("tqbench.engine.models.errors")
+    return (errors.ModelLoadError,) if errors is not None else ()
 
 
 def gate(ok: bool, message: str) -> None:
@@ -86,6 +93,16 @@ def report_options(fn):
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
+def checked_prompt(text: str, flags: str = "--prompt or --prompt-file") -> str:
+    """The engine's prompt rule (``request.check_prompt``) at the door, the message naming the CLI's flags."""
+    from tqbench.engine.request import check_prompt
+
+    try:
+        return check_prompt(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc} with {flags}") from None
+
+
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     """``bench``'s prompt: click usage errors (``Error: ...`` with the usage line)."""
     if prompt and prompt_file:
@@ -94,8 +111,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         if not os.path.isfile(prompt_file):
             raise click.BadParameter(f"prompt file {prompt_file!r} does not exist", param_hint="--prompt-file")
         with open(prompt_file, encoding="utf-8") as fh:
-            return fh.read()
-    return prompt if prompt is not None else DEFAULT_PROMPT
+            return checked_prompt(fh.read())
+    return checked_prompt(prompt if prompt is not None else DEFAULT_PROMPT)
 
 
 def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
@@ -106,15 +123,37 @@ def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
         if not os.path.isfile(prompt_file):
             raise ValueError(f"prompt file {prompt_file!r} does not exist: check the path given to --prompt-file")
         with open(prompt_file, encoding="utf-8") as fh:
-            return fh.read()
-    return prompt if prompt is not None else DEFAULT_PROMPT
+            return checked_prompt(fh.read())
+    return checked_prompt(prompt if prompt is not None else DEFAULT_PROMPT)
 
 
 def prompt_list(prompts: tuple[str, ...], prompt_files: tuple[str, ...]) -> list[str]:
-    out = list(prompts)
+    out = [checked_prompt(p) for p in prompts]
     for f in prompt_files:
         out.append(prompt_text(None, f))
     return out or list(COMPARE_PROMPTS)
+
+
+# ---- teacher-forced and gates -------------------------------------------------------------------------
+TF_FLAGS = {"context_tokens": "--tf-context", "eval_tokens": "--tf-tokens"}
+
+
+def check_teacher_forced_flags(corpus: str | None, tf_context: int, tf_tokens: int) -> None:
+    """``--corpus``, ``--tf-context``, ``--tf-tokens`` by the engine's rule (``check_teacher_forced_args``),
+    before the model loads; a bad count is named by its flag."""
+    from tqbench.engine.request import RequestError
+    from tqbench.engine.validate import check_teacher_forced_args
+
+    try:
+        check_teacher_forced_args(corpus, tf_context, tf_tokens)
+    except RequestError as exc:
+        raise ValueError(exc.spelled(TF_FLAGS.get(exc.field, exc.field))) from None
+
+
+def check_max_kl(max_kl: float | None) -> None:
+    """A KL gate (``--max-kl``) is 0 or more: checked before any measuring."""
+    if max_kl is not None and not max_kl >= 0:
+        raise ValueError(f"--max-kl {max_kl:g} is invalid: a KL is 0 or more (e.g. 0.05)")
 
 
 # ---- lists ----------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RequestError": (_REQUEST, "RequestError"),
     "check_max_new_tokens": (_REQUEST, "check_max_new_tokens"),
     "check_context": (_REQUEST, "check_context"),
+    "check_prompt": (_REQUEST, "check_prompt"),
     "check_temperature": (_REQUEST, "check_temperature"),
     "check_top_p": (_REQUEST, "check_top_p"),
     "check_prefill_chunk": (_REQUEST, "check_prefill_chunk"),

@@ -16,7 +16,7 @@ from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import PromptTooLongError, check_context
+from tqbench.engine.request import PromptTooLongError, check_context, check_prompt
 
 __all__ = ["Engine", "Prompt", "PromptTooLongError"]
 
@@ -72,8 +72,8 @@ class Engine:
     # -- prompts ------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0) -> torch.Tensor:
         """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template."""
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("the prompt is empty: give some text with --prompt or --prompt-file")
+        if isinstance(prompt, str):
+            check_prompt(prompt)
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat and has_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

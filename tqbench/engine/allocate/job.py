@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
@@ -200,6 +201,7 @@ def allocate_policy(
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
+    check_budget(budget, specs + [c for c in kspecs if c not in specs])
     if granularity == "head":
         try:
             canonical_spec("turbo2|turbo4")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import build_codec
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
@@ -180,8 +181,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     lowest reachable budget)."""
     if context < 1:
         raise ValueError(f"context={context} is invalid: state the context length in tokens (>= 1)")
-    if budget_bits <= 0:
-        raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
+    check_budget(budget_bits)
     g = geometry
     plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     dense_elems = 2 * g.kv_heads * context * g.head_dim * g.num_layers
@@ -232,7 +232,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
-            "bits/element; raise --budget, add a cheaper codec or shrink --sink/--recent"
+            "bits/element; raise the budget, add a cheaper codec or shrink the sink and recent window"
         )
     return best
 
