@@ -42,11 +42,16 @@ __all__ = list(_LAZY)
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tqbench.engine.allocate' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    try:  # a submodule (``tqbench.engine.allocate.solver``) not imported yet
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def __dir__() -> list[str]:
