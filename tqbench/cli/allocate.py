@@ -65,8 +65,9 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.budget import check_budget
+    from tqbench.engine.allocate.texts import check_text_names
 
-    check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rule, before the model loads
+    check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rules, before the model loads
     check_max_kl(max_kl)
     from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
     check_out_path(out, "--out", ".toml")
@@ -75,6 +76,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     check_out_path(resume, "--resume")
     verify = None if verify_text.lower() == "none" else verify_text
     unseen = None if unseen_text.lower() == "none" else unseen_text
+    check_text_names(calibration, verify, unseen)
     try:
         grid = [(int(a), int(b)) for a in csv(sinks) or [] for b in csv(recents) or []]
     except ValueError:
