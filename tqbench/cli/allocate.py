@@ -17,7 +17,8 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.command()
 @model_options
 @click.option("--budget", type=float, required=True,
-              help="Bits per KV element for the whole cache (all metadata, sinks and window included).")
+              help="Bits per KV element for the whole cache (all metadata, sinks and window included): above the "
+                   "cheapest codec's bits and below 16.")
 @click.option("--context", type=click.IntRange(min=1), default=1024, show_default=True,
               help="The context length (tokens) the budget is stated at: bits/element fall as context grows.")
 @click.option("--calibration", default="mix", show_default=True,
