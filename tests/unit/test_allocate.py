@@ -195,7 +195,7 @@ def test_cli_allocate_json_and_out(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--budget", "0.5"], "budget 0.5 bits/element does not fit at 96 tokens"),
+    (["--budget", "1.5", "--codecs", "turbo2,turbo4"], "budget 1.5 bits/element is out of range: give a number above 2"),
     (["--budget", "3", "--granularity", "rows"], "'rows' is not one of 'layer', 'head'"),
     (["--budget", "3", "--verify-text", "bread"], "--verify-text='corpus:bread' is invalid: it is also used for "
                                                  "calibration"),

@@ -11,13 +11,14 @@ import sys
 
 import click
 
-from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
+from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendly_errors, gate, model_options
 
 
 @click.command()
 @model_options
 @click.option("--budget", type=float, required=True,
-              help="Bits per KV element for the whole cache (all metadata, sinks and window included).")
+              help="Bits per KV element for the whole cache (all metadata, sinks and window included): above the "
+                   "cheapest codec's bits and below 16.")
 @click.option("--context", type=click.IntRange(min=1), default=1024, show_default=True,
               help="The context length (tokens) the budget is stated at: bits/element fall as context grows.")
 @click.option("--calibration", default="mix", show_default=True,
@@ -67,18 +68,19 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.allocate import print_allocation
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
+    from tqbench.engine.allocate.budget import check_budget
+    from tqbench.engine.allocate.texts import check_text_names
 
-    if out is not None:
-        if not out.endswith(".toml"):
-            raise ValueError(f"--out {out!r} must end in .toml (the policy artifact)")
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent):
-            raise ValueError(f"--out {out!r}: folder {parent!r} does not exist; create it or pick another path")
+    check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rules, before the model loads
+    check_max_kl(max_kl)
+    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
+    check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
         resume = out[: -len(".toml")] + ".partial.json"
+    check_out_path(resume, "--resume")
     verify = None if verify_text.lower() == "none" else verify_text
     unseen = None if unseen_text.lower() == "none" else unseen_text
+    check_text_names(calibration, verify, unseen)
     try:
         grid = [(int(a), int(b)) for a in csv(sinks) or [] for b in csv(recents) or []]
     except ValueError:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import click
 
 from tqbench.cli.options import (
+    check_max_kl,
     check_out_paths,
+    check_teacher_forced_flags,
     friendly_errors,
     gate,
     model_options,
@@ -62,6 +64,9 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
     from tqbench.engine.validate import check_generation_args
 
     _check_flags(candidate, self_test, teacher_forced, corpus, max_kl)
+    check_max_kl(max_kl)
+    if teacher_forced:
+        check_teacher_forced_flags(corpus, tf_context, tf_tokens)
     request = GenerationRequest(max_new_tokens, temperature=temperature, seed=seed)
     check_generation_args(max_new_tokens, quality_threshold)
     candidate = candidate or "turbo4"

@@ -16,7 +16,7 @@ from tqbench.engine.models import LoadedModel, load_model, tiny_model
 from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import PromptTooLongError, check_context
+from tqbench.engine.request import PromptTooLongError, check_context, check_prompt
 
 __all__ = ["Engine", "Prompt", "PromptTooLongError"]
 
@@ -75,8 +75,8 @@ class Engine:
         """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template.
         ``fit_context``: refuse a prompt (plus ``max_new_tokens``) longer than the model's context; a caller that
         truncates the ids itself passes False and checks what it keeps."""
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("the prompt is empty: give some text")
+        if isinstance(prompt, str):
+            check_prompt(prompt)
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat and has_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

@@ -60,6 +60,14 @@ def check_max_new_tokens(value: int, field: str = "max_new_tokens", *, allow_zer
     return value
 
 
+def check_prompt(text: str) -> str:
+    """A text prompt holds something besides white space (the engine's ``encode_prompt`` and the CLI's prompt
+    flags check it; the server's chat and completion bodies keep their own OpenAI-shaped errors)."""
+    if not text.strip():
+        raise ValueError("the prompt is empty: give some text")
+    return text
+
+
 def check_temperature(value: float, field: str = "temperature", maximum: float | None = None) -> float:
     """0 (greedy) or a positive number (up to ``maximum`` where a front end caps it)."""
     if maximum is not None and not 0 <= value <= maximum:

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
-from tqbench.engine.allocate.texts import MIX, calibration_set, check_unseen
+from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec
@@ -202,6 +203,8 @@ def allocate_policy(
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
+    check_budget(budget, specs + [c for c in kspecs if c not in specs])
+    check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":
         try:
             canonical_spec("turbo2|turbo4")

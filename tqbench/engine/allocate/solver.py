@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import build_codec
 from tqbench.engine.allocate.sensitivity import SensitivityTable, allocatable_layers
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
@@ -209,8 +210,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     lowest reachable budget)."""
     if context < 1:
         raise ValueError(f"context={context} is invalid: state the context length in tokens (>= 1)")
-    if budget_bits <= 0:
-        raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
+    check_budget(budget_bits)
     g = geometry
     dense = sorted(set(table.layers) - set(allocatable_layers(base, g)))
     if dense:

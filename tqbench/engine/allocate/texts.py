@@ -103,6 +103,14 @@ def resolve_texts(name: str) -> tuple[list[Path], str]:
     return [p for p, _ in found], (f"{kind}{sep}" if sep else "corpus:") + "+".join(stems.split("+"))
 
 
+def check_text_names(calibration: str, *texts: str | None) -> None:
+    """Every text name resolves (``MIX`` or ``resolve_texts`` names; None skips): checked before any work, so a
+    typo is refused before a model loads rather than after."""
+    for name in (None if calibration == MIX else calibration, *texts):
+        if name is not None:
+            resolve_texts(name)
+
+
 def text_ids(tokenizer, name: str, n: int) -> tuple[torch.Tensor, str]:
     """The first ``n`` token ids ``[1, n]`` of a text (``resolve_texts`` names) and its label."""
     paths, label = resolve_texts(name)

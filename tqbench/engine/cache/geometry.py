@@ -16,6 +16,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from tqbench.constants import MODELS_DATA_DIR
 from tqbench.engine.request import RequestError
@@ -217,8 +218,13 @@ def model_geometry(model: str) -> ModelGeometry:
 
 @functools.lru_cache(maxsize=1)
 def default_geometry() -> KVGeometry:
-    """The default model's geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), from its shipped config."""
-    return model_geometry("default").geometry
+    """The default model's geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), from its shipped config.
+
+    Read from the JSON's fields as they are (a plain llama config: no sliding window, no layer types, head_dim =
+    hidden_size / heads), without transformers' ``AutoConfig``, so the preset table needs no transformers import;
+    a test holds it equal to ``model_geometry("default")``."""
+    data = json.loads((MODELS_DIR / f"{ALIASES['default']}.json").read_text(encoding="utf-8"))
+    return KVGeometry.from_config(SimpleNamespace(**{k: v for k, v in data.items() if not k.startswith("_")}))
 
 
 def explicit_geometry(layers: int, kv_heads: int, head_dim: int) -> ModelGeometry:

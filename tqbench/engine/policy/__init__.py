@@ -17,7 +17,7 @@ from tqbench.engine.policy.artifact import (
 )
 from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import load_policy_file, parse_policy, policy_from_dict
-from tqbench.engine.policy.grammar import engine_policy, get_preset, parse_compact
+from tqbench.engine.policy.grammar import engine_policy, get_preset, parse_compact, split_policies
 from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.policy.presets import (
     ENGINE_PRESETS,
@@ -66,5 +66,6 @@ __all__ = [
     "parse_policy",
     "policy_from_dict",
     "select_layers",
+    "split_policies",
     "validate_selector",
 ]

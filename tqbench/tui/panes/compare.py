@@ -43,8 +43,9 @@ VERDICT_STYLE = {"exact-match": "bold green", "near-stable": "green", "prefix-st
 
 
 def _policy_list(text: str) -> list[str]:
-    sep = ";" if ";" in text else ","
-    return [p.strip() for p in text.split(sep) if p.strip()]
+    from tqbench.engine import split_policies  # the rule every front end splits a policy list by
+
+    return split_policies(text)
 
 
 class ComparePane(Vertical):
@@ -102,7 +103,7 @@ class ComparePane(Vertical):
         with Horizontal(classes="controls"):
             yield Label("policies")
             yield Input(p.get("policies") or DEFAULT_POLICIES, id="cmp-policies", compact=True,
-                        tooltip="';' between policies (compact policies contain ',')")
+                        tooltip="';' between policies (',' too between names: a compact policy keeps its commas)")
             yield Label("baseline")
             yield Input(p.get("baseline", "fp16"), id="cmp-baseline", compact=True)
         with Horizontal(classes="controls"):
