@@ -1,7 +1,7 @@
 """The native CPU kernel of the ``fused`` cache mode: C++ built on first use (or by ``make setup``).
 
-``fused_attention.cpp`` attends straight from the packed codes and quantizes + packs new TurboQuant rows (the
-append path; see its header); it is compiled with torch's
+``fused_attention.cpp`` (one translation unit over its internal ``fa_*.h`` headers) attends straight from the
+packed codes and quantizes + packs new TurboQuant rows (the append path; see its header); it is compiled with torch's
 extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set and
 source hash under ``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded with torch's own pool.
 
@@ -26,7 +26,9 @@ from pathlib import Path
 __all__ = ["DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "cflags", "native_module", "native_status", "wait_for_build_lock"]
 
 DISABLE_ENV = "TQBENCH_NATIVE"  # "0" turns the native kernel off (the torch reference runs, and says so)
-SOURCE = Path(__file__).with_name("fused_attention.cpp")
+SOURCE = Path(__file__).with_name("fused_attention.cpp")  # the one translation unit; it includes the headers
+#: every C++ file of the kernel (the .cpp and its internal ``fa_*.h`` headers): all hashed and copied
+SOURCES = (SOURCE, *sorted(SOURCE.parent.glob("fa_*.h")))
 ISA_ENV = "TQBENCH_NATIVE_ISA"  # "avx2" / "generic": build without AVX-512 (/ without AVX2 too); unset: the CPU's best
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 _ISA_FLAGS = {"": [], "native": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
@@ -69,8 +71,13 @@ def cflags() -> list[str]:
 
 
 def _source_tag(flags: list[str]) -> str:
-    """A short hash of the source and flags: checkouts with different kernels never share (or overwrite) a build."""
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:8]
+    """A short hash of every source file (names and bytes) and the flags: checkouts with different kernels never
+    share (or overwrite) a build, and editing a header rebuilds."""
+    h = hashlib.sha1()
+    for src in SOURCES:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update(" ".join(flags).encode())
+    return h.hexdigest()[:8]
 
 
 def _build():
@@ -103,15 +110,17 @@ def _build():
 
 
 def _stable_source(build_dir: Path) -> Path:
-    """The source as a file inside its build folder: every checkout of the same source (worktrees, a fresh clone)
-    then gives ninja the same command, so they share one build instead of rebuilding it in turn."""
-    dest = build_dir / SOURCE.name
-    data = SOURCE.read_bytes()
-    if not dest.is_file() or dest.read_bytes() != data:
-        tmp = build_dir / f".{SOURCE.name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
-    return dest
+    """The sources as files inside their build folder (the .cpp and every header it includes): every checkout of
+    the same source (worktrees, a fresh clone) then gives ninja the same command, so they share one build instead
+    of rebuilding it in turn. Returns the .cpp's copy."""
+    for src in SOURCES:
+        dest = build_dir / src.name
+        data = src.read_bytes()
+        if not dest.is_file() or dest.read_bytes() != data:
+            tmp = build_dir / f".{src.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+    return build_dir / SOURCE.name
 
 
 def wait_for_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> str | None:
