@@ -181,15 +181,20 @@ def test_shared_transform_bytes_are_counted_once_per_layer_by_hand(tiny_engine, 
     assert [r.k_bytes for r in rep.layers] == [k_bytes] * 4
 
 
-def test_fused_mode_falls_back_to_the_torch_reference_and_says_why(tiny_engine, tiny_fit):
+def test_fused_mode_scores_pcaq_keys_from_their_codes_with_no_fallback(tiny_engine, tiny_fit, monkeypatch):
+    from tqbench.kernels.cpu import native_status
+
     model = tiny_engine.model
-    cache = tiny_engine.make_cache(f"k=pcaq3,v=turbo3,calib={tiny_fit}", "fused")
-    with torch.inference_mode():
-        model(torch.randint(3, 200, (1, 30)), cache=cache)
-        model(torch.tensor([[7]]), cache=cache)
-    rep = cache.report()
-    assert any("no native kernel for pcaq3" in k for k in rep.fallbacks), rep.fallbacks
-    assert any("pcaq3" in n for n in rep.notes), rep.notes
+    for impl in ("native", "torch") if native_status()[0] else ("torch",):
+        monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+        cache = tiny_engine.make_cache(f"k=pcaq3,v=turbo3,calib={tiny_fit}", "fused")
+        with torch.inference_mode():
+            model(torch.randint(3, 200, (1, 30)), cache=cache)
+            model(torch.tensor([[7]]), cache=cache)
+        rep = cache.report()
+        assert rep.fallbacks == {}, rep.fallbacks
+        label = "native-cpu" if impl == "native" else "torch-reference (TQBENCH_FUSED_IMPL=torch)"
+        assert rep.fused_impl == {label: rep.fused_calls}
 
 
 def test_a_fit_for_another_model_is_refused_with_what_to_do(tiny_engine, tiny_fit, tmp_path):

@@ -11,8 +11,9 @@ one fp16 scale per column), and per width setting the bit map (uint8 ``[H, D]``)
 bit map uses (fp16).
 
 Keys only: for values the measured transforms did not beat the random rotation (docs/incoming/i21t.md), so a
-``pcaq`` value codec is refused with that reason. The fused mode has no kernel for varying per-coordinate
-widths: its torch reference decodes the packed rows in the call and the cache report names the fallback.
+``pcaq`` value codec is refused with that reason. The fused mode scores the packed rows straight from their codes
+(native CPU kernel and torch reference; ``fused_tables`` gives them the per-head transform, widths and levels):
+``q.k_hat = <B_hat^T q, level[idx]> + q.mu``, the query transformed once per step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 import re
 
 import torch
+
+from tqbench.kernels.packing import pack_widths, unpack_widths
 
 from .base import Codec, Encoded, compute_dtype
 from .calibrated_fit import GROUP, MAX_BITS, level_offset, water_fill
@@ -51,39 +54,6 @@ def is_calibrated_spec(spec: str) -> bool:
         return calibrated_bits(spec) is not None
     except ValueError:
         return False
-
-
-# -- a bit stream of per-coordinate widths ---------------------------------------------------------------
-def _stream_index(widths: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(positions in the ``[D, maxw]`` bit grid that carry stream bits, in stream order; total bits; maxw)."""
-    maxw = max(int(widths.max()), 1)
-    grid = torch.arange(maxw)[None, :] < widths[:, None]
-    return grid.flatten().nonzero().flatten(), int(widths.sum()), maxw
-
-
-def pack_widths(idx: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """``idx`` ``[..., D]`` (value ``j`` below ``2**widths[j]``) -> uint8 ``[..., ceil(sum(widths) / 8)]``: value
-    ``j`` at stream bits ``[sum(widths[:j]), sum(widths[:j+1]))``, LSB first (``kernels.packing``'s layout)."""
-    pos, total, maxw = _stream_index(widths)
-    shifts = torch.arange(maxw, device=idx.device)
-    bits = ((idx.long()[..., None] >> shifts) & 1).flatten(-2)[..., pos.to(idx.device)]
-    nbytes = (total + 7) // 8
-    pad = nbytes * 8 - total
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
-    weights = (1 << torch.arange(8, device=idx.device))
-    return (bits.view(*bits.shape[:-1], nbytes, 8) * weights).sum(-1).to(torch.uint8)
-
-
-def unpack_widths(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_widths``: int64 ``[..., D]``."""
-    pos, total, maxw = _stream_index(widths)
-    d = widths.shape[0]
-    shifts = torch.arange(8, device=packed.device)
-    stream = ((packed.long()[..., None] >> shifts) & 1).flatten(-2)[..., :total]
-    grid = stream.new_zeros(*stream.shape[:-1], d * maxw)
-    grid[..., pos.to(packed.device)] = stream
-    return (grid.view(*stream.shape[:-1], d, maxw) << torch.arange(maxw, device=packed.device)).sum(-1)
 
 
 class PcaKeyCodec(Codec):
@@ -177,6 +147,19 @@ class PcaKeyCodec(Codec):
                bounds.to(device, dtype))
         _TABLES[key] = out
         return out
+
+    def fused_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
+        """What the fused kernels read: ``(widths uint8 [H, D], transform [H, D, D], levels [H, D, 2**maxw], maxw)``
+        with ``transform = B_hat^T`` (the query's coordinate ``j`` is ``<transform[h, j], q>``) and ``levels`` the
+        per-coordinate Lloyd-Max values up to the widest width in use (cached with the layer's tables)."""
+        tr = self.transforms
+        key = ("fused", tr.path, tr.digest, self._layer_index(), self.heads, self.bits, head_dim, str(device), dtype)
+        if key not in _TABLES:
+            widths, basis, _, levels, _ = self._layer_tables(head_dim, device, dtype)
+            maxw = max(int(widths.max()), 1)
+            _TABLES[key] = (widths.to(device=device, dtype=torch.uint8).contiguous(),
+                            basis.transpose(-1, -2).contiguous(), levels[..., : 1 << maxw].contiguous(), maxw)
+        return _TABLES[key]
 
     # -- codec ----------------------------------------------------------------------------------------
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 ``fused_attention.cpp`` and the docs' kernels page).
 
 One kernel call attends the queries of ``B`` sequences, each over its own store, described per sequence (or per
-padded group of sequences) by one ``Side`` for K and one for V (``kernel_side`` builds it from a ``PackedSide``
+padded group of sequences) by one ``Side`` for K and one for V (or, for a per-head layer, one pair per group of
+heads, each naming its ``heads`` and the store's ``kv_heads``) (``kernel_side`` builds it from a ``PackedSide``
 and the store's full-precision row chunks). ``native_attention_batch`` is the call; ``native_attention`` is the
 one-store form (a padded batch in one store, dense rows as one tensor per side).
 
@@ -88,7 +89,7 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
     if packed is None:
         return side(head_dim=head_dim, dense=chunks), extra
     p = packed.payload
-    if packed.kind == "turbo":
+    if packed.kind in ("turbo", "pcaq"):
         lev, rot = packed.levels, packed.rotation
         if lev is not None and lev.dtype != dt:
             lev = lev.to(dt)
@@ -96,6 +97,10 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
         if rot is not None and rot.dtype != dt:
             rot = rot.to(dt)
             extra += _nbytes(rot)
+        if packed.kind == "pcaq":  # calibrated keys: a transform per head, a width per coordinate, no norm
+            return side(kind="pcaq", bits=packed.bits, head_dim=head_dim, n_before=n_before,
+                        n_packed=packed.n_tokens, codes=p["idx"], widths=packed.widths, levels=lev, rotation=rot,
+                        mu=packed.mu, dense=chunks), extra
         return side(kind="turbo", bits=packed.bits, head_dim=head_dim, n_before=n_before, n_packed=packed.n_tokens,
                     codes=p["idx"], norms=p["norm"], levels=lev, rotation=rot, mu=packed.mu, dense=chunks), extra
     return side(kind=packed.kind, bits=packed.bits, group=packed.group, head_dim=head_dim, n_before=n_before,

@@ -187,8 +187,47 @@ inline bool decode_turbo_fast<float>(const Side<float>& s, const uint8_t* p, flo
 }
 #endif
 
+// -- pcaq rows: per-coordinate widths ----------------------------------------------------------------------
+// Coordinate j of head h reads the 32-bit word at byte pbyte[j] of the row (copied into a zero-padded buffer, so
+// no read passes the row), shifts it by pshift[j], masks pmask[j] and looks its level up at plev_at[j] + code.
+template <typename T>
+inline void decode_pcaq(const Side<T>& s, int64_t h, const uint8_t* p, T* out) {
+  alignas(64) uint8_t row[MAX_HEAD_DIM + 8];  // a row holds at most 8 bits per coordinate
+  std::memcpy(row, p, s.row_bytes);
+  std::memset(row + s.row_bytes, 0, 4);
+  const int64_t D = s.D, o = h * D;
+  const int32_t *by = s.pbyte.data() + o, *sh = s.pshift.data() + o, *mk = s.pmask.data() + o,
+                *la = s.plev_at.data() + o;
+  const T* lev = s.plev.data();
+  int64_t j = 0;
+#if TQ_AVX512
+  if constexpr (std::is_same<T, float>::value) {
+    for (; j + 16 <= D; j += 16) {
+      const __m512i w = _mm512_i32gather_epi32(_mm512_loadu_si512(by + j), row, 1);
+      const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_loadu_si512(sh + j)), _mm512_loadu_si512(mk + j));
+      _mm512_storeu_ps(out + j, _mm512_i32gather_ps(_mm512_add_epi32(c, _mm512_loadu_si512(la + j)), lev, 4));
+    }
+  }
+#elif TQ_AVX2
+  if constexpr (std::is_same<T, float>::value) {
+    for (; j + 8 <= D; j += 8) {
+      const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int*>(row),
+                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(by + j)), 1);
+      const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh + j))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mk + j)));
+      _mm256_storeu_ps(out + j, _mm256_i32gather_ps(lev, _mm256_add_epi32(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(la + j))), 4));
+    }
+  }
+#endif
+  for (; j < D; ++j) {
+    uint32_t w;
+    std::memcpy(&w, row + by[j], 4);
+    out[j] = lev[la[j] + ((w >> sh[j]) & static_cast<uint32_t>(mk[j]))];
+  }
+}
+
 // Row `t` (store order) of one side for batch row b of the side, head h: a pointer to D values, `scale`
-// (turbo norm, else 1) and whether it lives in the rotated domain (turbo packed rows).
+// (turbo norm, else 1) and whether it lives in the transformed domain (turbo and pcaq packed rows).
 template <typename T>
 TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, T* buf, T& scale, bool& rot) {
   scale = T(1);
@@ -202,6 +241,11 @@ TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, 
   }
   const int64_t n = t - s.nb;
   const int64_t D = s.D;
+  if (s.kind == PCAQ) {
+    decode_pcaq(s, h, s.codes + b * s.c_b + h * s.c_h + n * s.c_r, buf);
+    rot = true;
+    return buf;
+  }
   if (s.kind == TURBO) {
     const uint8_t* p = s.codes + b * s.c_b + h * s.c_h + n * s.c_r;
     if (!decode_turbo_fast(s, p, buf)) decode_codes(s, p, 0, D, buf);

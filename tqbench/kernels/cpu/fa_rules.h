@@ -58,7 +58,12 @@ const char* isa_name() {
 #endif
 }
 
-enum Kind : int64_t { DENSE = 0, TURBO = 1, AFFINE_TOKEN = 2, AFFINE_CHANNEL = 3 };
+enum Kind : int64_t { DENSE = 0, TURBO = 1, AFFINE_TOKEN = 2, AFFINE_CHANNEL = 3, PCAQ = 4 };
+
+// Kinds whose packed rows live in a transformed domain: keys score against the transformed query (R q), values
+// accumulate there and are transformed back once per query. TurboQuant: one rotation for every head, a norm per
+// row; pcaq (calibrated keys): one transform per head, per-coordinate widths and levels, no norm.
+inline bool transformed(int64_t kind) { return kind == TURBO || kind == PCAQ; }
 
 // turbo widths decoded in SIMD order (fp32, head_dim % 64 == 0)
 inline bool simd_turbo(int64_t bits, int64_t D) {
@@ -95,10 +100,15 @@ inline int64_t simd_pos(int64_t bits, int64_t p) {
 
 // What the caller describes, one per side per store (bound to Python as `Side`).
 struct SideDesc {
-  std::string kind = "dense";  // "dense", "turbo", "affine-token", "affine-channel"
+  std::string kind = "dense";  // "dense", "turbo", "affine-token", "affine-channel", "pcaq"
   int64_t bits = 0, group = 1, head_dim = 0, n_before = 0, n_packed = 0;
   std::optional<torch::Tensor> codes, norms, scales, zeros, levels, rotation, mu;
+  std::optional<torch::Tensor> widths;  // pcaq: bits of each coordinate, uint8 [H, D]
   std::vector<torch::Tensor> dense;  // full-precision row chunks [Bs, H, n_i, head_dim], in token order
+  // one group of heads of a per-head store: the store's KV heads this side holds (its tensors' heads, in order)
+  // and how many the store has; empty / 0: the side is the whole store
+  std::vector<int64_t> heads;
+  int64_t kv_heads = 0;
 };
 
 // The checked, pointer form the kernel reads.
@@ -116,10 +126,16 @@ struct Side {
   float lutpad[16] = {0};
   std::vector<T> btab;  // [256][per_byte] decoded values of every byte (bits 1, 2, 4, 8)
   int64_t per_byte = 0;
-  const T* rot = nullptr;  // turbo rotation [D, D] (natural row order)
-  const at::Half* mu = nullptr;  // turbo centring [Bs|1, H, 1, D]
+  const T* rot = nullptr;  // turbo rotation [D, D] / pcaq transform [H, D, D] (natural row order)
+  int64_t rot_h = 0;       // the transform of head h is rot + h * rot_h (turbo: 0, one for all heads)
+  const at::Half* mu = nullptr;  // turbo / pcaq centring [Bs|1, H, 1, D]
   int64_t mu_b = 0, mu_h = 0;
   std::vector<int32_t> order;  // SIMD decode order of the rotated coordinates (empty: natural)
+  // pcaq, per (head, coordinate): the byte of the row holding its code, the code's shift within the 32-bit word
+  // read there, its mask, and where its levels start in plev ([H][D][2**bits])
+  std::vector<int32_t> pbyte, pshift, pmask, plev_at;
+  std::vector<T> plev;
+  int64_t row_bytes = 0;
   int nchunks = 0;
   const T* dptr[MAX_DENSE_CHUNKS];
   int64_t dend[MAX_DENSE_CHUNKS], db[MAX_DENSE_CHUNKS], dh[MAX_DENSE_CHUNKS], dr[MAX_DENSE_CHUNKS];

@@ -14,7 +14,8 @@ int64_t kind_code(const std::string& k, const std::string& nm) {
   if (k == "turbo") return TURBO;
   if (k == "affine-token") return AFFINE_TOKEN;
   if (k == "affine-channel") return AFFINE_CHANNEL;
-  TORCH_CHECK(false, nm, ".kind must be one of dense, turbo, affine-token, affine-channel; got '", k, "'");
+  if (k == "pcaq") return PCAQ;
+  TORCH_CHECK(false, nm, ".kind must be one of dense, turbo, affine-token, affine-channel, pcaq; got '", k, "'");
   return DENSE;
 }
 
@@ -37,6 +38,82 @@ void check_absent(const std::optional<torch::Tensor>& t, const std::string& nm, 
   TORCH_CHECK(!t.has_value(), nm, " must be None for ", why);
 }
 
+// The centring mean of a transformed side: fp16 [Bs|1, H, 1, D] (optional).
+template <typename T>
+void take_mu(Side<T>& s, const SideDesc& d, const std::string& nm, int64_t H, int64_t Bs) {
+  if (!d.mu.has_value()) return;
+  check_rows(*d.mu, nm + ".mu", torch::kHalf, Bs, H, 1, s.D, "one centring mean per head", true);
+  s.mu = d.mu->data_ptr<at::Half>();
+  s.mu_b = d.mu->size(0) == 1 ? 0 : d.mu->stride(0);
+  s.mu_h = d.mu->stride(1);
+}
+
+// A pcaq (calibrated keys) side: codes [Bs, H, N, row bytes] (coordinate j of head h at stream bits
+// [sum(widths[h, :j]), + widths[h, j]), LSB first), widths uint8 [H, D] (each <= bits, every head's row the same
+// number of bytes), levels [H, D, 2**bits] (level c of coordinate j: its value for code c), transform
+// [H, D, D] (row i of head h: the query's coordinate i is <transform[h, i], q>), centring mean as turbo's.
+template <typename T>
+Side<T> build_pcaq(Side<T>& s, const SideDesc& d, const std::string& nm, int64_t H, int64_t Bs) {
+  const at::ScalarType dt = c10::CppTypeToScalarType<T>::value;
+  const int64_t D = s.D, bits = s.bits, nlev = int64_t(1) << bits;
+  TORCH_CHECK(nm.rfind("k_sides", 0) == 0, nm, ": pcaq is a key codec (values have no pcaq form)");
+  for (const auto& f : {std::make_pair(&d.norms, ".norms"), std::make_pair(&d.scales, ".scales"),
+                        std::make_pair(&d.zeros, ".zeros")})
+    check_absent(*f.first, nm + f.second, "a pcaq side (rows have no norm or scale)");
+  TORCH_CHECK(d.widths.has_value(), nm, ".widths (bits per coordinate, uint8 [kv_heads, head_dim]) is required for a pcaq side");
+  const auto& w = *d.widths;
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.size(0) == H &&
+                  w.size(1) == D && w.is_contiguous(),
+              nm, ".widths must be a contiguous CPU uint8 [", H, ", ", D, "] tensor, got ",
+              c10::toString(w.scalar_type()), " ", w.sizes());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  s.pbyte.resize(H * D);
+  s.pshift.resize(H * D);
+  s.pmask.resize(H * D);
+  s.plev_at.resize(H * D);
+  int64_t total = -1;
+  for (int64_t h = 0; h < H; ++h) {
+    int64_t off = 0;
+    for (int64_t j = 0; j < D; ++j) {
+      const int64_t wj = wp[h * D + j];
+      TORCH_CHECK(wj <= bits, nm, ".widths[", h, ", ", j, "] is ", wj, ", above the side's bits ", bits);
+      s.pbyte[h * D + j] = static_cast<int32_t>(off >> 3);
+      s.pshift[h * D + j] = static_cast<int32_t>(off & 7);
+      s.pmask[h * D + j] = static_cast<int32_t>((1 << wj) - 1);
+      s.plev_at[h * D + j] = static_cast<int32_t>((h * D + j) * nlev);
+      off += wj;
+    }
+    TORCH_CHECK(total < 0 || off == total, nm, ".widths: head ", h, " packs ", off, " bits per row, head 0 packs ",
+                total);
+    total = off;
+  }
+  s.row_bytes = (total + 7) / 8;
+  for (int64_t i = 0; i < H * D; ++i) s.pbyte[i] = std::min<int32_t>(s.pbyte[i], std::max<int64_t>(s.row_bytes - 1, 0));
+  const auto& codes = *d.codes;
+  check_rows(codes, nm + ".codes", torch::kUInt8, Bs, H, s.np, s.row_bytes, "n_packed");
+  s.codes = codes.data_ptr<uint8_t>();
+  s.c_b = codes.stride(0);
+  s.c_h = codes.stride(1);
+  s.c_r = codes.stride(2);
+  TORCH_CHECK(d.levels.has_value(), nm, ".levels (per-coordinate levels) is required for a pcaq side");
+  const auto& lv = *d.levels;
+  TORCH_CHECK(lv.device().is_cpu() && lv.scalar_type() == dt && lv.dim() == 3 && lv.size(0) == H &&
+                  lv.size(1) == D && lv.size(2) == nlev && lv.is_contiguous(),
+              nm, ".levels must be a contiguous CPU ", c10::toString(dt), " [", H, ", ", D, ", 2**bits = ", nlev,
+              "] tensor, got ", c10::toString(lv.scalar_type()), " ", lv.sizes());
+  s.plev.assign(lv.data_ptr<T>(), lv.data_ptr<T>() + H * D * nlev);
+  TORCH_CHECK(d.rotation.has_value(), nm, ".rotation (one transform per head) is required for a pcaq side");
+  const auto& r = *d.rotation;
+  TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == dt && r.dim() == 3 && r.size(0) == H && r.size(1) == D &&
+                  r.size(2) == D && r.is_contiguous(),
+              nm, ".rotation must be a contiguous CPU ", c10::toString(dt), " [", H, ", ", D, ", ", D,
+              "] tensor (one transform per head), got ", c10::toString(r.scalar_type()), " ", r.sizes());
+  s.rot = r.data_ptr<T>();
+  s.rot_h = D * D;
+  take_mu(s, d, nm, H, Bs);
+  return s;
+}
+
 template <typename T>
 Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t Bs) {
   const at::ScalarType dt = c10::CppTypeToScalarType<T>::value;
@@ -54,7 +131,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
   if (s.kind == DENSE) {  // a dense side reads only its row chunks: a packed field given to it is a caller's mistake
     const std::pair<const std::optional<torch::Tensor>*, const char*> packed_fields[] = {
         {&d.codes, ".codes"}, {&d.norms, ".norms"}, {&d.scales, ".scales"}, {&d.zeros, ".zeros"},
-        {&d.levels, ".levels"}, {&d.rotation, ".rotation"}, {&d.mu, ".mu"}};
+        {&d.levels, ".levels"}, {&d.rotation, ".rotation"}, {&d.mu, ".mu"}, {&d.widths, ".widths"}};
     for (const auto& f : packed_fields) check_absent(*f.first, nm + f.second, "a dense side (kind 'dense')");
   }
   TORCH_CHECK(static_cast<int64_t>(d.dense.size()) <= MAX_DENSE_CHUNKS, nm, ".dense takes at most ",
@@ -81,6 +158,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
   TORCH_CHECK(s.bits >= 1 && s.bits <= 8, nm, ".bits must be in 1..8, got ", s.bits);
   TORCH_CHECK(d.codes.has_value(), nm, ".codes is required for a packed side");
   const int64_t bits = s.bits;
+  if (s.kind == PCAQ) return build_pcaq(s, d, nm, H, Bs);
   int64_t rows = s.np, row_bytes = (D * bits + 7) / 8;
   const char* rows_what = "n_packed";
   if (s.kind == AFFINE_CHANNEL) {
@@ -98,6 +176,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
   s.c_r = codes.stride(2);
   const int64_t nlev = int64_t(1) << bits;
   if (s.kind == TURBO) {
+    check_absent(d.widths, nm + ".widths", "a turbo side (one width for every coordinate: bits)");
     TORCH_CHECK(d.norms.has_value(), nm, ".norms is required for a turbo side");
     check_absent(d.scales, nm + ".scales", "a turbo side");
     check_absent(d.zeros, nm + ".zeros", "a turbo side");
@@ -120,18 +199,14 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
                 nm, ".rotation must be a contiguous CPU ", c10::toString(dt), " [", D, ", ", D, "] matrix, got ",
                 c10::toString(r.scalar_type()), " ", r.sizes(), r.is_contiguous() ? "" : " (not contiguous)");
     s.rot = r.data_ptr<T>();
-    if (d.mu.has_value()) {
-      check_rows(*d.mu, nm + ".mu", torch::kHalf, Bs, H, 1, D, "one centring mean per head", true);
-      s.mu = d.mu->data_ptr<at::Half>();
-      s.mu_b = d.mu->size(0) == 1 ? 0 : d.mu->stride(0);
-      s.mu_h = d.mu->stride(1);
-    }
+    take_mu(s, d, nm, H, Bs);
     if (std::is_same<T, float>::value && simd_turbo(bits, D)) {
       for (int64_t i = 0; i < nlev; ++i) s.lutpad[i] = static_cast<float>(s.lut[i]);
       s.order.resize(D);
       for (int64_t i = 0; i < D; ++i) s.order[i] = static_cast<int32_t>(64 * (i / 64) + simd_pos(bits, i % 64));
     }
   } else {
+    check_absent(d.widths, nm + ".widths", "an affine side");
     check_absent(d.norms, nm + ".norms", "an affine side");
     check_absent(d.levels, nm + ".levels", "an affine side (codes are their own values)");
     check_absent(d.rotation, nm + ".rotation", "an affine side");

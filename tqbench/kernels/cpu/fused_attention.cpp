@@ -12,28 +12,36 @@
 // groups or KIVI per-channel blocks). One decoded row serves every query head of its KV head (GQA) and every
 // query token of the call.
 //
+// Calibrated keys (`pcaq`: a transform per KV head, a width per coordinate, Lloyd-Max levels per coordinate)
+// score like TurboQuant keys: the query is transformed once per step with its head's transform and each packed
+// row is scored from its codes (<T_h q, level[idx]> + <q, mu>), with no norm. A store whose heads use different
+// codecs (a per-head layer) is described by one side per group of heads, each naming its heads (`heads`,
+// `kv_heads`): the groups of a store are ragged the way the sequences of a batch are, all in one call.
+//
 // Work is split over (sequence, kv head, token block) with at::parallel_for (torch's own thread pool); every
 // block keeps an online-softmax partial (max, sum, accumulators) that is merged at the end (split-K), so
 // the workspace is the partials, not the scores. Sparse-V skips value rows whose softmax weight (an upper
 // bound of it, from the block's partial softmax) is below a threshold for every query of the block.
 //
-// Every size, dtype and stride the caller passes is checked here (`check_side`, `attend`): a bad argument is a
+// Every size, dtype and stride the caller passes is checked here (`build_side`, `read_stores`, `attend`): a bad argument is a
 // Python exception that names it, never an out-of-bounds read. The SIMD rules (which widths decode in SIMD
 // order, the head-dim multiple, the token block) live in this file only; `rules()` and `simd_order()` expose
 // them to Python.
 //
 // Code layout (tqbench/kernels/packing.py): an LSB-first bit stream per row, value i at bits
-// [i*bits, (i+1)*bits).
+// [i*bits, (i+1)*bits) (pcaq: at the sum of the widths before it).
 //
 // Files (one translation unit; the headers are internal): fa_rules.h (ISA, rules, side types), fa_decode.h
 // (unpack and fetch rows), fa_tiles.h (tile scores / values), fa_turbo_tiles.h (packed turbo tiles),
-// fa_sides.h (the checked boundary), fa_attend.h (attend), fa_encode.h (turbo encode).
+// fa_sides.h (the checked boundary), fa_stores.h (stores and their groups of heads), fa_attend.h (attend),
+// fa_encode.h (turbo encode).
 
 #include "fa_rules.h"
 #include "fa_decode.h"
 #include "fa_tiles.h"
 #include "fa_turbo_tiles.h"
 #include "fa_sides.h"
+#include "fa_stores.h"
 #include "fa_attend.h"
 #include "fa_encode.h"
 
@@ -64,7 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<SideDesc>(m, "Side", "One side (K or V) of one store, as the kernel reads it (see attention.py).")
       .def(py::init([](std::string kind, int64_t bits, int64_t group, int64_t head_dim, int64_t n_before,
                        int64_t n_packed, OptT codes, OptT norms, OptT scales, OptT zeros, OptT levels, OptT rotation,
-                       OptT mu, std::vector<torch::Tensor> dense) {
+                       OptT mu, std::vector<torch::Tensor> dense, OptT widths, std::vector<int64_t> heads,
+                       int64_t kv_heads) {
              SideDesc d;
              d.kind = std::move(kind);
              d.bits = bits;
@@ -80,13 +89,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              d.rotation = std::move(rotation);
              d.mu = std::move(mu);
              d.dense = std::move(dense);
+             d.widths = std::move(widths);
+             d.heads = std::move(heads);
+             d.kv_heads = kv_heads;
              return d;
            }),
            py::kw_only(), py::arg("kind") = "dense", py::arg("bits") = 0, py::arg("group") = 1,
            py::arg("head_dim"), py::arg("n_before") = 0, py::arg("n_packed") = 0, py::arg("codes") = py::none(),
            py::arg("norms") = py::none(), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
            py::arg("levels") = py::none(), py::arg("rotation") = py::none(), py::arg("mu") = py::none(),
-           py::arg("dense") = std::vector<torch::Tensor>{})
+           py::arg("dense") = std::vector<torch::Tensor>{}, py::arg("widths") = py::none(),
+           py::arg("heads") = std::vector<int64_t>{}, py::arg("kv_heads") = 0)
       .def_readwrite("kind", &SideDesc::kind)
       .def_readwrite("bits", &SideDesc::bits)
       .def_readwrite("group", &SideDesc::group)
@@ -100,7 +113,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("levels", &SideDesc::levels)
       .def_readwrite("rotation", &SideDesc::rotation)
       .def_readwrite("mu", &SideDesc::mu)
-      .def_readwrite("dense", &SideDesc::dense);
+      .def_readwrite("dense", &SideDesc::dense)
+      .def_readwrite("widths", &SideDesc::widths)
+      .def_readwrite("heads", &SideDesc::heads)
+      .def_readwrite("kv_heads", &SideDesc::kv_heads);
   m.def("attend", &attend, "fused decode attention of B sequences, each over its own packed + dense store (CPU)",
         py::arg("query"), py::arg("scale"), py::arg("k_sides"), py::arg("v_sides"), py::arg("masks"),
         py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"));

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
+from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, PcaKeyCodec, TurboCodec
 from tqbench.kernels.cpu.attention import dense_chunks, kernel_side
 from tqbench.kernels.reference import PackedSide
 
@@ -31,6 +31,10 @@ def packed_side(store, payload: dict, n: int, d: int, dt: torch.dtype) -> Packed
         return PackedSide("affine-channel", codec.bits, payload, n, d, group=codec.block)
     if type(codec) is AffineTokenCodec and d % codec.group == 0:
         return PackedSide("affine-token", codec.bits, payload, n, d, group=codec.group)
+    if type(codec) is PcaKeyCodec:
+        widths, transform, levels, maxw = codec.fused_tables(d, payload["idx"].device, dt)
+        return PackedSide("pcaq", maxw, payload, n, d, levels=levels, rotation=transform, mu=state.get("mu"),
+                          widths=widths)
     return None
 
 
