@@ -74,6 +74,9 @@ class PcaKeyCodec(Codec):
         #: the layer's KV heads this codec serves, in row order (None: all of them): their fitted tables
         self.heads = None if heads is None else tuple(int(h) for h in heads)
         self.spec = f"pcaq{self.bits:g}"
+        #: this codec's tables per (head_dim, device, dtype), kept for its lifetime: the rows it packs decode with
+        #: the tables they were packed with, and the per-step paths skip the transforms file's freshness check
+        self._mine: dict[tuple, tuple] = {}
 
     # -- the fit and this layer's tables --------------------------------------------------------------
     @property
@@ -118,6 +121,12 @@ class PcaKeyCodec(Codec):
             raise ValueError(f"{self.spec}: built for heads {list(self.heads)}, got rows of {heads} heads")
 
     def _layer_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
+        mine = ("layer", head_dim, str(device), dtype)
+        if mine not in self._mine:
+            self._mine[mine] = self._shared_tables(head_dim, device, dtype)
+        return self._mine[mine]
+
+    def _shared_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
         tr = self.transforms
         key = (tr.path, tr.digest, self._layer_index(), self.heads, self.bits, head_dim, str(device), dtype)
         if key in _TABLES:
@@ -152,14 +161,13 @@ class PcaKeyCodec(Codec):
         """What the fused kernels read: ``(widths uint8 [H, D], transform [H, D, D], levels [H, D, 2**maxw], maxw)``
         with ``transform = B_hat^T`` (the query's coordinate ``j`` is ``<transform[h, j], q>``) and ``levels`` the
         per-coordinate Lloyd-Max values up to the widest width in use (cached with the layer's tables)."""
-        tr = self.transforms
-        key = ("fused", tr.path, tr.digest, self._layer_index(), self.heads, self.bits, head_dim, str(device), dtype)
-        if key not in _TABLES:
+        key = ("fused", head_dim, str(device), dtype)
+        if key not in self._mine:
             widths, basis, _, levels, _ = self._layer_tables(head_dim, device, dtype)
             maxw = max(int(widths.max()), 1)
-            _TABLES[key] = (widths.to(device=device, dtype=torch.uint8).contiguous(),
-                            basis.transpose(-1, -2).contiguous(), levels[..., : 1 << maxw].contiguous(), maxw)
-        return _TABLES[key]
+            self._mine[key] = (widths.to(device=device, dtype=torch.uint8).contiguous(),
+                               basis.transpose(-1, -2).contiguous(), levels[..., : 1 << maxw].contiguous(), maxw)
+        return self._mine[key]
 
     # -- codec ----------------------------------------------------------------------------------------
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
