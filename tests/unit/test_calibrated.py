@@ -264,3 +264,20 @@ def test_transforms_travel_beside_a_saved_policy_artifact(tiny_engine, tiny_fit,
     assert loaded.calib == str(copied) and loaded.k == "pcaq2"
     tiny_engine.make_cache(loaded, "compressed")  # the fingerprint matches: accepted
     assert save_beside(parse_policy("k=turbo2,v=turbo2"), toml) == (parse_policy("k=turbo2,v=turbo2"), None)
+
+
+def test_fused_pcaq_through_the_triton_kernels_matches_the_reference(tiny_engine, tiny_fit, monkeypatch):
+    from tqbench.kernels import triton_status
+
+    if not triton_status()[0]:
+        pytest.skip(triton_status()[1])
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    policy = f"k=pcaq3|turbo4,v=turbo3,sink=2,recent=4,calib={tiny_fit}"
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
+    ref = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
+    got = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    assert got.token_ids == ref.token_ids
+    rep = got.cache_report
+    assert rep.fused_impl == {"triton": 2 * rep.fused_calls} and rep.fallbacks == {}  # (one call per group)
+    assert set(rep.fused_groups) == {"k=pcaq3 v=turbo3 heads 0", "k=turbo4 v=turbo3 heads 1"}

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from tqbench.kernels.packing import pack_widths
-from tqbench.kernels.reference import PackedSide, dequantize_side, packed_scores
+from tests.unit.pcaq_helpers import random_pcaq_side as _pcaq
+from tqbench.kernels.reference import dequantize_side, packed_scores
 
 if shutil.which("c++") is None:  # pragma: no cover - CI and this machine have g++
     pytest.skip("no C++ compiler: the native kernel cannot build here", allow_module_level=True)
@@ -29,25 +29,6 @@ TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
 def built():
     ok, why = native_status()
     assert ok, f"the native kernel must build on this machine: {why}"
-
-
-def _pcaq(b, h, n, d, maxw, dt, gen, *, centred=True):
-    """(PackedSide, its rows in float64 [b, h, n, d]): random widths (a permutation per head: equal bytes),
-    levels, transforms and codes."""
-    base = torch.randint(0, maxw + 1, (d,), generator=gen)
-    base[0] = maxw  # the widest width is in use
-    widths = torch.stack([base[torch.randperm(d, generator=gen)] for _ in range(h)]).to(torch.uint8)
-    levels = torch.randn(h, d, 1 << maxw, generator=gen, dtype=torch.float64)
-    transform = torch.randn(h, d, d, generator=gen, dtype=torch.float64) / d ** 0.5
-    idx = torch.stack([torch.randint(0, 1 << int(w), (b, n), generator=gen) for w in widths.flatten()], -1)
-    idx = idx.view(b, n, h, d).permute(0, 2, 1, 3)
-    packed = torch.stack([pack_widths(idx[:, i], widths[i].long()) for i in range(h)], 1)
-    mu = (torch.randn(b, h, 1, d, generator=gen) * 0.5).half() if centred else None
-    side = PackedSide("pcaq", maxw, {"idx": packed}, n, d, levels=levels.to(dt), rotation=transform.to(dt), mu=mu,
-                      widths=widths)
-    z = levels[None, :, None].expand(b, h, n, d, 1 << maxw).gather(-1, idx[..., None]).squeeze(-1)
-    rows = torch.einsum("bhnj,hjd->bhnd", z, transform) + (0 if mu is None else mu.double())
-    return side, rows
 
 
 @pytest.mark.parametrize("d,maxw", [(64, 6), (48, 3), (80, 4), (128, 2), (16, 1)])

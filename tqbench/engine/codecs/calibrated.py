@@ -12,7 +12,7 @@ bit map uses (fp16).
 
 Keys only: for values the measured transforms did not beat the random rotation (docs/incoming/i21t.md), so a
 ``pcaq`` value codec is refused with that reason. The fused mode scores the packed rows straight from their codes
-(native CPU kernel and torch reference; ``fused_tables`` gives them the per-head transform, widths and levels):
+(native CPU kernel, Triton and the torch reference; ``fused_tables`` gives them the per-head transform, widths and levels):
 ``q.k_hat = <B_hat^T q, level[idx]> + q.mu``, the query transformed once per step.
 """
 

@@ -60,8 +60,6 @@ def triton_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: flo
                          common, d, torch.float32)
     v_side = packed_side(kv.v_store, _slice_units(vp[2], 0, common // kv.v_store.codec.tokens_per_unit),
                          common, d, torch.float32)
-    if k_side is not None and k_side.kind == "pcaq":  # (the native CPU kernel and the torch reference have it)
-        k_side = None
     if k_side is None or v_side is None:
         spec = (kv.k_store if k_side is None else kv.v_store).codec.spec
         layer.note_fallback(f"triton: no kernel for {spec} (torch reference)")
