@@ -281,3 +281,23 @@ def test_fused_pcaq_through_the_triton_kernels_matches_the_reference(tiny_engine
     rep = got.cache_report
     assert rep.fused_impl == {"triton": 2 * rep.fused_calls} and rep.fallbacks == {}  # (one call per group)
     assert set(rep.fused_groups) == {"k=pcaq3 v=turbo3 heads 0", "k=turbo4 v=turbo3 heads 1"}
+
+
+@pytest.mark.parametrize("dt", [torch.float64, torch.float32])
+def test_native_quantize_and_pack_gives_the_torch_codes(tiny_fit, monkeypatch, dt):
+    """The append path's native pcaq encode packs the codes the torch path packs (float64: every byte)."""
+    from tqbench.kernels.cpu import native_status
+
+    if not native_status()[0]:
+        pytest.skip(native_status()[1])
+    codec = codec_from_spec("pcaq2.5", "k", layer=1, calib=tiny_fit)
+    tr = load_transforms(tiny_fit)
+    x = torch.randn(2, tr.kv_heads, 19, tr.head_dim, generator=torch.Generator().manual_seed(3), dtype=dt)
+    state = codec.calibrate(x)
+    native = codec.encode(x, state)["idx"]
+    monkeypatch.setattr(codec, "_native_encode", lambda *a: None)
+    ref = codec.encode(x, state)["idx"]
+    assert native.shape == ref.shape and native.dtype == torch.uint8
+    same = (native == ref).double().mean().item()
+    assert same == 1.0 if dt == torch.float64 else same > 0.999
+    assert getattr(codec, "encoder_fallback", None) is None

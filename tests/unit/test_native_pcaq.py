@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.unit.pcaq_helpers import random_pcaq_side as _pcaq
+from tqbench.kernels.packing import pack_widths
 from tqbench.kernels.reference import dequantize_side, packed_scores
 
 if shutil.which("c++") is None:  # pragma: no cover - CI and this machine have g++
@@ -189,3 +190,26 @@ def test_fused_native_gives_the_reference_tokens_with_no_reference_call(tiny_eng
     assert rep.fallbacks == {}
     assert all(set(ran) == {"native-cpu"} for ran in rep.fused_groups.values())
     assert bool(rep.fused_groups) == ("|" in policy)  # a per-head policy's groups are named, each ran natively
+
+
+def test_pcaq_encode_checks_its_arguments_by_name():
+    from tqbench.kernels.cpu import native_module
+
+    mod = native_module()
+    x = torch.randn(1, 2, 3, 16, dtype=torch.float64)
+    E = torch.eye(16, dtype=torch.float64).expand(2, 16, 16).contiguous()
+    bounds = torch.full((2, 16, 3), float("inf"), dtype=torch.float64)
+    bounds[..., 0] = 0.0
+    widths = torch.ones(2, 16, dtype=torch.uint8)
+    codes = mod.pcaq_encode(x, E, bounds, widths)  # 1 bit per coordinate: the sign
+    assert codes.shape == (1, 2, 3, 2)
+    want = torch.stack([pack_widths((x[:, h] > 0).long(), widths[h].long()) for h in range(2)], 1)
+    assert torch.equal(codes, want)
+    uneven = widths.clone()
+    uneven[1, 0] = 2
+    with pytest.raises(RuntimeError, match="widths: head 1 packs 17 bits per row, head 0 packs 16"):
+        mod.pcaq_encode(x, E, bounds, uneven)
+    with pytest.raises(RuntimeError, match=r"transform must have shape \[2, 16, 16\]"):
+        mod.pcaq_encode(x, E[:, :15], bounds, widths)
+    with pytest.raises(RuntimeError, match=r"widths must be a contiguous CPU uint8 \[2, 16\] tensor"):
+        mod.pcaq_encode(x, E, bounds, widths.long())

@@ -190,11 +190,29 @@ class PcaKeyCodec(Codec):
         if widths.shape[0] != h:
             self._check_rows(h, d)
         xc = x.to(cd) - self._mu(state).to(cd)
+        fast = self._native_encode(xc, enc, bounds)
+        if fast is not None:
+            return {"idx": fast}
         z = torch.einsum("bhtd,hjd->bhtj", xc, enc)  # standardized coordinates
         zt = z.permute(1, 3, 0, 2).reshape(h, d, b * t).contiguous()
         idx = torch.searchsorted(bounds.contiguous(), zt).view(h, d, b, t).permute(2, 0, 3, 1)
         packed = torch.stack([pack_widths(idx[:, i], widths[i]) for i in range(h)], dim=1)
         return {"idx": packed}
+
+    def _native_encode(self, xc: torch.Tensor, enc: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor | None:
+        """The quantize + pack of ``encode`` in one native CPU call (the decode step's append path), or None where
+        it cannot run (the torch path runs, and ``encoder_fallback`` says why in the cache report)."""
+        if xc.device.type != "cpu":
+            return None
+        from tqbench.kernels.cpu import NativeUnavailable, native_module
+
+        try:
+            mod = native_module()
+        except NativeUnavailable as exc:
+            self.encoder_fallback = f"quantize-and-pack ran in torch (the native CPU kernel is unavailable: {exc})"
+            return None
+        widths = self.fused_tables(xc.shape[-1], xc.device, xc.dtype)[0]
+        return mod.pcaq_encode(xc.contiguous(), enc.contiguous(), bounds.contiguous(), widths)
 
     def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         mu = self._mu(state)

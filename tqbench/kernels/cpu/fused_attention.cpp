@@ -122,6 +122,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"));
   m.def("turbo_encode", &turbo_encode, "TurboQuant quantize + pack of centred rows (CPU)", py::arg("x"),
         py::arg("rotation"), py::arg("levels"), py::arg("bounds"), py::arg("bits"), py::arg("normfix"));
+  m.def("pcaq_encode", &pcaq_encode, "calibrated (pcaq) quantize + pack of centred rows (CPU)", py::arg("x"),
+        py::arg("transform"), py::arg("bounds"), py::arg("widths"));
   m.def("simd_turbo_bits", &simd_turbo_bits, "turbo widths decoded in SIMD order when head_dim % 64 == 0 (fp32)");
   m.def("simd_order", &simd_order, "the coordinate each position holds when a turbo row decodes in SIMD order");
   m.def("rules", []() {
