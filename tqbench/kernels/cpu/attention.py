@@ -23,7 +23,16 @@ import torch
 from tqbench.kernels.cpu import native_module
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch", "simd_order"]
+__all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
+           "refresh_side", "simd_order"]
+
+#: per packed kind: the Side's fields that come from the packed payload (Side field, payload field)
+_PAYLOAD = {
+    "turbo": (("codes", "idx"), ("norms", "norm")),
+    "pcaq": (("codes", "idx"),),
+    "affine-token": (("codes", "q"), ("scales", "scale"), ("zeros", "zero")),
+    "affine-channel": (("codes", "q"), ("scales", "scale"), ("zeros", "zero")),
+}
 
 _RULES: list[dict] = []
 _MODULE: list = []  # the loaded extension, once native_module() has returned it (the per-call path skips its lock)
@@ -99,12 +108,24 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
             extra += _nbytes(rot)
         if packed.kind == "pcaq":  # calibrated keys: a transform per head, a width per coordinate, no norm
             return side(kind="pcaq", bits=packed.bits, head_dim=head_dim, n_before=n_before,
-                        n_packed=packed.n_tokens, codes=p["idx"], widths=packed.widths, levels=lev, rotation=rot,
-                        mu=packed.mu, dense=chunks), extra
+                        n_packed=packed.n_tokens, widths=packed.widths, levels=lev, rotation=rot, mu=packed.mu,
+                        dense=chunks, **_payload_fields("pcaq", p)), extra
         return side(kind="turbo", bits=packed.bits, head_dim=head_dim, n_before=n_before, n_packed=packed.n_tokens,
-                    codes=p["idx"], norms=p["norm"], levels=lev, rotation=rot, mu=packed.mu, dense=chunks), extra
+                    levels=lev, rotation=rot, mu=packed.mu, dense=chunks, **_payload_fields("turbo", p)), extra
     return side(kind=packed.kind, bits=packed.bits, group=packed.group, head_dim=head_dim, n_before=n_before,
-                n_packed=packed.n_tokens, codes=p["q"], scales=p["scale"], zeros=p["zero"], dense=chunks), extra
+                n_packed=packed.n_tokens, dense=chunks, **_payload_fields(packed.kind, p)), extra
+
+
+def _payload_fields(kind: str, payload: dict) -> dict:
+    return {attr: payload[name] for attr, name in _PAYLOAD[kind]}
+
+
+def refresh_side(side, payload: dict, n_packed: int) -> None:
+    """Point a kept ``Side`` at its store's packed run after rows were packed into it (same codec and state: the
+    codebook, rotation, widths and centring mean stand; only the payload tensors and the row count change)."""
+    for attr, name in _PAYLOAD[side.kind]:
+        setattr(side, attr, payload[name])
+    side.n_packed = n_packed
 
 
 def native_attention_batch(
