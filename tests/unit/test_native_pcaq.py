@@ -160,6 +160,24 @@ def test_pcaq_is_refused_for_values_and_without_its_widths():
         native_attention_batch(q, [side], [dense_v], 0.1)
 
 
+KERNEL_CASES = "pcaq_keys_match or wrong_pcaq or per_head_store or checked_by_name or refused or encode_checks"
+
+
+def test_forced_avx2_build_runs_the_pcaq_and_per_head_cases():
+    """The AVX2 build (its own gather decode of pcaq rows) passes this file's kernel-level tests."""
+    import os
+    import subprocess
+    import sys
+
+    if " avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, TQBENCH_NATIVE_ISA="avx2")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", KERNEL_CASES],
+                         capture_output=True, text=True, timeout=1500, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " skipped" not in out.stdout and "18 passed" in out.stdout, out.stdout[-500:]
+
+
 # -- in the model: calibrated keys and per-head layers, float64, identical tokens ----------------------------------
 @pytest.fixture(scope="module")
 def fit_path(tiny_engine, tmp_path_factory):
