@@ -22,7 +22,7 @@ import torch
 from tqbench.engine.cache.handles import FusedKV
 from tqbench.engine.codecs.heads import HeadSplitCodec
 
-__all__ = ["GroupStore", "group_label", "group_labels", "group_views", "is_per_head", "query_index", "same_groups"]
+__all__ = ["GroupStore", "group_label", "group_labels", "group_views", "is_per_head", "query_index"]
 
 
 class GroupStore:
@@ -70,12 +70,6 @@ def _stores(store) -> list[GroupStore]:
 
 def is_per_head(kv) -> bool:
     return isinstance(getattr(kv.k_store, "codec", None), HeadSplitCodec)
-
-
-def same_groups(kvs) -> bool:
-    """True when every handle's K and V share one grouping of heads (a batch under one policy does)."""
-    first = kvs[0].k_store.codec.groups
-    return all(kv.k_store.codec.groups == first and kv.v_store.codec.groups == first for kv in kvs)
 
 
 def _parts(parts: tuple, codec: HeadSplitCodec, g: int) -> tuple:

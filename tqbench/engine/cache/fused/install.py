@@ -175,18 +175,22 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
 
 def _count(layer, label: str, group: str | None) -> None:
     layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
-    if group is not None:  # a per-head layer: which implementation ran for each group of heads
-        ran = layer.fused_groups.setdefault(group, {})
-        ran[label] = ran.get(label, 0) + 1
+    if group is not None:
+        _count_group(layer, group, label)
+
+
+def _count_group(layer, group: str, label: str) -> None:
+    """A per-head layer: which implementation ran for each group of heads."""
+    ran = layer.fused_groups.setdefault(group, {})
+    ran[label] = ran.get(label, 0) + 1
 
 
 def _count_native(kv) -> None:
     """One native kernel call for this layer (a per-head layer: every group of heads ran in it)."""
     _count(kv.layer, NATIVE, None)
     if is_per_head(kv):
-        for label in group_labels(kv):
-            ran = kv.layer.fused_groups.setdefault(label, {})
-            ran[NATIVE] = ran.get(NATIVE, 0) + 1
+        for group in group_labels(kv):
+            _count_group(kv.layer, group, NATIVE)
 
 
 def _ragged(query, members, masks, scaling, softcap, sinks):
