@@ -28,7 +28,7 @@ from tqbench.engine.models.families import FAMILIES, family_model
 from tqbench.engine.policy import parse_policy
 
 SLIDING = ("gemma2", "gemma3_text", "gpt_oss", "mistral", "phi3")
-MIXED = ("gemma2", "gemma3_text", "gpt_oss")  # sliding + full layers: sliding=auto bypasses the sliding ones
+MIXED = ("gemma2", "gemma3_text", "gpt_oss")  # sliding + full layers: sliding=auto compresses the sliding ones too
 WINDOW = 8
 PREFILL, STEPS = 24, 6  # both past the window
 BASE = "sink=2,recent=2,rotation=hadamard"  # recent below the window, so sliding stores pack rows too
@@ -130,7 +130,8 @@ def test_a_sliding_layer_cell_equals_decoding_one_token_at_a_time(family, layer,
 def test_bypassed_sliding_layers_get_no_choice_and_exact_bytes():
     eng = engine("gemma3_text")
     g, base = eng.geometry, parse_policy(BASE)
-    assert allocatable_layers(base, g) == [1, 3]  # mixed: sliding=auto bypasses layers 0 and 2
+    assert allocatable_layers(base, g) == [0, 1, 2, 3]  # sliding=auto compresses a mixed model's windows too
+    assert allocatable_layers(replace(base, sliding="bypass"), g) == [1, 3]  # bypass: layers 0 and 2 stay dense
     assert allocatable_layers(replace(base, sliding="compress"), g) == [0, 1, 2, 3]
     assert allocatable_layers(replace(base, sliding="dense"), g) == [1, 3]
     assert allocatable_layers(replace(base, sliding="bypass", bypass="global"), g) == []
@@ -185,7 +186,7 @@ def test_allocate_by_head_runs_on_every_family(family):
     a, g = rep.allocation, eng.geometry
     assert rep.table.layers == allocatable_layers(parse_policy(BASE), g)
     if family in MIXED:
-        assert rep.table.layers == [1, 3]  # the sliding layers are bypassed: no choice offered
+        assert rep.table.layers == list(range(g.num_layers))  # sliding=auto: the windows are offered codecs too
     assert rep.table.heads == list(range(g.kv_heads))
     assert a.bits_per_element <= budget
     assert a.estimate.total_bytes == estimate_kv(a.policy, g, context).total_bytes
@@ -216,10 +217,10 @@ def gemma3_shaped() -> Engine:
 
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])
-@pytest.mark.parametrize("sliding", ["auto", "compress"])
+@pytest.mark.parametrize("sliding", ["bypass", "compress"])
 def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding, granularity):
     """calibration and verification prefills of 48 tokens past a 16-token window, per layer or per KV head (one
-    head: the layer), the sliding layers bypassed (auto: only the global layer is chosen) or compressed."""
+    head: the layer), the sliding layers bypassed (only the global layer is chosen) or compressed."""
     eng = gemma3_shaped()
     base = f"sink=2,recent=4,rotation=hadamard,sliding={sliding}"
     rep = allocate_policy(eng, 9.0, calib_prefill=48, calib_steps=8, codecs=["turbo1", "turbo3"],
@@ -227,7 +228,7 @@ def test_one_kv_head_head_dim_256_allocates_past_the_window(sliding, granularity
                           base=base, context=128, protections=[], max_measurements=2, verify_prefill=48,
                           verify_steps=8)
     a = rep.allocation
-    assert rep.table.layers == ([5] if sliding == "auto" else list(range(6)))
+    assert rep.table.layers == ([5] if sliding == "bypass" else list(range(6)))
     assert rep.table.heads == ([0] if granularity == "head" else None)
     assert a.bits_per_element <= 9.0 and rep.verified.report_bytes == a.estimate.total_bytes
     assert 0 < rep.measured_kl < 1 and 0 < rep.verified.kl_mean < 1
@@ -246,9 +247,9 @@ def test_a_1024_token_calibration_past_a_512_token_window():
     assert rep.table.layers == list(range(6)) and a.bits_per_element <= 4.0
     assert rep.verified.report_bytes == a.estimate.total_bytes
     assert 0 < rep.measured_kl < 1 and 0 < rep.verified.kl_mean < 1
-    # bypassed (sliding=auto on a mixed model), the five 511-row fp16 windows are most of the cache: the refusal
-    # says so; and a table offering the bypassed layers is refused rather than solved
-    bypass = parse_policy("sink=4,recent=16")
+    # bypassed (sliding=bypass), the five 511-row fp16 windows are most of the cache: the refusal says so; and a
+    # table offering the bypassed layers is refused rather than solved
+    bypass = parse_policy("sink=4,recent=16,sliding=bypass")
     table = replace(rep.table, layers=[5], kl={u: row for u, row in rep.table.kl.items() if u[0] == 5})
     with pytest.raises(ValueError, match=r"5 layers keep fp16 without a choice \(sliding-window layers bypassed or "
                                          r"dense: 56% of the fp16 cache"):
