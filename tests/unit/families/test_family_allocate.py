@@ -136,7 +136,7 @@ def test_bypassed_sliding_layers_get_no_choice_and_exact_bytes():
     assert allocatable_layers(replace(base, sliding="dense"), g) == [1, 3]
     assert allocatable_layers(replace(base, sliding="bypass", bypass="global"), g) == []
     with pytest.raises(ValueError, match="keeps every layer dense .* use sliding=compress"):
-        allocate_policy(eng, 4.0, calib_prefill=PREFILL, calib_steps=4, base=BASE + ",bypass=global", context=64,
+        allocate_policy(eng, 4.0, calib_prefill=PREFILL, calib_steps=4, base=BASE + ",sliding=bypass,bypass=global", context=64,
                         protections=[], max_measurements=0, verify_text=None, unseen_text=None)
     # the budget is bits per element of what an fp16 cache holds (a sliding layer: its window), as estimate_kv
     for ctx in (5, 64, 300):
