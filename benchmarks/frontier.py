@@ -33,7 +33,7 @@ from rich.table import Table
 from tqbench.engine.allocate import frontier
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.engine import Engine
-from tqbench.engine.policy import is_policy_artifact, load_policy_artifact, parse_policy
+from tqbench.engine.policy import is_policy_artifact, load_policy_artifact, parse_policy, split_policies
 
 UNIFORM = ["turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", "turbo4", "q8k-int4v", "q8k-turbo4v"]
 
@@ -74,8 +74,8 @@ def _reused(pol: str, kind: str, text: str, args, engine, reuse: list[dict]) -> 
 
 
 def policy_list(text: str) -> list[str]:
-    """Policies separated by ";" (compact policies hold commas), or by "," when there is no ";"."""
-    return [p.strip() for p in text.split(";" if ";" in text else ",") if p.strip()]
+    """Policies separated by ";", or by "," between names (``tqbench.engine.split_policies``: one rule)."""
+    return split_policies(text)
 
 
 def main() -> None:

@@ -30,9 +30,10 @@ def _engine(dtype: str) -> Engine:
     return Engine.load("default", device="cpu", dtype=dtype)
 
 
-def test_cli_bench_fused_equals_compressed_in_float64():
-    """The CLI check for turbo4 (q8k-int4v: the engine-level test in test_engine_default.py)."""
-    policy = "turbo4"
+@pytest.mark.parametrize("policy", ["turbo4", "smollm2-head-2.5bit"])
+def test_cli_bench_fused_equals_compressed_in_float64(policy):
+    """The CLI check for turbo4 and a shipped per-head allocation with calibrated pcaq keys (q8k-int4v: the
+    engine-level test in test_engine_default.py)."""
     tokens = {}
     for mode in ("compressed", "fused"):
         cmd = [sys.executable, "-m", "tqbench", "--headless", "bench", "--dtype", "float64", "--threads", "1",
@@ -91,3 +92,23 @@ def test_plain_generate_runs_fused_on_the_default_model(engine32):
     assert out.shape[1] == ids.shape[1] + 6
     assert rep.fused_calls == 5 * 30 and rep.fallbacks == {}  # every decode step of every layer read the store
     assert rep.resident_decode_bytes < rep.dense_fp16_bytes
+
+
+@pytest.mark.parametrize("policy", ["smollm2-head-2.5bit", "smollm2-head-3.5bit"])
+def test_shipped_per_head_policies_run_fused_with_no_torch_reference_call(policy):
+    """Calibrated pcaq keys and per-head layers: every fused call of the shipped allocations is one native
+    kernel call per layer (issue 30: the report shows no torch-reference call)."""
+    require_default_model()
+    from tqbench.kernels.cpu import native_status
+
+    if not native_status()[0]:
+        pytest.skip(native_status()[1])
+    cmd = [sys.executable, "-m", "tqbench", "--headless", "bench", "--threads", "1", "--kv-policy", policy,
+           "--cache-mode", "fused", "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads(proc.stdout)["cache_report"]
+    assert rep["fused_calls"] > 0 and rep["fused_impl"] == {"native-cpu": rep["fused_calls"]}, rep["fused_impl"]
+    assert rep["fallbacks"] == {}
+    assert rep["fused_groups"] and all(set(ran) == {"native-cpu"} for ran in rep["fused_groups"].values())
+    assert any(g.startswith("k=pcaq") for g in rep["fused_groups"])

@@ -1,6 +1,6 @@
 """The same bad value gets the same message, from one definition (``tqbench.engine.request``), through the
-engine API, the CLI and the server. The server names a field as its clients send it (``max_tokens``); the rule
-and its reason are the engine's (``RequestError.spelled``). (On ``/v1/completions``, where ``echo`` exists, a 0
+engine API, the CLI and the server. The server names a field as its clients send it (``max_tokens``), the CLI
+as its flag (``--max-new-tokens``); the rule and its reason are the engine's (``RequestError.spelled``). (On ``/v1/completions``, where ``echo`` exists, a 0
 also says how it would be allowed.)"""
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ def test_max_new_tokens_zero(tiny_engine, live_server):
     cli = cli_message("--max-new-tokens", "0")
     server = server_message(live_server, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0},
                             "max_tokens")
-    assert engine == cli == definition(check_max_new_tokens, 0, "max_new_tokens") == \
+    assert engine == definition(check_max_new_tokens, 0, "max_new_tokens") == \
         "max_new_tokens=0 is invalid: ask for at least 1 token"
+    assert cli == definition(check_max_new_tokens, 0, "--max-new-tokens") == \
+        "--max-new-tokens=0 is invalid: ask for at least 1 token"
     assert server == definition(check_max_new_tokens, 0, "max_tokens") == \
         "max_tokens=0 is invalid: ask for at least 1 token"
 
@@ -64,8 +66,8 @@ def test_top_p_two(tiny_engine, live_server):
     engine = engine_message(tiny_engine, top_p=2.0)
     cli = cli_message("--top-p", "2")
     server = server_message(live_server, {"messages": [{"role": "user", "content": "Hi"}], "top_p": 2}, "top_p")
-    assert engine == cli == server == definition(check_top_p, 2.0, "top_p") == \
-        "top_p=2 is invalid: use a number in (0, 1]"
+    assert engine == server == definition(check_top_p, 2.0, "top_p") == "top_p=2 is invalid: use a number in (0, 1]"
+    assert cli == definition(check_top_p, 2.0, "--top-p") == "--top-p=2 is invalid: use a number in (0, 1]"
 
 
 def test_a_prompt_longer_than_the_context(tiny_engine, live_server):

@@ -56,4 +56,4 @@ def test_fused_cache_mode_serves():
 def test_max_new_tokens_zero_is_the_engine_rule_before_loading_the_model():
     result = CliRunner().invoke(main, ["serve", "--max-new-tokens", "0"])
     assert result.exit_code == 2
-    assert result.output.strip() == "error: max_new_tokens=0 is invalid: ask for at least 1 token"
+    assert result.output.strip() == "error: --max-new-tokens=0 is invalid: ask for at least 1 token"

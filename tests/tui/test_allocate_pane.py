@@ -8,7 +8,7 @@ import threading
 import pytest
 from textual.widgets import DataTable, Label
 
-from tests.tui.tui_helpers import plain, wait_for
+from tests.tui.tui_helpers import notes, plain, wait_for
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 from tqbench.tui.panes.allocate import SOLVER
 
@@ -121,7 +121,27 @@ async def test_a_budget_that_cannot_fit_is_named(data_dir, steady_engine):
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     async with app.run_test(size=SIZE) as pilot:
         _, panel = await open_panel(pilot, app)
-        await pilot.press("1", "enter")
+        await pilot.press("1", ".", "2", "enter")  # inside the bounds (above turbo1's 1 bit): the solver names it
         await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the failed allocation")
         text = plain(panel.query_one("#alloc-status", Label))
-        assert text.startswith("allocation failed: budget 1.0 bits/element does not fit at 96 tokens")
+        assert text.startswith("allocation failed: budget 1.2 bits/element does not fit at 96 tokens")
+
+
+@pytest.mark.parametrize("budget", ["0", "16", "100"])
+async def test_a_budget_out_of_bounds_is_refused_before_any_work(data_dir, steady_engine, budget, monkeypatch):
+    """The panel checks the engine's bounds (``check_budget``, as the CLI does): a notice, and no job starts."""
+    import tqbench.engine.allocate.job as job
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an allocation started for a budget out of bounds")
+
+    monkeypatch.setattr(job, "allocate_policy", refuse)
+    monkeypatch.setattr("tqbench.engine.allocate_policy", refuse, raising=False)
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        _, panel = await open_panel(pilot, app)
+        await pilot.press(*budget, "enter")
+        await wait_for(pilot, lambda: notes(app), what="the refusal")
+        assert any(f"budget {budget} bits/element is out of range: give a number above 1 (the cheapest codec, "
+                   "turbo1, needs more) and below 16" in n for n in notes(app)), notes(app)
+        assert panel.status != "running"

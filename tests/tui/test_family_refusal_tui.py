@@ -32,7 +32,7 @@ async def test_falcon_fused_is_refused_in_the_workbench_and_compressed_still_run
         shown = [m for m in notes(app) if "cannot run the fused cache mode" in m]
         assert shown and shown[0].startswith("FalconForCausalLM cannot run the fused cache mode: its attention "
                                              "does not go through transformers' AttentionInterface")
-        assert "use --cache-mode compressed / simulate / dense-shadow" in shown[0]
+        assert "use cache mode compressed / simulate / dense-shadow" in shown[0]
         await _run(app, pilot, "compressed")
         assert app.run_pane.status == "done" and app.is_running
         assert "cache mode compressed" in plain(app.run_pane.query_one("#strip"))

@@ -74,7 +74,7 @@ def test_budget_below_the_cheapest_choice_says_what_fits():
     geo, base = KVGeometry(2, 2, 64), parse_policy("sink=4,recent=16")
     with pytest.raises(ValueError, match=r"budget 1.0 bits/element does not fit at 256 tokens: the cheapest choice "
                                          r"of turbo1, turbo2, turbo4 with sink=4, recent=16 needs about ([0-9.]+) "
-                                         "bits/element; raise --budget") as exc:
+                                         "bits/element; raise the budget") as exc:
         solve_allocation(table, geo, 1.0, 256, base)
     floor = float(str(exc.value).split("needs about ")[1].split()[0])
     assert solve_allocation(table, geo, floor + 0.001, 256, base).k == ("turbo1", "turbo1")  # the stated floor fits
@@ -133,7 +133,7 @@ def test_allocation_is_verified_and_its_cache_report_is_within_budget(tiny_engin
     assert v.report_bits_per_element <= 4.5 and rep.allocation.bits_per_element <= 4.5
     (again,) = frontier(tiny_engine, [rep.allocation.policy], text="rivers", prefill=48, steps=6, context=96)
     assert again.kl_mean == v.kl_mean  # one definition: the same teacher-forced run
-    with pytest.raises(ValueError, match="--verify-text corpus:bread is also used for calibration"):
+    with pytest.raises(ValueError, match="verify_text='corpus:bread' is invalid: it is also used for calibration"):
         allocate_policy(tiny_engine, 4.5, **{**SMALL, "verify_text": "bread"})
 
 
@@ -198,9 +198,10 @@ def test_cli_allocate_json_and_out(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--budget", "0.5"], "budget 0.5 bits/element does not fit at 96 tokens"),
+    (["--budget", "1.5", "--codecs", "turbo2,turbo4"], "budget 1.5 bits/element is out of range: give a number above 2"),
     (["--budget", "3", "--granularity", "rows"], "'rows' is not one of 'layer', 'head'"),
-    (["--budget", "3", "--verify-text", "bread"], "--verify-text corpus:bread is also used for calibration"),
+    (["--budget", "3", "--verify-text", "bread"], "--verify-text='corpus:bread' is invalid: it is also used for "
+                                                 "calibration"),
     (["--budget", "3", "--sinks", "4,x"], "--sinks '4,x' / --recents '4' must be comma-separated token counts"),
     (["--budget", "3", "--out", "p.json"], "must end in .toml"),
     (["--budget", "3", "--codecs", "turbo9"], "unknown codec 'turbo9'"),

@@ -81,11 +81,12 @@ def test_the_mix_is_one_sequence_per_kind_ending_in_its_kind(tiny_engine):
 
 
 @pytest.mark.parametrize("calibration, verify, unseen, message", [
-    ("corpus:rivers", "rivers", None, "--verify-text corpus:rivers is also used for calibration (corpus:rivers)"),
-    ("mix", "rivers", "calibration:prose", "--unseen-text calibration:prose is also used for calibration "
-                                           "(mix:prose+code+legal+chat)"),
-    ("mix", "heldout:code+technical", "heldout:code+technical", "--unseen-text heldout:code+technical is also used for "
-                                                      "verification (--verify-text heldout:code+technical)"),
+    ("corpus:rivers", "rivers", None, "verify_text='corpus:rivers' is invalid: it is also used for calibration "
+                                      "(corpus:rivers)"),
+    ("mix", "rivers", "calibration:prose", "unseen_text='calibration:prose' is invalid: it is also used for "
+                                           "calibration (mix:prose+code+legal+chat)"),
+    ("mix", "heldout:code+technical", "heldout:code+technical", "unseen_text='heldout:code+technical' is invalid: it "
+                                                      "is also used for verification (verify_text heldout:code+technical)"),
 ])
 def test_verification_texts_must_be_unseen(tiny_engine, calibration, verify, unseen, message):
     cs = calibration_set(tiny_engine.tokenizer, calibration, 40, 8)

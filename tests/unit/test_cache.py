@@ -164,7 +164,8 @@ def test_mixed_sliding_model_keeps_windows_and_reports_why():
     ref = eng.generate(ids, None, max_new_tokens=10, stop_at_eos=False)
     same = eng.generate(ids, "fp16", "compressed", max_new_tokens=10, stop_at_eos=False)
     assert same.token_ids == ref.token_ids
-    r = eng.generate(ids, "kv=turbo4,bypass=global", "compressed", max_new_tokens=10, stop_at_eos=False)
+    r = eng.generate(ids, "kv=turbo4,bypass=global,sliding=bypass", "compressed", max_new_tokens=10,
+                     stop_at_eos=False)
     notes = {b["layer"]: b["reason"] for b in r.cache_report.bypassed_layers}
     assert "sliding-window" in notes[0] and "global" in notes[1]
     rows = {row.layer: row for row in r.cache_report.layers}

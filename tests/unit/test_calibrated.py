@@ -181,15 +181,20 @@ def test_shared_transform_bytes_are_counted_once_per_layer_by_hand(tiny_engine, 
     assert [r.k_bytes for r in rep.layers] == [k_bytes] * 4
 
 
-def test_fused_mode_falls_back_to_the_torch_reference_and_says_why(tiny_engine, tiny_fit):
+def test_fused_mode_scores_pcaq_keys_from_their_codes_with_no_fallback(tiny_engine, tiny_fit, monkeypatch):
+    from tqbench.kernels.cpu import native_status
+
     model = tiny_engine.model
-    cache = tiny_engine.make_cache(f"k=pcaq3,v=turbo3,calib={tiny_fit}", "fused")
-    with torch.inference_mode():
-        model(torch.randint(3, 200, (1, 30)), cache=cache)
-        model(torch.tensor([[7]]), cache=cache)
-    rep = cache.report()
-    assert any("no native kernel for pcaq3" in k for k in rep.fallbacks), rep.fallbacks
-    assert any("pcaq3" in n for n in rep.notes), rep.notes
+    for impl in ("native", "torch") if native_status()[0] else ("torch",):
+        monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+        cache = tiny_engine.make_cache(f"k=pcaq3,v=turbo3,calib={tiny_fit}", "fused")
+        with torch.inference_mode():
+            model(torch.randint(3, 200, (1, 30)), cache=cache)
+            model(torch.tensor([[7]]), cache=cache)
+        rep = cache.report()
+        assert rep.fallbacks == {}, rep.fallbacks
+        label = "native-cpu" if impl == "native" else "torch-reference (TQBENCH_FUSED_IMPL=torch)"
+        assert rep.fused_impl == {label: rep.fused_calls}
 
 
 def test_a_fit_for_another_model_is_refused_with_what_to_do(tiny_engine, tiny_fit, tmp_path):
@@ -198,7 +203,7 @@ def test_a_fit_for_another_model_is_refused_with_what_to_do(tiny_engine, tiny_fi
                                  dict(tr.tensors), tr.calibration)
     path = save_transforms(other, tmp_path / "other.safetensors")
     with pytest.raises(TransformsMismatch, match=r"fitted on SomeOtherModel \(fingerprint 0123456789abcdef\).*"
-                                                 r"not on this model.*tqbench --headless calibrate"):
+                                                 r"not on this model.*tqbench calibrate"):
         tiny_engine.make_cache(f"k=pcaq2,v=turbo2,calib={path}", "compressed")
     # the same geometry check from a config alone (TQCache without an engine): a fit of other head shapes
     bad = CalibratedTransforms("SmolLM2", "fd81e99705258ac1", 4, 3, 64, {
@@ -259,3 +264,40 @@ def test_transforms_travel_beside_a_saved_policy_artifact(tiny_engine, tiny_fit,
     assert loaded.calib == str(copied) and loaded.k == "pcaq2"
     tiny_engine.make_cache(loaded, "compressed")  # the fingerprint matches: accepted
     assert save_beside(parse_policy("k=turbo2,v=turbo2"), toml) == (parse_policy("k=turbo2,v=turbo2"), None)
+
+
+def test_fused_pcaq_through_the_triton_kernels_matches_the_reference(tiny_engine, tiny_fit, monkeypatch):
+    from tqbench.kernels import triton_status
+
+    if not triton_status()[0]:
+        pytest.skip(triton_status()[1])
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    policy = f"k=pcaq3|turbo4,v=turbo3,sink=2,recent=4,calib={tiny_fit}"
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
+    ref = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
+    got = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    assert got.token_ids == ref.token_ids
+    rep = got.cache_report
+    assert rep.fused_impl == {"triton": 2 * rep.fused_calls} and rep.fallbacks == {}  # (one call per group)
+    assert set(rep.fused_groups) == {"k=pcaq3 v=turbo3 heads 0", "k=turbo4 v=turbo3 heads 1"}
+
+
+@pytest.mark.parametrize("dt", [torch.float64, torch.float32])
+def test_native_quantize_and_pack_gives_the_torch_codes(tiny_fit, monkeypatch, dt):
+    """The append path's native pcaq encode packs the codes the torch path packs (float64: every byte)."""
+    from tqbench.kernels.cpu import native_status
+
+    if not native_status()[0]:
+        pytest.skip(native_status()[1])
+    codec = codec_from_spec("pcaq2.5", "k", layer=1, calib=tiny_fit)
+    tr = load_transforms(tiny_fit)
+    x = torch.randn(2, tr.kv_heads, 19, tr.head_dim, generator=torch.Generator().manual_seed(3), dtype=dt)
+    state = codec.calibrate(x)
+    native = codec.encode(x, state)["idx"]
+    monkeypatch.setattr(codec, "_native_encode", lambda *a: None)
+    ref = codec.encode(x, state)["idx"]
+    assert native.shape == ref.shape and native.dtype == torch.uint8
+    same = (native == ref).double().mean().item()
+    assert same == 1.0 if dt == torch.float64 else same > 0.999
+    assert getattr(codec, "encoder_fallback", None) is None

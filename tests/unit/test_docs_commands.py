@@ -282,6 +282,12 @@ def check_validate(argv, out, tmp):
         assert candidate in out and any(v in out for v in VERDICTS)
 
 
+def check_compare(argv, out, tmp):
+    for name in (opt(argv, "--policies") or "").split(","):
+        assert name in out, name
+    assert "recommended" in out and "unsafe (diverged):" in out
+
+
 def check_scan(argv, out, tmp):
     assert "suggested" in out
     if opt(argv, "--report-json"):
@@ -360,7 +366,8 @@ def check_version(argv, out, tmp):
     assert out.strip() == f"tqbench, version {__version__}"
 
 
-CHECKS = {"bench": check_bench, "validate": check_validate, "scan": check_scan, "niah": check_niah,
+CHECKS = {"bench": check_bench, "validate": check_validate, "compare-policies": check_compare, "scan": check_scan,
+          "niah": check_niah,
           "kv-estimate": check_kv_estimate, "policies": check_policies, "allocate": check_allocate,
           "calibrate": check_calibrate, "sweep": check_sweep, "export": check_export,
           "--version": check_version}

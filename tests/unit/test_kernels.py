@@ -118,6 +118,33 @@ def test_packed_attention_matches_reference(case):
         assert torch.all(out[-1] == 0) and torch.all(torch.isinf(lse[-1]))
 
 
+@pytest.mark.parametrize("d,maxw,g,pad,dtype", [(64, 6, 3, False, torch.float32), (48, 3, 1, True, torch.float16),
+                                                (128, 2, 8, False, torch.bfloat16)])
+def test_pcaq_keys_match_reference(d, maxw, g, pad, dtype):
+    """Calibrated keys (a width per coordinate, levels per coordinate, a transform per head) from their codes."""
+    from tests.unit.pcaq_helpers import random_pcaq_side
+
+    gen = torch.Generator().manual_seed(d)
+    b, hkv, n = 2, 2, 37
+    ks, _ = random_pcaq_side(b, hkv, n, d, maxw, torch.float32, gen, device=DEVICE)
+    vs = make_side("turbo3", "v", torch.randn(b, hkv, n, d, generator=gen))
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).to(DEVICE)
+    mask = None
+    if pad:
+        mask = torch.ones(b, 1, n, dtype=torch.bool)
+        mask[1, :, :6] = False
+        mask = mask.to(DEVICE)
+    ref_out, ref_lse = packed_attention_partials(q, ks, vs, mask, d ** -0.5)
+    out, lse = packed_attention(q.to(dtype), ks, vs, mask, d ** -0.5, splits=2)
+    assert_close(out, ref_out, TOL[dtype], "output")
+    assert_close(lse, ref_lse, TOL[dtype], "log-sum-exp")
+    ks.payload["idx"] = ks.payload["idx"].clone()
+    ks.payload["idx"][0, 1, 4, 3] ^= 0x24  # one wrong code byte: the check sees it
+    bad, _ = packed_attention(q.to(torch.float32), ks, vs, mask, d ** -0.5)
+    with pytest.raises(AssertionError):
+        assert_close(bad, ref_out, TOL[torch.float32], "output")
+
+
 def test_split_k_gives_the_same_result_as_one_split():
     q, ks, vs, mask, _, _ = _inputs(CASES[6])
     one, _ = packed_attention(q, ks, vs, mask, 0.125, splits=1)

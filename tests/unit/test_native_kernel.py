@@ -268,13 +268,13 @@ def test_sparse_v_bad_threshold_is_refused():
 
 def test_additive_bias_runs_the_reference_and_says_so(tiny_engine):
     """A float mask with values other than 0 / -inf (an attention bias) is not a mask the kernel takes."""
-    from tqbench.engine.cache.fused.native_glue import _bool_mask
+    from tqbench.engine.cache.fused.masks import bool_mask
 
     m = torch.zeros(1, 1, 1, 5)
     m[..., 2] = -0.5
-    assert _bool_mask(m, 1, 5) == "an additive attention bias (not a 0/-inf mask)"
+    assert bool_mask(m, 1, 5) == "an additive attention bias (not a 0/-inf mask)"
     m[..., 2] = torch.finfo(torch.float32).min
-    assert _bool_mask(m, 1, 5).tolist() == [[[True, True, False, True, True]]]
+    assert bool_mask(m, 1, 5).tolist() == [[[True, True, False, True, True]]]
 
 
 def test_disabled_native_kernel_says_why_in_the_report():

@@ -255,7 +255,7 @@ def test_protect_and_sliding_rules_replace_a_head_list_and_the_bits_grid_shows_i
     plans = pol.plan(3, ["full_attention", "sliding_attention", "full_attention"])
     assert [(p.k, p.v) for p in plans] == [("turbo4|turbo2", "turbo2|int4"), ("turbo4|turbo2", "turbo2|int4"),
                                            ("fp16", "fp16")]
-    assert plans[1].dense_window  # a mixed model's sliding layer is bypassed, as for any policy
+    assert plans[1].sliding  # a mixed model's sliding layer is compressed in a window-bounded store (sliding=auto)
     geo = KVGeometry(num_layers=3, kv_heads=2, head_dim=16)
     est = estimate_kv(pol, geo, 50)
     alloc = Allocation(pol, tuple(p.k for p in plans), tuple(p.v for p in plans), 0.0, 3.0, est)

@@ -1,5 +1,6 @@
-"""Per-KV-head layers in the fused mode: each group of heads is attended with its own K and V codecs (native CPU
-kernel, Triton, torch reference), its output written into its query heads; the report says what ran per group."""
+"""Per-KV-head layers in the fused mode: each group of heads is attended with its own K and V codecs, its output
+written into its query heads; on the native CPU kernel the whole layer is one call (a side per group of heads),
+on Triton and the torch reference one call per group; the report says what ran per group."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def test_fused_per_head_gives_the_compressed_tokens_in_float64(engine64, monkeyp
     rep = got.cache_report
     assert rep.compressed_storage_bytes == want.cache_report.compressed_storage_bytes
     label = "native-cpu" if impl == "native" else "torch-reference (TQBENCH_FUSED_IMPL=torch)"
-    # every group of every layer call ran on the chosen implementation, and the report names each group
-    assert rep.fused_impl == {label: 2 * rep.fused_calls} and rep.fallbacks == {}
+    # every group of every layer call ran on the chosen implementation, and the report names each group; the
+    # native kernel takes the layer's groups in one call, the reference runs one call per group
+    calls = rep.fused_calls if impl == "native" else 2 * rep.fused_calls
+    assert rep.fused_impl == {label: calls} and rep.fallbacks == {}
     heads = {g.rsplit(" heads ", 1)[1] for g in rep.fused_groups}
     assert heads == {"0", "1"} and all(ran == {label: rep.fused_calls} for ran in rep.fused_groups.values())
     assert any(n.startswith("fused per-head groups") for n in rep.notes)
@@ -64,6 +67,9 @@ def test_a_group_without_a_native_kernel_falls_back_alone_and_says_so(engine64, 
     assert set(groups["k=turbo3.5 v=turbo2 heads 1"]) == {
         "torch-reference (native kernel: no native kernel for turbo3.5)"}
     assert "native: no native kernel for turbo3.5 (torch reference) [k=turbo3.5 v=turbo2 heads 1]" in rep.fallbacks
+    # the one call per layer could not run, and the report says why
+    assert ("native: no native kernel for turbo3.5 (k=turbo3.5 v=turbo2 heads 1): the layer's groups of heads ran "
+            "one call each") in rep.fallbacks
 
 
 def test_a_verification_call_on_a_per_head_fused_layer_reads_as_one_at_a_time(engine64, monkeypatch):
@@ -97,7 +103,7 @@ def test_a_verification_call_on_a_per_head_fused_layer_reads_as_one_at_a_time(en
     torch.testing.assert_close(feed(spec, ids[:, 33:34]), feed(ref, ids[:, 33:34]), rtol=0, atol=1e-9)
 
 
-def test_a_fused_per_head_batch_runs_one_ragged_call_per_group_and_gives_solo_tokens(engine64, monkeypatch):
+def test_a_fused_per_head_batch_runs_one_ragged_call_per_layer_and_gives_solo_tokens(engine64, monkeypatch):
     if not _native_ok():
         pytest.skip("no native kernel here")
     from tqbench.engine.cache.fused import native_glue
@@ -130,9 +136,9 @@ def test_a_fused_per_head_batch_runs_one_ragged_call_per_group_and_gives_solo_to
             steps += 1
     assert [s.result.token_ids for s in seqs] == solo
     batched = [c for c in calls if c[0] > 1]
-    # one call per group (2 groups, each of 1 KV head = 2 query heads) per layer per batched step
-    assert batched and all(c[1] == 2 for c in batched)
-    assert len(batched) % (2 * len(engine64.model.model.layers)) == 0
+    # one call per layer per batched step, every query head in it (2 groups of 1 KV head, 2 query heads each)
+    assert batched and all(c[1] == 4 for c in batched)
+    assert len(batched) % len(engine64.model.model.layers) == 0
 
 
 def test_fused_per_head_through_the_triton_kernels_matches_the_reference(monkeypatch):

@@ -57,9 +57,12 @@ def test_negative_and_explicit_layer_indices_and_reasons():
 
 def test_sliding_layers_keep_bounded_window_and_global_bypass():
     types = ["sliding_attention", "full_attention"] * 2
-    plan = parse_policy("kv=turbo4,bypass=global").plan(4, types)
+    plan = parse_policy("kv=turbo4,bypass=global,sliding=bypass").plan(4, types)
     assert plan[0].dense_window and "sliding" in plan[0].reason
     assert plan[1].k == "fp16" and "global" in plan[1].reason
+    # the default (sliding=auto) compresses a mixed model's sliding layers too, in a window-bounded store
+    plan = parse_policy("kv=turbo4,bypass=global").plan(4, types)
+    assert plan[0].sliding and not plan[0].dense_window and plan[0].k == "turbo4" and plan[0].reason is None
     plan = parse_policy("kv=turbo4").plan(4, types)
     assert plan[1].k == "turbo4" and plan[1].reason is None
 

@@ -14,7 +14,7 @@ from tqbench.engine.policy.artifact import artifact_warning_for
 
 SHIPPED = "smollm2-alloc-2.5bit"
 FITTED = ("this policy was fitted on SmolLM2-135M-Instruct (fingerprint fd81e99705258ac1), not on this model "
-          "(fingerprint {fp}): its allocation may not suit it; run `tqbench --headless allocate` for this model")
+          "(fingerprint {fp}): its allocation may not suit it; allocate a policy for this model")
 
 
 def fitting_artifact(tmp_path):
@@ -86,3 +86,30 @@ def test_cli_shows_the_warning_and_runs_a_policy_that_fits(command, tiny_engine,
 def test_no_warning_for_a_preset(tiny_engine):
     r = _cli("bench", "--kv-policy", "turbo4")
     assert r.exit_code == 0 and "warning" not in r.stderr
+
+
+def test_a_validation_checks_each_policy_once(tiny_engine, tmp_path, monkeypatch):
+    """The fitted-on-another-model check runs once per policy at the door (``Engine.check_policy``); the runs
+    and caches of a validation, a comparison and a teacher-forced run take the ``CheckedPolicy`` as it is."""
+    from tqbench.engine import CheckedPolicy
+    from tqbench.engine.validate import compare_policies, teacher_forced_quality, validate
+
+    path = str(fitting_artifact(tmp_path))
+    calls = []
+    real = FittedOn.warning
+    monkeypatch.setattr(FittedOn, "warning", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(tiny_engine, "Hello", "fp16", path, max_new_tokens=3)
+        assert len(calls) == 1
+        compare_policies(tiny_engine, [path], ["Hello", "Bye"], max_new_tokens=2)
+        assert len(calls) == 2  # one more check for the comparison, whatever its cells
+        teacher_forced_quality(tiny_engine, [path], prompt="Hello", max_new_tokens=3)
+        assert len(calls) == 3
+    assert {str(w.message) for w in caught} == {FITTED.format(fp=tiny_engine.loaded.fingerprint)}
+    checked = tiny_engine.check_policy(path)
+    assert isinstance(checked, CheckedPolicy) and tiny_engine.check_policy(checked) is checked
+    assert tiny_engine.policy_warning(checked) == checked.warning and len(calls) == 4
+    assert tiny_engine.make_cache(checked).policy_warning == checked.warning and len(calls) == 4
+    r = _cli("validate", "--candidate", path, "--json")  # the CLI's door shows the warning and checks it once
+    assert f"warning: {checked.warning}" in r.stderr.splitlines() and len(calls) == 5

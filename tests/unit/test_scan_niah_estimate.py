@@ -75,7 +75,7 @@ def test_layer_and_codec_errors():
         resolve_codecs("int8,turbo9")
     with pytest.raises(ValueError, match="unknown codec preset 'wild'"):
         resolve_codecs(preset="wild")
-    with pytest.raises(ValueError, match="either --codecs or --preset"):
+    with pytest.raises(ValueError, match="either codecs or a codec preset"):
         resolve_codecs("int8", "safe")
     assert parse_thresholds("kl=0.01,cos=0.99") == {"softmax_kl": 0.01, "score_cosine": 0.99}
     with pytest.raises(ValueError, match="unknown threshold metric 'foo'"):

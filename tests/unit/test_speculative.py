@@ -179,7 +179,7 @@ def sliding64():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("sliding", ["compress", "auto"])  # auto: transformers' own dense window layers
+@pytest.mark.parametrize("sliding", ["compress", "auto", "bypass"])  # bypass: transformers' own dense windows
 def test_sliding_window_family_model_prompt_lookup_gives_greedy_tokens(sliding64, mode, sliding):
     eng = sliding64
     eng.enable_fused()
@@ -189,7 +189,7 @@ def test_sliding_window_family_model_prompt_lookup_gives_greedy_tokens(sliding64
     cache = eng.make_cache(policy, mode)
     assert _greedy(eng.model, ids, cache, prompt_lookup_num_tokens=3) == plain
     windowed = [la for la in cache.layers if isinstance(la, TQLayer) and la.window is not None]
-    if sliding == "compress":  # window-bounded stores: they hold about the window, never the whole context
+    if sliding in ("compress", "auto"):  # window-bounded stores: about the window, never the whole context
         assert len(windowed) == 2 and all(la.k_store.n_tokens < 10 + 4 for la in windowed)
     else:
         assert not windowed

@@ -310,7 +310,7 @@ def test_ray_task_options_one_gpu_per_task_on_gpu_nodes():
     assert task_options({"CPU": 16.0, "GPU": 1.0}, 32) == ({"num_gpus": 1, "num_cpus": 16}, 1)
     assert task_options({"CPU": 2.0}, None) == ({"num_cpus": 1}, 2)
     assert task_options({"CPU": 16.0}, 4) == ({"num_cpus": 4}, 4)
-    with pytest.raises(ValueError, match="threads = 4 but the Ray cluster has 2 CPUs and no GPUs"):
+    with pytest.raises(ValueError, match="threads=4 is invalid: the Ray cluster has 2 CPUs and no GPUs"):
         task_options({"CPU": 2.0}, 4)  # never schedulable: an error, not a hang
 
 
@@ -330,7 +330,7 @@ def test_cli_sweep_report_json_markdown_and_used_folder(tmp_path):
     assert md == (out / "report.md").read_text() and "# Sweep tiny (vs fp16, compressed)" in md
     assert "| rank | policy | bits/el @1024 |" in md
     r = run_cli(str(spec), "--out", str(out))
-    assert r.exit_code == 2 and "already holds 6 cell result(s): pass --resume" in r.stderr
+    assert r.exit_code == 2 and f"--out={str(out)!r} is invalid: it already holds 6 cell result(s)" in r.stderr
     r = run_cli(str(spec), "--out", str(out), "--resume")
     assert r.exit_code == 0, r.output
     assert "6 cells, 6 reused, 0 to run (in-process)" in r.stderr
@@ -353,7 +353,7 @@ def test_cli_ray_without_ray_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     r = run_cli(str(write_spec(tmp_path)), "--out", str(tmp_path / "out"), "--ray")
     assert r.exit_code == 2
-    assert "--ray needs Ray, which is not installed: pip install 'tqbench[ray]'" in r.stderr
+    assert "a sweep on Ray needs Ray, which is not installed: pip install 'tqbench[ray]'" in r.stderr
     assert not (tmp_path / "out").exists()  # nothing ran
 
 

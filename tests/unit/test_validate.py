@@ -137,7 +137,7 @@ def test_dense_shadow_is_storage_only(tiny_engine):
     rep = validate(tiny_engine, PROMPT, candidate="turbo2", cache_mode="dense-shadow", max_new_tokens=6,
                    per_step=False)
     assert rep.storage_only and rep.quality_verdict == "exact-match"  # exact K/V: equal by construction
-    assert rep.policy_recommendation["status"] == "storage-only" and not rep.passed
+    assert rep.policy_recommendation.status == "storage-only" and not rep.passed
     assert rep.to_dict()["per_step"] is None
 
 
@@ -184,7 +184,7 @@ def test_compare_policies_baseline_once_per_prompt(tiny_engine, monkeypatch):
     plain = tiny_engine.generate("Rivers carry", "turbo2", max_new_tokens=6)
     cell = [c for c in d["cells"] if c["policy"] == "turbo2" and c["prompt_index"] == 1][0]
     assert cell["text"] == plain.text
-    assert d["recommendation"] == recommend_policy([CompareRow.from_dict(r) for r in d["rows"]])
+    assert d["recommendation"] == recommend_policy([CompareRow.from_dict(r) for r in d["rows"]], evidence=res.evidence)
     assert [r.to_dict() for r in res.rows] == d["rows"]  # typed rows, the same JSON
     # from_dict inverts to_dict exactly, in memory and through JSON (a saved session's comparison)
     assert CompareResult.from_dict(res.to_dict()).to_dict() == res.to_dict()
@@ -203,7 +203,7 @@ def test_next_policy_ladder_on_the_default_geometry():
     g = KVGeometry(30, 3, 64)
 
     def nxt(verdict, name):
-        return recommend(verdict, parse_policy(name), g)["next_policy"]
+        return recommend(verdict, parse_policy(name), g).next_policy
 
     # a failed policy: the cheapest preset with more bits and neither K nor V less precise (no QJL detour)
     assert nxt("diverged", "turbo3") == "turbo3.5"
@@ -213,7 +213,7 @@ def test_next_policy_ladder_on_the_default_geometry():
     assert nxt("exact-match", "q8k-q8v") == "q8k-int4v-last8-q8v"
     assert nxt("exact-match", "turbo4") == "turbo3.5"
     rec = recommend("diverged", parse_policy("k=turbo4,v=turbo2"), g)
-    assert rec["status"] == "unsafe" and "values are the lower-precision side" in rec["cause_hint"]
+    assert rec.status == "unsafe" and "values are the lower-precision side" in rec.cause_hint
 
 
 def test_cause_hint_reads_codec_aliases_by_their_bits():
@@ -221,4 +221,4 @@ def test_cause_hint_reads_codec_aliases_by_their_bits():
     from tqbench.engine.validate import recommend
 
     rec = recommend("diverged", parse_policy("k=q8,v=q4"))  # q8 / q4 are int8 / int4: values are the lower side
-    assert "values are the lower-precision side (q4)" in rec["cause_hint"] and rec["next_policy"] is None
+    assert "values are the lower-precision side (q4)" in rec.cause_hint and rec.next_policy is None

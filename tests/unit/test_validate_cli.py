@@ -24,7 +24,7 @@ def one_line_error(r, text: str) -> None:
 
 @pytest.mark.parametrize("args,text", [
     (["validate", "--candidate", "turbo9"], "unknown policy preset 'turbo9': valid presets are"),
-    (["validate", "--max-new-tokens", "0"], "max_new_tokens=0 is invalid: ask for at least 1 token"),
+    (["validate", "--max-new-tokens", "0"], "--max-new-tokens=0 is invalid: ask for at least 1 token"),
     (["validate", "--prompt-file", "/nonexistent/p.txt"], "prompt file '/nonexistent/p.txt' does not exist"),
     (["validate", "--self-test", "--candidate", "turbo4"], "--self-test compares the baseline with itself"),
     (["validate", "--prompt", "x", "--prompt-file", "y"], "give either --prompt or --prompt-file, not both"),
@@ -84,7 +84,8 @@ def test_teacher_forced_and_compare_and_scan_cli(tmp_path):
     r = run("compare-policies", "--model", "tiny", "--policies", "q8k-q8v", "--prompt", "hi", "--max-new-tokens",
             "4", "--summary-only")
     assert r.exit_code == 0, r.output
-    assert "recommended:" in r.stdout and "verdict" not in r.stdout
+    assert "recommended on too little evidence: q8k-q8v (" in r.stdout and "verdict" not in r.stdout
+    assert "caveat: evidence: 1 prompt x 4 tokens; too little to call it safe" in r.stdout
     js = tmp_path / "scan.json"
     r = run("scan", "--model", "tiny", "--layers", "-1", "--codecs", "int8,turbo3", "--max-prompt-tokens", "32",
             "--report-json", str(js), "--summary-table")

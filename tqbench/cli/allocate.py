@@ -11,13 +11,14 @@ import sys
 
 import click
 
-from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
+from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendly_errors, gate, model_options
 
 
 @click.command()
 @model_options
 @click.option("--budget", type=float, required=True,
-              help="Bits per KV element for the whole cache (all metadata, sinks and window included).")
+              help="Bits per KV element for the whole cache (all metadata, sinks and window included): above the "
+                   "cheapest codec's bits and below 16.")
 @click.option("--context", type=click.IntRange(min=1), default=1024, show_default=True,
               help="The context length (tokens) the budget is stated at: bits/element fall as context grows.")
 @click.option("--calibration", default="mix", show_default=True,
@@ -36,6 +37,9 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
               help="fp16 sink tokens the cells are measured at.")
 @click.option("--recent", type=click.IntRange(min=0), default=16, show_default=True,
               help="fp16 recent window the cells are measured at.")
+@click.option("--base", default="", show_default=False,
+              help="Codec options and layer plan every candidate shares, as policy keys without codecs or "
+                   "protection, e.g. 'rotation=hadamard,sliding=compress' (compress sliding-window layers too).")
 @click.option("--sinks", default="4,16,64", show_default=True,
               help="Sink options searched (each x --recents, measured jointly); '' for --sink only.")
 @click.option("--recents", default="16,64,128", show_default=True, help="Recent-window options searched.")
@@ -55,7 +59,7 @@ from tqbench.cli.options import csv, fail, friendly_errors, gate, model_options
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
-             codecs, k_codecs, sink, recent, sinks, recents, max_measurements, verify_text, unseen_text,
+             codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
              verify_prefill, verify_steps, name, out, resume, max_kl, as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
@@ -64,18 +68,19 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.allocate import print_allocation
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
+    from tqbench.engine.allocate.budget import check_budget
+    from tqbench.engine.allocate.texts import check_text_names
 
-    if out is not None:
-        if not out.endswith(".toml"):
-            raise ValueError(f"--out {out!r} must end in .toml (the policy artifact)")
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent):
-            raise ValueError(f"--out {out!r}: folder {parent!r} does not exist; create it or pick another path")
+    check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rules, before the model loads
+    check_max_kl(max_kl)
+    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
+    check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
         resume = out[: -len(".toml")] + ".partial.json"
+    check_out_path(resume, "--resume")
     verify = None if verify_text.lower() == "none" else verify_text
     unseen = None if unseen_text.lower() == "none" else unseen_text
+    check_text_names(calibration, verify, unseen)
     try:
         grid = [(int(a), int(b)) for a in csv(sinks) or [] for b in csv(recents) or []]
     except ValueError:
@@ -83,6 +88,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                          "e.g. 4,16,64") from None
     if any(a < 0 or b < 0 for a, b in grid):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
+    base_policy = allocation_base(base, sink, recent)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
@@ -92,7 +98,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
             rep = allocate_policy(
                 engine, budget, calibration=calibration, calib_prefill=calib_prefill, calib_steps=calib_steps,
                 codecs=csv(codecs) or [], k_codecs=csv(k_codecs) if k_codecs else None, granularity=granularity,
-                base=f"sink={sink},recent={recent}", context=context, protections=grid,
+                base=base_policy, context=context, protections=grid,
                 max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog)
@@ -114,3 +120,18 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
         if rep.verified is None:
             fail("--max-kl needs verification: drop --verify-text none")
         gate(rep.verified.kl_mean <= max_kl, f"verified KL {rep.verified.kl_mean:.4f} > --max-kl {max_kl}")
+
+
+#: policy keys ``--base`` may not set: the allocation chooses the codecs, --sink/--recent give the protection
+_NOT_IN_BASE = ("k", "v", "kv", "sink", "recent", "protect", "overrides")
+
+
+def allocation_base(base: str, sink: int, recent: int) -> str:
+    """``--base`` plus ``sink=..,recent=..`` as one policy string (checked: no codecs, no protection)."""
+    parts = [part.strip() for part in base.split(",") if part.strip()]
+    bad = [p for p in parts if "=" not in p or p.split("=", 1)[0].strip() in _NOT_IN_BASE or "@" in p]
+    if bad:
+        raise ValueError(f"--base {base!r} must hold codec options and the layer plan only (e.g. "
+                         "rotation=hadamard,sliding=compress): the allocation picks the codecs; give the protection "
+                         "with --sink/--recent")
+    return ",".join([*parts, f"sink={sink}", f"recent={recent}"])

@@ -16,7 +16,7 @@ from tqbench.cli.options import (
     read_prompt,
     torch_threads,
 )
-from tqbench.cli.workbench import open_workbench
+from tqbench.cli.workbench import check_session_path, open_workbench
 from tqbench.constants import CACHE_MODES
 
 
@@ -53,6 +53,7 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
     request = GenerationRequest(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     policy = parse_policy(kv_policy)
     text = read_prompt(prompt, prompt_file)
+    check_session_path(save_session)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     warn_policies(engine, policy)
     recorder = None

@@ -11,7 +11,7 @@ import json
 
 import click
 
-from tqbench.cli.options import csv, friendly_errors, model_options
+from tqbench.cli.options import check_out_path, csv, friendly_errors, model_options
 
 
 @click.command()
@@ -30,8 +30,7 @@ def calibrate(model, device, dtype, threads, texts, max_tokens, out_path, as_jso
     from tqbench.engine.calibrate import fit_transforms
     from tqbench.engine.codecs.transforms_file import save_transforms
 
-    if not out_path.endswith(".safetensors"):
-        raise ValueError(f"--out {out_path!r} must end in .safetensors")
+    check_out_path(out_path, "--out", ".safetensors")
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     with EventProgress(enabled=not as_json, label="calibrate") as prog:
         tr = fit_transforms(engine, csv(texts), max_tokens=max_tokens, on_event=prog)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from tqbench.cli.options import (
+    POLICIES_HELP,
     check_out_paths,
     floats,
     friendly_errors,
@@ -29,8 +30,7 @@ from tqbench.constants import CACHE_MODES
 @click.command("compare-policies")
 @workbench_command("compare", compare_fields)
 @model_options
-@click.option("--policies", default=None, help="Comma-separated policies (';' between compact policies); "
-              "default: every preset.")
+@click.option("--policies", multiple=True, help="Candidate policies (default: every preset). " + POLICIES_HELP)
 @click.option("--baseline", default="fp16", show_default=True)
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable). Default: two built-in prompts.")
@@ -56,7 +56,7 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
 
     check_generation_args(max_new_tokens, quality_threshold)
     base = parse_policy(baseline)
-    names = policy_list(policies) if policies is not None else default_policies(base.label)
+    names = policy_list(policies) if policies else default_policies(base.label)
     for n in names:
         parse_policy(n)
     texts = prompt_list(prompts, prompt_files)
@@ -81,8 +81,8 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
 
 @click.command()
 @model_options
-@click.option("--policies", default="turbo4,turbo2", show_default=True,
-              help="Candidate policies (';' between compact policies).")
+@click.option("--policies", multiple=True, default=("turbo4,turbo2",), show_default=True,
+              help="Candidate policies. " + POLICIES_HELP)
 @click.option("--baseline", default="fp16", show_default=True)
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
 @click.option("--lengths", default="256,512,1024", show_default=True, help="Haystack lengths in tokens.")

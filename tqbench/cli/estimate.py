@@ -11,6 +11,7 @@ import json
 import click
 
 from tqbench.cli.options import (
+    POLICIES_HELP,
     check_out_paths,
     friendly_errors,
     gate,
@@ -27,8 +28,8 @@ from tqbench.cli.options import (
 @click.option("--head-dim", type=int, default=None, help="Explicit geometry: head dimension.")
 @click.option("--seq-len", type=int, default=32768, show_default=True)
 @click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--kv-policy", "kv_policy", default="fp16,turbo4", show_default=True,
-              help="One or several policies (';' between compact policies).")
+@click.option("--kv-policy", "kv_policy", multiple=True, default=("fp16,turbo4",), show_default=True,
+              help="A policy (preset, compact string or file), one row each. " + POLICIES_HELP)
 @click.option("--memory-budget", default=None, help="e.g. 24GiB or 80GB: longest context that fits.")
 @click.option("--list-models", is_flag=True, help="List the shipped model configs.")
 @report_options

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import click
 
-from tqbench.cli.options import check_out_paths, friendly_errors, model_options, report_options, write_reports
+from tqbench.cli.options import (
+    check_out_paths,
+    check_teacher_forced_flags,
+    friendly_errors,
+    model_options,
+    report_options,
+    write_reports,
+)
 from tqbench.constants import CACHE_MODES
 
 ENGINE_CHOICES = ("llamacpp", "vllm", "sglang", "trtllm")
@@ -37,6 +44,8 @@ def export(policy, to, model, device, dtype, threads, no_measure, corpus, tf_con
     from tqbench.engine.deploy import export_policy
 
     check_out_paths(report_json, report_md)
+    if not no_measure:
+        check_teacher_forced_flags(corpus, tf_context, tf_tokens)
     if seq_len < 1:
         raise ValueError(f"--seq-len {seq_len} is invalid: give a whole number of tokens >= 1")
     if no_measure and model == "default":

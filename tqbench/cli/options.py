@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from tqbench.cli.flags import spelled
 from tqbench.constants import COMPARE_PROMPTS, DEFAULT_PROMPT
 
 
@@ -27,14 +28,22 @@ def friendly_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from tqbench.engine import ModelLoadError
-
         try:
             return fn(*args, **kwargs)
-        except (ValueError, ModelLoadError, FileNotFoundError) as exc:
-            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except Exception as exc:
+            if not isinstance(exc, (ValueError, FileNotFoundError, *_model_load_errors())):
+                raise
+            text = spelled(exc)  # an engine field named as this command's flag
+            fail(text.splitlines()[0] if text else type(exc).__name__)
 
     return wrapper
+
+
+def _model_load_errors() -> tuple[type, ...]:
+    """The engine's ``ModelLoadError`` when its module is loaded (else no exception can be one): looked up, not
+    imported, so a command refused at the door never imports the model loader."""
+    errors = sys.modules.get("tqbench.engine.models.errors")
+    return (errors.ModelLoadError,) if errors is not None else ()
 
 
 def gate(ok: bool, message: str) -> None:
@@ -86,6 +95,16 @@ def report_options(fn):
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
+def checked_prompt(text: str, flags: str = "--prompt or --prompt-file") -> str:
+    """The engine's prompt rule (``request.check_prompt``) at the door, the message naming the CLI's flags."""
+    from tqbench.engine.request import check_prompt
+
+    try:
+        return check_prompt(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc} with {flags}") from None
+
+
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     """``bench``'s prompt: click usage errors (``Error: ...`` with the usage line)."""
     if prompt and prompt_file:
@@ -94,8 +113,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         if not os.path.isfile(prompt_file):
             raise click.BadParameter(f"prompt file {prompt_file!r} does not exist", param_hint="--prompt-file")
         with open(prompt_file, encoding="utf-8") as fh:
-            return fh.read()
-    return prompt if prompt is not None else DEFAULT_PROMPT
+            return checked_prompt(fh.read())
+    return checked_prompt(prompt if prompt is not None else DEFAULT_PROMPT)
 
 
 def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
@@ -106,15 +125,37 @@ def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
         if not os.path.isfile(prompt_file):
             raise ValueError(f"prompt file {prompt_file!r} does not exist: check the path given to --prompt-file")
         with open(prompt_file, encoding="utf-8") as fh:
-            return fh.read()
-    return prompt if prompt is not None else DEFAULT_PROMPT
+            return checked_prompt(fh.read())
+    return checked_prompt(prompt if prompt is not None else DEFAULT_PROMPT)
 
 
 def prompt_list(prompts: tuple[str, ...], prompt_files: tuple[str, ...]) -> list[str]:
-    out = list(prompts)
+    out = [checked_prompt(p) for p in prompts]
     for f in prompt_files:
         out.append(prompt_text(None, f))
     return out or list(COMPARE_PROMPTS)
+
+
+# ---- teacher-forced and gates -------------------------------------------------------------------------
+TF_FLAGS = {"context_tokens": "--tf-context", "eval_tokens": "--tf-tokens"}
+
+
+def check_teacher_forced_flags(corpus: str | None, tf_context: int, tf_tokens: int) -> None:
+    """``--corpus``, ``--tf-context``, ``--tf-tokens`` by the engine's rule (``check_teacher_forced_args``),
+    before the model loads; a bad count is named by its flag."""
+    from tqbench.engine.request import RequestError
+    from tqbench.engine.validate import check_teacher_forced_args
+
+    try:
+        check_teacher_forced_args(corpus, tf_context, tf_tokens)
+    except RequestError as exc:
+        raise ValueError(exc.spelled(TF_FLAGS.get(exc.field, exc.field))) from None
+
+
+def check_max_kl(max_kl: float | None) -> None:
+    """A KL gate (``--max-kl``) is 0 or more: checked before any measuring."""
+    if max_kl is not None and not max_kl >= 0:
+        raise ValueError(f"--max-kl {max_kl:g} is invalid: a KL is 0 or more (e.g. 0.05)")
 
 
 # ---- lists ----------------------------------------------------------------------------------------------
@@ -124,10 +165,22 @@ def csv(text: str | None) -> list[str] | None:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
-def policy_list(text: str) -> list[str]:
-    """Comma-separated policies; a compact policy with commas goes in with ';' between policies."""
-    sep = ";" if ";" in text else ","
-    return [p.strip() for p in text.split(sep) if p.strip()]
+POLICIES_HELP = ("Repeat the option for several policies, or put ';' between them. Commas separate policies only "
+                 "when no part is key=value (fp16,turbo4: preset, shipped or engine-setting names and files); "
+                 "a value with key=value is ONE compact policy (k=turbo4,v=turbo3,sink=4,recent=16).")
+
+
+def policy_list(values: str | tuple[str, ...] | list[str]) -> list[str]:
+    """The policies of a (repeatable) policy option: each value split by the engine's one rule
+    (``split_policies``: ';' always, ',' only between names; a compact policy is never cut at its commas)."""
+    from tqbench.engine import split_policies
+
+    if isinstance(values, str):
+        values = (values,)
+    names = [name for value in values for name in split_policies(value)]
+    if not names:
+        raise ValueError("no policy given: name a preset (see `tqbench --headless policies`) or k=...,v=...")
+    return names
 
 
 def ints(text: str, flag: str) -> list[int]:
@@ -151,13 +204,20 @@ def floats(text: str, flag: str) -> list[float]:
 
 
 # ---- reports ----------------------------------------------------------------------------------------------
+def check_out_path(path: str | None, flag: str, suffix: str | None = None, folder: bool = False) -> None:
+    """Every output path a command takes (``--report-json``, ``--report-md``, ``--save-session``, ``--out`` ...)
+    is checked before any work by this one rule: the engine's ``atomic.check_output_path`` (the folder exists and
+    takes a file, the path is not a folder; a folder output is not a file). A ValueError names ``flag``."""
+    if path:
+        from tqbench.engine.atomic import check_output_path
+
+        check_output_path(path, suffix, flag, folder=folder)
+
+
 def check_out_paths(report_json: str | None, report_md: str | None) -> None:
-    """Fail before any work when a report's folder does not exist."""
-    for path, flag in ((report_json, "--report-json"), (report_md, "--report-md")):
-        if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                raise ValueError(f"{flag} {path!r}: folder {parent!r} does not exist; create it or pick another path")
+    """``--report-json`` and ``--report-md`` (``check_out_path``)."""
+    check_out_path(report_json, "--report-json")
+    check_out_path(report_md, "--report-md")
 
 
 def write_reports(payload: dict, md: str | None, report_json: str | None, report_md: str | None,

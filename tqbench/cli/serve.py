@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import click
 
+from tqbench.cli.flags import spelled
 from tqbench.cli.options import fail
 from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_KV_SHARE
 
@@ -65,7 +66,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         if kv_budget != "auto":
             KVBudget.resolve(kv_budget)
     except (ValueError, FileNotFoundError) as exc:
-        fail(str(exc).splitlines()[0])
+        fail(spelled(exc).splitlines()[0])
     _check_port(host, port)  # before the model load, so a taken port fails at once
     try:
         from tqbench.cli.render.console import load_engine
@@ -89,6 +90,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
     budget = app.state.server.kv_budget
     click.echo(f"  cache mode {app.state.server.cache_mode}: {app.state.server.mode_reason}", err=True)
     click.echo(f"  KV budget {budget.bytes} bytes ({budget.bytes / 2**20:.1f} MiB): {budget.source}", err=True)
+    click.echo(f"  {app.state.server.break_even_line()}", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
     worker = app.state.server.worker
 

@@ -10,7 +10,14 @@ import dataclasses
 
 import click
 
-from tqbench.cli.options import check_out_paths, friendly_errors, gate, report_options, write_reports
+from tqbench.cli.options import (
+    check_out_path,
+    check_out_paths,
+    friendly_errors,
+    gate,
+    report_options,
+    write_reports,
+)
 
 
 @click.command("sweep")
@@ -40,8 +47,9 @@ def sweep(spec_path, out, ray_address, resume, threads, report_json, report_md, 
     spec = load_spec(spec_path)
     if threads is not None:
         spec = dataclasses.replace(spec, threads=threads)
-    check_out_paths(report_json, report_md)
     out = out or f"sweeps/{spec.name}"
+    check_out_path(out, "--out", folder=True)
+    check_out_paths(report_json, report_md)
     use_ray = ray_address is not None
     with EventProgress(enabled=not as_json, total=None, label="sweep") as prog:
         def on_event(ev):

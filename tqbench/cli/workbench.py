@@ -64,6 +64,7 @@ def workbench_command(screen: str, to_fields=None):
                         root.obj["workbench"][key] = kwargs[key]
                 fields = to_fields(kwargs) if to_fields else {}
                 return open_workbench(ctx, screen, **({screen: fields} if fields else {}))
+            check_session_path(save_session)
             ctx.meta[_META] = save_session
             return fn(*args, **kwargs)
 
@@ -72,6 +73,16 @@ def workbench_command(screen: str, to_fields=None):
                                  "`tqbench --session FILE` opens it.")(wrapper)
 
     return deco
+
+
+def check_session_path(path: str | None) -> None:
+    """``--save-session FILE``, checked before any work by the rule every output path follows."""
+    from tqbench.cli.options import check_out_path
+
+    try:
+        check_out_path(path, "--save-session")
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def save_session_if_asked(engine, model_spec: str, **results) -> str | None:
@@ -121,7 +132,7 @@ def compare_fields(kw: dict) -> dict:
     for f in kw.get("prompt_files") or ():
         with open(f, encoding="utf-8") as fh:
             prompts.append(fh.read().replace("\n", " "))
-    fields = {"policies": kw.get("policies"), "baseline": kw.get("baseline"),
+    fields = {"policies": "; ".join(kw.get("policies") or ()) or None, "baseline": kw.get("baseline"),
               "max_new_tokens": kw.get("max_new_tokens"), "cache_mode": kw.get("cache_mode"),
               "prompts": "\n".join(prompts) if prompts else None}
     return {k: v for k, v in fields.items() if v is not None}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
@@ -14,9 +13,10 @@ from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import PromptTooLongError, check_context
+from tqbench.engine.request import PromptTooLongError, check_context, check_prompt
 
 __all__ = ["Engine", "Prompt", "PromptTooLongError"]
 
@@ -70,10 +70,13 @@ class Engine:
         return ids
 
     # -- prompts ------------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0) -> torch.Tensor:
-        """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template."""
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("the prompt is empty: give some text with --prompt or --prompt-file")
+    def encode_prompt(self, prompt: Prompt, chat: bool = True, max_new_tokens: int = 0, *,
+                      fit_context: bool = True) -> torch.Tensor:
+        """Token ids ``[1, T]``. With ``chat`` a string becomes one user message of the chat template.
+        ``fit_context``: refuse a prompt (plus ``max_new_tokens``) longer than the model's context; a caller that
+        truncates the ids itself passes False and checks what it keeps."""
+        if isinstance(prompt, str):
+            check_prompt(prompt)
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
         if chat and has_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -83,11 +86,12 @@ class Engine:
             if not isinstance(prompt, str):
                 prompt = "\n".join(m.get("content", "") for m in prompt)
             ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        check_context(int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
+        if fit_context:
+            check_context(int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
         return ids
 
     # -- caches -------------------------------------------------------------------------------------
-    def make_cache(self, policy: Policy | str | None, cache_mode: str = "compressed"):
+    def make_cache(self, policy: Policy | str | CheckedPolicy | None, cache_mode: str = "compressed"):
         """A plain ``DynamicCache`` for ``None``; a ``TQCache`` otherwise (fused mode wires the attention).
 
         A policy fitted on another model warns here (``policy_warning``; the cache's ``policy_warning`` holds it)."""
@@ -96,30 +100,30 @@ class Engine:
         check_mode(cache_mode)
         if cache_mode == "fused":
             self.enable_fused()
-        pol = self.check_policy(policy)
-        warning = self.policy_warning(pol)
-        if warning:
-            warnings.warn(warning, stacklevel=2)
-        self.check_transforms(pol)
-        # checked above with this model's fingerprint: the cache gets the policy without its provenance so that
-        # its own (geometry-only) check does not warn a second time
-        cache = TQCache(replace(pol, fitted_on=None), self.config, mode=cache_mode)
-        cache.policy_warning = warning
-        return cache
+        checked = self.check_policy(policy)
+        if checked.warning:
+            warnings.warn(checked.warning, stacklevel=2)
+        self.check_transforms(checked.policy)
+        return TQCache(checked, self.config, mode=cache_mode)  # checked here: the cache does not check it again
 
-    def check_policy(self, policy: Policy | str) -> Policy:
-        """``policy`` parsed and planned on this model's layers (a selector past the last layer is refused); when
-        it was fitted on another model the refusal says so (``policy_warning``), since that is usually why."""
+    def check_policy(self, policy: Policy | str | CheckedPolicy) -> CheckedPolicy:
+        """``policy`` parsed, planned on this model's layers (a selector past the last layer is refused) and its
+        provenance checked (``policy_warning``), once: jobs and caches take the ``CheckedPolicy`` as it is (one
+        already checked on this model is returned unchanged). When it was fitted on another model a refusal says
+        so, since that is usually why."""
+        fingerprint = self.loaded.fingerprint
+        if isinstance(policy, CheckedPolicy) and policy.fingerprint == fingerprint:
+            return policy
         pol = parse_policy(policy)
+        warning = self._fitted_warning(pol)
         geo = self.geometry
         try:
             pol.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None)
         except ValueError as exc:
-            warning = self.policy_warning(pol)
             if warning:
                 raise ValueError(f"{str(exc).splitlines()[0]}; {warning}") from None
             raise
-        return pol
+        return CheckedPolicy(pol, warning, fingerprint)
 
     def check_transforms(self, policy: Policy | str) -> None:
         """Refuse a policy whose calibrated (``pcaq``) key codecs use transforms fitted on another model
@@ -131,6 +135,13 @@ class Engine:
         if any(is_calibrated_spec(s) for s in (pol.k, *(spec for _, _, spec in pol.overrides))):
             load_transforms(pol.calib).check_model(self.loaded.fingerprint, self.name)
 
+    def savings(self, policy: Policy | str, baseline: Policy | str, seq_len: int):
+        """``cache.savings.Savings`` of ``policy`` against ``baseline`` at ``seq_len`` tokens of this model (the
+        break-even search stops at the model's context): whether it stores fewer bytes, why not, from when."""
+        from tqbench.engine.cache.savings import savings
+
+        return savings(policy, baseline, self.geometry, seq_len, self.max_context)
+
     def policy_warning(self, policy: Policy | str | None) -> str | None:
         """Why ``policy`` may not suit this model: it was read from a saved artifact fitted on another model (the
         fingerprint differs; or, when none is recorded, the KV geometry), else None. Works on every form a policy
@@ -138,7 +149,11 @@ class Engine:
         Every front end shows it; ``make_cache`` also warns."""
         if policy is None:
             return None
-        pol = parse_policy(policy)
+        if isinstance(policy, CheckedPolicy) and policy.fingerprint == self.loaded.fingerprint:
+            return policy.warning
+        return self._fitted_warning(parse_policy(policy))
+
+    def _fitted_warning(self, pol: Policy) -> str | None:
         return pol.fitted_on.warning(self.loaded.fingerprint, self.geometry) if pol.fitted_on else None
 
     def enable_fused(self) -> None:
@@ -179,7 +194,7 @@ class Engine:
         prompt-lookup speculation, up to that many draft tokens verified per forward call (greedy only; the
         tokens are greedy decoding's, ``GenerationResult.speculation`` counts the drafts).
         """
-        pol = parse_policy(policy) if policy is not None else None
+        pol = self.check_policy(policy) if policy is not None else None
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
         if prompt_lookup and pol is not None and cache_mode in ("compressed", "simulate"):
             self.enable_fused()  # a verification call's per-query precision runs in tqbench's attention function
@@ -215,7 +230,7 @@ class Engine:
     ) -> Sequence:
         """The step machine behind ``stream`` (its own ``TQCache``), for a driver that batches decode steps
         across sequences (``tqbench.engine.batch.decode_step``); same arguments as ``stream``."""
-        pol = parse_policy(policy)
+        pol = self.check_policy(policy)
         cache = self.make_cache(pol, cache_mode)
         return Sequence(
             self.model, self.tokenizer, ids, cache, run=run, kv_policy=pol.label, cache_mode=cache_mode,

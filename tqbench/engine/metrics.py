@@ -17,7 +17,9 @@ run gets one number wherever it is shown.
 - ``same_context_kl``: KL averaged over the steps where both runs had seen the same tokens, i.e. up to
   and including the first divergence; after it the two runs condition on different histories, so their
   KL measures the divergence, not the cache. This is *the* ``kl_mean`` of a run.
-- ``pair_summary``: the summary of a run's per-step arrays (what a session and the Run strip show).
+- ``pair_summary``: the summary of a run's per-step arrays (what a session and the Run strip show). A cancelled
+  run compares only the steps both sides produced (the cancel cut the rest, not a divergence); cancelled
+  before the candidate (or the baseline) produced a token, it has no divergence and no match ratio, only a note.
 - ``decide_verdict`` / ``worst_verdict``: the verdict rules (below).
 
 Verdicts (``decide_verdict``), with ``n = max(len(baseline), len(candidate))``:
@@ -197,13 +199,26 @@ class PairSummary:
     kl_max: float | None
     first_divergence: int | None
     exact_match: bool
+    cancelled: bool = False  # the run was cancelled: only the steps both sides produced are compared
+    note: str | None = None  # e.g. "cancelled before the candidate produced a token"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def pair_summary(same_token: list[bool], same_top1: list[bool], kl: list[float | None]) -> PairSummary:
-    """The summary of a baseline/candidate run from its per-step arrays."""
+def pair_summary(same_token: list[bool], same_top1: list[bool], kl: list[float | None],
+                 cancelled: tuple[int, int] | None = None) -> PairSummary:
+    """The summary of a baseline/candidate run from its per-step arrays; ``cancelled``: (baseline tokens,
+    candidate tokens) of a run that was cancelled (the module docstring says what is compared)."""
+    note = None
+    if cancelled is not None:
+        n = min(len(same_token), *cancelled)
+        same_token, same_top1, kl = same_token[:n], same_top1[:n], kl[:n]
+        if n == 0:
+            side = "candidate" if cancelled[1] == 0 else "baseline"
+            return PairSummary(0, None, None, None, None, None, False, True,
+                               f"cancelled before the {side} produced a token")
+        note = f"cancelled: the {n} step{'s' if n != 1 else ''} both runs produced are compared"
     n = len(same_token)
     first = first_divergence(same_token)
     k = same_context_kl(kl, first)
@@ -215,6 +230,8 @@ def pair_summary(same_token: list[bool], same_top1: list[bool], kl: list[float |
         kl_max=k.kl_max,
         first_divergence=first,
         exact_match=bool(n) and first is None,
+        cancelled=cancelled is not None,
+        note=note,
     )
 
 

@@ -5,7 +5,8 @@ request body): built once, validated once in ``__post_init__``. Each rule is one
 written once; the engine's own entry points (``Sampling``, ``Sequence``, ``Engine.encode_prompt``, validation,
 NIAH) call the same functions, so a bad value gets the same message through the engine API, the CLI, the TUI and
 the server. A rule raises ``RequestError`` (a ``ValueError``) naming the field; a front end whose field has
-another name (the server's ``max_tokens``) asks for the message in its own spelling (``RequestError.spelled``).
+another name (the server's ``max_tokens``, the CLI's ``--max-new-tokens``) asks for the message in its own
+spelling (``RequestError.spelled``). Engine messages never name a CLI flag: the front end that owns one names it.
 
 Torch-free: the CLI checks its flags before loading a model.
 """
@@ -46,7 +47,9 @@ class PromptTooLongError(RequestError):
 
 
 def _show(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 # ---- the rules ---------------------------------------------------------------------------------------------
@@ -55,6 +58,14 @@ def check_max_new_tokens(value: int, field: str = "max_new_tokens", *, allow_zer
     if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
         raise RequestError(field, value, "ask for at least 1 token")
     return value
+
+
+def check_prompt(text: str) -> str:
+    """A text prompt holds something besides white space (the engine's ``encode_prompt`` and the CLI's prompt
+    flags check it; the server's chat and completion bodies keep their own OpenAI-shaped errors)."""
+    if not text.strip():
+        raise ValueError("the prompt is empty: give some text")
+    return text
 
 
 def check_temperature(value: float, field: str = "temperature", maximum: float | None = None) -> float:

@@ -7,7 +7,10 @@ head. Rows are decoded in registers:
 - ``turbo``: codes are looked up in the codebook (rotated unit domain); keys score as ``(R q).c[idx] * norm
   (+ q.mu)``, values accumulate ``p * norm * c[idx]`` in the rotated domain (the launcher's caller rotates
   the output back once);
-- ``affine-channel`` (KIVI keys) and ``affine-token`` (values): ``zero + code * scale`` per element.
+- ``affine-channel`` (KIVI keys) and ``affine-token`` (values): ``zero + code * scale`` per element;
+- ``pcaq`` (calibrated keys): coordinate ``j`` of head ``h`` at its own bit offset and width (the launcher passes
+  both as ``[H, D]`` int32 tables in the scale / zero slots), its level from ``levels [H, D, 2**bits]``; keys
+  score as ``(T_h q).level[idx] (+ q.mu)``, the query transformed per head by the launcher. Keys only.
 
 Codes of any width (1..8 bits) are read from the LSB-first stream as a 16-bit window of two bytes. Scores
 use an online softmax; each split writes ``(m, l, acc)`` partials that ``packed_attention`` merges
@@ -25,7 +28,7 @@ import triton.language as tl
 
 from tqbench.kernels.reference import KINDS, PackedSide
 
-_KIND_ID = {k: i for i, k in enumerate(KINDS)}  # turbo 0, affine-channel 1, affine-token 2
+_KIND_ID = {k: i for i, k in enumerate(KINDS)}  # turbo 0, affine-channel 1, affine-token 2, pcaq 3
 _NEG = -1.0e30  # finite running max: fully masked rows keep l = 0 instead of producing NaN
 
 
@@ -58,6 +61,17 @@ def _rows(CODES, S, Z, LV, b, h, offs_n, offs_d, n_mask, d_mask,
         sc = tl.load(S + sz, mask=m2, other=0.0).to(tl.float32)
         zr = tl.load(Z + sz, mask=m2, other=0.0).to(tl.float32)
         tile = zr + code.to(tl.float32) * sc
+        scale = offs_n * 0.0 + 1.0
+    elif KIND == 3:  # pcaq: per-(head, coordinate) bit offset (S) and width (Z), levels per coordinate (LV)
+        off = tl.load(S + h * D + offs_d, mask=d_mask, other=0)
+        wid = tl.load(Z + h * D + offs_d, mask=d_mask, other=0)
+        pos = off[None, :] + offs_n[:, None] * 0
+        byte = pos // 8
+        row = CODES + b * sib + h * sih + offs_n[:, None] * sin
+        lo = tl.load(row + byte, mask=m2 & (byte < NBYTES), other=0).to(tl.int32)
+        hi = tl.load(row + byte + 1, mask=m2 & (byte + 1 < NBYTES), other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> (pos % 8)) & ((1 << wid[None, :]) - 1)
+        tile = tl.load(LV + (h * D + offs_d[None, :]) * (1 << BITS) + code, mask=m2, other=0.0).to(tl.float32)
         scale = offs_n * 0.0 + 1.0
     else:  # affine-token: scale/zero per (row, group of GROUP channels)
         code = _codes(CODES, b * sib + h * sih + offs_n[:, None] * sin, offs_d[None, :], m2, BITS, NBYTES)
@@ -156,6 +170,8 @@ def _side_tensors(side: PackedSide, role: str, b: int, hkv: int, device: torch.d
     if side.n_tokens < 0:
         raise ValueError(f"{role}.n_tokens must be >= 0, got {side.n_tokens}")
     p = side.payload
+    if side.kind == "pcaq":
+        return _pcaq_tensors(side, role, b, hkv, device)
     fields = ("idx", "norm") if side.kind == "turbo" else ("q", "scale", "zero")
     missing = [f for f in fields if f not in p]
     if missing:
@@ -193,6 +209,37 @@ def _side_tensors(side: PackedSide, role: str, b: int, hkv: int, device: torch.d
             (codes.stride(0), codes.stride(1), codes.stride(2), s.stride(0), s.stride(1), s.stride(2)))
 
 
+def _pcaq_tensors(side: PackedSide, role: str, b: int, hkv: int, device: torch.device) -> tuple:
+    """A pcaq side's kernel arguments: codes, bit offsets and widths (int32 ``[H, D]``), levels ``[H, D, 2**bits]``."""
+    d = side.head_dim
+    if role != "k":
+        raise ValueError(f"{role}: pcaq is a key codec (values have no pcaq form)")
+    if "idx" not in side.payload:
+        raise ValueError(f"{role} (pcaq) payload lacks idx")
+    w = side.widths
+    if w is None or tuple(w.shape) != (hkv, d):
+        raise ValueError(f"{role}.widths must be [{hkv}, {d}] (bits per coordinate), got "
+                         f"{None if w is None else tuple(w.shape)}")
+    w = w.to(device=device, dtype=torch.int32)
+    if int(w.max()) > side.bits:
+        raise ValueError(f"{role}.widths holds {int(w.max())} bits, above the side's bits {side.bits}")
+    totals = w.sum(-1)
+    if bool((totals != totals[0]).any()):
+        raise ValueError(f"{role}.widths: the heads pack {totals.tolist()} bits per row (one row size for all)")
+    nbytes = (int(totals[0]) + 7) // 8
+    codes = side.payload["idx"]
+    _check_rows(codes, f"{role}.idx", (b, hkv, None, nbytes), side.n_tokens, (torch.uint8,), device)
+    if side.levels is None or tuple(side.levels.shape) != (hkv, d, 1 << side.bits):
+        raise ValueError(f"{role}.levels must be [{hkv}, {d}, {1 << side.bits}], got "
+                         f"{None if side.levels is None else tuple(side.levels.shape)}")
+    if side.rotation is None or tuple(side.rotation.shape) != (hkv, d, d):
+        raise ValueError(f"{role}.rotation must be one [{d}, {d}] transform per head, got "
+                         f"{None if side.rotation is None else tuple(side.rotation.shape)}")
+    off = (torch.cumsum(w, -1) - w).to(torch.int32).contiguous()
+    lv = side.levels.to(device=device, dtype=torch.float32).contiguous()
+    return (codes, off, w.contiguous(), lv, nbytes, (codes.stride(0), codes.stride(1), codes.stride(2), 0, 0, 0))
+
+
 def packed_attention(
     q: torch.Tensor, k: PackedSide, v: PackedSide, mask: torch.Tensor | None, scale: float,
     *, q_rot: torch.Tensor | None = None, block_n: int | None = None, splits: int | None = None,
@@ -213,7 +260,7 @@ def packed_attention(
         raise ValueError(f"head_dim mismatch: query {d}, keys {k.head_dim}, values {v.head_dim}")
     if k.n_tokens != v.n_tokens:
         raise ValueError(f"keys hold {k.n_tokens} packed rows, values {v.n_tokens}: pass the common range")
-    codes = k.payload.get("idx" if k.kind == "turbo" else "q")
+    codes = k.payload.get("idx" if k.kind in ("turbo", "pcaq") else "q")
     if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
         raise ValueError(f"k codes must be a 4-D [batch, kv_heads, units, bytes] tensor, got "
                          f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
@@ -238,9 +285,14 @@ def packed_attention(
     qf = q.to(torch.float32) * scale
     qk = qf
     qmu = None
-    if k.kind == "turbo":
+    if k.kind in ("turbo", "pcaq"):
         rot = k.rotation.to(device=dev, dtype=torch.float32)
-        qk = q_rot.to(torch.float32) * scale if q_rot is not None else qf @ rot.T
+        if q_rot is not None:
+            qk = q_rot.to(torch.float32) * scale
+        elif k.kind == "pcaq":  # one transform per KV head
+            qk = torch.einsum("bhqd,hjd->bhqj", qf.reshape(b, hkv, qn, d), rot)
+        else:
+            qk = qf @ rot.T
         if k.mu is not None:
             qmu = (qf.reshape(b, hkv, qn, d) @ k.mu.to(torch.float32).transpose(-1, -2)).reshape(b, hkv, qn)
             qmu = qmu.contiguous()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["byte_table", "lookup_packed", "max_values", "pack_bits", "packed_nbytes", "unpack_bits"]
+__all__ = ["byte_table", "lookup_packed", "max_values", "pack_bits", "pack_widths", "packed_nbytes", "unpack_bits",
+           "unpack_widths"]
 
 
 def _check_bits(bits: int) -> None:
@@ -128,3 +129,36 @@ def lookup_packed(packed: torch.Tensor, bits: int, n: int, table: torch.Tensor) 
         return table.index_select(0, idx.reshape(-1).int()).view(*idx.shape)
     vals = table.index_select(0, packed.reshape(-1).int()).view(*packed.shape[:-1], packed.shape[-1] * (8 // bits))
     return vals if vals.shape[-1] == n else vals[..., :n]
+
+
+# -- a bit stream of per-coordinate widths (calibrated ``pcaq`` keys) --------------------------------------
+def _stream_index(widths: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(positions in the ``[D, maxw]`` bit grid that carry stream bits, in stream order; total bits; maxw)."""
+    maxw = max(int(widths.max()), 1)
+    grid = torch.arange(maxw)[None, :] < widths[:, None]
+    return grid.flatten().nonzero().flatten(), int(widths.sum()), maxw
+
+
+def pack_widths(idx: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """``idx`` ``[..., D]`` (value ``j`` below ``2**widths[j]``) -> uint8 ``[..., ceil(sum(widths) / 8)]``: value
+    ``j`` at stream bits ``[sum(widths[:j]), sum(widths[:j+1]))``, LSB first (this module's layout, one stream per row)."""
+    pos, total, maxw = _stream_index(widths)
+    shifts = torch.arange(maxw, device=idx.device)
+    bits = ((idx.long()[..., None] >> shifts) & 1).flatten(-2)[..., pos.to(idx.device)]
+    nbytes = (total + 7) // 8
+    pad = nbytes * 8 - total
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
+    weights = (1 << torch.arange(8, device=idx.device))
+    return (bits.view(*bits.shape[:-1], nbytes, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_widths(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_widths``: int64 ``[..., D]``."""
+    pos, total, maxw = _stream_index(widths)
+    d = widths.shape[0]
+    shifts = torch.arange(8, device=packed.device)
+    stream = ((packed.long()[..., None] >> shifts) & 1).flatten(-2)[..., :total]
+    grid = stream.new_zeros(*stream.shape[:-1], d * maxw)
+    grid[..., pos.to(packed.device)] = stream
+    return (grid.view(*stream.shape[:-1], d, maxw) << torch.arange(maxw, device=packed.device)).sum(-1)

@@ -10,6 +10,10 @@ rows). Kinds:
 - ``affine-channel``: KIVI keys, ``q`` packed token-major over blocks of ``group`` tokens, fp16
   ``scale``/``zero`` per (block, channel).
 - ``affine-token``: ``q`` packed per row, fp16 ``scale``/``zero`` per group of ``group`` channels.
+- ``pcaq`` (calibrated keys): ``idx`` packed with a width per coordinate (``widths [H, D]``,
+  ``packing.pack_widths``), no norm; a transform per head (``rotation [H, D, D]``) and levels per coordinate
+  (``levels [H, D, 2**bits]``, ``bits`` the widest width): ``k = level[idx] @ R_h + mu``, scored as
+  ``(R_h q).level[idx] + q.mu`` like turbo keys without the norm.
 
 Speed notes (CPU, one thread, 4K tokens x 3 heads x d64): decoding 4-bit codes through a 256-entry table
 of value *pairs* viewed as one float64 per byte and ``index_select`` costs ~0.4 ms, 6x less than a row
@@ -22,9 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tqbench.kernels.packing import byte_table, lookup_packed, pack_bits
+from tqbench.kernels.packing import byte_table, lookup_packed, pack_bits, unpack_widths
 
-KINDS = ("turbo", "affine-channel", "affine-token")
+KINDS = ("turbo", "affine-channel", "affine-token", "pcaq")
+#: kinds whose rows live in a transformed domain (scored against the transformed query, summed there)
+TRANSFORMED = ("turbo", "pcaq")
 
 
 @dataclass
@@ -37,9 +43,10 @@ class PackedSide:
     n_tokens: int
     head_dim: int
     group: int = 1  # affine-token: channels per group; affine-channel: tokens per block
-    levels: torch.Tensor | None = None  # turbo codebook [2**bits] (compute dtype)
-    rotation: torch.Tensor | None = None  # turbo R [D, D] (compute dtype)
-    mu: torch.Tensor | None = None  # turbo centering [B, H, 1, D] or None
+    levels: torch.Tensor | None = None  # turbo codebook [2**bits]; pcaq [H, D, 2**bits] (compute dtype)
+    rotation: torch.Tensor | None = None  # turbo R [D, D]; pcaq one per head [H, D, D] (compute dtype)
+    mu: torch.Tensor | None = None  # turbo / pcaq centering [B, H, 1, D] or None
+    widths: torch.Tensor | None = None  # pcaq: bits of each coordinate [H, D]
     _tables: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,11 +102,16 @@ def code_values(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def dequantize_side(side: PackedSide, dtype: torch.dtype) -> torch.Tensor:
-    """Affine rows ``[B, H, N, D]`` (dequantized in blocks); turbo rows in the rotated unit domain."""
+    """Affine rows ``[B, H, N, D]`` (dequantized in blocks); turbo rows in the rotated unit domain; pcaq rows
+    in their head's transformed domain (the levels of their codes)."""
     p = side.payload
     d = side.head_dim
     if side.kind == "turbo":
         return decode_codes(p["idx"], side.bits, d, side.levels.to(dtype))
+    if side.kind == "pcaq":
+        idx = torch.stack([unpack_widths(p["idx"][:, h], side.widths[h]) for h in range(side.widths.shape[0])], 1)
+        lv = side.levels.to(dtype)[None, :, None].expand(*idx.shape, side.levels.shape[-1])
+        return lv.gather(-1, idx[..., None]).squeeze(-1)
     codes_per_row = d if side.kind == "affine-token" else side.group * d
     if side.bits == 8:
         codes = p["q"].to(dtype)
@@ -122,10 +134,13 @@ def packed_scores(q: torch.Tensor, side: PackedSide) -> torch.Tensor:
     """``q`` ``[B, H, Q, D]`` (compute dtype, already scaled) -> scores ``[B, H, Q, N]`` over the packed rows."""
     dt = q.dtype
     rows = dequantize_side(side, dt)
-    if side.kind != "turbo":
+    if side.kind not in TRANSFORMED:
         return q @ rows.transpose(-1, -2)
-    q_rot = q @ side.rotation.to(dt).T
-    s = (q_rot @ rows.transpose(-1, -2)) * side.payload["norm"].to(dt).transpose(-1, -2)
+    if side.kind == "pcaq":
+        s = torch.einsum("bhqd,hjd->bhqj", q, side.rotation.to(dt)) @ rows.transpose(-1, -2)
+    else:
+        q_rot = q @ side.rotation.to(dt).T
+        s = (q_rot @ rows.transpose(-1, -2)) * side.payload["norm"].to(dt).transpose(-1, -2)
     if side.mu is not None:
         s = s + q @ side.mu.to(dt).transpose(-1, -2)
     return s
@@ -135,9 +150,12 @@ def packed_values(p: torch.Tensor, side: PackedSide) -> torch.Tensor:
     """``p`` ``[B, H, Q, N]`` (weights of the packed rows) -> ``sum_n p_n v_n`` ``[B, H, Q, D]``."""
     dt = p.dtype
     rows = dequantize_side(side, dt)
-    if side.kind != "turbo":
+    if side.kind not in TRANSFORMED:
         return p @ rows
-    out = ((p * side.payload["norm"].to(dt).transpose(-1, -2)) @ rows) @ side.rotation.to(dt)
+    if side.kind == "pcaq":
+        out = torch.einsum("bhqj,hjd->bhqd", p @ rows, side.rotation.to(dt))
+    else:
+        out = ((p * side.payload["norm"].to(dt).transpose(-1, -2)) @ rows) @ side.rotation.to(dt)
     if side.mu is not None:
         out = out + p.sum(-1, keepdim=True) * side.mu.to(dt)
     return out
@@ -152,7 +170,7 @@ def packed_attention_partials(
     partials merged); rows with nothing to attend give ``out = 0`` and ``lse = -inf``.
     """
     b, hq, seq, d = q.shape
-    hkv = k.payload["idx" if k.kind == "turbo" else "q"].shape[1]
+    hkv = k.payload["idx" if k.kind in TRANSFORMED else "q"].shape[1]
     g = hq // hkv
     dt = torch.promote_types(q.dtype, torch.float32)
     qk = (q.to(dt) * scale).reshape(b, hkv, g * seq, d)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import secrets
 
 from tqbench.engine import (
+    CheckedPolicy,
     GenerationRequest,
-    Policy,
     PromptTooLongError,
     RequestError,
     Sampling,
@@ -28,7 +28,7 @@ class RequestChecks:
             raise APIError(404, f"model {name!r} is not served here: this server runs {self.model_id!r} "
                            "(see GET /v1/models)", param="model", code="model_not_found")
 
-    def request_policy(self, text: str | None) -> Policy:
+    def request_policy(self, text: str | None) -> CheckedPolicy:
         if text is None:
             return self.policy
         if "/" in text or "\\" in text or text.strip().endswith((".json", ".toml")):

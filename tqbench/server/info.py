@@ -57,6 +57,7 @@ class ServerInfo:
             "status": "ok" if self.worker.alive else "error",
             "model": self.model_id,
             "kv_policy": self.policy.label,
+            "kv_policy_break_even_tokens": self.break_even_tokens,
             "cache_mode": self.cache_mode,
             "cache_mode_reason": self.mode_reason,
             "fused_implementation": self.fused_implementation(),

@@ -82,6 +82,12 @@ class RequestRunner:
             echo_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
         return await self._collect(job, request, chat, stop, seed, waited, detail, top, echo_text, warning)
 
+    def savings_of(self, policy, result):
+        """``Engine.savings`` of the request's policy against fp16 at the length its cache held (None without a
+        cache report): the engine's rule, so a response never shows a saving the bytes do not make."""
+        rep = result.cache_report
+        return None if rep is None else self.engine.savings(policy, "fp16", rep.tokens)
+
     async def _next(self, job: Job, request: Request | None):
         """The job's next event; with ``request``, poll for a client disconnect meanwhile (cancels the job)."""
         if request is None:
@@ -148,7 +154,8 @@ class RequestRunner:
             logprobs = chat_logprobs(generated, self.texts) if chat else completion_logprobs(generated, self.texts, scored)
         text = trimmer.final_text if echo_text is None else echo_text + trimmer.final_text
         body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=text,
-                             result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk, warning),
+                             result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk, warning,
+                                                          self.savings_of(job.policy, result)),
                              logprobs=logprobs)
         return JSONResponse(body, headers=warning_header(warning))
 
@@ -173,7 +180,8 @@ class RequestRunner:
                         yield writer.text(rest)
                     self.last = (writer.id, writer.created, item.result)
                     yield writer.finish(item.result, extension(item.result, seed, waited, detail,
-                                                               self.prefill_chunk, warning))
+                                                               self.prefill_chunk, warning,
+                                                               self.savings_of(job.policy, item.result)))
                 elif isinstance(item, JobFailed):
                     yield writer.error(_engine_error(item.error).body())
             yield writer.done()

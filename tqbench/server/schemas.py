@@ -36,16 +36,22 @@ class ChatContentPart(BaseModel):
 
 
 class ChatMessage(_Strict):
+    """``content`` is required (a missing one is a 422 ``missing_field``, as the docs say; OpenAI refuses it too):
+    tqbench serves no tool calls, so no message may come without its text."""
+
     role: StrictStr
-    content: StrictStr | list[ChatContentPart] | None = None
+    content: StrictStr | list[ChatContentPart]
     name: StrictStr | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, value: Any) -> Any:
         """One clear message for a malformed content (pydantic's union errors would say 'a valid string')."""
-        if value is None or isinstance(value, str):
+        if isinstance(value, str):
             return value
+        if value is None:
+            raise ValueError("content is null: send a string or a list of content parts (tool calls are not "
+                             "served here)")
         if not isinstance(value, list):
             raise ValueError(f"send a string or a list of content parts such as [{TEXT_PART}]")
         for j, part in enumerate(value):
@@ -252,7 +258,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if msg.role == "developer" else msg.role
-        out.append({"role": role, "content": content or ""})
+        out.append({"role": role, "content": content})
     return out
 
 

@@ -34,6 +34,8 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         #: the default policy was fitted on another model (``Engine.policy_warning``): the start-up line, every
         #: response's ``tqbench.policy_warning`` and its ``X-TQBench-Policy-Warning`` header say so
         self.policy_warning = engine.policy_warning(self.policy)
+        #: the length from which the default policy stores fewer bytes than fp16 (None: never within the context)
+        self.break_even_tokens = engine.savings(self.policy, "fp16", 1).break_even_tokens
         if cache_mode == "auto":
             cache_mode, self.mode_reason = auto_mode(engine)
         else:
@@ -50,6 +52,15 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         self.worker = Worker(engine, max_queue, max_batch, kv_budget=kv_budget.bytes)
         self.started = int(time.time())
         self.last: tuple[str, int, object] | None = None  # (response id, created, result) of the last finish
+
+
+    def break_even_line(self) -> str:
+        """The start-up line on the served policy's bytes (``break_even_tokens``)."""
+        even = self.break_even_tokens
+        head = f"kv_policy {self.policy.label} stores fewer bytes than fp16 "
+        if even is None:
+            return head + "at no length within the model's context: it saves nothing"
+        return head + f"from {even} tokens on (shorter requests save nothing: tqbench.savings in each response)"
 
 
 def _device_type(engine) -> str:

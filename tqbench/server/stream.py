@@ -98,9 +98,11 @@ def warning_header(warning: str | None) -> dict[str, str]:
 
 
 def extension(result, seed: int | None, waited: float, detail: str = "summary", prefill_chunk: int = 0,
-              policy_warning: str | None = None) -> dict:
-    """The ``tqbench`` extension field: the request's KV policy, its cache report and timings, and
-    ``policy_warning`` (None, or why the policy may not suit this model: fitted on another one)."""
+              policy_warning: str | None = None, savings=None) -> dict:
+    """The ``tqbench`` extension field: the request's KV policy, its cache report and timings,
+    ``policy_warning`` (None, or why the policy may not suit this model: fitted on another one) and
+    ``savings`` (``engine.cache.savings.Savings`` against fp16 at the length the cache held: whether the policy
+    saved anything, why not, and from which length it would; None without a cache report)."""
     return {
         "kv_policy": result.kv_policy,
         "policy_warning": policy_warning,
@@ -114,6 +116,7 @@ def extension(result, seed: int | None, waited: float, detail: str = "summary", 
         "decode_tokens_per_second": round(result.decode_tokens_per_second, 3),
         "cache_report": cache_report_body(result.cache_report, detail),
         "prefill_chunk": prefill_chunk,  # prompt tokens per prefill forward call (0: the whole prompt in one)
+        "savings": savings.to_dict() if savings is not None else None,
     }
 
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from tqbench.engine.metrics import first_divergence, pair_summary
+from tqbench.engine.metrics import pair_summary
 
 FORMAT = "tqbench-session"
 VERSION = 2
@@ -97,11 +97,23 @@ class RunRecord:
 
     @property
     def first_divergence(self) -> int | None:
-        return first_divergence(self.same_token)
+        """The first step whose tokens differ (a cancelled run: among the steps both sides produced)."""
+        return self.pair_summary().first_divergence
+
+    @property
+    def cancelled_tokens(self) -> tuple[int, int] | None:
+        """(baseline tokens, candidate tokens) when either side was cancelled, else None."""
+        if not any(s.stopped_by == "cancelled" for s in self.sides):
+            return None
+        return (len(self.baseline.token_ids) if self.baseline else 0, len(self.candidate.token_ids))
+
+    def pair_summary(self):
+        """``metrics.pair_summary`` (typed): the numbers ``validate`` reports for the same run."""
+        return pair_summary(self.same_token, self.same_top1, self.kl, self.cancelled_tokens)
 
     def summary(self) -> dict:
         """``metrics.pair_summary``: the numbers ``validate`` reports for the same run (same-context KL)."""
-        return pair_summary(self.same_token, self.same_top1, self.kl).to_dict()
+        return self.pair_summary().to_dict()
 
     def params(self) -> dict:
         """What re-running this record needs."""

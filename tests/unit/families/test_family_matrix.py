@@ -99,7 +99,12 @@ def test_family_cell(family, mode, policy):
     if policy == "fp16":
         assert got == padded_batch(family, None, None), "the padded batch differs from DynamicCache's"
     elif mode != "dense-shadow":
-        assert got == padded_batch(family, "compressed", policy), f"{mode} and compressed disagree on the batch"
+        want = padded_batch(family, "compressed", policy)
+        if padded_batch(family, None, None)[1] == [0] * NEW:
+            # transformers itself gives NaN for this padded row (Gemma-2's float64 eager softmax): every mode reads
+            # garbage there (argmax 0), except fused over compressed sliding windows, which stays finite
+            got, want = got[:1], want[:1]
+        assert got == want, f"{mode} and compressed disagree on the batch"
 
     # bytes: the report equals the config-only estimate, to the byte
     est = estimate_kv(policy, eng.geometry, rep.tokens)

@@ -136,8 +136,8 @@ def test_window_bounded_layers_hold_their_window_and_match_the_estimate(spec, to
 
 def test_sliding_option_in_plans_and_strings():
     types = ["sliding_attention", "full_attention"]
-    auto_mixed = parse_policy("turbo4").plan(2, types)
-    assert auto_mixed[0].dense_window and not auto_mixed[0].sliding
+    auto_mixed = parse_policy("turbo4").plan(2, types)  # auto compresses sliding layers in mixed models too
+    assert auto_mixed[0].sliding and not auto_mixed[0].dense_window and auto_mixed[0].k == "turbo4"
     auto_all = parse_policy("turbo4").plan(2, ["sliding_attention"] * 2)
     assert all(p.sliding and p.k == "turbo4" and p.sink == 0 for p in auto_all)
     dense = parse_policy("turbo4,sliding=dense").plan(2, types)
@@ -157,7 +157,7 @@ def test_falcon_fused_is_refused_before_generation_and_the_engine_stays_usable()
     msg = str(err.value)
     assert msg.startswith("FalconForCausalLM cannot run the fused cache mode: its attention does not go through "
                           "transformers' AttentionInterface")
-    assert "use --cache-mode compressed / simulate / dense-shadow" in msg
+    assert "use cache mode compressed / simulate / dense-shadow" in msg
     assert eng.model.config._attn_implementation == "sdpa"
     assert _gen(eng, None, "compressed").token_ids == before
     assert len(_gen(eng, "turbo4", "compressed").token_ids) == 12

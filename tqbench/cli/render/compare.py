@@ -6,19 +6,25 @@ from __future__ import annotations
 from rich.table import Table
 
 from tqbench.cli.render.console import out
-from tqbench.cli.render.formats import num, pct, verdict_markup
+from tqbench.cli.render.formats import EVIDENCE_HINT, num, pct, verdict_markup
 
 
 # ---- compare-policies -----------------------------------------------------------------------------------
 def _rec_lines(rec: dict) -> list[str]:
     lines = []
+    caveat = rec.get("caveat")
     if rec["status"] == "compressed-policy":
-        lines.append(f"recommended: {rec['recommended_policy']} ({rec['memory_saved_pct']:.1f}% saved, exact-match "
+        word = "recommended on too little evidence" if caveat else "recommended"
+        lines.append(f"{word}: {rec['recommended_policy']} ({rec['memory_saved_pct']:.1f}% saved, exact-match "
                      "on every prompt)")
     else:
-        lines.append(f"recommended: keep {rec['recommended_policy']} (no compressed policy was exact-match); best "
-                     f"risky policy: {rec['best_risky_policy']}")
+        lines.append(f"recommended: keep {rec['recommended_policy']} (no compressed policy was exact-match and "
+                     f"saves memory); best risky policy: {rec['best_risky_policy']}")
     lines.append("unsafe (diverged): " + (", ".join(rec["unsafe_policies"]) or "none"))
+    for s in rec.get("saves_nothing_policies") or ():
+        lines.append(f"saves nothing: {s['policy']}: {s['note']}")
+    if caveat:
+        lines.append(f"caveat: {caveat} ({EVIDENCE_HINT['compare']})")
     if rec.get("note"):
         lines.append(rec["note"])
     return lines

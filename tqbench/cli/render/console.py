@@ -38,3 +38,18 @@ def warn_policies(engine, *policies) -> list[str]:
             err.print(f"[bold yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
             shown.append(warning)
     return shown
+
+
+def check_policies(engine, *policies) -> list:
+    """Each policy checked once against the engine's model (``Engine.check_policy``), its warning printed as
+    ``warn_policies`` does; the ``CheckedPolicy`` objects, which the engine's jobs take without checking again.
+    A refused policy has its warning printed before the refusal propagates."""
+    checked = []
+    for pol in policies:
+        try:
+            checked.append(engine.check_policy(pol))
+        except ValueError:
+            warn_policies(engine, pol)
+            raise
+    warn_policies(engine, *checked)
+    return checked

@@ -5,6 +5,13 @@ from __future__ import annotations
 VERDICT_STYLE = {"exact-match": "green", "near-stable": "yellow", "prefix-stable-then-diverged": "dark_orange",
                  "diverged": "red"}
 
+#: how to get more evidence, in each command's own flags (the engine's caveat names none)
+EVIDENCE_HINT = {
+    "validate": "`tqbench validate --teacher-forced --tf-tokens 128` scores every position; or raise --max-new-tokens",
+    "compare": "`tqbench validate --teacher-forced --tf-tokens 128` scores every position; or add --prompt / raise "
+               "--max-new-tokens",
+}
+
 
 def num(x, fmt: str = ".4f") -> str:
     """``x`` in ``fmt``; '-' for None."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from tqbench.cli.render.console import out
-from tqbench.cli.render.formats import num, pct, verdict_markup
+from tqbench.cli.render.formats import EVIDENCE_HINT, num, pct, verdict_markup
 
 
 # ---- lockstep validation ------------------------------------------------------------------------------
@@ -32,10 +32,15 @@ def print_validation(r) -> None:
               f"{ps['bits_per_element']:.2f} bits/element")
     t.add_row("throughput", f"{num(ps['throughput_ratio'], '.2f')}x baseline decode "
               f"({ps['candidate_decode_tokens_per_second']:.1f} vs {ps['baseline_decode_tokens_per_second']:.1f} tok/s)")
-    t.add_row("recommendation", f"{rec['status']}: {rec['next_step']}")
-    t.add_row("cause hint", rec["cause_hint"])
-    if rec.get("next_policy"):
-        t.add_row("next policy", rec["next_policy"])
+    t.add_row("recommendation", f"{rec.status}: {rec.next_step}"
+              + (" (--cache-mode compressed)" if rec.status == "storage-only" else ""))
+    if rec.savings is not None and not rec.savings.saves:
+        t.add_row("savings", rec.savings.message)
+    if rec.caveat:
+        t.add_row("evidence", f"{rec.caveat} ({EVIDENCE_HINT['validate']})")
+    t.add_row("cause hint", rec.cause_hint)
+    if rec.next_policy:
+        t.add_row("next policy", rec.next_policy)
     out.print(t)
     out.rule("baseline text")
     out.print(r.texts["baseline"], markup=False, highlight=False)
@@ -70,9 +75,15 @@ def validation_md(r) -> str:
         f"| bits per element | {ps['bits_per_element']:.3f} |",
         f"| throughput ratio | {num(ps['throughput_ratio'], '.3f')} |",
         "",
-        f"Recommendation: **{rec['status']}** — {rec['next_step']}. {rec['cause_hint']}."
-        + (f" Next policy to try: `{rec['next_policy']}`." if rec.get("next_policy") else ""),
+        f"Recommendation: **{rec.status}** — {rec.next_step}. {rec.cause_hint}."
+        + (f" Next policy to try: `{rec.next_policy}`." if rec.next_policy else ""),
         "",
+    ]
+    if rec.savings is not None and not rec.savings.saves:
+        lines += [f"Savings: {rec.savings.message}.", ""]
+    if rec.caveat:
+        lines += [f"Evidence: {rec.caveat} ({EVIDENCE_HINT['validate']}).", ""]
+    lines += [
         "## Baseline text", "", r.texts["baseline"], "", "## Candidate text", "", r.texts["candidate"], "",
     ]
     return "\n".join(lines)

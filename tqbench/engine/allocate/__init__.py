@@ -5,37 +5,55 @@ layer skipping), ``sensitivity.py`` (one-unit chunk KL per layer or KV head, rol
 (exact-bytes multiple-choice knapsack), ``exchange.py`` (protection options and exchange steps scored by the joint
 measured KL), ``verify.py`` (teacher-forced frontier points on held-out text) and ``job.py`` (``allocate_policy``:
 the steps as one cancellable, resumable job). The saved policy it writes lives with
-the policy: ``tqbench.engine.policy`` (``save_policy_artifact``, ``load_policy_artifact``).
+the policy: ``tqbench.engine.policy`` (``save_policy_artifact``, ``load_policy_artifact``). ``budget.py`` holds the
+bounds of a budget (``check_budget``), which front ends check before a model loads: names load lazily, so that
+check does not import transformers.
 """
 
-from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve
-from tqbench.engine.allocate.job import (
-    DEFAULT_CODECS,
-    GRANULARITIES,
-    AllocationReport,
-    allocate_policy,
-    calibration_ids,
-)
-from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity, rank_correlation
-from tqbench.engine.allocate.solver import Allocation, policy_from_choices, solve_allocation
-from tqbench.engine.allocate.verify import FrontierPoint, frontier, frontier_texts
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_CODECS",
-    "GRANULARITIES",
-    "Allocation",
-    "AllocationReport",
-    "ExchangeStep",
-    "JointMeasure",
-    "FrontierPoint",
-    "SensitivityTable",
-    "allocate_policy",
-    "calibration_ids",
-    "frontier",
-    "frontier_texts",
-    "improve",
-    "measure_sensitivity",
-    "policy_from_choices",
-    "rank_correlation",
-    "solve_allocation",
-]
+_JOB = "tqbench.engine.allocate.job"
+_SOLVER = "tqbench.engine.allocate.solver"
+_EXCHANGE = "tqbench.engine.allocate.exchange"
+_SENSITIVITY = "tqbench.engine.allocate.sensitivity"
+
+#: public name -> its module
+_LAZY: dict[str, str] = {
+    "DEFAULT_CODECS": _JOB,
+    "GRANULARITIES": _JOB,
+    "Allocation": _SOLVER,
+    "AllocationReport": _JOB,
+    "ExchangeStep": _EXCHANGE,
+    "JointMeasure": _EXCHANGE,
+    "FrontierPoint": "tqbench.engine.allocate.verify",
+    "SensitivityTable": _SENSITIVITY,
+    "allocate_policy": _JOB,
+    "calibration_ids": _JOB,
+    "check_budget": "tqbench.engine.allocate.budget",
+    "frontier": "tqbench.engine.allocate.verify",
+    "frontier_texts": "tqbench.engine.allocate.verify",
+    "improve": _EXCHANGE,
+    "measure_sensitivity": _SENSITIVITY,
+    "policy_from_choices": _SOLVER,
+    "rank_correlation": _SENSITIVITY,
+    "solve_allocation": _SOLVER,
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    try:  # a submodule (``tqbench.engine.allocate.solver``) not imported yet
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tqbench.engine.allocate.chunk import ChunkRunner, quantized_rows
+from tqbench.engine.allocate.chunk import ChunkRunner
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.allocate.solver import (
     Allocation,
@@ -75,11 +75,7 @@ class JointMeasure:
     def _q(self, policy: Policy, spec: str, role: str, layer: int, head: int | None) -> torch.Tensor:
         key = (policy.sink, policy.recent, policy.to_string(), spec, role, layer, head)
         if key not in self._rows:
-            src = (self.runner.keys if role == "k" else self.runner.values)[layer]
-            if head is None:
-                out = quantized_rows(policy, spec, role, src, layer)
-            else:
-                out = quantized_rows(policy, spec, role, src[:, head:head + 1], layer, (head,))
+            out = self.runner.quantized(policy, spec, role, layer, head)
             if len(self._rows) >= self._max:
                 self._rows.pop(next(iter(self._rows)))
             self._rows[key] = out
@@ -88,9 +84,12 @@ class JointMeasure:
     def __call__(self, choice: dict, policy: Policy) -> float:
         ks, vs = list(self.runner.keys), list(self.runner.values)
         per_head: dict[tuple[int, str], dict[int, str]] = {}
+        sliding: dict[int, dict[tuple[str, int | None], str]] = {}  # a sliding layer: one TQLayer for K and V
         for unit, spec in choice.items():
             layer, role = unit[0], unit[1]
-            if len(unit) == 2:
+            if self.runner.windows[layer] is not None:
+                sliding.setdefault(layer, {})[(role, unit[2] if len(unit) == 3 else None)] = spec
+            elif len(unit) == 2:
                 (ks if role == "k" else vs)[layer] = self._q(policy, spec, role, layer, None)
             else:
                 per_head.setdefault((layer, role), {})[unit[2]] = spec
@@ -100,6 +99,8 @@ class JointMeasure:
             for h, spec in specs.items():
                 rows[:, h:h + 1] = self._q(policy, spec, role, layer, h)
             target[layer] = rows
+        for layer, specs in sliding.items():
+            ks[layer] = vs[layer] = self.runner.cell(policy, layer, specs)[0][layer]
         start = min((u[0] for u in choice), default=0)
         self.count += 1
         return self.runner.kl(ks, vs, start=start)
@@ -193,7 +194,7 @@ def improve(
     ub = unit_bytes(table, pol, geometry, context)
     used = sum(ub[u][c] for u, c in alloc.choice.items())
     # the units may use the bytes the solve used plus what estimate_kv says is still free
-    room = used + max(0, budget_bytes(geometry, budget_bits, context) - alloc.estimate.total_bytes)
+    room = used + max(0, budget_bytes(geometry, budget_bits, context, pol) - alloc.estimate.total_bytes)
     tried: set[frozenset] = {frozenset(alloc.choice.items())}
     while count < max_measurements:
         raise_if_cancelled(cancel, JOB)

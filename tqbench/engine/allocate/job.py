@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
-from tqbench.engine.allocate.texts import MIX, calibration_set, check_unseen
+from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec
@@ -36,6 +37,7 @@ from tqbench.engine.models.fingerprint import model_config_summary
 from tqbench.engine.policy.artifact import PolicyArtifact
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 
 DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4")
 #: calibrated key codecs added to the K choices when the model has a fit (``pcaq``)
@@ -124,14 +126,14 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"partial results file {path!r} is not valid JSON ({exc}): delete it to start over") from None
     if data.get("format") != PARTIAL_FORMAT:
-        raise ValueError(f"{path!r} is not an allocate partial results file: give another --resume path")
+        raise RequestError("partial_path", path, "it is not an allocate partial results file: give another")
     old = data.get("setup", {})
     # cells are keyed by codec and by unit (layer or layer.head): another codec list or granularity reuses them
     free = ("codecs", "k_codecs", "granularity")
     diff = sorted(k for k in set(setup) | set(old) if k not in free and setup.get(k) != old.get(k))
     if diff:
-        raise ValueError(f"partial results file {path!r} was measured with another setup ({', '.join(diff)} "
-                         "differ): delete it, or give another --resume path")
+        raise RequestError("partial_path", path, f"it was measured with another setup ({', '.join(diff)} differ): "
+                                                 "delete it, or give another")
     return {k: float(v) for k, v in data.get("cells", {}).items()}
 
 
@@ -145,8 +147,9 @@ def calibrated_k_choices(engine, base: Policy) -> tuple[list[str], str | None]:
     """The ``pcaq`` key codecs this model can use (its calibrated fit), or [] and the reason."""
     try:
         codec = build_codec(base, CALIBRATED_K[0], "k", 0)
-        codec.shared_items(engine.geometry.head_dim)
         codec.transforms.check_model(engine.loaded.fingerprint, engine.name)
+        codec.transforms.check_geometry(engine.geometry.kv_heads, engine.geometry.head_dim)
+        codec.shared_items(engine.geometry.head_dim)
     except Exception as exc:  # noqa: BLE001 - the reason goes into the report
         return [], f"pcaq key codecs not offered: {str(exc).splitlines()[0]}"
     return list(CALIBRATED_K), None
@@ -190,7 +193,7 @@ def allocate_policy(
                          "(one width per KV head)")
     specs = [canonical_spec(c) for c in codecs]
     if len(set(specs)) != len(specs) or not specs:
-        raise ValueError(f"--codecs {','.join(codecs)!r} is invalid: give distinct codecs, e.g. turbo1,turbo2,turbo4")
+        raise RequestError("codecs", ",".join(codecs), "give distinct codecs, e.g. turbo1,turbo2,turbo4")
     base_pol = parse_policy(base)
     notes: list[str] = []
     if k_codecs is None:
@@ -200,16 +203,19 @@ def allocate_policy(
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
+    check_budget(budget, specs + [c for c in kspecs if c not in specs])
+    check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":
         try:
             canonical_spec("turbo2|turbo4")
         except ValueError:
-            raise ValueError("--granularity head needs per-KV-head codecs (head-list specs like turbo2|turbo4), "
-                             "which this build does not have: use --granularity layer") from None
-    if calib_prefill < 1 or calib_steps < 1:
-        raise ValueError("--calib-prefill and --calib-steps must be at least 1")
+            raise RequestError("granularity", granularity, "it needs per-KV-head codecs (head-list specs like "
+                               "turbo2|turbo4), which this build does not have: use layer") from None
+    for what, value in (("calib_prefill", calib_prefill), ("calib_steps", calib_steps)):
+        if value < 1:
+            raise RequestError(what, value, "use at least 1")
     if max_measurements < 0:
-        raise ValueError("--max-measurements must be 0 or more")
+        raise RequestError("max_measurements", max_measurements, "use 0 or more")
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
     if protections is None:

@@ -9,13 +9,17 @@ K/V). The cell's sensitivity is the mean KL(exact || candidate) of those next-to
 (``metrics.kl_rows``). With one sequence and 64 steps it ranked the 60 (layer, role) cells of SmolLM2 at turbo2 like
 the teacher-forced one-layer run (Spearman 0.94; ``rank_correlation`` below).
 
-Sliding-window layers (transformers' bounded dense window) are not quantized by any policy and get no cells.
+Sliding-window layers: those the policy bypasses (``sliding=bypass``, and ``auto`` in a model that mixes sliding and
+full layers: transformers' own bounded dense window, no tqbench codec) get no cells; their fixed fp16 window is
+counted in the bytes. Those it compresses (``sliding=compress``, and ``auto`` when every layer slides) get cells like
+any layer, read through a real window-bounded ``TQLayer`` whose every chunk query sees what one-token-at-a-time
+decoding would (``ChunkRunner.sliding_candidate``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,7 +30,18 @@ from tqbench.engine.policy.spec import Policy
 JOB = "allocate"
 ROLES = ("k", "v")
 
-__all__ = ["ROLES", "SensitivityTable", "cell_key", "measure_sensitivity", "quantized_rows", "rank_correlation"]
+__all__ = ["ROLES", "SensitivityTable", "allocatable_layers", "cell_key", "measure_sensitivity", "quantized_rows",
+           "rank_correlation"]
+
+
+def allocatable_layers(policy: Policy, geometry) -> list[int]:
+    """The layers whose codecs an allocation under ``policy`` chooses: every layer but the sliding-window layers it
+    bypasses (transformers' bounded dense window: no tqbench codec) and those its layer plan keeps fp16 whatever
+    the codecs (``sliding=dense``; full-attention layers under ``bypass=global``). Choices offered for those would
+    be overridden by the plan and their bytes miscounted."""
+    probe = replace(policy, k="turbo4", v="turbo4", protect="", overrides=())  # lossy everywhere the plan allows
+    plans = probe.plan(geometry.num_layers, list(geometry.layer_types) if geometry.layer_types else None)
+    return [p.layer for p in plans if p.compressed]
 
 
 def cell_key(layer: int, role: str, codec: str, head: int | None = None) -> str:
@@ -106,10 +121,10 @@ def measure_sensitivity(
         raise ValueError(f"granularity {granularity!r} is invalid: layer or head")
     known = dict(known or {})
     geo = engine.geometry
-    plans = policy.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None)
-    layers = [p.layer for p in plans if not p.dense_window]
+    layers = allocatable_layers(policy, geo)
     if not layers:
-        raise ValueError(f"{engine.name} has only sliding-window layers: there is nothing to allocate")
+        raise ValueError(f"{engine.name}: policy {policy.to_string()!r} keeps every layer dense (sliding-window "
+                         "layers bypassed or dense): there is nothing to allocate; use sliding=compress")
     role_codecs = {"k": list(k_codecs or codecs), "v": list(codecs)}
     allc = list(dict.fromkeys(role_codecs["k"] + role_codecs["v"]))
     heads = list(range(geo.kv_heads)) if granularity == "head" else None
@@ -127,14 +142,7 @@ def measure_sensitivity(
         key = cell_key(layer, role, spec, head)
         resumed = key in known
         if not resumed:
-            ks, vs = list(runner.keys), list(runner.values)
-            target = ks if role == "k" else vs
-            if head is None:
-                target[layer] = quantized_rows(policy, spec, role, target[layer], layer)
-            else:
-                rows = target[layer].clone()
-                rows[:, head:head + 1] = quantized_rows(policy, spec, role, rows[:, head:head + 1], layer, (head,))
-                target[layer] = rows
+            ks, vs = runner.cell(policy, layer, {(role, head): spec})
             kl = runner.kl(ks, vs, start=layer)
             known[key] = kl
             if on_cell is not None:

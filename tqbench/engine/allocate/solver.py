@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import build_codec
-from tqbench.engine.allocate.sensitivity import SensitivityTable
+from tqbench.engine.allocate.sensitivity import SensitivityTable, allocatable_layers
 from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
-from tqbench.engine.cache.geometry import KVGeometry
-from tqbench.engine.cache.store import FP_BYTES
-from tqbench.engine.codecs.base import bits_per_element
+from tqbench.engine.cache.geometry import FP_BYTES, KVGeometry
+from tqbench.engine.cache.store import window_start
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
 from tqbench.engine.policy.spec import Policy
 
@@ -110,23 +110,36 @@ def choice_policy(choice: dict, base: Policy, geometry: KVGeometry, name: str | 
 def unit_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> dict[tuple, dict[str, int]]:
     """Exact bytes of every unit's choices at ``context`` tokens (a calibrated codec's basis and tables for the
     heads the unit serves included)."""
+    return {u: {c: b for c, (b, _) in row.items()} for u, row in _unit_stores(table, base, g, context).items()}
+
+
+def _unit_stores(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> dict:
+    """``unit_bytes`` with the packed token count: unit -> spec -> (bytes, packed tokens)."""
+    plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     out: dict[tuple, dict[str, int]] = {}
     for unit in table.units():
         layer, role = unit[0], unit[1]
         heads = (unit[2],) if len(unit) == 3 else None
         n = 1 if heads else g.kv_heads
+        plan = plans[layer]
+        dim = g.head_dim if role == "k" else g.v_dim  # (MLA caches: K and V rows of different widths)
         row = {}
         for spec in table.choices(role):
             codec = build_codec(base, spec, role, layer, heads)
-            nbytes, _ = store_bytes(codec, base.sink, base.recent, context, 1, n, g.head_dim)
+            if plan.sliding and g.sliding_window:  # a window-bounded store (aligned to this codec's units alone:
+                # the layer's K/V alignment, and so its bytes, can differ by a unit; estimate_kv checks the sum)
+                held = context - window_start(context, g.sliding_window - 1, codec.tokens_per_unit)
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, 1, n, dim)
+            else:
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, context, 1, n, dim)
             if is_calibrated_spec(spec):  # its basis and tables for the heads it serves
-                nbytes += sum(codec.shared_items(g.head_dim).values())
-            row[spec] = nbytes
+                nbytes += sum(codec.shared_items(dim).values())
+            row[spec] = (nbytes, packed)
         out[unit] = row
     return out
 
 
-def _shared(policy: Policy, specs: set[tuple[str, str]], head_dim: int) -> int:
+def _shared(policy: Policy, specs: set[tuple[str, str]], g: KVGeometry) -> int:
     """Bytes of the objects every layer shares (rotations, codebooks) for these (role, spec) choices."""
     items: dict[str, int] = {}
     for role, spec in specs:
@@ -134,7 +147,7 @@ def _shared(policy: Policy, specs: set[tuple[str, str]], head_dim: int) -> int:
             continue
         codec = policy.build_codec(spec, role)
         if not codec.lossless:
-            items.update(codec.shared_items(head_dim))
+            items.update(codec.shared_items(g.head_dim if role == "k" else g.v_dim))
     return sum(items.values())
 
 
@@ -168,8 +181,25 @@ def _solve_dp(costs: list[list[int]], kls: list[list[float]], budget: int) -> li
     return out[::-1]
 
 
-def budget_bytes(g: KVGeometry, budget_bits: float, context: int) -> int:
-    return int(budget_bits * 2 * g.kv_heads * context * g.head_dim * g.num_layers / 8)
+def dense_elements(g: KVGeometry, context: int, base: Policy | None = None) -> int:
+    """The K/V elements an fp16 cache holds at ``context`` tokens under ``base``'s layer plan (``estimate_kv``'s
+    basis: a sliding-window layer holds its window, ``window - 1`` rows, whether bypassed or compressed)."""
+    pol = replace(base or Policy(), k="fp16", v="fp16", protect="", overrides=())  # the basis needs no codec
+    return estimate_kv(pol, g, context).dense_fp16_bytes // FP_BYTES
+
+
+def budget_bytes(g: KVGeometry, budget_bits: float, context: int, base: Policy | None = None) -> int:
+    """The most bytes a cache may hold at ``context`` tokens for ``budget_bits`` per element (exactly
+    ``estimate_kv``'s bits per element: over the elements an fp16 cache would hold, ``dense_elements``)."""
+    return int(budget_bits * dense_elements(g, context, base) / 8)
+
+
+def fixed_bytes(table: SensitivityTable, base: Policy, g: KVGeometry, context: int) -> int:
+    """Bytes of the layers the table offers no choice for (sliding-window layers ``base`` bypasses or keeps
+    dense): what they hold in every allocation (fp16, as ``layer_specs`` leaves them)."""
+    est = estimate_kv(choice_policy({}, base, g), g, context)
+    offered = set(table.layers)
+    return sum(b for layer, b in enumerate(est.layer_bytes) if layer not in offered)
 
 
 def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits: float, context: int,
@@ -180,19 +210,19 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     lowest reachable budget)."""
     if context < 1:
         raise ValueError(f"context={context} is invalid: state the context length in tokens (>= 1)")
-    if budget_bits <= 0:
-        raise ValueError(f"budget {budget_bits} bits/element is invalid: give a positive number like 3.0")
+    check_budget(budget_bits)
     g = geometry
-    plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
-    dense_elems = 2 * g.kv_heads * context * g.head_dim * g.num_layers
-    fixed = 0  # sliding-window layers' dense windows
-    for p in plans:
-        if p.dense_window:
-            held = min(context, (g.sliding_window - 1) if g.sliding_window else context)
-            fixed += 2 * g.kv_heads * held * g.head_dim * FP_BYTES
-    total_budget = budget_bytes(g, budget_bits, context)
+    dense = sorted(set(table.layers) - set(allocatable_layers(base, g)))
+    if dense:
+        raise ValueError(f"the sensitivity table offers choices for layers {dense}, which {base.to_string()!r} keeps "
+                         "dense (sliding-window layers bypassed or dense): measure the table under the same base")
+    fixed = fixed_bytes(table, base, g, context)  # sliding-window layers' windows the table offers no choice for
+    total_budget = budget_bytes(g, budget_bits, context, base)
     items = table.units()
-    ub = unit_bytes(table, base, g, context)
+    stores = _unit_stores(table, base, g, context)
+    ub = {u: {c: b for c, (b, _) in row.items()} for u, row in stores.items()}
+    # a codec's shared objects count only where it packs rows (a window the recent rows cover packs none)
+    packing = {(u[1], c) for u, row in stores.items() for c, (_, packed) in row.items() if packed}
     specs = [table.choices(u[1]) for u in items]
     exact = [[ub[u][c] for c in cs] for u, cs in zip(items, specs)]
     kls = [[table.kl[u][c] for c in cs] for u, cs in zip(items, specs)]
@@ -205,7 +235,7 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
     while frozenset(reserve_specs) not in tried:
         tried.add(frozenset(reserve_specs))
         for _ in range(6):
-            room = total_budget - fixed - _shared(base, reserve_specs, g.head_dim) - slack
+            room = total_budget - fixed - _shared(base, reserve_specs & packing, g) - slack
             picks = _solve_dp(costs, kls, room // quantum) if room >= 0 else None
             if picks is None:
                 break
@@ -226,15 +256,37 @@ def solve_allocation(table: SensitivityTable, geometry: KVGeometry, budget_bits:
             best = Allocation(pol, tuple(k), tuple(v), pred, budget_bits, est, choice)
         reserve_specs = {(u[1], cs[j]) for u, cs, j in zip(items, specs, picks)}
     if best is None:
-        cheapest = [min(range(len(row)), key=row.__getitem__) for row in exact]
-        shared = _shared(base, {(u[1], cs[j]) for u, cs, j in zip(items, specs, cheapest)}, g.head_dim)
-        floor = bits_per_element(sum(row[j] for row, j in zip(exact, cheapest)) + fixed + shared, dense_elems)
+        cheapest = {u: cs[min(range(len(row)), key=row.__getitem__)] for u, cs, row in zip(items, specs, exact)}
+        floor = estimate_kv(choice_policy(cheapest, base, g), g, context).bits_per_element
         raise ValueError(
             f"budget {budget_bits} bits/element does not fit at {context} tokens: the cheapest choice of "
             f"{', '.join(table.codecs)} with sink={base.sink}, recent={base.recent} needs about {floor:.3f} "
-            "bits/element; raise --budget, add a cheaper codec or shrink --sink/--recent"
+            f"bits/element{_sliding_hint(base, g, table.layers, context)}; raise the budget, add a cheaper codec or "
+            "shrink the sink / recent window"
         )
     return best
+
+
+def _sliding_hint(base: Policy, g: KVGeometry, layers: list[int], context: int) -> str:
+    """Why a model with sliding-window layers may not reach a budget (empty when it has none): the layers kept
+    dense without a choice (bypassed windows) and their share of the fp16 basis; compressed windows' rows."""
+    plans = base.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
+    if not g.sliding_window:
+        return ""
+    held = g.sliding_window - 1
+    parts = []
+    fixed = [p.layer for p in plans if p.layer not in layers]
+    if fixed:
+        est = estimate_kv(choice_policy({}, base, g), g, context)
+        share = sum(est.layer_bytes[i] for i in fixed) / est.dense_fp16_bytes
+        parts.append(f"{len(fixed)} layers keep fp16 without a choice (sliding-window layers bypassed or dense: "
+                     f"{share:.0%} of the fp16 cache, at 16 bits; a base policy with sliding=compress offers them codecs)")
+    sliding = [layer for layer in layers if plans[layer].sliding]
+    if sliding:
+        covered = f", all of which recent={base.recent} keeps fp16" if base.recent >= held else ""
+        parts.append(f"{len(sliding)} of its layers are sliding windows holding {held} rows{covered}; bits/element "
+                     "count against those rows, shared rotations and codebooks included")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def allocation_of(choice: dict, table: SensitivityTable, geometry: KVGeometry, budget_bits: float, context: int,
@@ -243,7 +295,7 @@ def allocation_of(choice: dict, table: SensitivityTable, geometry: KVGeometry, b
     (``estimate_kv``) are over the budget."""
     pol = choice_policy(choice, base, geometry, name)
     est = estimate_kv(pol, geometry, context)
-    if est.total_bytes > budget_bytes(geometry, budget_bits, context) or est.bits_per_element > budget_bits + 1e-12:
+    if est.total_bytes > budget_bytes(geometry, budget_bits, context, base) or est.bits_per_element > budget_bits + 1e-12:
         return None
     k, v = layer_specs(choice, geometry.num_layers, geometry.kv_heads)
     pred = sum(table.kl[u][c] for u, c in choice.items())

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tqbench.constants import CORPUS_DIR, PACKAGE_DATA_DIR
+from tqbench.engine.request import RequestError
 
 CALIBRATION_DIR = PACKAGE_DATA_DIR / "calibration"
 HELDOUT_DIR = PACKAGE_DATA_DIR / "heldout"
@@ -72,8 +73,8 @@ def calibration_set(tokenizer, calibration: str, prefill: int, steps: int) -> Ca
         toks = [_tokens(tokenizer, p) for p in paths]
         short = [k for k, t in zip(MIX_KINDS, toks) if t.shape[0] < steps]
         if short:
-            raise ValueError(f"calibration kinds {', '.join(short)} have fewer than --calib-steps {steps} tokens: "
-                             "lower --calib-steps")
+            raise RequestError("calib_steps", steps, f"calibration kinds {', '.join(short)} have fewer tokens: "
+                                                     "use fewer steps")
         rows = []
         for i in range(len(MIX_KINDS)):
             order = [toks[(i + 1 + j) % len(toks)] for j in range(len(toks))]  # ends in kind i
@@ -87,7 +88,7 @@ def calibration_set(tokenizer, calibration: str, prefill: int, steps: int) -> Ca
     ids = _tokens(tokenizer, path)
     if ids.shape[0] < n:
         raise ValueError(f"calibration {label} has {ids.shape[0]} tokens, fewer than the {n} needed "
-                         "(prefill + steps): give a longer text or lower --calib-prefill / --calib-steps")
+                         "(prefill + steps): give a longer text or lower calib_prefill / calib_steps")
     return CalibrationSet(ids[None, :n], prefill, label, (path,))
 
 
@@ -102,6 +103,14 @@ def resolve_texts(name: str) -> tuple[list[Path], str]:
     return [p for p, _ in found], (f"{kind}{sep}" if sep else "corpus:") + "+".join(stems.split("+"))
 
 
+def check_text_names(calibration: str, *texts: str | None) -> None:
+    """Every text name resolves (``MIX`` or ``resolve_texts`` names; None skips): checked before any work, so a
+    typo is refused before a model loads rather than after."""
+    for name in (None if calibration == MIX else calibration, *texts):
+        if name is not None:
+            resolve_texts(name)
+
+
 def text_ids(tokenizer, name: str, n: int) -> tuple[torch.Tensor, str]:
     """The first ``n`` token ids ``[1, n]`` of a text (``resolve_texts`` names) and its label."""
     paths, label = resolve_texts(name)
@@ -114,13 +123,13 @@ def text_ids(tokenizer, name: str, n: int) -> tuple[torch.Tensor, str]:
 def check_unseen(calibration: CalibrationSet, verify: list[str | None]) -> None:
     """Refuse a verification text that the allocator chooses on, or the same text verified twice."""
     seen: dict[Path, str] = {p: f"calibration ({calibration.label})" for p in calibration.paths}
-    for name, flag in zip(verify, ("--verify-text", "--unseen-text")):
+    for name, field in zip(verify, ("verify_text", "unseen_text")):
         if name is None:
             continue
         paths, label = resolve_texts(name)
         for path in paths:
             if path in seen:
-                raise ValueError(f"{flag} {label} is also used for {seen[path]}: no text used for choosing (or "
-                                 f"already verified on) may be used for verifying; give another {flag}")
+                raise RequestError(field, label, f"it is also used for {seen[path]}: no text used for choosing (or "
+                                                 "already verified on) may be used for verifying; give another")
         for path in paths:
-            seen[path] = f"verification ({flag} {label})"
+            seen[path] = f"verification ({field} {label})"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.cache.geometry import dense_fp16_bytes
 from tqbench.engine.cache.tqcache import TQLayer
 from tqbench.engine.policy.spec import LayerPlan, Policy
 
@@ -118,7 +118,7 @@ class CompressedDynamicCache:
         plus rotations and codebooks once."""
         packed = sum(sum(store.bytes_breakdown().values())
                      for layer in self._layers.values() for store in (layer.k_store, layer.v_store))
-        dense = sum(rows * self.head_dim * FP_BYTES * 2 for rows in self._dense_rows.values())
+        dense = dense_fp16_bytes(sum(self._dense_rows.values()), self.head_dim)
         shared = {}
         if self._layers:
             for c in (self.k_codec, self.v_codec):
@@ -132,7 +132,7 @@ class CompressedDynamicCache:
             norm = layer.k_store.packed.get("norm")
             rows += norm.n * norm.data.shape[0] * norm.data.shape[1] if norm is not None and norm.data is not None else 0
         rows += sum(self._dense_rows.values())
-        return rows * self.head_dim * FP_BYTES * 2
+        return dense_fp16_bytes(rows, self.head_dim)
 
     def compression_stats(self) -> dict:
         comp, base = self.vram_bytes(), self.baseline_vram_bytes()

@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry
+from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_bytes
 from tqbench.engine.cache.report import bits_vs_fp16
-from tqbench.engine.cache.store import FP_BYTES, window_start
+from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 
 __all__ = [
     "KVEstimate",
@@ -31,6 +32,7 @@ __all__ = [
     "longest_context",
     "parse_bytes",
     "store_bytes",
+    "store_parts",
 ]
 
 
@@ -43,6 +45,10 @@ class KVEstimate:
     dense_fp16_bytes: int
     shared_bytes: int
     layer_bytes: list[int] = field(default_factory=list)
+    #: of ``total_bytes``: per-layer codec state (key centering means, calibrated scales ...), counted per layer
+    state_bytes: int = 0
+    #: of ``total_bytes``: rows kept at 16 bits (sinks, the recent window, unfilled units, dense/bypassed layers)
+    full_precision_bytes: int = 0
 
     @property
     def bits_per_element(self) -> float:
@@ -66,20 +72,41 @@ def _state_bytes(codec, batch: int, heads: int, head_dim: int) -> int:
     return codec.state_bytes(codec.calibrate(probe))
 
 
-def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> tuple[int, int]:
-    """(bytes, packed_tokens) of one K or V store holding ``tokens`` rows."""
+@dataclass(frozen=True)
+class StoreBytes:
+    """The bytes of one K or V store: rows kept at 16 bits, packed units, per-layer codec state."""
+
+    full_precision: int
+    packed: int
+    state: int
+    packed_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.full_precision + self.packed + self.state
+
+
+def store_parts(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> StoreBytes:
+    """``StoreBytes`` of one K or V store holding ``tokens`` rows (the rules of ``store.KVStore``)."""
     rows = batch * heads
     if codec.lossless:
-        return tokens * batch * codec.units_bytes(head_dim, heads), 0
+        return StoreBytes(tokens * batch * codec.units_bytes(head_dim, heads), 0, 0, 0)
     head = min(sink, tokens)
     rest = tokens - head
     tpu = codec.tokens_per_unit
     packed = max(0, (rest - recent) // tpu) * tpu
-    fp = (tokens - packed) * rows * head_dim * FP_BYTES
+    fp = fp16_row_bytes((tokens - packed) * rows, head_dim)
     if not packed:
-        return fp, 0
+        return StoreBytes(fp, 0, 0, 0)
     units = packed // tpu
-    return fp + units * batch * codec.units_bytes(head_dim, heads) + _state_bytes(codec, batch, heads, head_dim), packed
+    return StoreBytes(fp, units * batch * codec.units_bytes(head_dim, heads),
+                      _state_bytes(codec, batch, heads, head_dim), packed)
+
+
+def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> tuple[int, int]:
+    """(bytes, packed_tokens) of one K or V store holding ``tokens`` rows."""
+    parts = store_parts(codec, sink, recent, tokens, batch, heads, head_dim)
+    return parts.total, parts.packed_tokens
 
 
 def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1) -> KVEstimate:
@@ -90,32 +117,34 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
     plans = pol.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     shared: dict[str, int] = {}
     per_layer = []
-    dense_total = 0
+    dense_total = state_total = fp_total = 0
     for plan in plans:
         if plan.dense_window:
-            # transformers' DynamicSlidingWindowLayer keeps the last window - 1 tokens between calls
-            held = min(seq_len, (g.sliding_window - 1) if g.sliding_window else seq_len)
-            dense = batch * g.kv_heads * held * g.row_dims * FP_BYTES
+            held = g.window_held(seq_len)  # transformers' DynamicSlidingWindowLayer
+            dense = g.dense_fp16_bytes(held, batch)
             per_layer.append(dense)
             dense_total += dense
+            fp_total += dense
             continue
         total = 0
         codecs = list(zip(pol.layer_codecs(plan, g.kv_heads), (plan.k, plan.v)))
         held, fp16_held = seq_len, seq_len
         if plan.sliding and g.sliding_window:  # a window-bounded store (store.window_start)
-            keep = g.sliding_window - 1
             align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
-            held = seq_len - window_start(seq_len, keep, align)
-            fp16_held = min(seq_len, keep)
+            held = seq_len - window_start(seq_len, g.window_rows, align)
+            fp16_held = g.window_held(seq_len)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
-            nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
-            total += nbytes
-            if packed:
+            parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
+            total += parts.total
+            state_total += parts.state
+            fp_total += parts.full_precision
+            if parts.packed_tokens:
                 shared.update(codec.shared_items(dim))
         per_layer.append(total)
-        dense_total += batch * g.kv_heads * fp16_held * g.row_dims * FP_BYTES
+        dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())
-    return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer)
+    return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer, state_total,
+                      fp_total)
 
 
 def longest_context(policy, geometry: KVGeometry, budget_bytes: int, batch: int = 1,
@@ -191,11 +220,11 @@ class KVEstimateReport:
 def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
                 memory_budget_bytes: int | None = None) -> KVEstimateReport:
     if seq_len < 1:
-        raise ValueError(f"--seq-len {seq_len} is invalid: use at least 1 token")
+        raise RequestError("seq_len", seq_len, "use at least 1 token")
     if batch < 1:
-        raise ValueError(f"--batch {batch} is invalid: use at least 1")
+        raise RequestError("batch", batch, "use at least 1")
     if not policies:
-        raise ValueError("no policy given: use --kv-policy fp16,turbo4")
+        raise RequestError("policies", list(policies), "give at least one policy, e.g. fp16,turbo4")
     rep = KVEstimateReport(model, seq_len, batch, memory_budget_bytes)
     for text in policies:
         pol = parse_policy(text)

@@ -16,8 +16,10 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from tqbench.constants import MODELS_DATA_DIR
+from tqbench.engine.request import RequestError
 
 MODELS_DIR = MODELS_DATA_DIR
 ALIASES = {"default": "SmolLM2-135M", "smollm2-135m-instruct": "SmolLM2-135M",
@@ -61,7 +63,7 @@ def check_supported(config) -> None:
     if why:
         raise UnsupportedModelError(
             f"{model_label(config)} cannot use the compressed cache in any mode: {why}; run it with the plain "
-            "fp16 DynamicCache baseline (no --kv-policy)"
+            "fp16 DynamicCache baseline (no KV policy)"
         )
 
 
@@ -73,6 +75,28 @@ def falcon_cache_heads(cfg) -> int:
     if cfg.new_decoder_architecture or not cfg.multi_query:
         return cfg.num_attention_heads
     return 1
+
+
+#: full-precision rows (sinks, recent window, partial blocks, the fp16 baseline) are counted as fp16, the deployment
+#: dtype
+FP_BYTES = 2
+
+
+def fp16_row_bytes(rows: int, width: int) -> int:
+    """Bytes of ``rows`` rows of ``width`` elements held in fp16 (one role: K or V)."""
+    return rows * width * FP_BYTES
+
+
+def dense_fp16_bytes(rows: int, head_dim: int, v_head_dim: int | None = None) -> int:
+    """What an fp16 cache holds for ``rows`` (batch x KV heads x tokens) K rows ``head_dim`` wide plus as many V
+    rows ``v_head_dim`` wide (None: as wide as K). The one definition of the dense fp16 baseline."""
+    return fp16_row_bytes(rows, head_dim) + fp16_row_bytes(rows, v_head_dim or head_dim)
+
+
+def window_rows(sliding_window: int | None) -> int | None:
+    """The rows a sliding-window layer keeps between calls: the last ``sliding_window - 1`` (as transformers'
+    ``DynamicSlidingWindowLayer`` keeps them); None without a window. The one definition of that rule."""
+    return sliding_window - 1 if sliding_window else None
 
 
 @dataclass(frozen=True)
@@ -90,8 +114,21 @@ class KVGeometry:
 
     @property
     def row_dims(self) -> int:
-        """K width + V width: the fp16 bytes of one token of one KV head are 2 * row_dims."""
+        """K width + V width: the elements of one token of one KV head."""
         return self.head_dim + self.v_dim
+
+    @property
+    def window_rows(self) -> int | None:
+        """The rows a sliding layer of this model keeps between calls (``window_rows``)."""
+        return window_rows(self.sliding_window)
+
+    def window_held(self, tokens: int) -> int:
+        """Of ``tokens`` seen, the rows a sliding layer holds between calls (all of them without a window)."""
+        return tokens if self.window_rows is None else min(tokens, self.window_rows)
+
+    def dense_fp16_bytes(self, tokens: int, batch: int = 1) -> int:
+        """What an fp16 cache holds for ``tokens`` tokens of one layer (``dense_fp16_bytes``)."""
+        return dense_fp16_bytes(batch * self.kv_heads * tokens, self.head_dim, self.v_dim)
 
     @classmethod
     def from_config(cls, config) -> KVGeometry:
@@ -173,7 +210,7 @@ def model_geometry(model: str) -> ModelGeometry:
     if key.lower() not in by_lower:
         raise ValueError(f"unknown model {model!r} for kv-estimate: shipped configs are "
                          f"{', '.join(shipped_models())}; or give a config.json, a model folder, or "
-                         "--layers --kv-heads --head-dim")
+                         "an explicit geometry (layers, kv_heads, head_dim)")
     name = by_lower[key.lower()]
     data = json.loads((MODELS_DIR / f"{name}.json").read_text(encoding="utf-8"))
     return _from_config_dict(name, data, f"shipped config {name}.json")
@@ -181,13 +218,18 @@ def model_geometry(model: str) -> ModelGeometry:
 
 @functools.lru_cache(maxsize=1)
 def default_geometry() -> KVGeometry:
-    """The default model's geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), from its shipped config."""
-    return model_geometry("default").geometry
+    """The default model's geometry (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64), from its shipped config.
+
+    Read from the JSON's fields as they are (a plain llama config: no sliding window, no layer types, head_dim =
+    hidden_size / heads), without transformers' ``AutoConfig``, so the preset table needs no transformers import;
+    a test holds it equal to ``model_geometry("default")``."""
+    data = json.loads((MODELS_DIR / f"{ALIASES['default']}.json").read_text(encoding="utf-8"))
+    return KVGeometry.from_config(SimpleNamespace(**{k: v for k, v in data.items() if not k.startswith("_")}))
 
 
 def explicit_geometry(layers: int, kv_heads: int, head_dim: int) -> ModelGeometry:
-    for what, val in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim)):
+    for what, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         if val is None or val < 1:
-            raise ValueError(f"{what} {val} is invalid: give a whole number >= 1")
+            raise RequestError(what, val, "give a whole number >= 1")
     return ModelGeometry("explicit geometry",
                          KVGeometry(layers, kv_heads, head_dim), None, "explicit")

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tqbench.constants import CACHE_MODES
+from tqbench.engine.cache.geometry import window_rows
 from tqbench.engine.cache.handles import FusedKV, PrecisionKV, snapshot
 from tqbench.engine.cache.precision import plan_precision, quantized_rows, rows_in_parts, set_rows
 from tqbench.engine.cache.store import KVStore
@@ -58,7 +59,7 @@ class TQLayer(CacheLayerMixin):
         self.k_codec, self.v_codec = policy.layer_codecs(plan, kv_heads)
         # a sliding-window layer: attention reads the last window - 1 stored rows (as transformers'
         # DynamicSlidingWindowLayer keeps them), the stores hold at most a codec unit more
-        self.window = sliding_window - 1 if (plan.sliding and sliding_window) else None
+        self.window = window_rows(sliding_window) if plan.sliding else None
         self.is_sliding = self.window is not None
         self.align = math.lcm(self.k_codec.tokens_per_unit, self.v_codec.tokens_per_unit)
         self.cumulative_length = 0

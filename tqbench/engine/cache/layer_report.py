@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from tqbench.engine.cache.fused.groups import GroupStore
+from tqbench.engine.cache.geometry import dense_fp16_bytes, fp16_row_bytes, window_rows
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
-from tqbench.engine.cache.store import FP_BYTES
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, HeadSplitCodec, TurboCodec
 from tqbench.engine.policy.spec import Policy
 
@@ -39,15 +39,15 @@ def build_report(cache) -> CacheReport:
                 full_precision_bytes=kb["full_precision"] + vb["full_precision"],
                 packed_bytes=kb["packed"] + vb["packed"], state_bytes=kb["state"] + vb["state"],
                 k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
-                dense_fp16_bytes=batch * kv_heads * fp16_tokens * (head_dim + v_head_dim) * FP_BYTES,
+                dense_fp16_bytes=dense_fp16_bytes(batch * kv_heads * fp16_tokens, head_dim, v_head_dim),
                 reason=plan.reason,
             ))
             max_layer_dense = max(max_layer_dense, rows[-1].dense_fp16_bytes)
         else:  # transformers' sliding window layer: dense, bounded
             held = layer.keys.shape[2] if layer.is_initialized and layer.keys.dim() == 4 else 0
             b = layer.keys.shape[0] if held else 0
-            k_dense = b * kv_heads * held * head_dim * FP_BYTES
-            v_dense = b * kv_heads * held * v_head_dim * FP_BYTES
+            k_dense = fp16_row_bytes(b * kv_heads * held, head_dim)
+            v_dense = fp16_row_bytes(b * kv_heads * held, v_head_dim)
             dense = k_dense + v_dense
             rows.append(LayerBytes(
                 layer=plan.layer, k_codec="fp16", v_codec="fp16", tokens=held, k_bytes=k_dense,
@@ -88,7 +88,7 @@ def build_report(cache) -> CacheReport:
     rep.notes.extend(slow)  # the append path's fast path did not run: say so, and why
     if windowed:
         rep.notes.append(
-            f"{len(windowed)} sliding-window layers hold only their window ({cache.sliding_window - 1} tokens, "
+            f"{len(windowed)} sliding-window layers hold only their window ({window_rows(cache.sliding_window)} tokens, "
             f"plus up to one codec unit): their bytes and tokens stay bounded at any context"
         )
     verify = sum(la.verify_calls for la in layers)

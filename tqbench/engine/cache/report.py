@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tqbench.constants import FUSED_KERNELS, FUSED_NATIVE
-from tqbench.engine.cache.store import FP_BYTES
+from tqbench.engine.cache.geometry import FP_BYTES
 from tqbench.engine.codecs.base import bits_per_element
 
 

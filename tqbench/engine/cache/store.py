@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tqbench.engine.cache.buffer import GrowBuffer
+from tqbench.engine.cache.geometry import FP_BYTES, fp16_row_bytes
 from tqbench.engine.codecs.base import Codec
 
 __all__ = ["FP_BYTES", "GrowBuffer", "KVStore", "window_start"]
-
-#: full-precision rows (sinks, recent window, partial blocks) are counted as fp16, the deployment dtype
-FP_BYTES = 2
 
 _STATE_VERSIONS = itertools.count(1)  # a calibration's identity (``id()`` of a freed dict can come back)
 
@@ -280,7 +278,7 @@ class KVStore:
         fp = 0
         for buf in (self.head, self.tail):
             if buf.data is not None:
-                fp += buf.data[:, :, :1].numel() * FP_BYTES * buf.n
+                fp += fp16_row_bytes(buf.data.shape[0] * buf.data.shape[1] * buf.n, buf.data.shape[3])
         packed = self.codec.packed_nbytes(self.packed)
         state = self.codec.state_bytes(self.state) if self.state else 0
         return {"full_precision": fp, "packed": packed, "state": state}

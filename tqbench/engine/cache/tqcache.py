@@ -28,6 +28,7 @@ from tqbench.engine.cache.layer import TQLayer, check_mode
 from tqbench.engine.cache.layer_report import build_report
 from tqbench.engine.cache.report import CacheReport
 from tqbench.engine.policy.artifact import artifact_warning_for
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 
@@ -40,15 +41,19 @@ class TQCache(Cache):
     Pass it as ``cache=`` to ``model(...)`` or ``model.generate(...)``; read ``report()`` afterwards.
     """
 
-    def __init__(self, policy: Policy | str, config, mode: str = "compressed") -> None:
+    def __init__(self, policy: Policy | str | CheckedPolicy, config, mode: str = "compressed") -> None:
         self.policy = parse_policy(policy)
         self.mode = check_mode(mode)
         check_supported(config)
         geo = KVGeometry.from_config(config)
-        #: set when ``policy`` is a saved artifact fitted on a model of another KV geometry (also warned)
-        self.policy_warning = artifact_warning_for(policy, geometry=geo)
-        if self.policy_warning:
-            warnings.warn(self.policy_warning, stacklevel=2)
+        #: set when ``policy`` is a saved artifact fitted on another model (also warned); a ``CheckedPolicy`` was
+        #: checked at the door (``Engine.check_policy``, which warned): its warning is taken, not found again
+        if isinstance(policy, CheckedPolicy):
+            self.policy_warning = policy.warning
+        else:
+            self.policy_warning = artifact_warning_for(self.policy, geometry=geo)
+            if self.policy_warning:
+                warnings.warn(self.policy_warning, stacklevel=2)
         self.num_layers, self.num_kv_heads, self.head_dim = geo.num_layers, geo.kv_heads, geo.head_dim
         self.v_head_dim = geo.v_dim
         self.sliding_window = geo.sliding_window

@@ -13,6 +13,7 @@ from .fp4 import Fp4Block16Codec
 from .fp8 import Fp8Codec
 from .ggml import GGML_TYPES, GgmlCodec
 from .heads import HEAD_SEP, HeadSplitCodec, group_heads, is_head_list, split_head_list
+from .names import CodecName, parse_codec_name
 from .rotation import ROTATIONS
 from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
 
@@ -25,6 +26,7 @@ __all__ = [
     "AffineChannelCodec",
     "AffineTokenCodec",
     "Codec",
+    "CodecName",
     "DenseCodec",
     "ENGINE_FORMAT_SPECS",
     "Fp4Block16Codec",
@@ -46,6 +48,7 @@ __all__ = [
     "is_calibrated_spec",
     "is_valid_spec",
     "nominal_bits",
+    "parse_codec_name",
 ]
 
 CODEC_SPECS: tuple[str, ...] = (
@@ -172,26 +175,26 @@ def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, heads:
     if is_head_list(name):
         return head_codecs({role: name}, layer, heads=heads, opts={role: opts})[role]
     o = _check_opts(opts)
-    if name.startswith("pcaq"):
-        return PcaKeyCodec(calibrated_bits(name), layer, o["calib"], role, heads)
-    if name in ("fp16", "bf16", "fp32"):
+    n = parse_codec_name(name)
+    if n.family == "pcaq":
+        return PcaKeyCodec(n.bits, layer, o["calib"], role, heads)
+    if n.family == "dense":
         return DenseCodec(name)
-    if name in GGML_TYPES:
+    if n.family == "ggml":
         return GgmlCodec(name)
-    if name == "fp4_mx_block16":
+    if n.family == "fp4":
         return Fp4Block16Codec()
-    if name.startswith("fp8_"):
-        fmt, _, scale = name[4:].partition("-")
-        return Fp8Codec(fmt, scale or "static")
-    if name.startswith("int"):
-        bits = int(name[3:])
+    if n.family == "fp8":
+        return Fp8Codec(n.fmt, n.scale)
+    if n.family == "affine":
+        bits = int(n.bits)
         return AffineChannelCodec(bits, o["kblock"]) if role == "k" else AffineTokenCodec(bits, o["group"])
     turbo = {k: o[k] for k in ("rotation", "center", "norm_correction", "seed")}
-    if name.endswith("-qjl"):
-        return TurboProdCodec(int(name[5:-4]), **turbo)
-    if "." in name:
-        return TurboSplitCodec(float(name[5:]), **turbo)
-    return TurboCodec(int(name[5:]), **turbo)
+    if n.family == "turbo-qjl":
+        return TurboProdCodec(int(n.bits), **turbo)
+    if n.family == "turbo-split":
+        return TurboSplitCodec(n.bits, **turbo)
+    return TurboCodec(int(n.bits), **turbo)
 
 
 def head_codecs(specs: dict[str, str], layer: int | None = None, kv_heads: int | None = None,
@@ -261,13 +264,4 @@ def nominal_bits(spec: str) -> float:
     if is_head_list(name):
         entries = split_head_list(name)
         return sum(nominal_bits(e) for e in entries) / len(entries)
-    if name in GGML_TYPES:
-        return float(GGML_TYPES[name].bits)
-    if name.startswith("fp8_"):
-        return 8.0
-    if name == "fp4_mx_block16":
-        return 4.0
-    if name.startswith("pcaq"):
-        return float(name[4:])
-    digits = name.removeprefix("turbo").removeprefix("int").removeprefix("fp").removeprefix("bf")
-    return float(digits.split("-")[0])
+    return parse_codec_name(name).bits

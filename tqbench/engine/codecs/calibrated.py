@@ -11,8 +11,9 @@ one fp16 scale per column), and per width setting the bit map (uint8 ``[H, D]``)
 bit map uses (fp16).
 
 Keys only: for values the measured transforms did not beat the random rotation (docs/incoming/i21t.md), so a
-``pcaq`` value codec is refused with that reason. The fused mode has no kernel for varying per-coordinate
-widths: its torch reference decodes the packed rows in the call and the cache report names the fallback.
+``pcaq`` value codec is refused with that reason. The fused mode scores the packed rows straight from their codes
+(native CPU kernel, Triton and the torch reference; ``fused_tables`` gives them the per-head transform, widths and levels):
+``q.k_hat = <B_hat^T q, level[idx]> + q.mu``, the query transformed once per step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 import re
 
 import torch
+
+from tqbench.kernels.packing import pack_widths, unpack_widths
 
 from .base import Codec, Encoded, compute_dtype
 from .calibrated_fit import GROUP, MAX_BITS, level_offset, water_fill
@@ -53,39 +56,6 @@ def is_calibrated_spec(spec: str) -> bool:
         return False
 
 
-# -- a bit stream of per-coordinate widths ---------------------------------------------------------------
-def _stream_index(widths: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(positions in the ``[D, maxw]`` bit grid that carry stream bits, in stream order; total bits; maxw)."""
-    maxw = max(int(widths.max()), 1)
-    grid = torch.arange(maxw)[None, :] < widths[:, None]
-    return grid.flatten().nonzero().flatten(), int(widths.sum()), maxw
-
-
-def pack_widths(idx: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """``idx`` ``[..., D]`` (value ``j`` below ``2**widths[j]``) -> uint8 ``[..., ceil(sum(widths) / 8)]``: value
-    ``j`` at stream bits ``[sum(widths[:j]), sum(widths[:j+1]))``, LSB first (``kernels.packing``'s layout)."""
-    pos, total, maxw = _stream_index(widths)
-    shifts = torch.arange(maxw, device=idx.device)
-    bits = ((idx.long()[..., None] >> shifts) & 1).flatten(-2)[..., pos.to(idx.device)]
-    nbytes = (total + 7) // 8
-    pad = nbytes * 8 - total
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
-    weights = (1 << torch.arange(8, device=idx.device))
-    return (bits.view(*bits.shape[:-1], nbytes, 8) * weights).sum(-1).to(torch.uint8)
-
-
-def unpack_widths(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_widths``: int64 ``[..., D]``."""
-    pos, total, maxw = _stream_index(widths)
-    d = widths.shape[0]
-    shifts = torch.arange(8, device=packed.device)
-    stream = ((packed.long()[..., None] >> shifts) & 1).flatten(-2)[..., :total]
-    grid = stream.new_zeros(*stream.shape[:-1], d * maxw)
-    grid[..., pos.to(packed.device)] = stream
-    return (grid.view(*stream.shape[:-1], d, maxw) << torch.arange(maxw, device=packed.device)).sum(-1)
-
-
 class PcaKeyCodec(Codec):
     """``pcaq{b}`` for the keys of one layer (``layer``) under the transforms in ``calib`` ("" = shipped)."""
 
@@ -104,6 +74,9 @@ class PcaKeyCodec(Codec):
         #: the layer's KV heads this codec serves, in row order (None: all of them): their fitted tables
         self.heads = None if heads is None else tuple(int(h) for h in heads)
         self.spec = f"pcaq{self.bits:g}"
+        #: this codec's tables per (head_dim, device, dtype), kept for its lifetime: the rows it packs decode with
+        #: the tables they were packed with, and the per-step paths skip the transforms file's freshness check
+        self._mine: dict[tuple, tuple] = {}
 
     # -- the fit and this layer's tables --------------------------------------------------------------
     @property
@@ -148,6 +121,12 @@ class PcaKeyCodec(Codec):
             raise ValueError(f"{self.spec}: built for heads {list(self.heads)}, got rows of {heads} heads")
 
     def _layer_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
+        mine = ("layer", head_dim, str(device), dtype)
+        if mine not in self._mine:
+            self._mine[mine] = self._shared_tables(head_dim, device, dtype)
+        return self._mine[mine]
+
+    def _shared_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
         tr = self.transforms
         key = (tr.path, tr.digest, self._layer_index(), self.heads, self.bits, head_dim, str(device), dtype)
         if key in _TABLES:
@@ -178,6 +157,18 @@ class PcaKeyCodec(Codec):
         _TABLES[key] = out
         return out
 
+    def fused_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
+        """What the fused kernels read: ``(widths uint8 [H, D], transform [H, D, D], levels [H, D, 2**maxw], maxw)``
+        with ``transform = B_hat^T`` (the query's coordinate ``j`` is ``<transform[h, j], q>``) and ``levels`` the
+        per-coordinate Lloyd-Max values up to the widest width in use (cached with the layer's tables)."""
+        key = ("fused", head_dim, str(device), dtype)
+        if key not in self._mine:
+            widths, basis, _, levels, _ = self._layer_tables(head_dim, device, dtype)
+            maxw = max(int(widths.max()), 1)
+            self._mine[key] = (widths.to(device=device, dtype=torch.uint8).contiguous(),
+                               basis.transpose(-1, -2).contiguous(), levels[..., : 1 << maxw].contiguous(), maxw)
+        return self._mine[key]
+
     # -- codec ----------------------------------------------------------------------------------------
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         self.check_input(x)
@@ -199,11 +190,29 @@ class PcaKeyCodec(Codec):
         if widths.shape[0] != h:
             self._check_rows(h, d)
         xc = x.to(cd) - self._mu(state).to(cd)
+        fast = self._native_encode(xc, enc, bounds)
+        if fast is not None:
+            return {"idx": fast}
         z = torch.einsum("bhtd,hjd->bhtj", xc, enc)  # standardized coordinates
         zt = z.permute(1, 3, 0, 2).reshape(h, d, b * t).contiguous()
         idx = torch.searchsorted(bounds.contiguous(), zt).view(h, d, b, t).permute(2, 0, 3, 1)
         packed = torch.stack([pack_widths(idx[:, i], widths[i]) for i in range(h)], dim=1)
         return {"idx": packed}
+
+    def _native_encode(self, xc: torch.Tensor, enc: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor | None:
+        """The quantize + pack of ``encode`` in one native CPU call (the decode step's append path), or None where
+        it cannot run (the torch path runs, and ``encoder_fallback`` says why in the cache report)."""
+        if xc.device.type != "cpu":
+            return None
+        from tqbench.kernels.cpu import NativeUnavailable, native_module
+
+        try:
+            mod = native_module()
+        except NativeUnavailable as exc:
+            self.encoder_fallback = f"quantize-and-pack ran in torch (the native CPU kernel is unavailable: {exc})"
+            return None
+        widths = self.fused_tables(xc.shape[-1], xc.device, xc.dtype)[0]
+        return mod.pcaq_encode(xc.contiguous(), enc.contiguous(), bounds.contiguous(), widths)
 
     def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         mu = self._mu(state)

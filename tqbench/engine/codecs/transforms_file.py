@@ -35,6 +35,8 @@ FORMAT = "tqbench-transforms/1"
 TRANSFORMS_DIR = PACKAGE_DATA_DIR / "transforms"
 #: the fit shipped for the default model (SmolLM2-135M-Instruct), used when a policy names no ``calib=`` file
 DEFAULT_TRANSFORMS = TRANSFORMS_DIR / "smollm2-135m-instruct.safetensors"
+#: how to fit transforms (the front end that runs the calibrate job names its own command)
+_CALIBRATE = "with the calibrate job (tqbench calibrate) into FILE.safetensors"
 _FIELDS = ("basis", "scale", "var", "levels", "mse")
 
 
@@ -78,7 +80,7 @@ class CalibratedTransforms:
             raise TransformsMismatch(
                 f"the calibrated transforms were {self.describe()} with {self.kv_heads} KV heads x head_dim "
                 f"{self.head_dim}, but this model hands the cache {kv_heads} x {head_dim}: fit transforms for "
-                "this model with `tqbench --headless calibrate --out FILE.safetensors` and pass calib=FILE"
+                f"this model {_CALIBRATE} and pass calib=FILE"
             )
 
     def check_model(self, fingerprint: str | None, name: str | None = None) -> None:
@@ -87,8 +89,7 @@ class CalibratedTransforms:
             raise TransformsMismatch(
                 f"the calibrated transforms were {self.describe()}, not on this model "
                 f"({name or 'model'}, fingerprint {fingerprint}): they would quantize its keys in the wrong basis; "
-                "fit transforms for this model with `tqbench --headless calibrate --out FILE.safetensors` "
-                "and use calib=FILE in the policy"
+                f"fit transforms for this model {_CALIBRATE} and use calib=FILE in the policy"
             )
 
     def to_dict(self) -> dict:
@@ -116,14 +117,14 @@ def resolve_transforms_path(calib: str | os.PathLike | None) -> Path:
     if not calib:
         if not DEFAULT_TRANSFORMS.is_file():
             raise ValueError(f"the shipped transforms file {DEFAULT_TRANSFORMS} is missing: reinstall tqbench, or "
-                             "fit one with `tqbench --headless calibrate --out FILE.safetensors` and pass calib=FILE")
+                             f"fit one {_CALIBRATE} and pass calib=FILE")
         return DEFAULT_TRANSFORMS
     path = Path(calib)
     if not path.is_file() and (TRANSFORMS_DIR / path).is_file():
         path = TRANSFORMS_DIR / path
     if not path.is_file():
-        raise ValueError(f"calibrated transforms file {str(calib)!r} does not exist: fit one with "
-                         "`tqbench --headless calibrate --out FILE.safetensors`, or leave calib unset for the "
+        raise ValueError(f"calibrated transforms file {str(calib)!r} does not exist: fit one {_CALIBRATE}, "
+                         "or leave calib unset for the "
                          "shipped SmolLM2-135M-Instruct fit")
     return path
 
@@ -146,7 +147,7 @@ def _load(path: str, _mtime: int) -> CalibratedTransforms:
         raise TransformsMismatch(f"{path} is not a readable safetensors file ({exc})") from None
     if meta.get("format") != FORMAT:
         raise TransformsMismatch(f"{path} is not a tqbench transforms file (format {meta.get('format')!r}, "
-                                 f"expected {FORMAT!r}): fit one with `tqbench --headless calibrate`")
+                                 f"expected {FORMAT!r}): fit one {_CALIBRATE}")
     missing = [f"k.{n}" for n in _FIELDS if f"k.{n}" not in tensors]
     if missing:
         raise TransformsMismatch(f"{path} lacks tensors {', '.join(missing)}")
@@ -156,10 +157,10 @@ def _load(path: str, _mtime: int) -> CalibratedTransforms:
                                     json.loads(meta.get("calibration", "[]")), float(meta.get("ridge", "1e-4")), path)
     except KeyError as exc:
         raise TransformsMismatch(f"{path}: its metadata lacks {exc}: fit it again with "
-                                 "`tqbench --headless calibrate`") from None
+                                 f"{_CALIBRATE}") from None
     except ValueError as exc:  # a number that does not parse, or calibration that is not JSON
         raise TransformsMismatch(f"{path}: its metadata does not parse ({exc}): fit it again with "
-                                 "`tqbench --headless calibrate`") from None
+                                 f"{_CALIBRATE}") from None
 
 
 load_transforms.cache_clear = _load.cache_clear  # type: ignore[attr-defined]

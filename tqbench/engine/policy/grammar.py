@@ -18,10 +18,24 @@ _FLOAT_KEYS = ("sparsev",)
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
 
 
+def split_policies(text: str) -> list[str]:
+    """Several policies in one text. ``;`` always separates policies. Within a ``;`` part, ``,`` separates policies
+    only when no element is ``key=value`` (``fp16,turbo4``: names of presets, shipped policies, engine settings or
+    files); a part with any ``key=value`` is one compact policy (``k=turbo4,v=turbo3,sink=4``), never fragments."""
+    out: list[str] = []
+    for part in text.split(";"):
+        items = [p.strip() for p in part.split(",") if p.strip()]
+        if any("=" in item for item in items):
+            out.append(part.strip())
+        else:
+            out.extend(items)
+    return out
+
+
 def parse_compact(text: str) -> Policy:
     text = text.strip()
     if not text:
-        raise ValueError("empty policy: give a preset name (see `tqbench --headless policies`) or k=...,v=...")
+        raise ValueError("empty policy: give a preset name or k=...,v=...")
     items = [p.strip() for p in text.split(",") if p.strip()]
     base = Policy()
     if "=" not in items[0]:
@@ -31,7 +45,8 @@ def parse_compact(text: str) -> Policy:
     overrides = list(base.overrides)
     for item in items:
         if "=" not in item:
-            raise ValueError(f"policy part {item!r} is not key=value: valid keys are {', '.join(_VALID_KEYS)}")
+            raise ValueError(f"policy part {item!r} is not key=value (several policies? put ';' between them): "
+                             f"valid keys are {', '.join(_VALID_KEYS)}")
         key, val = (s.strip() for s in item.split("=", 1))
         key = key.lower()
         if "@" in key:

@@ -15,6 +15,7 @@ import torch
 
 from tqbench.engine.events import CancelFlag, OnEvent, QKVCaptured, emit, raise_if_cancelled
 from tqbench.engine.policy.layers import select_layers
+from tqbench.engine.request import RequestError, check_context
 
 CAPTURE_ATTN = "tqbench_capture"
 CAPTURE_ATTN_EAGER = "tqbench_capture_eager"
@@ -116,7 +117,7 @@ def resolve_layers(layers, num_layers: int) -> list[int]:
     if isinstance(layers, str):
         parts = [p.strip() for p in layers.replace(",", "+").split("+") if p.strip()]
         if not parts:
-            raise ValueError("empty --layers: give indices like 0,3,-1 or a selector like first2+last2")
+            raise RequestError("layers", layers, "give indices like 0,3,-1 or a selector like first2+last2")
         layers = "+".join(parts)
         return sorted(select_layers(layers, num_layers))
     out = set()
@@ -154,10 +155,11 @@ def capture_qkv(engine, prompt, layers=None, max_prompt_tokens: int = 512, gener
         raise ValueError(f"generated_tokens={generated_tokens} is invalid: use 0 or more")
     n_layers = engine.geometry.num_layers
     chosen = resolve_layers(layers, n_layers)
-    ids = prompt if isinstance(prompt, torch.Tensor) else engine.encode_prompt(prompt, chat)
+    ids = prompt if isinstance(prompt, torch.Tensor) else engine.encode_prompt(prompt, chat, fit_context=False)
     truncated = ids.shape[1] > max_prompt_tokens
     ids = ids[:, :max_prompt_tokens]
     prompt_n = int(ids.shape[1])
+    check_context(prompt_n, generated_tokens, engine.max_context, engine.name)  # what is kept must fit
     if generated_tokens:
         gen = engine.generate(ids, None, max_new_tokens=generated_tokens, stop_at_eos=False, cancel=cancel).token_ids
         ids = torch.cat([ids, torch.tensor([gen], dtype=ids.dtype)], dim=1)

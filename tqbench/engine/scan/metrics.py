@@ -40,19 +40,24 @@ def roundtrip(spec: str, role: str, x: torch.Tensor, policy: Policy | None = Non
     return torch.cat([deq, x[:, n:]], dim=1)
 
 
-def _causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """q [G, T, D], k [T, D] -> masked scores [G, T, T] (-inf above the diagonal)."""
+def _causal_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+    """q [G, T, D], k [T, D] -> masked scores [G, T, T] (-inf above the diagonal; with a sliding ``window``,
+    also where the key is ``window`` or more positions back: query t reads keys t - window + 1 .. t, as
+    transformers' sliding-window mask)."""
     s = torch.einsum("gtd,sd->gts", q.double(), k.double()) * scaling
     t = k.shape[0]
     mask = torch.ones(t, t, dtype=torch.bool).tril()
+    if window is not None:
+        mask &= ~torch.ones(t, t, dtype=torch.bool).tril(-window)
     return s.masked_fill(~mask, float("-inf"))
 
 
 def head_metrics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
-                 scaling: float) -> dict:
-    """Errors of quantized ``kq``/``vq`` ([T, D]) against exact ``k``/``v`` for the group's queries ``q`` [G, T, D]."""
+                 scaling: float, window: int | None = None) -> dict:
+    """Errors of quantized ``kq``/``vq`` ([T, D]) against exact ``k``/``v`` for the group's queries ``q`` [G, T, D];
+    ``window``: a sliding-window layer's (each query reads its last ``window`` keys, itself included)."""
     k64, v64, kq64, vq64 = k.double(), v.double(), kq.double(), vq.double()
-    s, sq = _causal_scores(q, k, scaling), _causal_scores(q, kq, scaling)
+    s, sq = _causal_scores(q, k, scaling, window), _causal_scores(q, kq, scaling, window)
     valid = torch.isfinite(s)
     a, b = s[valid], sq[valid]
     lp, lq = torch.log_softmax(s, -1), torch.log_softmax(sq, -1)
@@ -115,7 +120,7 @@ def parse_thresholds(text: str | dict | None) -> dict[str, float]:
                              f"(or kl, out, cos, score, kmse, vmse)")
         out[key] = float(val)
     if not out:
-        raise ValueError("no thresholds given: e.g. --thresholds kl=0.02,out=0.15")
+        raise ValueError("no thresholds given: e.g. kl=0.02,out=0.15")
     return out
 
 

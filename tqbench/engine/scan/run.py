@@ -33,6 +33,7 @@ from tqbench.engine.codecs import (
 )
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, ScanLayerDone, emit, raise_if_cancelled
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 from tqbench.engine.scan.capture import Capture, LayerQKV, capture_qkv
 from tqbench.engine.scan.metrics import (
     THRESHOLD_METRICS,
@@ -77,7 +78,7 @@ def default_codecs(engine, calib: str = "") -> list[str]:
 
 def resolve_codecs(codecs=None, preset: str | None = None) -> list[str]:
     if codecs is not None and preset is not None:
-        raise ValueError("give either --codecs or --preset, not both")
+        raise ValueError("give either codecs or a codec preset, not both")
     if preset is not None:
         if preset not in CODEC_PRESETS:
             raise ValueError(f"unknown codec preset {preset!r}: valid presets are {', '.join(CODEC_PRESETS)}")
@@ -87,7 +88,7 @@ def resolve_codecs(codecs=None, preset: str | None = None) -> list[str]:
     if isinstance(codecs, str):
         codecs = [c.strip() for c in codecs.split(",") if c.strip()]
     if not codecs:
-        raise ValueError("empty --codecs: give codec names like int8,turbo4,turbo3")
+        raise RequestError("codecs", codecs, "give codec names like int8,turbo4,turbo3")
     for c in codecs:
         if c not in CODEC_SPECS and not is_calibrated_spec(c):
             raise ValueError(f"unknown codec {c!r}: valid codecs are {', '.join(CODEC_SPECS)} "
@@ -159,27 +160,35 @@ class ScanResult:
                    seconds=d["seconds"], value_codecs=dict(d.get("value_codecs", {})))
 
 
+def sliding_windows(geometry) -> dict[int, int]:
+    """layer -> its sliding window (tokens a query reads, itself included) for a geometry's sliding-window
+    layers (none without a geometry)."""
+    if geometry is None or not geometry.sliding_window or not geometry.layer_types:
+        return {}
+    return {i: geometry.sliding_window for i, t in enumerate(geometry.layer_types) if t == "sliding_attention"}
+
+
 def _measure_layer(d: LayerQKV, codecs: list[str], group: int, cancel: CancelFlag | None,
-                   policy: Policy | None = None) -> dict[str, list[dict]]:
+                   policy: Policy | None = None, window: int | None = None) -> dict[str, list[dict]]:
     """codec -> per-KV-head metrics of one captured layer (K and V both through the codec; a key-only codec's
-    values through its ``value_partner``)."""
+    values through its ``value_partner``); ``window``: the layer's sliding window (its queries' mask)."""
     out = {}
     for c in codecs:
         raise_if_cancelled(cancel, "scan")
         kq = roundtrip(c, "k", d.k, policy, layer=d.layer)
         vq = roundtrip(value_partner(c) if is_calibrated_spec(c) else c, "v", d.v, policy, layer=d.layer)
-        out[c] = [head_metrics(d.q[h * group:(h + 1) * group], d.k[h], d.v[h], kq[h], vq[h], d.scaling)
-                  for h in range(d.k.shape[0])]
+        out[c] = [head_metrics(d.q[h * group:(h + 1) * group], d.k[h], d.v[h], kq[h], vq[h], d.scaling,
+                               window) for h in range(d.k.shape[0])]
     return out
 
 
 def _add_layer(res: ScanResult, layer: int, d: LayerQKV, group: int, cancel: CancelFlag | None,
-               policy: Policy | None = None) -> dict:
+               policy: Policy | None = None, window: int | None = None) -> dict:
     """Measure one layer into ``res`` (metrics, norms, verdict); the layer's JSON-safe row."""
     stats = layer_stats(d.k, d.v)
     for key, val in stats.items():
         res.norms.setdefault(key, []).append(val)
-    per_codec = _measure_layer(d, res.codecs, group, cancel, policy)
+    per_codec = _measure_layer(d, res.codecs, group, cancel, policy, window)
     for c, per_head in per_codec.items():
         for m in THRESHOLD_METRICS:
             res.metrics[m][c].append([round(x[m], 7) for x in per_head])
@@ -228,9 +237,10 @@ def scan(
     res.metrics = {m: {c: [] for c in codec_list} for m in THRESHOLD_METRICS}
     res.norms = {}
     group = cap.q_heads // cap.kv_heads
+    windows = sliding_windows(getattr(engine, "geometry", None))
     for idx, layer in enumerate(chosen):
         raise_if_cancelled(cancel, "scan")
-        row = _add_layer(res, layer, cap.layers[layer], group, cancel, policy)
+        row = _add_layer(res, layer, cap.layers[layer], group, cancel, policy, windows.get(layer))
         emit(on_event, ScanLayerDone(layer, idx, len(chosen), row))
     res.seconds = time.perf_counter() - t0
     return res

@@ -28,12 +28,14 @@ from tqbench.engine.sweep.spec import SweepSpec
 from tqbench.engine.validate.compare import _cell as compare_cell
 from tqbench.engine.validate.compare import _collect as collect_run
 from tqbench.engine.validate.compare import _steps as pair_steps
+from tqbench.engine.validate.evidence import evidence
 from tqbench.engine.validate.niah import _answer as niah_answer
 from tqbench.engine.validate.niah import _prompts as niah_prompts
 from tqbench.engine.validate.niah import score_answer
 from tqbench.engine.validate.quality import _tokens as tf_tokens
 from tqbench.engine.validate.quality import baseline_logprobs, teacher_forced
 from tqbench.engine.validate.recommendation import recommend
+from tqbench.engine.validate.report import candidate_savings
 
 
 @dataclass
@@ -113,8 +115,11 @@ class CellRunner:
                 out.arrays["validate.step_kl"] = np.array(
                     [math.nan if s.kl is None else s.kl for s in steps], dtype=np.float64)
                 out.arrays["validate.same_token"] = np.array([s.same_token for s in steps], dtype=np.uint8)
-                out.recommendation = recommend(c["verdict"], pol, self.engine.geometry,
-                                               storage_only=self.spec.cache_mode == "dense-shadow")
+                geometry = self.engine.geometry
+                out.recommendation = recommend(
+                    c["verdict"], pol, geometry, storage_only=self.spec.cache_mode == "dense-shadow",
+                    savings=candidate_savings(self.engine, pol, self.spec.baseline.policy, cand.result, geometry),
+                    evidence=evidence([max(len(base.result.token_ids), len(cand.result.token_ids))])).to_dict()
             if "speed" in cell.measure:
                 out.results["speed"] = {k: summ[k] for k in ("baseline_decode_tokens_per_second",
                                                              "candidate_decode_tokens_per_second",

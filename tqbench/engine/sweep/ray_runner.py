@@ -14,10 +14,11 @@ from __future__ import annotations
 import platform
 
 from tqbench.engine.events import CancelFlag, Cancelled
+from tqbench.engine.request import RequestError
 from tqbench.engine.sweep.cells import Cell, shards
 from tqbench.engine.sweep.spec import SweepSpec
 
-INSTALL_HINT = ("--ray needs Ray, which is not installed: pip install 'tqbench[ray]' (or pip install ray), "
+INSTALL_HINT = ("a sweep on Ray needs Ray, which is not installed: pip install 'tqbench[ray]' (or pip install ray), "
                 "then run the sweep again")
 
 
@@ -40,8 +41,8 @@ def task_options(resources: dict, threads: int | None) -> tuple[dict, int]:
     if gpus:
         return {"num_gpus": 1, "num_cpus": min(threads, max(1, cpus // gpus))}, gpus
     if threads > cpus:  # the task could never be scheduled: say so instead of waiting forever
-        raise ValueError(f"threads = {threads} but the Ray cluster has {cpus} CPUs and no GPUs: lower `threads` "
-                         "(or --threads) to at most the CPUs of one node")
+        raise RequestError("threads", threads, f"the Ray cluster has {cpus} CPUs and no GPUs: use at most the CPUs "
+                                               "of one node")
     return {"num_cpus": threads}, max(1, cpus // threads)
 
 

@@ -94,7 +94,7 @@ class SweepReport:
                             rows=rows)
         if not self.models:
             res.recommendation = {"status": "unfinished", "recommended_policy": None,
-                                  "note": "the sweep did not finish: run it again with --resume for the report"}
+                                  "note": "the sweep did not finish: resume it for the report"}
         elif len(self.models) == 1:
             res.recommendation = self.models[0]["recommendation"]
         else:

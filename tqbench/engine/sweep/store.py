@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tqbench.engine.atomic import atomic_write
+from tqbench.engine.request import RequestError
 
 CELL_FORMAT = "tqbench-sweep-cell"
 SWEEP_FORMAT = "tqbench-sweep"
@@ -50,11 +51,11 @@ class SweepDir:
     def prepare(self, spec_dict: dict, spec_text: str, resume: bool) -> None:
         """Create the folder; refuse to mix a new sweep into one with results unless ``resume``."""
         if self.path.exists() and not self.path.is_dir():
-            raise ValueError(f"--out {str(self.path)!r} is a file: give a folder for the sweep's results")
+            raise RequestError("out", str(self.path), "it is a file: give a folder for the sweep's results")
         existing = sorted(self.cells.glob("*.json")) if self.cells.is_dir() else []
         if existing and not resume:
-            raise ValueError(f"{self.path} already holds {len(existing)} cell result(s): pass --resume to continue "
-                             "that sweep, or give another --out")
+            raise RequestError("out", str(self.path), f"it already holds {len(existing)} cell result(s): resume "
+                                                      "that sweep, or give another folder")
         self.cells.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path / "sweep.json", _json({"format": SWEEP_FORMAT, "version": VERSION,
                                                       "written": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -1,7 +1,8 @@
 """validate: does a candidate policy change what the model says? Import everything from here.
 
 - ``validation``: ``validate``, ``self_test`` (baseline vs candidate through ``Engine.lockstep``)
-- ``report``: ``ValidationReport``, ``build_report``; ``recommendation``: ``recommend`` (status, hint, next)
+- ``report``: ``ValidationReport``, ``build_report``; ``recommendation``: ``recommend`` (a ``Recommendation``:
+  status, hint, next policy, the ``Savings`` and ``Evidence`` it was decided on); ``evidence``: the sample rule
 - ``steps``: ``StepRecord`` and its one builder ``step_record``, step/logit comparisons, policy summary
 - ``quality``: teacher-forced quality (``teacher_forced_quality``, ``teacher_forced``, ``baseline_logprobs``)
 - ``compare``: ``compare_policies`` over several policies and prompts; ``niah``: needle in a haystack
@@ -17,6 +18,7 @@ from tqbench.engine.validate.compare import (
     default_policies,
     recommend_policy,
 )
+from tqbench.engine.validate.evidence import Evidence, evidence
 from tqbench.engine.validate.niah import (
     NiahResult,
     build_haystack,
@@ -28,11 +30,12 @@ from tqbench.engine.validate.quality import (
     TeacherForcedReport,
     TeacherForcedResult,
     baseline_logprobs,
+    check_teacher_forced_args,
     corpus_ids,
     teacher_forced,
     teacher_forced_quality,
 )
-from tqbench.engine.validate.recommendation import STATUS, recommend
+from tqbench.engine.validate.recommendation import STATUS, Recommendation, recommend
 from tqbench.engine.validate.report import ValidationReport, build_report
 from tqbench.engine.validate.steps import (
     StepRecord,
@@ -49,7 +52,9 @@ __all__ = [
     "Cancelled",
     "CompareResult",
     "CompareRow",
+    "Evidence",
     "NiahResult",
+    "Recommendation",
     "StepRecord",
     "TeacherForcedReport",
     "TeacherForcedResult",
@@ -58,9 +63,11 @@ __all__ = [
     "build_haystack",
     "build_report",
     "check_generation_args",
+    "check_teacher_forced_args",
     "compare_policies",
     "corpus_ids",
     "default_policies",
+    "evidence",
     "logit_comparison",
     "make_passphrase",
     "needle_in_haystack",

@@ -7,7 +7,10 @@ steps where both runs saw the same context, mean saving, bits per element and th
 
 The recommendation (the seed's rule): choose the exact-match compressed policy with the highest saving;
 if there is none, keep ``fp16`` and name the ``best_risky_policy`` (best verdict, then token match, then
-lowest KL) and the ``unsafe_policies`` (verdict ``diverged``).
+lowest KL) and the ``unsafe_policies`` (verdict ``diverged``). A policy that stores at least as many bytes as
+the baseline on some prompt's length (``cache.savings``: ``CompareRow.saves``) is never recommended: it is
+named in ``saves_nothing_policies`` with the length from which it would save. The sample behind the rows
+(``CompareResult.evidence``, ``validate.evidence``) carries a caveat when it is too small to call anything safe.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from tqbench.engine.metrics import (
     decide_verdict,
     worst_verdict,
 )
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.presets import PRESETS
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.validate.evidence import Evidence, evidence
+from tqbench.engine.validate.report import candidate_savings
 from tqbench.engine.validate.steps import (
     StepRecord,
     check_generation_args,
@@ -52,7 +58,7 @@ def default_policies(baseline: str = "fp16") -> list[str]:
 #: the fields of a compare row, in its JSON order; a sweep's cell shown as a row has ``_CELL_FIELDS`` instead
 _ROW_FIELDS = ("policy", "policy_string", "verdict", "verdicts", "first_divergence_indices", "memory_saved_pct",
                "bits_per_element", "token_match_ratio", "prefix_match_ratio", "top1_match_ratio", "kl_mean", "kl_max",
-               "throughput_ratio")
+               "throughput_ratio", "saves", "break_even_tokens", "savings_note")
 _CELL_FIELDS = ("policy", "row_key", "policy_string", "sweep_policy", "prompt", "verdict", "memory_saved_pct",
                 "bits_per_element", "token_match_ratio", "prefix_match_ratio", "top1_match_ratio", "kl_mean",
                 "throughput_ratio")
@@ -79,6 +85,10 @@ class CompareRow:
     row_key: str | None = None  # a sweep cell's id (None: a compare row, keyed by its policy)
     sweep_policy: str | None = None  # a sweep cell's policy label
     prompt: str | None = None  # a sweep cell's prompt text
+    #: fewer bytes than the baseline on every prompt's length (``cache.savings``); None: not known
+    saves: bool | None = None
+    break_even_tokens: int | None = None  # the length from which the policy saves (None: never, or not known)
+    savings_note: str | None = None  # ``Savings.message`` of the longest prompt where it saves nothing
 
     @property
     def key(self) -> str:
@@ -115,6 +125,7 @@ class CompareResult:
     cells: list[dict] = field(default_factory=list)  # one per (policy, prompt)
     recommendation: dict = field(default_factory=dict)
     baseline_texts: list[str] = field(default_factory=list)
+    evidence: Evidence | None = None  # the sample behind the rows (prompts x generated tokens)
     threads: int | None = None  # torch's CPU threads, when a front end recorded them (the CLI does)
 
     def to_dict(self) -> dict:
@@ -124,6 +135,7 @@ class CompareResult:
             "quality_threshold": self.quality_threshold, "storage_only": self.storage_only,
             "rows": [r.to_dict() for r in self.rows], "cells": self.cells, "recommendation": self.recommendation,
             "baseline_texts": self.baseline_texts,
+            "evidence": self.evidence.to_dict() if self.evidence is not None else None,
         }
         if self.threads is not None:
             d["threads"] = self.threads
@@ -137,6 +149,7 @@ class CompareResult:
                    max_new_tokens=d["max_new_tokens"], quality_threshold=d["quality_threshold"],
                    storage_only=d["storage_only"], rows=[CompareRow.from_dict(r) for r in d["rows"]], cells=list(d["cells"]),
                    recommendation=dict(d["recommendation"]), baseline_texts=list(d["baseline_texts"]),
+                   evidence=Evidence.from_dict(d["evidence"]) if d.get("evidence") else None,
                    threads=d.get("threads"))
 
 
@@ -158,8 +171,9 @@ def _steps(base: _Run, cand: _Run) -> list[StepRecord]:
     return [step_record(i, at(base, i), at(cand, i)) for i in range(max(len(base.tokens), len(cand.tokens)))]
 
 
-def _cell(pol: Policy, i: int, base: _Run, cand: _Run, quality_threshold: float) -> dict:
-    """One (policy, prompt) cell: the candidate run compared with the stored baseline, as ``validate`` does."""
+def _cell(pol: CheckedPolicy, i: int, base: _Run, cand: _Run, quality_threshold: float, savings=None) -> dict:
+    """One (policy, prompt) cell: the candidate run compared with the stored baseline, as ``validate`` does;
+    ``savings``: its ``cache.savings.Savings`` at this prompt's length, when known."""
     steps = _steps(base, cand)
     comp = compare_tokens(base.result.token_ids, cand.result.token_ids)
     return {
@@ -167,6 +181,7 @@ def _cell(pol: Policy, i: int, base: _Run, cand: _Run, quality_threshold: float)
         "comparison": comp.to_dict(), "step_comparison": step_comparison(steps),
         "logit_comparison": logit_comparison(steps, comp.first_divergence_index),
         "policy_summary": policy_summary(base.result, cand.result), "text": cand.result.text,
+        "savings": savings.to_dict() if savings is not None else None,
     }
 
 
@@ -179,15 +194,19 @@ def _parse_policies(policies: list[Policy | str]) -> list[Policy]:
     return pols
 
 
-def recommend_policy(rows: list[CompareRow], baseline: str = "fp16", storage_only: bool = False) -> dict:
+def recommend_policy(rows: list[CompareRow], baseline: str = "fp16", storage_only: bool = False,
+                     evidence: Evidence | None = None) -> dict:
     """The seed's rule over compare rows (see the module docstring)."""
-    exact = [r for r in rows if r.verdict == "exact-match" and (r.memory_saved_pct or 0) > 0]
+    exact = [r for r in rows if r.verdict == "exact-match" and r.saves is not False and (r.memory_saved_pct or 0) > 0]
     unsafe = [r.policy for r in rows if r.verdict == "diverged"]
     rec = {
         "rule": "the exact-match compressed policy with the highest saving; else keep the baseline",
         "exact_match_policies": [r.policy for r in exact],
         "unsafe_policies": unsafe,
         "storage_only": storage_only,
+        "saves_nothing_policies": [{"policy": r.policy, "break_even_tokens": r.break_even_tokens,
+                                    "note": r.savings_note} for r in rows if r.saves is False],
+        "caveat": evidence.caveat if evidence is not None else None,
     }
     if storage_only:
         rec["note"] = "dense-shadow mode: attention read exact K/V, so verdicts say nothing about quality"
@@ -227,13 +246,17 @@ def compare_policies(
     Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_generation_args(max_new_tokens, quality_threshold)
     if not policies:
-        raise ValueError("no policies to compare: give --policies a,b,c")
+        raise ValueError("no policies to compare: give at least one")
     if not prompts:
-        raise ValueError("no prompts to compare on: give --prompt or --prompt-file")
-    base_pol = parse_policy(baseline)
-    pols = _parse_policies(policies)
+        raise ValueError("no prompts to compare on: give at least one")
+    base_pol = engine.check_policy(baseline)  # checked once: every cell's cache takes it as it is
+    pols = [engine.check_policy(p) for p in _parse_policies(policies)]
     baseline_mode = baseline_mode or cache_mode
     ids = [engine.encode_prompt(p, chat, max_new_tokens) for p in prompts]
+    try:
+        geometry = engine.geometry
+    except Exception:  # noqa: BLE001 - a config without the usual fields: savings not known, rows say None
+        geometry = None
     total = len(pols) * len(prompts) + len(prompts)
     done = 0
 
@@ -250,22 +273,24 @@ def compare_policies(
     storage_only = "dense-shadow" in (cache_mode, baseline_mode)
     result = CompareResult(engine.name, base_pol.label, cache_mode, baseline_mode,
                            [p if isinstance(p, (str, list)) else None for p in prompts], max_new_tokens,
-                           quality_threshold, storage_only, baseline_texts=[b.result.text for b in bases])
+                           quality_threshold, storage_only, baseline_texts=[b.result.text for b in bases],
+                           evidence=evidence([len(b.result.token_ids) for b in bases]))
     for pol in pols:
         cells = []
         for i, x in enumerate(ids):
             progress(f"{pol.label} on prompt {i + 1}")
             cand = _collect(engine.stream(x, pol, cache_mode, run="candidate", **kw), cancel)
-            cell = _cell(pol, i, bases[i], cand, quality_threshold)
+            cell = _cell(pol, i, bases[i], cand, quality_threshold,
+                         candidate_savings(engine, pol, base_pol, cand.result, geometry))
             cells.append(cell)
             done += 1
             logits = cell["logit_comparison"]
             emit(on_event, CompareCell(pol.label, i, cell["verdict"], cell["comparison"]["token_match_ratio"],
                                        logits["kl_mean"] if logits else None))
         result.cells.extend(cells)
-        result.rows.append(_row(pol, cells))
+        result.rows.append(_row(pol.policy, cells))
     progress("done")
-    result.recommendation = recommend_policy(result.rows, base_pol.label, storage_only)
+    result.recommendation = recommend_policy(result.rows, base_pol.label, storage_only, result.evidence)
     return result
 
 
@@ -288,4 +313,17 @@ def _row(pol: Policy, cells: list[dict]) -> CompareRow:
         kl_mean=mean([c["logit_comparison"]["kl_mean"] if c["logit_comparison"] else None for c in cells]),
         kl_max=max((c["logit_comparison"]["kl_max"] for c in cells if c["logit_comparison"]), default=None),
         throughput_ratio=mean([c["policy_summary"]["throughput_ratio"] for c in cells]),
+        **_row_savings(cells),
     )
+
+
+def _row_savings(cells: list[dict]) -> dict:
+    """A row's ``saves`` (on every prompt), and where it saves nothing on some prompt, the longest such prompt's
+    note and break-even (above every length that saved nothing)."""
+    known = [c["savings"] for c in cells if c.get("savings")]
+    if not known:
+        return {}
+    nothing = [s for s in sorted(known, key=lambda s: s["seq_len"]) if not s["saves"]]
+    worst = nothing[-1] if nothing else known[0]
+    return {"saves": not nothing, "break_even_tokens": worst["break_even_tokens"],
+            "savings_note": worst["message"] if nothing else None}

@@ -23,9 +23,9 @@ from tqbench.engine.events import (
     emit,
     raise_if_cancelled,
 )
-from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.checked import CheckedPolicy
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import check_max_new_tokens
+from tqbench.engine.request import RequestError, check_max_new_tokens
 
 WORDS = ("amber", "falcon", "copper", "meadow", "violet", "harbor", "lantern", "cobalt", "juniper", "marble",
          "orchid", "saffron", "thistle", "walnut", "zephyr", "granite", "indigo", "kestrel", "larch", "quartz")
@@ -112,12 +112,12 @@ def _prompts(engine, lengths, depths, chat: bool, max_new_tokens: int, max_conte
             ids = engine.encode_prompt(f"{hay}\n\n{QUESTION}", chat, max_new_tokens)
             if limit and ids.shape[1] + max_new_tokens > limit:
                 raise ValueError(f"length {n} needs {ids.shape[1]} prompt tokens + {max_new_tokens} new, over the "
-                                 f"{limit}-token limit: use shorter --lengths or a larger --max-context")
+                                 f"{limit}-token limit: use shorter lengths or a larger max_context")
             prompts[(n, d)] = (ids, phrase)
     return prompts
 
 
-def _answer(engine, ids, pol: Policy, cache_mode: str, max_new_tokens: int, cancel: CancelFlag | None) -> str:
+def _answer(engine, ids, pol: CheckedPolicy, cache_mode: str, max_new_tokens: int, cancel: CancelFlag | None) -> str:
     res = None
     for ev in engine.stream(ids, pol, cache_mode, max_new_tokens=max_new_tokens, cancel=cancel):
         if isinstance(ev, GenerationFinished):
@@ -144,10 +144,11 @@ def needle_in_haystack(
     """Recall of the baseline and each policy on every (length, depth) cell; ``NiahCell`` per cell.
     Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_max_new_tokens(max_new_tokens)
-    if not lengths or not depths:
-        raise ValueError("give at least one --lengths value and one --depths value")
-    base_pol = parse_policy(baseline)
-    pols = [parse_policy(p) for p in policies]
+    for what, values in (("lengths", lengths), ("depths", depths)):
+        if not values:
+            raise RequestError(what, list(values), "give at least one")
+    base_pol = engine.check_policy(baseline)  # checked once: every cell's cache takes it as it is
+    pols = [engine.check_policy(p) for p in policies]
     prompts = _prompts(engine, lengths, depths, chat, max_new_tokens, max_context, seed)
     result = NiahResult(engine.name, base_pol.label, [p.label for p in pols], list(lengths), list(depths), cache_mode)
     total = len(prompts) * (1 + len(pols))

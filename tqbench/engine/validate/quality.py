@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -25,17 +26,35 @@ from tqbench.engine.generate import prefill as prefill_ids
 from tqbench.engine.metrics import teacher_forced_stats
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
+from tqbench.engine.request import RequestError
 from tqbench.engine.validate.steps import check_generation_args
 
 JOB = "teacher-forced quality"
 
 
-def corpus_ids(tokenizer, name: str, n: int) -> torch.Tensor:
-    """The first ``n`` token ids ``[1, n]`` of a shipped corpus text (``tqbench/data/corpus/<name>.txt``)."""
+def corpus_path(name: str) -> Path:
+    """A shipped corpus text's file (``tqbench/data/corpus/<name>.txt``); ValueError naming the shipped ones."""
     path = CORPUS_DIR / f"{name}.txt"
     if not path.is_file():
         names = ", ".join(sorted(p.stem for p in CORPUS_DIR.glob("*.txt")))
         raise ValueError(f"unknown corpus text {name!r}: shipped texts are {names}")
+    return path
+
+
+def check_teacher_forced_args(corpus: str | None, context_tokens: int, eval_tokens: int) -> None:
+    """What ``teacher_forced_quality`` checks before any work (front ends call it before a model loads): a shipped
+    corpus name, and at least 1 prefill and 1 scored token (``RequestError`` naming ``context_tokens`` or
+    ``eval_tokens``, which a front end may spell as its own field)."""
+    if corpus is not None:
+        corpus_path(corpus)
+    for name, value in (("context_tokens", context_tokens), ("eval_tokens", eval_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(name, value, "give at least 1 token")
+
+
+def corpus_ids(tokenizer, name: str, n: int) -> torch.Tensor:
+    """The first ``n`` token ids ``[1, n]`` of a shipped corpus text (``tqbench/data/corpus/<name>.txt``)."""
+    path = corpus_path(name)
     ids = tokenizer(path.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"]
     if ids.shape[1] < n:
         raise ValueError(f"{name}.txt has {ids.shape[1]} tokens, fewer than the {n} needed")
@@ -243,8 +262,6 @@ def _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_t
             cancel: CancelFlag | None) -> tuple[torch.Tensor, int, str]:
     """(ids [1, N], prefill, source) from a corpus text, or from the prompt plus the baseline's continuation."""
     if corpus is not None:
-        if context_tokens < 1 or eval_tokens < 1:
-            raise ValueError("--tf-context and --tf-tokens must be at least 1")
         return corpus_ids(engine.tokenizer, corpus, context_tokens + eval_tokens + 1), context_tokens, \
             f"corpus:{corpus}"
     if prompt is None:
@@ -281,7 +298,8 @@ def teacher_forced_quality(
     """
     if isinstance(candidates, (str, Policy)):
         candidates = [candidates]
-    pols = [parse_policy(c) for c in candidates]
+    check_teacher_forced_args(corpus, context_tokens, eval_tokens)
+    pols = [engine.check_policy(c) for c in candidates]  # checked once, before the baseline runs
     ids, prefill, source = _tokens(engine, prompt, corpus, context_tokens, eval_tokens, chat, max_new_tokens, cancel)
     base = baseline_logprobs(engine, ids, prefill, on_event, cancel=cancel)
     results = [teacher_forced(engine, ids, prefill, p, cache_mode, baseline=base, on_event=on_event, cancel=cancel,

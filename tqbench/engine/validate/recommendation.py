@@ -1,13 +1,26 @@
-"""The recommendation for one validated candidate: a status, a cause hint and the next policy to try."""
+"""The recommendation for one validated candidate: a status, a cause hint and the next policy to try.
+
+The status follows the quality verdict (``STATUS``) with three overrides, in order: a storage-only run
+(dense-shadow) makes no quality claim; a policy that stores at least as many bytes as the baseline at the
+tested length (``cache.savings``) is ``saves-nothing``, whatever its tokens did; an exact-match or near-stable
+verdict on too small a sample (``evidence``) is ``unproven``, never "safe". ``Recommendation`` carries the
+``Savings`` and ``Evidence`` it was decided on, for every front end to render.
+"""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tqbench.engine.codecs import nominal_bits
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.presets import PRESETS
 from tqbench.engine.policy.spec import Policy
+
+if TYPE_CHECKING:
+    from tqbench.engine.cache.savings import Savings
+    from tqbench.engine.validate.evidence import Evidence
 
 STATUS = {
     "exact-match": "safe",
@@ -17,15 +30,42 @@ STATUS = {
 }
 NEXT_STEP = {
     "safe": "use it; try the next more aggressive policy to find the edge",
-    "usable-with-care": "use it where small late wording changes are acceptable; check with --teacher-forced",
+    "usable-with-care": "use it where small late wording changes are acceptable; check teacher-forced quality",
     "risky": "not for exact reproduction; try the next safer policy",
     "unsafe": "do not use; try the next safer policy",
+    "saves-nothing": "keep the baseline at this length",
+    "unproven": "too small a sample to call it safe: measure teacher-forced quality, or run more prompts and tokens",
 }
 STORAGE_ONLY = {
     "status": "storage-only",
     "cause_hint": "dense-shadow mode: attention read exact K/V, so the tokens say nothing about quality",
-    "next_step": "rerun with --cache-mode compressed (or simulate / fused) for a quality verdict",
+    "next_step": "rerun in the compressed (or simulate / fused) cache mode for a quality verdict",
 }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What to do with one validated candidate. ``savings``: its bytes against the baseline at the tested
+    length (None when the model's geometry is unknown); ``evidence``: the sample the verdict rests on."""
+
+    status: str
+    cause_hint: str
+    next_policy: str | None
+    next_step: str
+    savings: Savings | None = None
+    evidence: Evidence | None = None
+
+    @property
+    def caveat(self) -> str | None:
+        """The sample-size caveat, when the sample was too small (``Evidence.caveat``)."""
+        return self.evidence.caveat if self.evidence is not None else None
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "cause_hint": self.cause_hint, "next_policy": self.next_policy,
+                "next_step": self.next_step,
+                "savings": self.savings.to_dict() if self.savings is not None else None,
+                "evidence": self.evidence.to_dict() if self.evidence is not None else None,
+                "caveat": self.caveat}
 
 
 def _nominal_kv_bits(preset: str) -> tuple[float, float]:
@@ -80,23 +120,40 @@ def next_policy(verdict: str, policy: Policy, geometry) -> str | None:
     return higher[0] if higher else "fp16"
 
 
-def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = False) -> dict:
-    """Status, a cause hint and the next policy to try, for one candidate's verdict (no next policy without
-    ``geometry``)."""
+def decide_status(verdict: str, savings: Savings | None = None, evidence: Evidence | None = None,
+                  storage_only: bool = False) -> str:
+    """The status of a candidate (rules in the module docstring)."""
     if storage_only:
-        return {"status": STORAGE_ONLY["status"], "cause_hint": STORAGE_ONLY["cause_hint"],
-                "next_policy": policy.label, "next_step": STORAGE_ONLY["next_step"]}
+        return STORAGE_ONLY["status"]
+    if savings is not None and not savings.saves:
+        return "saves-nothing"
     status = STATUS[verdict]
+    if status in ("safe", "usable-with-care") and evidence is not None and not evidence.enough:
+        return "unproven"
+    return status
+
+
+def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = False,
+              savings: Savings | None = None, evidence: Evidence | None = None) -> Recommendation:
+    """Status, a cause hint and the next policy to try, for one candidate's verdict (no next policy without
+    ``geometry``, nor when it saves nothing at this length)."""
+    status = decide_status(verdict, savings, evidence, storage_only)
+    if status == STORAGE_ONLY["status"]:
+        return Recommendation(status, STORAGE_ONLY["cause_hint"], policy.label, STORAGE_ONLY["next_step"],
+                              savings, evidence)
+    if status == "saves-nothing":
+        return Recommendation(status, cause_hint(verdict, policy), None,
+                              f"{NEXT_STEP[status]}: {savings.starts_to_save}", savings, evidence)
     nxt = next_policy(verdict, policy, geometry) if geometry is not None else None
-    return {"status": status, "cause_hint": cause_hint(verdict, policy), "next_policy": nxt,
-            "next_step": NEXT_STEP[status]}
+    return Recommendation(status, cause_hint(verdict, policy), nxt, NEXT_STEP[status], savings, evidence)
 
 
-def self_test_recommendation(verdict: str) -> dict:
+def self_test_recommendation(verdict: str) -> Recommendation:
     """A self-test's 'recommendation': passed (exact-match) or a bug to report."""
     ok = verdict == "exact-match"
-    return {"status": "self-test-passed" if ok else "self-test-failed",
-            "cause_hint": "the baseline against itself through the same loop" + (
-                "" if ok else ": tokens differ, so the generation loop or cache is not deterministic"),
-            "next_policy": None,
-            "next_step": "validate a candidate policy" if ok else "report a bug: comparisons cannot be trusted"}
+    return Recommendation(
+        "self-test-passed" if ok else "self-test-failed",
+        "the baseline against itself through the same loop" + (
+            "" if ok else ": tokens differ, so the generation loop or cache is not deterministic"),
+        None,
+        "validate a candidate policy" if ok else "report a bug: comparisons cannot be trusted")

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 from tqbench.engine.metrics import TokenComparison, compare_tokens, decide_verdict
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.validate.recommendation import recommend, self_test_recommendation
+from tqbench.engine.validate.evidence import evidence
+from tqbench.engine.validate.recommendation import Recommendation, recommend, self_test_recommendation
 from tqbench.engine.validate.steps import StepRecord, logit_comparison, policy_summary, step_comparison
 
 
@@ -31,7 +32,7 @@ class ValidationReport:
     step_comparison: dict
     logit_comparison: dict | None
     policy_summary: dict
-    policy_recommendation: dict
+    policy_recommendation: Recommendation
     texts: dict
     token_ids: dict
     baseline_cache_report: object | None = None
@@ -69,7 +70,7 @@ class ValidationReport:
             "step_comparison": self.step_comparison,
             "logit_comparison": self.logit_comparison,
             "policy_summary": self.policy_summary,
-            "policy_recommendation": self.policy_recommendation,
+            "policy_recommendation": self.policy_recommendation.to_dict(),
             "texts": self.texts,
             "token_ids": self.token_ids,
             "baseline_cache_report": _rep(self.baseline_cache_report),
@@ -80,6 +81,18 @@ class ValidationReport:
 
 def _rep(rep) -> dict | None:
     return rep.to_dict() if rep is not None else None
+
+
+def stored_tokens(result) -> int:
+    """The tokens a run's cache held at its end (its report's count; else prompt + generated tokens)."""
+    rep = result.cache_report
+    return rep.tokens if rep is not None else result.input_tokens + len(result.token_ids)
+
+
+def candidate_savings(engine, policy: Policy, baseline: Policy, result, geometry=None):
+    """``Engine.savings`` of ``policy`` against ``baseline`` at the length ``result``'s cache held (None when the
+    model's ``geometry`` is unknown)."""
+    return None if geometry is None else engine.savings(policy, baseline, stored_tokens(result))
 
 
 def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, cand_res, steps, *, cache_mode,
@@ -99,7 +112,9 @@ def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, c
     if self_test:
         rec = self_test_recommendation(verdict)
     else:
-        rec = recommend(verdict, cand_pol, geometry, storage_only)
+        ev = evidence([max(comp.baseline_tokens, comp.candidate_tokens)])
+        rec = recommend(verdict, cand_pol, geometry, storage_only,
+                        candidate_savings(engine, cand_pol, base_pol, cand_res, geometry), ev)
     return ValidationReport(
         model=engine.name,
         baseline=base_pol.label,

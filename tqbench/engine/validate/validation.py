@@ -25,7 +25,6 @@ from tqbench.engine.events import (
 )
 from tqbench.engine.generate import GREEDY, Sampling
 from tqbench.engine.metrics import DEFAULT_QUALITY_THRESHOLD
-from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.validate.report import ValidationReport, build_report
 from tqbench.engine.validate.steps import StepRecord, check_generation_args, step_record
@@ -55,10 +54,11 @@ def validate(
     """Baseline vs candidate through ``Engine.lockstep``; ``on_event`` gets every event (``PairStep`` too)
     and finally ``ValidationDone``. Raises ``Cancelled`` when ``cancel()`` turns true."""
     check_generation_args(max_new_tokens, quality_threshold)
-    base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate)
+    base_chk, cand_chk = engine.check_policy(baseline), engine.check_policy(candidate)  # once, for both runs
+    base_pol, cand_pol = base_chk.policy, cand_chk.policy
     steps: list[StepRecord] = []
     results: dict[str, object] = {}
-    for ev in engine.lockstep(prompt, base_pol, cand_pol, baseline_mode=baseline_mode, candidate_mode=cache_mode,
+    for ev in engine.lockstep(prompt, base_chk, cand_chk, baseline_mode=baseline_mode, candidate_mode=cache_mode,
                               chat=chat, max_new_tokens=max_new_tokens, sampling=sampling,
                               collect_logits=collect_logits, cancel=cancel, prefill_chunk=prefill_chunk):
         emit(on_event, ev)

@@ -1,9 +1,11 @@
 """The native CPU kernel of the ``fused`` cache mode: C++ built on first use (or by ``make setup``).
 
-``fused_attention.cpp`` attends straight from the packed codes and quantizes + packs new TurboQuant rows (the
-append path; see its header); it is compiled with torch's
-extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set and
-source hash under ``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded with torch's own pool.
+``fused_attention.cpp`` (one translation unit over its internal ``fa_*.h`` headers) attends straight from the
+packed codes and quantizes + packs new TurboQuant rows (the append path; see its header); it is compiled with
+torch's extension tools for the CPU it runs on (``-march=native``; the build is cached per CPU-flag set, install
+(torch, interpreter) and source hash under ``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``) and threaded
+with torch's own pool. Builders hold an OS lock on their build folder (``builder_lock``), so a build killed
+mid-way never blocks the next one: its leftover torch lock is removed at once.
 
 ``TQBENCH_NATIVE_ISA=avx2`` builds without AVX-512 (the AVX2 paths; tests force it to cover CPUs without
 AVX-512), ``=generic`` without either; the default is the CPU's best. ``native_status()`` says whether it can run
@@ -18,24 +20,28 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import threading
-import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "cflags", "native_module", "native_status", "wait_for_build_lock"]
+__all__ = ["BUILDER_LOCK", "DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "build_name", "builder_lock", "cflags",
+           "native_module", "native_status"]
 
 DISABLE_ENV = "TQBENCH_NATIVE"  # "0" turns the native kernel off (the torch reference runs, and says so)
-SOURCE = Path(__file__).with_name("fused_attention.cpp")
+SOURCE = Path(__file__).with_name("fused_attention.cpp")  # the one translation unit; it includes the headers
+#: every C++ file of the kernel (the .cpp and its internal ``fa_*.h`` headers): all hashed and copied
+SOURCES = (SOURCE, *sorted(SOURCE.parent.glob("fa_*.h")))
 ISA_ENV = "TQBENCH_NATIVE_ISA"  # "avx2" / "generic": build without AVX-512 (/ without AVX2 too); unset: the CPU's best
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 _ISA_FLAGS = {"": [], "native": [], "avx2": ["-mno-avx512f"], "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 
-#: a build lock in a build folder where nothing has changed for this long was left by a killed build (a build
-#: writes its object file within a few minutes even on a loaded 2-core machine)
-STALE_LOCK_SECONDS = 900
-#: after this long waiting on another process's build lock, say so (once)
-WAIT_WARN_SECONDS = 30
+#: our own lock file in a build folder: every tqbench builder holds an OS lock (``flock``) on it for the whole
+#: time it builds or loads there, so torch's ``lock`` file only ever exists while a live process holds this one
+#: (the OS drops a ``flock`` when its process dies, however it dies)
+BUILDER_LOCK = "tqbench-builder.lock"
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -69,8 +75,27 @@ def cflags() -> list[str]:
 
 
 def _source_tag(flags: list[str]) -> str:
-    """A short hash of the source and flags: checkouts with different kernels never share (or overwrite) a build."""
-    return hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:8]
+    """A short hash of every source file (names and bytes) and the flags: checkouts with different kernels never
+    share (or overwrite) a build, and editing a header rebuilds."""
+    h = hashlib.sha1()
+    for src in SOURCES:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update(" ".join(flags).encode())
+    return h.hexdigest()[:8]
+
+
+def _install_tag() -> str:
+    """A short hash of this install (torch's folder and version, the interpreter and its prefix): each venv writes
+    its own include paths into build.ninja, so two installs sharing one build folder would rebuild it in turn."""
+    import torch
+
+    where = f"{os.path.dirname(os.path.abspath(torch.__file__))}|{torch.__version__}|{sys.prefix}|{sys.executable}"
+    return hashlib.sha1(where.encode()).hexdigest()[:8]
+
+
+def build_name(flags: list[str]) -> str:
+    """The extension's name, which names its build folder: one per CPU-flag set, install, and source + flags."""
+    return f"tqbench_fused_cpu_{_cpu_tag()}_{_install_tag()}_{_source_tag(flags)}"
 
 
 def _build():
@@ -79,8 +104,6 @@ def _build():
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise NativeUnavailable(f"no C++ compiler ({cxx} not found: install g++ to build the native kernel)")
-    import sys
-
     bindir = os.path.dirname(sys.executable)  # the venv's ninja (a dependency) when the venv is not activated
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
@@ -89,57 +112,81 @@ def _build():
     except Exception as exc:  # pragma: no cover - torch always ships it
         raise NativeUnavailable(f"torch.utils.cpp_extension unavailable: {exc}") from exc
     flags = cflags()
-    name = f"tqbench_fused_cpu_{_cpu_tag()}_{_source_tag(flags)}"
+    name = build_name(flags)
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
         build_dir = Path(_get_build_directory(name, verbose=False))
-        wait_for_build_lock(build_dir)
-        source = _stable_source(build_dir)
-        return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        with builder_lock(build_dir):
+            source = _stable_source(build_dir)
+            return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                        verbose=False)
     except Exception as exc:
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise NativeUnavailable(f"the native kernel failed to build: {first[:300]}") from exc
 
 
 def _stable_source(build_dir: Path) -> Path:
-    """The source as a file inside its build folder: every checkout of the same source (worktrees, a fresh clone)
-    then gives ninja the same command, so they share one build instead of rebuilding it in turn."""
-    dest = build_dir / SOURCE.name
-    data = SOURCE.read_bytes()
-    if not dest.is_file() or dest.read_bytes() != data:
-        tmp = build_dir / f".{SOURCE.name}.{os.getpid()}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
-    return dest
+    """The sources as files inside their build folder (the .cpp and every header it includes): every checkout of
+    the same source (worktrees, a fresh clone) then gives ninja the same command, so they share one build instead
+    of rebuilding it in turn. Returns the .cpp's copy."""
+    for src in SOURCES:
+        dest = build_dir / src.name
+        data = src.read_bytes()
+        if not dest.is_file() or dest.read_bytes() != data:
+            tmp = build_dir / f".{src.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+    return build_dir / SOURCE.name
 
 
-def wait_for_build_lock(build_dir: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> str | None:
-    """Wait while another process holds the build lock (torch's ``lock`` file, which torch itself waits on
-    forever); a lock in a folder where nothing has changed for ``stale_after`` seconds is left over from a killed
-    build and is removed. Returns what was done about a stale lock, or None."""
-    lock = build_dir / "lock"
-    start, warned = time.monotonic(), False
-    while lock.exists():
+def _holder(fd: int) -> str:
+    """The pid the lock file's holder wrote into it ("?" when it has not yet)."""
+    try:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return text if text.isdigit() else "?"
+
+
+@contextmanager
+def builder_lock(build_dir: Path) -> Iterator[str | None]:
+    """Hold the builders' OS lock on ``build_dir`` for the block (build or load inside it).
+
+    While another live process holds it, wait (saying so once, with its pid). Once held, a torch ``lock`` file in
+    the folder cannot belong to a live build (every tqbench builder holds this lock while torch's exists): it was
+    left by a killed build, so it is removed at once, with a warning. Yields what was done about a stale lock, or
+    None. Where the OS has no ``flock`` (Windows), nothing is held and torch's own wait applies.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - POSIX everywhere tqbench builds today
+        yield None
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir / BUILDER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
         try:
-            newest = max(p.stat().st_mtime for p in build_dir.iterdir())
-        except (FileNotFoundError, ValueError):  # the build finished (or the folder went) while we looked
-            continue
-        if time.time() - newest > stale_after:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            warnings.warn(f"waiting for another process's native-kernel build in {build_dir} (pid {_holder(fd)}); a "
+                          "build takes about a minute on 2 cores", stacklevel=3)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # returns when that process finishes or dies
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        note = None
+        lock = build_dir / "lock"
+        if lock.exists():
             try:
                 lock.unlink()
             except FileNotFoundError:
                 pass
-            note = (f"removed a stale native-kernel build lock {lock}: nothing in its folder changed for "
-                    f"{stale_after:.0f} s (a killed build left it)")
-            warnings.warn(note, stacklevel=2)
-            return note
-        if not warned and time.monotonic() - start > WAIT_WARN_SECONDS:
-            warnings.warn(f"waiting for another process's native-kernel build ({lock}); a build takes about a "
-                          "minute on 2 cores. If no tqbench process is running, delete that file", stacklevel=2)
-            warned = True
-        time.sleep(poll)
-    return None
+            note = (f"removed a stale native-kernel build lock {lock}: no tqbench builder holds its folder (a killed "
+                    "build left it)")
+            warnings.warn(note, stacklevel=3)
+        yield note
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def native_module():

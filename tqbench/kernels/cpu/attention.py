@@ -2,7 +2,8 @@
 ``fused_attention.cpp`` and the docs' kernels page).
 
 One kernel call attends the queries of ``B`` sequences, each over its own store, described per sequence (or per
-padded group of sequences) by one ``Side`` for K and one for V (``kernel_side`` builds it from a ``PackedSide``
+padded group of sequences) by one ``Side`` for K and one for V (or, for a per-head layer, one pair per group of
+heads, each naming its ``heads`` and the store's ``kv_heads``) (``kernel_side`` builds it from a ``PackedSide``
 and the store's full-precision row chunks). ``native_attention_batch`` is the call; ``native_attention`` is the
 one-store form (a padded batch in one store, dense rows as one tensor per side).
 
@@ -22,7 +23,16 @@ import torch
 from tqbench.kernels.cpu import native_module
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch", "simd_order"]
+__all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
+           "refresh_side", "simd_order"]
+
+#: per packed kind: the Side's fields that come from the packed payload (Side field, payload field)
+_PAYLOAD = {
+    "turbo": (("codes", "idx"), ("norms", "norm")),
+    "pcaq": (("codes", "idx"),),
+    "affine-token": (("codes", "q"), ("scales", "scale"), ("zeros", "zero")),
+    "affine-channel": (("codes", "q"), ("scales", "scale"), ("zeros", "zero")),
+}
 
 _RULES: list[dict] = []
 _MODULE: list = []  # the loaded extension, once native_module() has returned it (the per-call path skips its lock)
@@ -88,7 +98,7 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
     if packed is None:
         return side(head_dim=head_dim, dense=chunks), extra
     p = packed.payload
-    if packed.kind == "turbo":
+    if packed.kind in ("turbo", "pcaq"):
         lev, rot = packed.levels, packed.rotation
         if lev is not None and lev.dtype != dt:
             lev = lev.to(dt)
@@ -96,10 +106,26 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
         if rot is not None and rot.dtype != dt:
             rot = rot.to(dt)
             extra += _nbytes(rot)
+        if packed.kind == "pcaq":  # calibrated keys: a transform per head, a width per coordinate, no norm
+            return side(kind="pcaq", bits=packed.bits, head_dim=head_dim, n_before=n_before,
+                        n_packed=packed.n_tokens, widths=packed.widths, levels=lev, rotation=rot, mu=packed.mu,
+                        dense=chunks, **_payload_fields("pcaq", p)), extra
         return side(kind="turbo", bits=packed.bits, head_dim=head_dim, n_before=n_before, n_packed=packed.n_tokens,
-                    codes=p["idx"], norms=p["norm"], levels=lev, rotation=rot, mu=packed.mu, dense=chunks), extra
+                    levels=lev, rotation=rot, mu=packed.mu, dense=chunks, **_payload_fields("turbo", p)), extra
     return side(kind=packed.kind, bits=packed.bits, group=packed.group, head_dim=head_dim, n_before=n_before,
-                n_packed=packed.n_tokens, codes=p["q"], scales=p["scale"], zeros=p["zero"], dense=chunks), extra
+                n_packed=packed.n_tokens, dense=chunks, **_payload_fields(packed.kind, p)), extra
+
+
+def _payload_fields(kind: str, payload: dict) -> dict:
+    return {attr: payload[name] for attr, name in _PAYLOAD[kind]}
+
+
+def refresh_side(side, payload: dict, n_packed: int) -> None:
+    """Point a kept ``Side`` at its store's packed run after rows were packed into it (same codec and state: the
+    codebook, rotation, widths and centring mean stand; only the payload tensors and the row count change)."""
+    for attr, name in _PAYLOAD[side.kind]:
+        setattr(side, attr, payload[name])
+    side.n_packed = n_packed
 
 
 def native_attention_batch(

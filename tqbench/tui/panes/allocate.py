@@ -115,8 +115,9 @@ class AllocatePanel(Vertical):
             budget = float(text)
         except ValueError:
             raise ValueError(f"budget {text!r} is not a number: type bits per element, e.g. 3.0") from None
-        if budget <= 0:
-            raise ValueError(f"budget {budget} is invalid: type a positive number of bits per element")
+        from tqbench.engine.allocate import DEFAULT_CODECS, check_budget
+
+        check_budget(budget, DEFAULT_CODECS)  # the engine's bounds (the CLI checks the same)
         ints = []
         for field in ("sink", "recent"):
             val = pane.query_one(f"#{field}", Input).value.strip() or "0"

@@ -43,8 +43,9 @@ VERDICT_STYLE = {"exact-match": "bold green", "near-stable": "green", "prefix-st
 
 
 def _policy_list(text: str) -> list[str]:
-    sep = ";" if ";" in text else ","
-    return [p.strip() for p in text.split(sep) if p.strip()]
+    from tqbench.engine import split_policies  # the rule every front end splits a policy list by
+
+    return split_policies(text)
 
 
 class ComparePane(Vertical):
@@ -62,7 +63,7 @@ class ComparePane(Vertical):
     ComparePane #cmp-progress ProgressBar { width: 40; }
     ComparePane #cmp-status { width: 1fr; padding: 0 1; }
     ComparePane #cmp-table { height: 1fr; border: round $panel; }
-    ComparePane #recommendation { height: auto; max-height: 4; padding: 0 1; background: $boost; }
+    ComparePane #recommendation { height: auto; max-height: 8; padding: 0 1; background: $boost; }
     """
 
     class Finished(Message):
@@ -102,7 +103,7 @@ class ComparePane(Vertical):
         with Horizontal(classes="controls"):
             yield Label("policies")
             yield Input(p.get("policies") or DEFAULT_POLICIES, id="cmp-policies", compact=True,
-                        tooltip="';' between policies (compact policies contain ',')")
+                        tooltip="';' between policies (',' too between names: a compact policy keeps its commas)")
             yield Label("baseline")
             yield Input(p.get("baseline", "fp16"), id="cmp-baseline", compact=True)
         with Horizontal(classes="controls"):
@@ -221,6 +222,10 @@ class ComparePane(Vertical):
             text += f" · best risky candidate: [b]{rec['best_risky_policy']}[/b]"
         if rec.get("note"):
             text += f" · [yellow]{rec['note']}[/]"
+        for nothing in rec.get("saves_nothing_policies") or ():  # the engine's rule: never recommended
+            text += f"\n[yellow]saves nothing: {nothing['policy']}: {nothing['note']}[/]"
+        if rec.get("caveat"):
+            text += f"\n[yellow]caveat: {rec['caveat']}[/]"
         self.query_one("#recommendation", Static).update(text)
 
     def fill_cells(self, result: CompareResult) -> None:

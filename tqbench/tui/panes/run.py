@@ -76,11 +76,12 @@ class RunPane(Vertical):
     class Finished(Message):
         """A run ended (done, cancelled or failed); ``record`` is the session's ``RunRecord``."""
 
-        def __init__(self, record, error: str | None, cancelled: bool) -> None:
+        def __init__(self, record, error: str | None, cancelled: bool, savings=None) -> None:
             super().__init__()
             self.record = record
             self.error = error
             self.cancelled = cancelled
+            self.savings = savings  # engine.cache.savings.Savings of the candidate at the length it held
 
     class _Event(Message):
         def __init__(self, event: object) -> None:
@@ -98,6 +99,9 @@ class RunPane(Vertical):
         self._same_token: list[bool] = []
         self._same_top1: list[bool] = []
         self._kl: list[float | None] = []
+        self._produced = {"baseline": 0, "candidate": 0}  # tokens each side produced (a cancel may cut one short)
+        self._cancelled: tuple[int, int] | None = None  # (baseline, candidate) tokens of a cancelled run
+        self._savings = None  # cache.savings.Savings of the finished run's candidate (None: saves, or unknown)
         self._diff_note = ""
         self.status = "idle"
         self.on_finish = None  # callback(record) set by the app for re-run-and-diff
@@ -239,6 +243,9 @@ class RunPane(Vertical):
         self._cancel.clear()
         self.steps = 0
         self._same_token, self._same_top1, self._kl = [], [], []
+        self._produced = {"baseline": 0, "candidate": 0}
+        self._cancelled = None
+        self._savings = None
         self._diff_note = ""
         self.status = "running"
         base, cand = parse_policy(params.baseline), parse_policy(params.candidate)
@@ -277,7 +284,14 @@ class RunPane(Vertical):
                 self.post_message(self._Event(ev))
         except Exception as exc:  # shown in the app, which keeps running
             error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        self.post_message(self.Finished(rec.record, error, self._cancel.is_set()))
+        savings = None
+        report = rec.record.candidate.cache_report
+        if error is None and report is not None:
+            try:
+                savings = engine.savings(params.candidate, params.baseline, report["tokens"])
+            except Exception:  # noqa: BLE001 - a geometry the estimate cannot read: the strip shows the bytes only
+                savings = None
+        self.post_message(self.Finished(rec.record, error, self._cancel.is_set(), savings))
 
     def action_cancel(self) -> bool:
         if self.running:
@@ -302,6 +316,7 @@ class RunPane(Vertical):
             differs = not same
             for run, tok in (("baseline", b), ("candidate", c)):
                 if tok is not None:
+                    self._produced[run] += 1
                     self.query_one(f"#{run}-view", TokenView).add(tok.token_id, tok.text, differs and b is not None
                                                                   and c is not None)
                     if step > 0:
@@ -319,6 +334,9 @@ class RunPane(Vertical):
             self.app.notify(msg.error, title="run failed", severity="error")
         else:
             self.status = "cancelled" if msg.cancelled else "done"
+            if msg.cancelled:
+                self._cancelled = (self._produced["baseline"], self._produced["candidate"])
+            self._savings = msg.savings
         self._update_strip()
         callback, self.on_finish = self.on_finish, None
         if callback is not None and not msg.error:
@@ -350,6 +368,8 @@ class RunPane(Vertical):
         )
         self.steps = rec.steps
         self._same_token, self._same_top1, self._kl = list(rec.same_token), list(rec.same_top1), list(rec.kl)
+        self._cancelled = rec.cancelled_tokens
+        self._savings = None
         self.status = "saved run"
         self._diff_note = note
         self._update_strip()
@@ -361,11 +381,14 @@ class RunPane(Vertical):
     def _update_strip(self) -> None:
         from tqbench.engine.metrics import pair_summary
 
-        n = self.steps
-        summary = pair_summary(self._same_token, self._same_top1, self._kl)  # the numbers validate reports
-        parts = [f"[b]{self.status}[/b]", f"step {n}"]
+        # the numbers validate reports; a cancelled run compares only the steps both sides produced
+        summary = pair_summary(self._same_token, self._same_top1, self._kl, self._cancelled)
+        n = summary.steps
+        parts = [f"[b]{self.status}[/b]", f"step {self.steps}"]
+        if summary.note:
+            parts.append(f"[b yellow]{summary.note}[/]")
         if n:
-            same, top1 = sum(self._same_token), sum(self._same_top1)
+            same, top1 = round(summary.token_match * n), round(summary.top1_agreement * n)
             parts.append(f"token match {same}/{n} ({100 * same / n:.0f}%)")
             parts.append(f"top-1 {top1}/{n}")
         if summary.kl_mean is not None:
@@ -383,6 +406,8 @@ class RunPane(Vertical):
             cr = rec.candidate.cache_report
             mode = cr["cache_mode"]
             parts.append(f"KV {cr['bits_per_element']:.2f} b/el, {cr['memory_saved_pct']:.1f}% saved")
+        if self._savings is not None and not self._savings.saves:
+            parts.append(f"[b yellow]{self._savings.message}[/]")
         parts.append(f"cache mode [b]{mode}[/b]")
         if mode == "dense-shadow":
             parts.append("[b yellow]dense-shadow: storage-only (outputs equal fp16 by construction)[/]")

@@ -10,6 +10,7 @@ torch_ref, layout``, loaded lazily because it imports triton):
   refusal that names the model class, the reason and the modes that work);
 - ``layout.py``: a store's parts around its packed run, ``packed_side`` (the kernels' description of it);
 - ``torch_ref.py``: ``reference_fused_attention``, the torch implementation (CPU);
+- ``masks.py``: ``bool_mask``, the mask both kernel paths take (or why a mask is not one they take);
 - ``triton_glue.py``: ``triton_fused_attention``, the Triton launch (packed kernel + dense rows, merged).
 """
 

@@ -1,5 +1,7 @@
 """Per-KV-head groups in the ``fused`` mode: a layer whose K and V are per-head lists (``HeadSplitCodec``, one
-grouping of heads for both) is attended group by group, each group through the ordinary fused path.
+grouping of heads for both). On the native kernel the whole layer is one call (each group one side naming its heads,
+``native_glue.store_sides``); elsewhere (Triton, the torch reference, or when the one call cannot run) it is
+attended group by group, each group through the ordinary fused path.
 
 ``group_views(kv)`` gives, per group, a ``FusedKV`` over that group's heads only: its K and V stores seen
 through ``GroupStore`` (the group's sub-codec, its state, its packed fields, the store's counts), the dense rows
@@ -20,7 +22,7 @@ import torch
 from tqbench.engine.cache.handles import FusedKV
 from tqbench.engine.codecs.heads import HeadSplitCodec
 
-__all__ = ["GroupStore", "group_label", "group_views", "is_per_head", "query_index", "same_groups"]
+__all__ = ["GroupStore", "group_label", "group_labels", "group_views", "is_per_head", "query_index"]
 
 
 class GroupStore:
@@ -70,12 +72,6 @@ def is_per_head(kv) -> bool:
     return isinstance(getattr(kv.k_store, "codec", None), HeadSplitCodec)
 
 
-def same_groups(kvs) -> bool:
-    """True when every handle's K and V share one grouping of heads (a batch under one policy does)."""
-    first = kvs[0].k_store.codec.groups
-    return all(kv.k_store.codec.groups == first and kv.v_store.codec.groups == first for kv in kvs)
-
-
 def _parts(parts: tuple, codec: HeadSplitCodec, g: int) -> tuple:
     out = []
     for kind, n, payload in parts:
@@ -123,7 +119,16 @@ def put_heads(out: torch.Tensor, index, rows: torch.Tensor) -> None:
         out.index_copy_(1, index, rows)
 
 
+def _label(k_spec: str, v_spec: str, heads) -> str:
+    return f"k={k_spec} v={v_spec} heads {','.join(str(h) for h in heads)}"
+
+
 def group_label(kv_g: FusedKV) -> str:
     """How the report names a group: its codecs and its heads (``k=turbo4 v=turbo2 heads 0,2``)."""
-    heads = ",".join(str(h) for h in kv_g.k_store.heads)
-    return f"k={kv_g.k_store.codec.spec} v={kv_g.v_store.codec.spec} heads {heads}"
+    return _label(kv_g.k_store.codec.spec, kv_g.v_store.codec.spec, kv_g.k_store.heads)
+
+
+def group_labels(kv: FusedKV) -> list[str]:
+    """``group_label`` of every group of a per-head layer's handle, in group order (without building the views)."""
+    kc, vc = kv.k_store.codec, kv.v_store.codec
+    return [_label(kc.subs[g].spec, vc.subs[g].spec, kc.groups[g]) for g in range(len(kc.groups))]

@@ -30,11 +30,11 @@ from tqbench.engine.cache.fused.batch_kv import FusedBatch
 from tqbench.engine.cache.fused.choose import NATIVE, REFERENCE, TRITON, choose_impl
 from tqbench.engine.cache.fused.groups import (
     group_label,
+    group_labels,
     group_views,
     is_per_head,
     put_heads,
     query_index,
-    same_groups,
     take_heads,
 )
 from tqbench.engine.cache.fused.support import (
@@ -148,7 +148,8 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
     On the native kernel: ONE ragged kernel call for every sequence (``native_fused_attention_ragged``: each
     its own packed store, length and mask; no codes padded, no dense history). Elsewhere (Triton, the torch
     reference, a sequence with no stored rows yet, or a call the kernel refuses) each sequence runs its own
-    fused call inside this one forward call, counted as the solo path counts it."""
+    fused call inside this one forward call, counted as the solo path counts it. Per-head layers are in the same
+    one call (each sequence's groups of heads are sides of its store)."""
     members = batch.members
     impl, _ = choose_impl(query)
     if impl == NATIVE and all(kv.k_parts or kv.v_parts for kv in members):
@@ -174,41 +175,34 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
 
 def _count(layer, label: str, group: str | None) -> None:
     layer.fused_impl[label] = layer.fused_impl.get(label, 0) + 1
-    if group is not None:  # a per-head layer: which implementation ran for each group of heads
-        ran = layer.fused_groups.setdefault(group, {})
-        ran[label] = ran.get(label, 0) + 1
+    if group is not None:
+        _count_group(layer, group, label)
+
+
+def _count_group(layer, group: str, label: str) -> None:
+    """A per-head layer: which implementation ran for each group of heads."""
+    ran = layer.fused_groups.setdefault(group, {})
+    ran[label] = ran.get(label, 0) + 1
+
+
+def _count_native(kv) -> None:
+    """One native kernel call for this layer (a per-head layer: every group of heads ran in it)."""
+    _count(kv.layer, NATIVE, None)
+    if is_per_head(kv):
+        for group in group_labels(kv):
+            _count_group(kv.layer, group, NATIVE)
 
 
 def _ragged(query, members, masks, scaling, softcap, sinks):
-    """The native kernel's ragged call over every sequence of a batch (one call per group of heads on a per-head
-    layer), or ``str`` (why not: the caller runs each sequence's own fused call)."""
+    """The native kernel's ragged call over every sequence of a batch (per-head layers too: each sequence's
+    groups of heads are sides of its store), or ``str`` (why not: the caller runs each sequence's own fused call)."""
     from tqbench.engine.cache.fused.native_glue import native_fused_attention_ragged
 
-    sparse_v = members[0].layer.policy.sparsev
-    if not is_per_head(members[0]):
-        out = native_fused_attention_ragged(query, members, masks, scaling, softcap=softcap, sinks=sinks,
-                                            sparse_v=sparse_v)
-        if not isinstance(out, str):
-            for kv in members:
-                _count(kv.layer, NATIVE, None)
-        return out
-    if not same_groups(members):
-        return "the sequences' per-head layers group their heads differently"
-    views = [group_views(kv) for kv in members]
-    n_rep = query.shape[1] // members[0].new_k.shape[1]
-    out = None
-    for g in range(len(views[0])):
-        qi = query_index(views[0][g].k_store.heads, n_rep, query.device)
-        o = native_fused_attention_ragged(take_heads(query, qi), [v[g] for v in views], masks, scaling,
-                                          softcap=softcap, sinks=None if sinks is None else take_heads(sinks, qi, 0),
-                                          sparse_v=sparse_v)
-        if isinstance(o, str):
-            return f"{o} ({group_label(views[0][g])})"
-        if out is None:
-            out = o.new_empty(query.shape[0], query.shape[1], *o.shape[2:])
-        put_heads(out, qi, o)
-        for v in views:
-            _count(v[g].layer, NATIVE, group_label(v[g]))
+    out = native_fused_attention_ragged(query, members, masks, scaling, softcap=softcap, sinks=sinks,
+                                        sparse_v=members[0].layer.policy.sparsev)
+    if not isinstance(out, str):
+        for kv in members:
+            _count_native(kv)
     return out
 
 
@@ -236,9 +230,20 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
 
     Counts which implementation ran (``TQLayer.fused_impl``); a call the native kernel cannot take (a codec
     without a native form, an additive bias) runs on the torch reference and is counted as a fallback. A
-    per-head layer runs group by group (``groups.py``), each group counted (``TQLayer.fused_groups``)."""
+    per-head layer is one native call (every group of heads a side of its store); where that cannot run (Triton,
+    the torch reference, a group without a native form: said in the report) it runs group by group
+    (``groups.py``); each group is counted (``TQLayer.fused_groups``)."""
     if not is_per_head(kv):
         return _fused_one(query, kv, attention_mask, scaling, softcap, sinks, None)
+    if choose_impl(query)[0] == NATIVE:
+        from tqbench.engine.cache.fused.native_glue import native_fused_attention
+
+        out = native_fused_attention(query, kv, attention_mask, scaling, softcap=softcap, sinks=sinks,
+                                     sparse_v=kv.layer.policy.sparsev)
+        if not isinstance(out, str):
+            _count_native(kv)
+            return out
+        kv.layer.note_fallback(f"native: {out}: the layer's groups of heads ran one call each")
     n_rep = query.shape[1] // kv.new_k.shape[1]
     out = None
     for kv_g in group_views(kv):

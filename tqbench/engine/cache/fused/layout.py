@@ -13,8 +13,8 @@ import weakref
 
 import torch
 
-from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, TurboCodec
-from tqbench.kernels.cpu.attention import dense_chunks, kernel_side
+from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, PcaKeyCodec, TurboCodec
+from tqbench.kernels.cpu.attention import dense_chunks, kernel_side, refresh_side
 from tqbench.kernels.reference import PackedSide
 
 
@@ -31,6 +31,10 @@ def packed_side(store, payload: dict, n: int, d: int, dt: torch.dtype) -> Packed
         return PackedSide("affine-channel", codec.bits, payload, n, d, group=codec.block)
     if type(codec) is AffineTokenCodec and d % codec.group == 0:
         return PackedSide("affine-token", codec.bits, payload, n, d, group=codec.group)
+    if type(codec) is PcaKeyCodec:
+        widths, transform, levels, maxw = codec.fused_tables(d, payload["idx"].device, dt)
+        return PackedSide("pcaq", maxw, payload, n, d, levels=levels, rotation=transform, mu=state.get("mu"),
+                          widths=widths)
     return None
 
 
@@ -53,8 +57,9 @@ def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
     return out if out.dtype == dt else out.to(dt)
 
 
-# store -> (key, kernel Side of its packed run): rebuilt only when the run changes (a flush, an eviction, a new
-# calibration); weak keys, so the cache holds one entry per live store and nothing outlives its cache
+# store -> (key, kernel Side of its packed run): rebuilt when the codec state changes (a new calibration) or the
+# dims / dtype do; when only the run changes (a flush, an eviction) its payload fields and row count are refreshed
+# in place; weak keys, so the cache holds one entry per live store and nothing outlives its cache
 _SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -67,8 +72,11 @@ def _kernel_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dty
     payload = packed[2]
     key = (packed[1], dim, dt, store.state_version, [t.data_ptr() for t in payload.values()])
     hit = _SIDES.get(store)
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0][1:4] == key[1:4]:  # same dim, dtype, state: at most the run grew or moved
         side = hit[1]
+        if hit[0] != key:
+            refresh_side(side, payload, packed[1])
+            _SIDES[store] = (key, side)
         side.dense, extra = dense_chunks(chunks, dt)
         side.n_before = n_before
         return side, extra

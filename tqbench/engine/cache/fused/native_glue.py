@@ -3,9 +3,10 @@
 The kernel reads the packed codes where they are stored (no decoded copy, no code index) and the layer's
 full-precision rows ``[sinks | tail | this call's rows]`` where they are (chunks, not joined).
 ``native_fused_attention`` attends one store (a padded batch); ``native_fused_attention_ragged`` attends several
-sequences, each with its own store (own length, own rows, own mask), in one kernel call. Both return a string
-saying why when a call cannot run natively (a codec without a packed form, a per-head or additive mask); the
-caller then runs the torch reference and counts the fallback.
+sequences, each with its own store (own length, own rows, own mask), in one kernel call. A per-head layer's store
+(``HeadSplitCodec``) is handed as one side per group of heads, each naming its heads: still one kernel call for
+the layer (``store_sides``). Both return a string saying why when a call cannot run natively (a codec without a
+packed form, a per-head or additive mask); the caller then runs the torch reference and counts the fallback.
 """
 
 from __future__ import annotations
@@ -14,23 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from tqbench.engine.cache.fused.groups import group_label, group_views, is_per_head
 from tqbench.engine.cache.fused.layout import kernel_sides
+from tqbench.engine.cache.fused.masks import bool_mask
 from tqbench.kernels.cpu.attention import native_attention_batch
-
-
-def _bool_mask(attention_mask, seq: int, total: int):
-    """``[B, L, total]`` bool (True = attend), ``None`` (no mask), or a string saying why the kernel cannot."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-        return "per-head attention masks"
-    m = attention_mask[:, 0, -seq:, -total:]
-    if m.dtype == torch.bool:
-        return m
-    keep = m == 0
-    if not bool((keep | (m <= torch.finfo(m.dtype).min / 2)).all()):
-        return "an additive attention bias (not a 0/-inf mask)"
-    return keep
 
 
 def _record(layer, call, seq: slice) -> None:
@@ -40,18 +28,47 @@ def _record(layer, call, seq: slice) -> None:
     layer.sparse_v_rows[1] += sum(call.weighted_per_sequence[seq])
 
 
+def store_sides(kv, d: int, dt: torch.dtype):
+    """``(k_sides, v_sides, total_rows, extra_bytes)`` of one ``FusedKV`` for the kernel, or ``str`` (why not): one
+    side per side of a plain layer; one per group of heads of a per-head layer, each naming its KV heads (the
+    kernel takes a store's groups the way it takes a batch's sequences: each its own codec description)."""
+    if not is_per_head(kv):
+        sides = kernel_sides(kv, d, dt)
+        if isinstance(sides, str):
+            return sides
+        for side in sides[:2]:  # the whole store (a group's kept side may carry its heads from a one-call try)
+            if side.kv_heads:
+                side.heads, side.kv_heads = [], 0
+        return [sides[0]], [sides[1]], sides[2], sides[3]
+    kv_heads = kv.new_k.shape[1]
+    k_sides, v_sides, extra, total = [], [], 0, None
+    for kv_g in group_views(kv):
+        sides = kernel_sides(kv_g, d, dt)
+        if isinstance(sides, str):
+            return f"{sides} ({group_label(kv_g)})"
+        ks, vs, total, x = sides
+        heads = list(kv_g.k_store.heads)
+        for side in (ks, vs):  # (a kept side of an earlier call is re-labelled: its store's grouping may differ)
+            side.heads = heads
+            side.kv_heads = kv_heads
+        k_sides.append(ks)
+        v_sides.append(vs)
+        extra += x
+    return k_sides, v_sides, total, extra
+
+
 def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: float, *, softcap=None,
                            sinks=None, sparse_v: float = 0.0):
     """Attention of ``query`` [B, Hq, L, D] over the stored + new rows, or ``str`` (why not) when it cannot run."""
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
-    sides = kernel_sides(kv, query.shape[-1], dt)
+    sides = store_sides(kv, query.shape[-1], dt)
     if isinstance(sides, str):
         return sides
     ks, vs, total, extra = sides
-    mask = _bool_mask(attention_mask, query.shape[2], total)
+    mask = bool_mask(attention_mask, query.shape[2], total)
     if isinstance(mask, str):
         return mask
-    out, call = native_attention_batch(query, [ks], [vs], scaling, masks=[mask], softcap=softcap, sinks=sinks,
+    out, call = native_attention_batch(query, ks, vs, scaling, masks=[mask], softcap=softcap, sinks=sinks,
                                        sparse_v=sparse_v, extra_bytes=extra)
     _record(kv.layer, call, slice(None))
     return out
@@ -71,15 +88,15 @@ def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Seq
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
     k_sides, v_sides, bool_masks, extra = [], [], [], 0
     for i, kv in enumerate(kvs):
-        sides = kernel_sides(kv, query.shape[-1], dt)
+        sides = store_sides(kv, query.shape[-1], dt)
         if isinstance(sides, str):
             return sides
         ks, vs, total, x = sides
-        m = _bool_mask(None if masks is None else masks[i], query.shape[2], total)
+        m = bool_mask(None if masks is None else masks[i], query.shape[2], total)
         if isinstance(m, str):
             return m
-        k_sides.append(ks)
-        v_sides.append(vs)
+        k_sides += ks
+        v_sides += vs
         bool_masks.append(m)
         extra += x
     out, call = native_attention_batch(query, k_sides, v_sides, scaling, masks=bool_masks, softcap=softcap,

@@ -31,7 +31,7 @@ class FusedUnsupportedError(ValueError):
         self.model_class = model_class
         self.reason = reason
         self.modes = modes
-        works = (f"use --cache-mode {' / '.join(modes)}, which keep the model's own attention"
+        works = (f"use cache mode {' / '.join(modes)}, which keep the model's own attention"
                  if modes else "no compressed cache mode works on it; the fp16 DynamicCache baseline does")
         super().__init__(f"{model_class} cannot run the fused cache mode: {reason}; {works}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tqbench.engine.cache.fused.layout import layout, packed_side
+from tqbench.engine.cache.fused.masks import bool_mask
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
 from tqbench.engine.codecs.base import compute_dtype
 from tqbench.kernels.packed_attention import packed_attention  # imports triton: this module is loaded lazily
@@ -22,16 +23,13 @@ def _slice_units(payload: dict, start: int, stop: int) -> dict:
     return {name: t[:, :, start:stop] for name, t in payload.items()}
 
 
-def _bool_mask(attention_mask: torch.Tensor | None, seq: int, total: int, device) -> torch.Tensor | None:
-    """``[B, L, total]`` bool (True = attend) from what ``generate()`` passes, or a causal mask, or None."""
-    if attention_mask is None:
-        if seq == 1:
-            return None
+def kernel_mask(attention_mask: torch.Tensor | None, seq: int, total: int, device) -> torch.Tensor | str | None:
+    """The Triton kernels' mask: ``bool_mask``, with the causal mask spelled out when there is none (None for one
+    query row: it attends to every row), or the string saying why the kernels cannot take it."""
+    mask = bool_mask(attention_mask, seq, total)
+    if mask is None and seq > 1:
         return torch.ones(seq, total, dtype=torch.bool, device=device).tril(total - seq)[None]
-    if attention_mask.shape[1] != 1:
-        raise NotImplementedError("per-head attention masks")
-    m = attention_mask[:, 0, -seq:, -total:]
-    return m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    return mask
 
 
 def _extra_rows(store, part, common: int, dt) -> torch.Tensor | None:
@@ -65,10 +63,9 @@ def triton_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: flo
         layer.note_fallback(f"triton: no kernel for {spec} (torch reference)")
         return reference_fused_attention(query, kv, attention_mask, scaling)
     total = kv.shape[2] + kv.extra_rows  # (a verification call's column sets come after the call's rows)
-    try:
-        mask = _bool_mask(attention_mask, seq, total, query.device)
-    except NotImplementedError as exc:
-        layer.note_fallback(f"triton: {exc} (torch reference)")
+    mask = kernel_mask(attention_mask, seq, total, query.device)
+    if isinstance(mask, str):
+        layer.note_fallback(f"triton: {mask} (torch reference)")
         return reference_fused_attention(query, kv, attention_mask, scaling)
     k_extra = _extra_rows(kv.k_store, kp, common, query.dtype)
     v_extra = _extra_rows(kv.v_store, vp, common, query.dtype)

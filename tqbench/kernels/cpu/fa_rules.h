@@ -1,0 +1,159 @@
+// fa_rules.h: the ISA switches, the kernel's rules (one place; Python asks `rules()`), the side types
+// (`SideDesc`, what the caller describes; `Side`, the checked pointer form) and the fp16 row conversion.
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TQ_AVX512 1
+#else
+#define TQ_AVX512 0
+#endif
+#if !TQ_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TQ_AVX2 1
+#else
+#define TQ_AVX2 0
+#endif
+#if defined(__AVX512VBMI__) && TQ_AVX512
+#define TQ_VBMI 1
+#else
+#define TQ_VBMI 0
+#endif
+#if TQ_AVX512 || TQ_AVX2
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#define TQ_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+// -- the rules (one place; Python asks `rules()`) ----------------------------------------------------------
+constexpr int64_t MIN_BLOCK = 32;          // the smallest token block of a work item
+constexpr int64_t MAX_BLOCK = 2048;        // the largest (its scores stay in L2)
+constexpr int64_t BLOCKS_PER_THREAD = 8;   // work items per thread the split aims for (keeps threads busy at batch 1)
+constexpr int64_t SIMD_DIM_MULTIPLE = 64;  // turbo rows decode in SIMD order when head_dim % 64 == 0 (fp32)
+constexpr int64_t MAX_DENSE_CHUNKS = 8;    // dense row chunks per side
+constexpr int64_t MAX_HEAD_DIM = 512;      // the widest row (a row's scales and zeros fit one stack buffer)
+
+const char* isa_name() {
+#if TQ_AVX512 && TQ_VBMI
+  return "avx512+vbmi";
+#elif TQ_AVX512
+  return "avx512";
+#elif TQ_AVX2
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+enum Kind : int64_t { DENSE = 0, TURBO = 1, AFFINE_TOKEN = 2, AFFINE_CHANNEL = 3, PCAQ = 4 };
+
+// Kinds whose packed rows live in a transformed domain: keys score against the transformed query (R q), values
+// accumulate there and are transformed back once per query. TurboQuant: one rotation for every head, a norm per
+// row; pcaq (calibrated keys): one transform per head, per-coordinate widths and levels, no norm.
+inline bool transformed(int64_t kind) { return kind == TURBO || kind == PCAQ; }
+
+// turbo widths decoded in SIMD order (fp32, head_dim % 64 == 0)
+inline bool simd_turbo(int64_t bits, int64_t D) {
+#if TQ_AVX512 || TQ_AVX2
+  return D % SIMD_DIM_MULTIPLE == 0 && bits >= 1 && bits <= 4;
+#else
+  (void)bits;
+  (void)D;
+  return false;
+#endif
+}
+
+// Position p of a 64-code chunk holds coordinate simd_pos(bits, p) of the chunk (the unpack's natural output).
+inline int64_t simd_pos(int64_t bits, int64_t p) {
+#if TQ_AVX512
+  if (bits == 4) return p < 32 ? 2 * p : 2 * (p - 32) + 1;
+  if (bits == 2) return 4 * (p % 16) + p / 16;
+#if TQ_VBMI
+  if (bits == 3) return p;  // VBMI multishift unpacks 3-bit codes in their natural order
+#else
+  if (bits == 3) return 8 * (p % 8) + p / 8;
+#endif
+  return p;
+#elif TQ_AVX2
+  if (bits == 4) return p < 32 ? 2 * p : 2 * (p - 32) + 1;
+  if (bits == 2) return 4 * (p % 16) + p / 16;
+  if (bits == 3) return 8 * (p % 8) + p / 8;
+  return p;
+#else
+  (void)bits;
+  return p;
+#endif
+}
+
+// What the caller describes, one per side per store (bound to Python as `Side`).
+struct SideDesc {
+  std::string kind = "dense";  // "dense", "turbo", "affine-token", "affine-channel", "pcaq"
+  int64_t bits = 0, group = 1, head_dim = 0, n_before = 0, n_packed = 0;
+  std::optional<torch::Tensor> codes, norms, scales, zeros, levels, rotation, mu;
+  std::optional<torch::Tensor> widths;  // pcaq: bits of each coordinate, uint8 [H, D]
+  std::vector<torch::Tensor> dense;  // full-precision row chunks [Bs, H, n_i, head_dim], in token order
+  // one group of heads of a per-head store: the store's KV heads this side holds (its tensors' heads, in order)
+  // and how many the store has; empty / 0: the side is the whole store
+  std::vector<int64_t> heads;
+  int64_t kv_heads = 0;
+};
+
+// The checked, pointer form the kernel reads.
+template <typename T>
+struct Side {
+  int64_t kind = DENSE, bits = 0, group = 1, D = 0;
+  int64_t nb = 0, np = 0, nd = 0;  // dense rows before the packed run; packed tokens; dense rows in all
+  const uint8_t* codes = nullptr;
+  int64_t c_b = 0, c_h = 0, c_r = 0;  // codes [Bs, H, R, bytes] (R = tokens, or blocks for KIVI)
+  const at::Half* a = nullptr;  // turbo: norm [Bs, H, N, 1]; affine: scale [Bs, H, R, G | D]
+  int64_t a_b = 0, a_h = 0, a_r = 0;
+  const at::Half* z = nullptr;  // affine: zero, same shape as scale
+  int64_t z_b = 0, z_h = 0, z_r = 0;
+  T lut[256];  // value of each code: turbo codebook, or 0..2^bits-1 for affine
+  float lutpad[16] = {0};
+  std::vector<T> btab;  // [256][per_byte] decoded values of every byte (bits 1, 2, 4, 8)
+  int64_t per_byte = 0;
+  const T* rot = nullptr;  // turbo rotation [D, D] / pcaq transform [H, D, D] (natural row order)
+  int64_t rot_h = 0;       // the transform of head h is rot + h * rot_h (turbo: 0, one for all heads)
+  const at::Half* mu = nullptr;  // turbo / pcaq centring [Bs|1, H, 1, D]
+  int64_t mu_b = 0, mu_h = 0;
+  std::vector<int32_t> order;  // SIMD decode order of the rotated coordinates (empty: natural)
+  // pcaq, per (head, coordinate): the byte of the row holding its code, the code's shift within the 32-bit word
+  // read there, its mask, and where its levels start in plev ([H][D][2**bits])
+  std::vector<int32_t> pbyte, pshift, pmask, plev_at;
+  std::vector<T> plev;
+  int64_t row_bytes = 0;
+  int nchunks = 0;
+  const T* dptr[MAX_DENSE_CHUNKS];
+  int64_t dend[MAX_DENSE_CHUNKS], db[MAX_DENSE_CHUNKS], dh[MAX_DENSE_CHUNKS], dr[MAX_DENSE_CHUNKS];
+};
+
+inline void half_to(const at::Half* src, int64_t n, float* out) {
+  int64_t i = 0;
+#if TQ_AVX512
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif TQ_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+inline void half_to(const at::Half* src, int64_t n, double* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(src[i]));
+}
+
+}  // namespace
