@@ -39,3 +39,16 @@ def store_bytes_snapshot(store) -> dict:
         if t is not None:
             out[name] = t.contiguous().view(torch.uint8).flatten().tolist()
     return out
+
+
+def fused_as_reference(engine, policy, monkeypatch, impl: str = "triton"):
+    """Generate 4 tokens of a fixed 40-token prompt in fused mode with ``TQBENCH_FUSED_IMPL=impl`` and check they
+    are the torch reference's tokens; returns both runs' ``GenerationResult`` (reference, run: their cache reports
+    say what ran)."""
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
+    ref = engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", impl)
+    got = engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
+    assert got.token_ids == ref.token_ids
+    return ref, got

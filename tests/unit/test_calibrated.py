@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.unit.cache_helpers import assert_report_matches_estimate
+from tests.unit.cache_helpers import assert_report_matches_estimate, fused_as_reference
 from tqbench.engine.cache import TQCache
 from tqbench.engine.calibrate import fit_transforms
 from tqbench.engine.codecs import canonical_spec, codec_bits_per_element, codec_from_spec
@@ -271,13 +271,8 @@ def test_fused_pcaq_through_the_triton_kernels_matches_the_reference(tiny_engine
 
     if not triton_status()[0]:
         pytest.skip(triton_status()[1])
-    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
     policy = f"k=pcaq3|turbo4,v=turbo3,sink=2,recent=4,calib={tiny_fit}"
-    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
-    ref = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
-    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
-    got = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
-    assert got.token_ids == ref.token_ids
+    _, got = fused_as_reference(tiny_engine, policy, monkeypatch)
     rep = got.cache_report
     assert rep.fused_impl == {"triton": 2 * rep.fused_calls} and rep.fallbacks == {}  # (one call per group)
     assert set(rep.fused_groups) == {"k=pcaq3 v=turbo3 heads 0", "k=turbo4 v=turbo3 heads 1"}

@@ -19,6 +19,7 @@ pytest.importorskip(
 
 import torch  # noqa: E402
 
+from tests.unit.cache_helpers import fused_as_reference  # noqa: E402
 from tqbench.engine.codecs import codec_from_spec  # noqa: E402
 from tqbench.kernels.packed_attention import packed_attention  # noqa: E402
 from tqbench.kernels.reference import PackedSide, packed_attention_partials  # noqa: E402
@@ -290,12 +291,7 @@ def test_launchers_check_shapes_strides_and_dtypes():
 @pytest.mark.parametrize("policy", ["turbo4", "k=int8,v=turbo3,sink=2,recent=4"])
 def test_fused_mode_runs_the_kernels_end_to_end(tiny_engine, monkeypatch, policy):
     """TQBENCH_FUSED_IMPL=triton runs the kernels (interpreter) inside the model: same tokens as the reference."""
-    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
-    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
-    ref = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
-    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
-    got = tiny_engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
-    assert got.token_ids == ref.token_ids
+    ref, got = fused_as_reference(tiny_engine, policy, monkeypatch)
     rep = got.cache_report
     assert rep.fused_impl == {"triton": rep.fused_calls} and rep.fused_calls > 0
     assert list(ref.cache_report.fused_impl) == ["torch-reference (TQBENCH_FUSED_IMPL=torch)"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.cache_helpers import fused_as_reference
 from tqbench.engine.batch import decode_step
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 2
@@ -148,13 +149,8 @@ def test_fused_per_head_through_the_triton_kernels_matches_the_reference(monkeyp
     if not triton_status()[0]:
         pytest.skip(triton_status()[1])
     engine = Engine.tiny()
-    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
     policy = "k=turbo4|turbo2,v=turbo3,sink=2,recent=4"
-    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
-    ref = engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
-    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "triton")
-    got = engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
-    assert got.token_ids == ref.token_ids
+    _, got = fused_as_reference(engine, policy, monkeypatch)
     rep = got.cache_report
     assert rep.fused_impl == {"triton": 2 * rep.fused_calls} and rep.fallbacks == {}
     assert set(rep.fused_groups) == {"k=turbo4 v=turbo3 heads 0", "k=turbo2 v=turbo3 heads 1"}

@@ -12,6 +12,8 @@ check does not import transformers.
 
 from __future__ import annotations
 
+from tqbench.engine.lazy import lazy_names
+
 _JOB = "tqbench.engine.allocate.job"
 _SOLVER = "tqbench.engine.allocate.solver"
 _EXCHANGE = "tqbench.engine.allocate.exchange"
@@ -41,19 +43,4 @@ _LAZY: dict[str, str] = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    try:  # a submodule (``tqbench.engine.allocate.solver``) not imported yet
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -10,6 +10,8 @@ transformers, which the cache itself (``TQCache``, ``CompressedDynamicCache``) n
 
 from __future__ import annotations
 
+from tqbench.engine.lazy import lazy_names
+
 #: public name -> its module
 _LAZY: dict[str, str] = {
     "CACHE_MODES": "tqbench.engine.cache.tqcache",
@@ -42,19 +44,4 @@ _LAZY: dict[str, str] = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    import importlib
-
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    try:  # a submodule (``tqbench.engine.cache.store``) not imported yet
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

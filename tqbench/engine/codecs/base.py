@@ -100,3 +100,15 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+def native_encoder(codec):
+    """The native CPU module for ``codec``'s quantize + pack (the decode step's append path), or None where it is
+    unavailable here: then ``codec.encoder_fallback`` says why (the cache report shows it) and the torch path runs."""
+    from tqbench.kernels.cpu import NativeUnavailable, native_module
+
+    try:
+        return native_module()
+    except NativeUnavailable as exc:
+        codec.encoder_fallback = f"quantize-and-pack ran in torch (the native CPU kernel is unavailable: {exc})"
+        return None

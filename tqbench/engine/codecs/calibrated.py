@@ -25,7 +25,7 @@ import torch
 
 from tqbench.kernels.packing import pack_widths, unpack_widths
 
-from .base import Codec, Encoded, compute_dtype
+from .base import Codec, Encoded, compute_dtype, native_encoder
 from .calibrated_fit import GROUP, MAX_BITS, level_offset, water_fill
 from .transforms_file import CalibratedTransforms, TransformsMismatch, load_transforms
 
@@ -204,12 +204,8 @@ class PcaKeyCodec(Codec):
         it cannot run (the torch path runs, and ``encoder_fallback`` says why in the cache report)."""
         if xc.device.type != "cpu":
             return None
-        from tqbench.kernels.cpu import NativeUnavailable, native_module
-
-        try:
-            mod = native_module()
-        except NativeUnavailable as exc:
-            self.encoder_fallback = f"quantize-and-pack ran in torch (the native CPU kernel is unavailable: {exc})"
+        mod = native_encoder(self)
+        if mod is None:
             return None
         widths = self.fused_tables(xc.shape[-1], xc.device, xc.dtype)[0]
         return mod.pcaq_encode(xc.contiguous(), enc.contiguous(), bounds.contiguous(), widths)

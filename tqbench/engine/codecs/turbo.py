@@ -27,7 +27,7 @@ from tqbench.kernels.packing import (
     unpack_bits,
 )
 
-from .base import Codec, Encoded, compute_dtype
+from .base import Codec, Encoded, compute_dtype, native_encoder
 from .codebooks import lloyd_max_codebook
 from .rotation import ROTATIONS, gaussian_matrix, gaussian_matrix_bytes, rotation_bytes, rotation_matrix
 
@@ -203,12 +203,8 @@ class TurboCodec(_Centered):
         native kernel is not available here (the torch path above runs; ``native_status`` says why)."""
         if xc.device.type != "cpu" or xc.dtype not in (torch.float32, torch.float64):
             return None
-        from tqbench.kernels.cpu import NativeUnavailable, native_module
-
-        try:
-            mod = native_module()
-        except NativeUnavailable as exc:
-            self.encoder_fallback = f"quantize-and-pack ran in torch (the native CPU kernel is unavailable: {exc})"
+        mod = native_encoder(self)
+        if mod is None:
             return None
         rot, levels, bounds = self._tables(xc.shape[-1], xc.device, xc.dtype)
         codes, norm = mod.turbo_encode(xc.contiguous(), rot.contiguous(), levels.contiguous(), bounds.contiguous(),
