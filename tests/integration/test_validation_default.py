@@ -24,7 +24,7 @@ def engine() -> Engine:
 def test_self_test_exact_match(engine):
     rep = self_test(engine, PROMPT, max_new_tokens=NEW)
     assert rep.quality_verdict == "exact-match" and rep.passed
-    assert len(rep.token_ids["baseline"]) == NEW
+    assert len(rep.token_ids.baseline) == NEW
 
 
 #: (candidate, saved % of the 12-token run's cache (bytes: deterministic), KL mean bounds). Measured (fp32, 1

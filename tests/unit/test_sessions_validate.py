@@ -24,14 +24,14 @@ def test_a_saved_validation_has_validates_numbers(tmp_path, tiny_engine, report)
     back = Session.load(path).runs[0]
     summary = back.summary()
     logits = report.logit_comparison
-    assert summary["kl_mean"] == logits["kl_mean"] and summary["kl_max"] == logits["kl_max"]
+    assert summary["kl_mean"] == logits.kl_mean and summary["kl_max"] == logits.kl_max
     assert summary["first_divergence"] == first
     assert summary["token_match"] == report.comparison.token_match_ratio
-    assert summary["top1_agreement"] == report.step_comparison["top1_match_ratio"]
+    assert summary["top1_agreement"] == report.step_comparison.top1_match_ratio
     assert summary["exact_match"] is report.comparison.exact_match is False
     assert json.loads(path.read_text())["runs"][0]["summary"] == summary
     # same-context KL: the steps after the divergence (different histories) are not in the mean
-    assert logits["after_divergence_steps"] == 16 - first - 1 and logits["steps_compared"] == first + 1
+    assert logits.after_divergence_steps == 16 - first - 1 and logits.steps_compared == first + 1
     assert summary["kl_mean"] != pytest.approx(sum(back.kl) / len(back.kl))
 
 
@@ -42,7 +42,7 @@ def test_the_validation_run_keeps_its_tokens_and_texts(report):
     assert rec.candidate.cache_report["kv_policy"] == "turbo2"
     for name in ("baseline", "candidate"):
         side = getattr(rec, name)
-        assert side.token_ids == report.token_ids[name] and side.text == report.texts[name]
+        assert side.token_ids == report.token_ids.of(name) and side.text == report.texts.of(name)
         assert len(side.token_texts) == len(side.token_ids) and "".join(side.token_texts) == side.text
 
 

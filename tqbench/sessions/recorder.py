@@ -95,9 +95,9 @@ def record_from_validation(report: ValidationReport) -> RunRecord | None:
     steps = report.per_step or []
 
     def side(name: str, label: str, pstr: str, mode: str, cache_report) -> RunSide:
-        ids = list(report.token_ids.get(name, []))
+        ids = list(report.token_ids.of(name))
         texts = [getattr(s, f"{name}_text") for s in steps if getattr(s, f"{name}_token") is not None]
-        return RunSide(label, pstr, mode, token_ids=ids, text=report.texts.get(name, ""), stopped_by="",
+        return RunSide(label, pstr, mode, token_ids=ids, text=report.texts.of(name), stopped_by="",
                        cache_report=cache_report.to_dict() if cache_report is not None else None,
                        step_seconds=[float(getattr(s, f"{name}_seconds") or 0.0) for s in steps],
                        token_texts=texts if len(texts) == len(ids) else [])

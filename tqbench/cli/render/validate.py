@@ -23,15 +23,15 @@ def print_validation(r) -> None:
     t.add_row("tokens", f"{c.baseline_tokens} baseline, {c.candidate_tokens} candidate; first divergence "
               f"{c.first_divergence_index if c.first_divergence_index is not None else 'none'}")
     t.add_row("token match", f"{c.token_match_ratio:.3f} (prefix {c.prefix_match_ratio:.3f}), "
-              f"top-1 {s['top1_match_ratio']:.3f}")
+              f"top-1 {s.top1_match_ratio:.3f}")
     lc = r.logit_comparison
     if lc:
-        t.add_row("logits", f"KL mean {lc['kl_mean']:.5f}, max {lc['kl_max']:.5f}, max |dlogit| "
-                  f"{lc['max_abs_logit_delta']:.3f} over {lc['steps_compared']} same-context steps")
-    t.add_row("memory", f"{pct(ps['memory_saved_pct'])} saved, {ps['compression_ratio']:.2f}x, "
-              f"{ps['bits_per_element']:.2f} bits/element")
-    t.add_row("throughput", f"{num(ps['throughput_ratio'], '.2f')}x baseline decode "
-              f"({ps['candidate_decode_tokens_per_second']:.1f} vs {ps['baseline_decode_tokens_per_second']:.1f} tok/s)")
+        t.add_row("logits", f"KL mean {lc.kl_mean:.5f}, max {lc.kl_max:.5f}, max |dlogit| "
+                  f"{lc.max_abs_logit_delta:.3f} over {lc.steps_compared} same-context steps")
+    t.add_row("memory", f"{pct(ps.memory_saved_pct)} saved, {ps.compression_ratio:.2f}x, "
+              f"{ps.bits_per_element:.2f} bits/element")
+    t.add_row("throughput", f"{num(ps.throughput_ratio, '.2f')}x baseline decode "
+              f"({ps.candidate_decode_tokens_per_second:.1f} vs {ps.baseline_decode_tokens_per_second:.1f} tok/s)")
     t.add_row("recommendation", f"{rec.status}: {rec.next_step}"
               + (" (--cache-mode compressed)" if rec.status == "storage-only" else ""))
     if rec.savings is not None and not rec.savings.saves:
@@ -43,9 +43,9 @@ def print_validation(r) -> None:
         t.add_row("next policy", rec.next_policy)
     out.print(t)
     out.rule("baseline text")
-    out.print(r.texts["baseline"], markup=False, highlight=False)
+    out.print(r.texts.baseline, markup=False, highlight=False)
     out.rule("candidate text")
-    out.print(r.texts["candidate"], markup=False, highlight=False)
+    out.print(r.texts.candidate, markup=False, highlight=False)
     out.rule()
 
 
@@ -63,17 +63,17 @@ def validation_md(r) -> str:
         f"| first divergence index | {c.first_divergence_index} |",
         f"| token match ratio | {c.token_match_ratio:.4f} |",
         f"| prefix match ratio | {c.prefix_match_ratio:.4f} |",
-        f"| top-1 match ratio | {s['top1_match_ratio']:.4f} |",
+        f"| top-1 match ratio | {s.top1_match_ratio:.4f} |",
     ]
     lc = r.logit_comparison
     if lc:
-        lines += [f"| KL mean / max (nats) | {lc['kl_mean']:.6f} / {lc['kl_max']:.6f} |",
-                  f"| max abs logit delta | {lc['max_abs_logit_delta']:.4f} |"]
+        lines += [f"| KL mean / max (nats) | {lc.kl_mean:.6f} / {lc.kl_max:.6f} |",
+                  f"| max abs logit delta | {lc.max_abs_logit_delta:.4f} |"]
     lines += [
-        f"| memory saved | {pct(ps['memory_saved_pct'])} |",
-        f"| compression ratio | {ps['compression_ratio']:.3f}x |",
-        f"| bits per element | {ps['bits_per_element']:.3f} |",
-        f"| throughput ratio | {num(ps['throughput_ratio'], '.3f')} |",
+        f"| memory saved | {pct(ps.memory_saved_pct)} |",
+        f"| compression ratio | {ps.compression_ratio:.3f}x |",
+        f"| bits per element | {ps.bits_per_element:.3f} |",
+        f"| throughput ratio | {num(ps.throughput_ratio, '.3f')} |",
         "",
         f"Recommendation: **{rec.status}** — {rec.next_step}. {rec.cause_hint}."
         + (f" Next policy to try: `{rec.next_policy}`." if rec.next_policy else ""),
@@ -84,7 +84,7 @@ def validation_md(r) -> str:
     if rec.caveat:
         lines += [f"Evidence: {rec.caveat} ({EVIDENCE_HINT['validate']}).", ""]
     lines += [
-        "## Baseline text", "", r.texts["baseline"], "", "## Candidate text", "", r.texts["candidate"], "",
+        "## Baseline text", "", r.texts.baseline, "", "## Candidate text", "", r.texts.candidate, "",
     ]
     return "\n".join(lines)
 

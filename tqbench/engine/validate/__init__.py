@@ -38,6 +38,10 @@ from tqbench.engine.validate.quality import (
 from tqbench.engine.validate.recommendation import STATUS, Recommendation, recommend
 from tqbench.engine.validate.report import ValidationReport, build_report
 from tqbench.engine.validate.steps import (
+    LogitComparison,
+    PolicySummary,
+    SidePair,
+    StepComparison,
     StepRecord,
     check_generation_args,
     logit_comparison,
@@ -55,6 +59,10 @@ __all__ = [
     "Evidence",
     "NiahResult",
     "Recommendation",
+    "LogitComparison",
+    "PolicySummary",
+    "SidePair",
+    "StepComparison",
     "StepRecord",
     "TeacherForcedReport",
     "TeacherForcedResult",

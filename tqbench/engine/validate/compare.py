@@ -178,9 +178,9 @@ def _cell(pol: CheckedPolicy, i: int, base: _Run, cand: _Run, quality_threshold:
     comp = compare_tokens(base.result.token_ids, cand.result.token_ids)
     return {
         "policy": pol.label, "prompt_index": i, "verdict": decide_verdict(comp, quality_threshold),
-        "comparison": comp.to_dict(), "step_comparison": step_comparison(steps),
-        "logit_comparison": logit_comparison(steps, comp.first_divergence_index),
-        "policy_summary": policy_summary(base.result, cand.result), "text": cand.result.text,
+        "comparison": comp.to_dict(), "step_comparison": step_comparison(steps).to_dict(),
+        "logit_comparison": _dict_or_none(logit_comparison(steps, comp.first_divergence_index)),
+        "policy_summary": policy_summary(base.result, cand.result).to_dict(), "text": cand.result.text,
         "savings": savings.to_dict() if savings is not None else None,
     }
 
@@ -292,6 +292,10 @@ def compare_policies(
     progress("done")
     result.recommendation = recommend_policy(result.rows, base_pol.label, storage_only, result.evidence)
     return result
+
+
+def _dict_or_none(section):
+    return section.to_dict() if section is not None else None
 
 
 def _row(pol: Policy, cells: list[dict]) -> CompareRow:

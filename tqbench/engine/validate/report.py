@@ -9,7 +9,16 @@ from tqbench.engine.metrics import TokenComparison, compare_tokens, decide_verdi
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.validate.evidence import evidence
 from tqbench.engine.validate.recommendation import Recommendation, recommend, self_test_recommendation
-from tqbench.engine.validate.steps import StepRecord, logit_comparison, policy_summary, step_comparison
+from tqbench.engine.validate.steps import (
+    LogitComparison,
+    PolicySummary,
+    SidePair,
+    StepComparison,
+    StepRecord,
+    logit_comparison,
+    policy_summary,
+    step_comparison,
+)
 
 
 # ---- the report ---------------------------------------------------------------------------------------
@@ -29,12 +38,12 @@ class ValidationReport:
     self_test: bool
     quality_verdict: str
     comparison: TokenComparison
-    step_comparison: dict
-    logit_comparison: dict | None
-    policy_summary: dict
+    step_comparison: StepComparison
+    logit_comparison: LogitComparison | None
+    policy_summary: PolicySummary
     policy_recommendation: Recommendation
-    texts: dict
-    token_ids: dict
+    texts: SidePair  # each run's text
+    token_ids: SidePair  # each run's generated token ids
     baseline_cache_report: object | None = None
     candidate_cache_report: object | None = None
     per_step: list[StepRecord] | None = None
@@ -67,12 +76,12 @@ class ValidationReport:
             "quality_verdict": self.quality_verdict,
             "passed": self.passed,
             "comparison": self.comparison.to_dict(),
-            "step_comparison": self.step_comparison,
-            "logit_comparison": self.logit_comparison,
-            "policy_summary": self.policy_summary,
+            "step_comparison": self.step_comparison.to_dict(),
+            "logit_comparison": self.logit_comparison.to_dict() if self.logit_comparison is not None else None,
+            "policy_summary": self.policy_summary.to_dict(),
             "policy_recommendation": self.policy_recommendation.to_dict(),
-            "texts": self.texts,
-            "token_ids": self.token_ids,
+            "texts": self.texts.to_dict(),
+            "token_ids": self.token_ids.to_dict(),
             "baseline_cache_report": _rep(self.baseline_cache_report),
             "candidate_cache_report": _rep(self.candidate_cache_report),
             "per_step": [s.to_dict() for s in self.per_step] if self.per_step is not None else None,
@@ -134,8 +143,8 @@ def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, c
         logit_comparison=logit_comparison(steps, comp.first_divergence_index),
         policy_summary=summary,
         policy_recommendation=rec,
-        texts={"baseline": base_res.text, "candidate": cand_res.text},
-        token_ids={"baseline": list(base_res.token_ids), "candidate": list(cand_res.token_ids)},
+        texts=SidePair(base_res.text, cand_res.text),
+        token_ids=SidePair(list(base_res.token_ids), list(cand_res.token_ids)),
         baseline_cache_report=base_res.cache_report,
         candidate_cache_report=cand_res.cache_report,
         per_step=steps if per_step else None,
