@@ -20,6 +20,7 @@ from tqbench.tui.panes.jobs import (
     notify_policy_warnings,
     run_engine_job,
 )
+from tqbench.tui.widgets.prompt_box import PromptBox
 
 if TYPE_CHECKING:
     from tqbench.engine.validate import CompareResult, CompareRow
@@ -112,7 +113,7 @@ class ComparePane(Vertical):
             yield Select([(m, m) for m in ("compressed", "simulate", "dense-shadow", "fused")],
                          value=p.get("cache_mode", "compressed"), id="cmp-mode", compact=True, allow_blank=False)
             yield Button("Compare ^r", id="cmp-button", compact=True, variant="primary")
-        yield TextArea(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts", soft_wrap=True)
+        yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")
         with Horizontal(id="cmp-progress"):
             yield ProgressBar(total=None, show_eta=False, id="cmp-bar")
             yield Label("ready: one prompt per line; ctrl+r compares every policy against the baseline",

@@ -16,6 +16,7 @@ from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_PROMPT, 
 from tqbench.tui.panes.jobs import notify_policy_warnings
 from tqbench.tui.widgets.graph import ThroughputGraph
 from tqbench.tui.widgets.model_bar import RunStrip
+from tqbench.tui.widgets.prompt_box import PromptBox
 from tqbench.tui.widgets.token_view import TokenView
 
 
@@ -109,7 +110,7 @@ class RunPane(Vertical):
         from tqbench.engine.policy import PRESETS
 
         presets = list(PRESETS)
-        yield TextArea(p.prompt if p else DEFAULT_PROMPT, id="prompt", soft_wrap=True, show_line_numbers=False)
+        yield PromptBox(p.prompt if p else DEFAULT_PROMPT, id="prompt")
         with Horizontal(classes="controls"):
             yield Label("baseline")
             yield Input(p.baseline if p else "fp16", id="baseline", compact=True, suggester=SuggestFromList(presets),
