@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from textual import on, work
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -40,10 +41,11 @@ SOLVER = {"protections": [], "max_measurements": 0, "unseen_text": FRONTIER_TEXT
 
 
 class AllocatePanel(Vertical):
+    HELP_SCOPE = "Policies · allocation"
     BINDINGS = [
         Binding("ctrl+t", "frontier", "Measure frontier",
                 tooltip="Measure every preset on the held-out text and plot it beside the allocations",
-                id="policies.frontier"),
+                id="policies.frontier", priority=True),
         Binding("escape", "cancel", "Cancel", tooltip="Stop the running allocation or frontier",
                 id="policies.cancel_allocate"),
     ]
@@ -191,7 +193,10 @@ class AllocatePanel(Vertical):
         self.post_message(self.Finished(result, error, cancelled, "frontier"))
 
     def action_cancel(self) -> bool:
-        return cancel_job(self, "#alloc-status")
+        """Escape stops this panel's job; with none running the key goes on to the app's cancel."""
+        if not cancel_job(self, "#alloc-status"):
+            raise SkipAction()
+        return True
 
     @on(_Event)
     def _event(self, msg: _Event) -> None:
