@@ -42,7 +42,8 @@ def field_values(app) -> dict:
 
 @pytest.mark.parametrize("tab", TABS)
 async def test_app_keys_act_from_every_kind_of_widget_on_every_tab(data_dir, steady_engine, tab, monkeypatch):
-    """ctrl+r, ctrl+s, ctrl+o, ctrl+e reach the app (not the field's own ctrl+e / ...) and leave the field's text alone."""
+    """ctrl+r, ctrl+s, ctrl+o, ctrl+e reach the app (not the field's own ctrl+e / ...) and leave the field's text alone;
+    f1 opens and closes help, f2-f5 switch tabs, from an Input, a text box, a Select and a list or table."""
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     called = []
     for action in ("run", "save_session", "open_session", "rerun"):
@@ -59,7 +60,18 @@ async def test_app_keys_act_from_every_kind_of_widget_on_every_tab(data_dir, ste
                 await pilot.press(key)
                 await pilot.pause()
                 assert called == [action], f"{key} with focus on {widget!r} in {tab}: {called}"
+            await pilot.press("f1")  # help opens over any field, and f1 closes it again
+            await pilot.pause()
+            assert isinstance(app.screen, HelpScreen), f"f1 with focus on {widget!r} in {tab}"
+            await pilot.press("f1")
+            await pilot.pause()
+            assert not isinstance(app.screen, HelpScreen)
             assert field_values(app) == before, f"a field changed under the app keys ({widget!r})"
+            for target, key in TAB_KEYS.items():  # every tab key, from this widget
+                await focus_in(app, pilot, tab, widget)
+                await pilot.press(key)
+                await pilot.pause()
+                assert app.query_one(TabbedContent).active == target, f"{key} with focus on {widget!r} in {tab}"
 
 
 @pytest.mark.parametrize("tab", TABS)
