@@ -288,7 +288,7 @@ class WorkbenchApp(App):
 
     @on(ScanPane.UsePolicy)
     def _use_scanned(self, msg: ScanPane.UsePolicy) -> None:
-        """"Run suggested policy": the scan's policy becomes Run's candidate and generates beside the baseline."""
+        """The "Run suggested policy" button: the scan's policy becomes Run's candidate and runs beside the baseline."""
         self.run_pane.set_candidate(msg.policy)
         self.show_run()
         self.notify(f"running the scan's suggested policy: {msg.policy}", timeout=4)
