@@ -1,4 +1,5 @@
-"""The workbench in a real terminal (tmux, 160x48) on the default model: run, save, reopen the session."""
+"""The workbench in a real terminal (tmux, 160x48): run, save and reopen a session on the default model; keys that
+once killed it, on the tiny model."""
 
 import os
 import shutil
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tqbench.constants import DEFAULT_PROMPT
+
 ROOT = Path(__file__).resolve().parents[2]
 TMUX = shutil.which("tmux")
 
@@ -53,7 +55,67 @@ def text_panels(screen: str) -> list[str]:
     return rows
 
 
-@pytest.mark.skipif(TMUX is None, reason="tmux is not installed: this real-terminal test needs it (apt-get install tmux)")
+needs_tmux = pytest.mark.skipif(TMUX is None,
+                                reason="tmux is not installed: this real-terminal test needs it (apt-get install tmux)")
+
+
+def alive(name: str) -> bool:
+    """The tmux session still exists (it ends when the workbench process exits)."""
+    return subprocess.run(["tmux", "has-session", "-t", name], capture_output=True).returncode == 0
+
+
+def cursor(name: str) -> tuple[int, int]:
+    """Where the terminal cursor is: Textual puts it on the focused text box's cursor (for input methods)."""
+    x, y = tmux("display", "-p", "-t", name, "#{cursor_x} #{cursor_y}").split()
+    return int(x), int(y)
+
+
+def wait_cursor(name: str, where: tuple[int, int], what: str) -> None:
+    wait(name, lambda s: cursor(name) == where, 600, f"{what} (cursor at {where}, now {cursor(name)})")
+
+
+@needs_tmux
+def test_ctrl_z_after_adding_lines_to_the_prompt_leaves_the_workbench_running(tmp_path):
+    """End, Enter, Enter, ctrl+z in Run's prompt box (Textual's undo once raised "line index 2 is out of bounds"
+    and the process exited 0, the unsaved run lost); then the box still edits and a run still starts.
+
+    Each key waits for its effect on screen or on the cursor: keys handled by a binding (End, ctrl+z) run as
+    actions after the key has bubbled up to the app, so keys sent in one burst may be applied out of order."""
+    name = f"tqbench-undo-{os.getpid()}"
+    first = "ZQX" + DEFAULT_PROMPT
+    try:
+        start(name, tmp_path, "--model", "tiny", "--threads", "1")
+        screen = wait(name, lambda s: "tiny-random │" in s and "╭─ baseline" in s, 600, "the tiny model to load")
+        row = next(i for i, line in enumerate(screen.splitlines()) if DEFAULT_PROMPT in line)
+        col = screen.splitlines()[row].index(DEFAULT_PROMPT)
+        # focus starts on the Run button; shift+tab walks back over the nine controls before it to the prompt box
+        tmux("send-keys", "-t", name, *["BTab"] * 9)
+        wait_cursor(name, (col, row), "the prompt box to take focus")
+        tmux("send-keys", "-t", name, "-l", "ZQX")
+        wait(name, lambda s: first in s, 600, "ZQX typed at the start of the prompt")
+        tmux("send-keys", "-t", name, "End")
+        wait_cursor(name, (col + len(first), row), "End")
+        tmux("send-keys", "-t", name, "Enter")
+        wait_cursor(name, (col, row + 1), "the first Enter")
+        tmux("send-keys", "-t", name, "Enter")  # a third line: the box (two rows) scrolls past the first
+        wait(name, lambda s: first not in s, 600, "the second Enter to scroll the box")
+        tmux("send-keys", "-t", name, "C-z")
+        wait(name, lambda s: first in s or not alive(name), 600, "ctrl+z to take the second line back")
+        assert alive(name), "the workbench exited on ctrl+z"
+        wait_cursor(name, (col, row + 1), "the cursor back on the line the first Enter made")
+        tmux("send-keys", "-t", name, "-l", "ABC")
+        screen = wait(name, lambda s: "ABC" in s, 600, "the text typed after the undo")
+        lines = screen.splitlines()
+        assert first in lines[row] and lines[row + 1][col:].rstrip("│ ") == "ABC", screen
+        tmux("send-keys", "-t", name, "C-r")
+        wait(name, lambda s: "done │ step" in s, 600, "a run after the undo")
+        assert alive(name)
+    finally:
+        tmux("kill-session", "-t", name)
+
+
+@pytest.mark.integration
+@needs_tmux
 def test_workbench_runs_saves_and_reopens_in_tmux(tmp_path):
     name = f"tqbench-test-{os.getpid()}"
     second = f"{name}-reopen"

@@ -26,9 +26,9 @@ async def open_panel(pilot, app):
     pane = app.policies_pane
     for field, value in (("context", "96"), ("sink", "2"), ("recent", "4")):
         await pilot.click(f"#{field}")
-        await pilot.press("end", "ctrl+u", *value)  # ctrl+u: delete everything left of the cursor
+        await pilot.press("end", "shift+home", *value)  # typing replaces the selected text
     await pilot.click("#budget")
-    await pilot.press("end", "ctrl+u")
+    await pilot.press("end", "shift+home", "backspace")  # (ctrl+u is the Policies tab's "use as candidate")
     await pilot.pause()
     return pane, panel
 

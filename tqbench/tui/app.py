@@ -43,17 +43,22 @@ class WorkbenchApp(App):
     TITLE = "tqbench"
     CSS_PATH = "tqbench.tcss"
     AUTO_FOCUS = None  # on_mount focuses the first tab's widget: a late auto-focus would pull a fast key back
+    #: the app's keys work from every widget: priority bindings come before a focused Input's or TextArea's own
+    #: (ctrl+e would move to the end of the line). Escape stays a plain binding: an open Select list, the command
+    #: palette and the modal screens close on it first.
     BINDINGS = [
-        Binding("ctrl+r", "run", "Run", tooltip="Start this tab's work: generate (Run), scan (Scan), compare "
-                "(Compare)", id="app.run"),
+        Binding("ctrl+r", "run", "Run", tooltip="Start this tab's work: generate (Run, Policies), scan (Scan), compare "
+                "(Compare)", id="app.run", priority=True),
         Binding("escape", "cancel", "Cancel", tooltip="Stop the running generation, scan or comparison",
                 id="app.cancel"),
-        Binding("f1", "help", "Help", tooltip="Every key binding", id="app.help",
+        Binding("f1", "help", "Help", tooltip="Every key binding (f1 again closes it)", id="app.help",
                 priority=True),
-        Binding("ctrl+s", "save_session", "Save", tooltip="Save the session (JSON + safetensors)", id="app.save"),
-        Binding("ctrl+o", "open_session", "Open", tooltip="Open a saved session from a list", id="app.open"),
+        Binding("ctrl+s", "save_session", "Save", tooltip="Save the session (JSON + safetensors)", id="app.save",
+                priority=True),
+        Binding("ctrl+o", "open_session", "Open", tooltip="Open a saved session from a list", id="app.open",
+                priority=True),
         Binding("ctrl+e", "rerun", "Re-run+diff", tooltip="Re-run the shown run and diff it against the saved one",
-                id="app.rerun"),
+                id="app.rerun", priority=True),
         Binding("f2", "tab('run')", "Run tab", tooltip="Side-by-side generation", id="app.tab_run", priority=True),
         Binding("f3", "tab('policies')", "Policies tab", tooltip="Presets and the policy builder",
                 id="app.tab_policies", priority=True),
@@ -63,6 +68,9 @@ class WorkbenchApp(App):
                 id="app.tab_compare", priority=True),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave the workbench", id="app.quit", priority=True),
     ]
+    #: actions of the main screen that wait while a dialog (help, the session list, the palette) is open: their
+    #: priority keys then reach the dialog instead
+    MAIN_SCREEN_ACTIONS = frozenset({"run", "save_session", "open_session", "rerun"})
 
     def __init__(self, options: WorkbenchOptions | None = None, engine=None) -> None:
         super().__init__()
@@ -125,6 +133,17 @@ class WorkbenchApp(App):
     @property
     def busy(self) -> bool:
         return self.run_pane.running or self.scan_pane.running or self.compare_pane.running
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in self.MAIN_SCREEN_ACTIONS and len(self.screen_stack) > 1:
+            return False
+        return True
+
+    def key_for(self, binding_id: str) -> str:
+        """The key of a binding by its id, as help shows it (the palette's hints come from the same bindings)."""
+        from tqbench.tui.screens.help import binding_by_id
+
+        return self.get_key_display(binding_by_id(self, binding_id))
 
     # ---- model ------------------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="load", exit_on_error=False)
@@ -269,9 +288,11 @@ class WorkbenchApp(App):
 
     @on(ScanPane.UsePolicy)
     def _use_scanned(self, msg: ScanPane.UsePolicy) -> None:
+        """The "Run suggested policy" button: the scan's policy becomes Run's candidate and runs beside the baseline."""
         self.run_pane.set_candidate(msg.policy)
         self.show_run()
-        self.notify(f"candidate policy from the scan: {msg.policy}", timeout=4)
+        self.notify(f"running the scan's suggested policy: {msg.policy}", timeout=4)
+        self.run_pane.action_run()
 
     @on(ComparePane.OpenInRun)
     def _open_compared(self, msg: ComparePane.OpenInRun) -> None:
@@ -279,8 +300,11 @@ class WorkbenchApp(App):
         params = pane.params_or_defaults()
         pane.fill(params | {"prompt": msg.prompt or params["prompt"], "candidate": msg.policy,
                             "max_new_tokens": msg.max_new_tokens, "candidate_mode": msg.cache_mode})
+        if not pane.running:
+            pane.clear_shown()
         self.show_run()
-        self.notify(f"opened {msg.policy} in Run: ctrl+r generates it beside the baseline", timeout=4)
+        self.notify(f"opened {msg.policy} in Run: {self.key_for('app.run')} generates it beside the baseline",
+                    timeout=4)
 
     @on(TabbedContent.TabActivated)
     def _tab_shown(self, event: TabbedContent.TabActivated) -> None:
@@ -295,31 +319,38 @@ class WorkbenchApp(App):
     def _policy_chosen(self, msg: PoliciesPane.Chosen) -> None:
         self.run_pane.set_candidate(msg.policy)
         self.show_run()
-        self.notify(f"candidate policy: {msg.policy}", timeout=3)
+        self.notify(f"candidate policy: {msg.policy} · {self.key_for('app.run')} runs it", timeout=3)
 
     def get_system_commands(self, screen):
+        """Every action by name; the keys in the descriptions are read from the bindings."""
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Run", "Generate baseline and candidate side by side (ctrl+r)", self.action_run)
-        yield SystemCommand("Cancel run", "Stop the running generation (escape)", self.action_cancel)
-        yield SystemCommand("Save session", "Save everything to the data dir (ctrl+s)", self.action_save_session)
-        yield SystemCommand("Open session", "Open a saved session from a list (ctrl+o)", self.action_open_session)
-        yield SystemCommand("Re-run and diff", "Re-run the shown run and compare with the saved tokens (ctrl+e)",
-                            self.action_rerun)
-        yield SystemCommand("Run tab", "Side-by-side generation (f2)", lambda: self.action_tab("run"))
-        yield SystemCommand("Policies tab", "Presets and the builder (f3)", lambda: self.action_tab("policies"))
-        yield SystemCommand("Scan tab", "Per layer x KV head errors and norms (f4)", lambda: self.action_tab("scan"))
-        yield SystemCommand("Compare tab", "Several policies vs the baseline (f5)", lambda: self.action_tab("compare"))
+        k = self.key_for
+        yield SystemCommand("Run", f"Generate baseline and candidate side by side ({k('app.run')})", self.action_run)
+        yield SystemCommand("Cancel run", f"Stop the running generation ({k('app.cancel')})", self.action_cancel)
+        yield SystemCommand("Save session", f"Save everything to the data dir ({k('app.save')})",
+                            self.action_save_session)
+        yield SystemCommand("Open session", f"Open a saved session from a list ({k('app.open')})",
+                            self.action_open_session)
+        yield SystemCommand("Re-run and diff", "Re-run the shown run and compare with the saved tokens "
+                            f"({k('app.rerun')})", self.action_rerun)
+        yield SystemCommand("Run tab", f"Side-by-side generation ({k('app.tab_run')})", lambda: self.action_tab("run"))
+        yield SystemCommand("Policies tab", f"Presets and the builder ({k('app.tab_policies')})",
+                            lambda: self.action_tab("policies"))
+        yield SystemCommand("Scan tab", f"Per layer x KV head errors and norms ({k('app.tab_scan')})",
+                            lambda: self.action_tab("scan"))
+        yield SystemCommand("Compare tab", f"Several policies vs the baseline ({k('app.tab_compare')})",
+                            lambda: self.action_tab("compare"))
         yield SystemCommand("Start scan", "Scan the prompt's K/V with every codec", self.scan_pane.action_scan)
-        yield SystemCommand("Use suggested policy", "Run the scan's suggested policy as the candidate",
+        yield SystemCommand("Run suggested policy", "Run the scan's suggested policy as the candidate in Run",
                             self.scan_pane.action_use_suggested)
         yield SystemCommand("Start comparison", "Compare the listed policies on the prompts",
                             self.compare_pane.action_compare)
         yield SystemCommand("Run sweep", "Run a sweep spec; its cells stream into Compare", lambda: sweep_run.ask(self))
-        yield SystemCommand("Use built policy", "Put the built policy into Run's candidate (ctrl+u)",
+        yield SystemCommand("Use built policy", f"Put the built policy into Run's candidate ({k('policies.use')})",
                             self.policies_pane.action_use)
-        yield SystemCommand("Keep built policy", "Name and keep the built policy (ctrl+k)",
+        yield SystemCommand("Keep built policy", f"Name and keep the built policy ({k('policies.keep')})",
                             self.policies_pane.action_keep)
-        yield SystemCommand("Help", "Every key binding (f1)", self.action_help)
+        yield SystemCommand("Help", f"Every key binding ({k('app.help')})", self.action_help)
 
 
 class WorkbenchTabs(TabbedContent):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from textual import on, work
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -41,10 +42,11 @@ SOLVER = {"unseen_text": FRONTIER_TEXTS[1]}
 
 
 class AllocatePanel(Vertical):
+    HELP_SCOPE = "Policies · allocation"
     BINDINGS = [
         Binding("ctrl+t", "frontier", "Measure frontier",
                 tooltip="Measure every preset on the held-out text and plot it beside the allocations",
-                id="policies.frontier"),
+                id="policies.frontier", priority=True),
         Binding("escape", "cancel", "Cancel", tooltip="Stop the running allocation or frontier",
                 id="policies.cancel_allocate"),
     ]
@@ -193,7 +195,10 @@ class AllocatePanel(Vertical):
         self.post_message(self.Finished(result, error, cancelled, "frontier"))
 
     def action_cancel(self) -> bool:
-        return cancel_job(self, "#alloc-status")
+        """Escape stops this panel's job; with none running the key goes on to the app's cancel."""
+        if not cancel_job(self, "#alloc-status"):
+            raise SkipAction()
+        return True
 
     @on(_Event)
     def _event(self, msg: _Event) -> None:

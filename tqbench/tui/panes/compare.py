@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
@@ -20,6 +21,7 @@ from tqbench.tui.panes.jobs import (
     notify_policy_warnings,
     run_engine_job,
 )
+from tqbench.tui.widgets.prompt_box import PromptBox
 
 if TYPE_CHECKING:
     from tqbench.engine.validate import CompareResult, CompareRow
@@ -48,6 +50,33 @@ def _policy_list(text: str) -> list[str]:
     return split_policies(text)
 
 
+class CompareTable(DataTable):
+    """The comparison's rows: enter opens one in Run; s / r sort by the next column / reverse (or click a header)."""
+
+    HELP_SCOPE = "Compare · results table"
+    BINDINGS = [
+        Binding("enter", "select_cursor", "Open in Run", tooltip="Open the highlighted row's policy in Run with its "
+                "prompt", id="compare.open"),
+        Binding("s", "sort_next", "Sort", tooltip="Sort by the next column (a click on a header sorts by it)",
+                id="compare.sort"),
+        Binding("r", "sort_reverse", "Reverse sort", tooltip="Reverse the order of the sorted column",
+                id="compare.reverse"),
+    ]
+
+    class SortAsked(Message):
+        """``step`` columns on from the sorted one (0: the same column, order reversed)."""
+
+        def __init__(self, step: int) -> None:
+            super().__init__()
+            self.step = step
+
+    def action_sort_next(self) -> None:
+        self.post_message(self.SortAsked(1))
+
+    def action_sort_reverse(self) -> None:
+        self.post_message(self.SortAsked(0))
+
+
 class ComparePane(Vertical):
     DEFAULT_CSS = """
     ComparePane { height: 1fr; }
@@ -59,9 +88,9 @@ class ComparePane(Vertical):
     ComparePane #cmp-mode { width: 18; }
     ComparePane #cmp-button { margin-left: 1; }
     ComparePane #cmp-prompts { height: 4; border: round $panel; }
-    ComparePane #cmp-progress { height: 1; }
+    ComparePane #cmp-progress { height: auto; }
     ComparePane #cmp-progress ProgressBar { width: 40; }
-    ComparePane #cmp-status { width: 1fr; padding: 0 1; }
+    ComparePane #cmp-status { width: 1fr; height: auto; padding: 0 1; }
     ComparePane #cmp-table { height: 1fr; border: round $panel; }
     ComparePane #recommendation { height: auto; max-height: 8; padding: 0 1; background: $boost; }
     """
@@ -113,19 +142,21 @@ class ComparePane(Vertical):
             yield Select([(m, m) for m in ("compressed", "simulate", "dense-shadow", "fused")],
                          value=p.get("cache_mode", "compressed"), id="cmp-mode", compact=True, allow_blank=False)
             yield Button("Compare ^r", id="cmp-button", compact=True, variant="primary")
-        yield TextArea(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts", soft_wrap=True)
+        yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")
         with Horizontal(id="cmp-progress"):
             yield ProgressBar(total=None, show_eta=False, id="cmp-bar")
             yield Label("ready: one prompt per line; ctrl+r compares every policy against the baseline",
                         id="cmp-status")
-        yield DataTable(id="cmp-table", cursor_type="row", zebra_stripes=True)
+        yield CompareTable(id="cmp-table", cursor_type="row", zebra_stripes=True)
         yield Static("", id="recommendation")
 
     def on_mount(self) -> None:
         table = self.query_one("#cmp-table", DataTable)
         for label, key, _ in COLUMNS:
             table.add_column(label, key=key)
-        table.border_title = "click a column header to sort · enter opens the row in Run"
+        keys = {b.id: self.app.get_key_display(b) for b in CompareTable.BINDINGS}
+        table.border_title = (f"{keys['compare.sort']} sorts by the next column, {keys['compare.reverse']} reverses "
+                              f"(or click a header) · {keys['compare.open']} opens the row in Run")
 
     # ---- running ---------------------------------------------------------------------------------
     def prompts(self) -> list[str]:
@@ -256,10 +287,25 @@ class ComparePane(Vertical):
 
     @on(DataTable.HeaderSelected, "#cmp-table")
     def _sort(self, event: DataTable.HeaderSelected) -> None:
-        key = str(event.column_key.value)
+        self.sort_by(str(event.column_key.value))
+
+    @on(CompareTable.SortAsked)
+    def _sort_key(self, event: CompareTable.SortAsked) -> None:
+        keys = [key for _, key, _ in COLUMNS]
+        if event.step == 0:
+            self.sort_by(self.sort_key or keys[0])
+        else:
+            now = keys.index(self.sort_key) if self.sort_key in keys else -1
+            self.sort_by(keys[(now + event.step) % len(keys)])
+
+    def sort_by(self, key: str) -> None:
+        """Sort by ``key`` (again: the other way); numbers start with the best (largest, KL smallest)."""
         self.sort_reverse = not self.sort_reverse if self.sort_key == key else key not in ("policy", "verdict",
                                                                                              "kl_mean")
         self.sort_key = key
+        label = next(label for label, k, _ in COLUMNS if k == key)
+        self.query_one("#cmp-table", DataTable).border_subtitle = \
+            f"sorted by {label} {'↓' if self.sort_reverse else '↑'}"
         self.fill_table()
 
     @on(DataTable.RowSelected, "#cmp-table")

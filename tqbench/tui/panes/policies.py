@@ -18,11 +18,13 @@ def _mib(n: int) -> str:
 
 
 class PoliciesPane(Horizontal):
+    HELP_SCOPE = "Policies"
+    #: priority: from the builder's text fields too (an Input's ctrl+u / ctrl+k would erase its text)
     BINDINGS = [
-        Binding("ctrl+u", "use", "Use as candidate", tooltip="Put the built policy into Run's candidate",
-                id="policies.use"),
+        Binding("ctrl+u", "use", "Use as candidate", tooltip="Put the built policy into Run's candidate (ctrl+r "
+                "runs it)", id="policies.use", priority=True),
         Binding("ctrl+k", "keep", "Keep policy", tooltip="Name and keep the built policy (saved with the session)",
-                id="policies.keep"),
+                id="policies.keep", priority=True),
     ]
 
     DEFAULT_CSS = """
@@ -59,7 +61,9 @@ class PoliciesPane(Horizontal):
 
         codecs = [(c, c) for c in CODEC_SPECS]
         yield OptionList(id="policy-list")
-        with VerticalScroll(id="builder"):
+        # not focusable itself: the first Tab from the list goes to the K codec, not to an unmarked container
+        # (the builder scrolls to whichever of its fields has focus)
+        with VerticalScroll(id="builder", can_focus=False):
             with Horizontal(classes="row"):
                 yield Label("K codec")
                 yield Select(codecs, value="turbo4", id="k-codec", compact=True, allow_blank=False)

@@ -16,6 +16,7 @@ from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_PROMPT, 
 from tqbench.tui.panes.jobs import notify_policy_warnings
 from tqbench.tui.widgets.graph import ThroughputGraph
 from tqbench.tui.widgets.model_bar import RunStrip
+from tqbench.tui.widgets.prompt_box import PromptBox
 from tqbench.tui.widgets.token_view import TokenView
 
 
@@ -63,7 +64,8 @@ class RunPane(Vertical):
     RunPane #baseline { width: 16; }
     RunPane #candidate { width: 1fr; min-width: 20; }
     RunPane #mode { width: 18; }
-    RunPane #mode-note { width: auto; max-width: 48; }
+    RunPane #first-controls { height: auto; }
+    RunPane #mode-note { width: 1fr; min-width: 24; height: auto; }
     RunPane #max-tokens { width: 7; }
     RunPane #temperature, RunPane #top-p { width: 7; }
     RunPane #seed { width: 7; }
@@ -113,8 +115,8 @@ class RunPane(Vertical):
         from tqbench.engine.policy import PRESETS
 
         presets = list(PRESETS)
-        yield TextArea(p.prompt if p else DEFAULT_PROMPT, id="prompt", soft_wrap=True, show_line_numbers=False)
-        with Horizontal(classes="controls"):
+        yield PromptBox(p.prompt if p else DEFAULT_PROMPT, id="prompt")
+        with Horizontal(id="first-controls", classes="controls"):
             yield Label("baseline")
             yield Input(p.baseline if p else "fp16", id="baseline", compact=True, suggester=SuggestFromList(presets),
                         tooltip="Baseline policy (preset or compact form)")
@@ -211,7 +213,28 @@ class RunPane(Vertical):
         self.query_one("#mode-note", Label).update(CACHE_MODE_RESIDENT.get(mode, ""))
 
     def set_candidate(self, policy: str) -> None:
-        self.query_one("#candidate", Input).value = policy
+        """A candidate chosen elsewhere (Policies, Scan, Compare): the texts of another candidate's run leave the
+        screen (a run in progress keeps its own)."""
+        field = self.query_one("#candidate", Input)
+        changed = field.value.strip() != policy
+        field.value = policy
+        if changed and not self.running:
+            self.clear_shown()
+
+    def clear_shown(self) -> None:
+        """Empty texts, graph and figures, titled with the form's policies: nothing on screen belongs to a run
+        of other settings."""
+        key = self.app.key_for("app.run")
+        base = self.query_one("#baseline", Input).value.strip() or "fp16"
+        cand = self.query_one("#candidate", Input).value.strip()
+        self.query_one("#baseline-view", TokenView).clear(f"baseline · {base}")
+        self.query_one("#candidate-view", TokenView).clear(f"candidate · {cand} · not run yet: {key} runs it")
+        self.query_one("#graph", ThroughputGraph).clear()
+        self.steps = 0
+        self._same_token, self._same_top1, self._kl = [], [], []
+        self._diff_note = ""
+        self.status = "ready"
+        self._update_strip()
 
     # ---- running ---------------------------------------------------------------------------------
     @on(Button.Pressed, "#run-button")
@@ -401,7 +424,7 @@ class RunPane(Vertical):
             mode = str(self.query_one("#mode", Select).value)
         except Exception:
             mode = "compressed"
-        rec = self.record if self.status != "running" else None
+        rec = self.record if self.status not in ("running", "ready") else None
         if rec is not None and rec.candidate.cache_report:
             cr = rec.candidate.cache_report
             mode = cr["cache_mode"]

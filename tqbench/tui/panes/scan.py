@@ -42,15 +42,16 @@ class ScanPane(Vertical):
     ScanPane #scan-codecs { width: 1fr; }
     ScanPane #scan-tokens { width: 7; }
     ScanPane #scan-button, ScanPane #use-suggested { margin-left: 1; }
-    ScanPane #scan-progress { height: 1; }
+    ScanPane #scan-progress { height: auto; }
     ScanPane #scan-progress ProgressBar { width: 40; }
-    ScanPane #scan-status { width: 1fr; padding: 0 1; }
+    ScanPane #scan-status { width: 1fr; height: auto; padding: 0 1; }
     ScanPane #scan-body { height: 1fr; }
     ScanPane #heatmap { width: 1fr; }
     ScanPane #cell-detail { width: 46; border: round $panel; padding: 0 1; }
     ScanPane #metric { width: 30; }
     ScanPane #codec { width: 16; }
-    ScanPane #suggested { width: 1fr; height: 1; padding: 0 1; background: $boost; }
+    ScanPane #suggested-row { height: auto; }
+    ScanPane #suggested { width: 1fr; height: auto; padding: 0 1; background: $boost; }
     ScanPane #use-suggested { width: auto; }
     """
 
@@ -104,7 +105,9 @@ class ScanPane(Vertical):
             yield Static("select a cell to see its numbers", id="cell-detail")
         with Horizontal(id="suggested-row", classes="controls"):
             yield Static("", id="suggested")
-            yield Button("Use suggested policy", id="use-suggested", compact=True, disabled=True)
+            # enabled before a scan too (it then says to scan first): a disabled button is skipped by Tab
+            yield Button("Run suggested policy", id="use-suggested", compact=True,
+                         tooltip="Run the scan's suggested policy as Run's candidate beside the baseline")
 
     # ---- running ---------------------------------------------------------------------------------
     @on(Button.Pressed, "#scan-button")
@@ -177,7 +180,6 @@ class ScanPane(Vertical):
         self.query_one("#suggested", Static).update(
             f"suggested policy: [b]{result.suggest_policy()}[/b]  (cheapest codec per layer meeting the "
             f"thresholds; fp16 where none did)")
-        self.query_one("#use-suggested", Button).disabled = False
         self.redraw()
         self.show_cell(0, 0)
 

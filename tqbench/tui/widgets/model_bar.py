@@ -74,5 +74,5 @@ class RunStrip(Static):
     """Running comparison figures under the two texts."""
 
     DEFAULT_CSS = """
-    RunStrip { height: auto; min-height: 1; max-height: 3; padding: 0 1; background: $boost; }
+    RunStrip { height: auto; min-height: 1; padding: 0 1; background: $boost; }
     """

@@ -15,6 +15,7 @@ class TokenView(VerticalScroll):
 
     DEFAULT_CSS = """
     TokenView { border: round $primary; height: 1fr; padding: 0 1; }
+    TokenView:focus { border: round $accent; }
     TokenView > Static { width: 1fr; }
     """
 
