@@ -271,8 +271,13 @@ def allocate_policy(
     speed, costs_cached = None, False
     if min_speed is not None or verify_speed or decode_costs is not None:
         emit(on_event, Progress("speed", 0, 1, f"decode costs at {context} tokens"))
-        speed, costs_cached = speed_constraint(engine, table, base_pol, context, min_speed, decode_costs,
-                                               partial_path)
+        try:
+            speed, costs_cached = speed_constraint(engine, table, base_pol, context, min_speed, decode_costs,
+                                                   partial_path)
+        except Exception as exc:  # noqa: BLE001 - the default rule gives way (said in the notes); a given one not
+            if resolve_min_speed(min_speed)[1] == "given":
+                raise
+            notes.append(f"decode speed not considered: {str(exc).splitlines()[0]}")
         emit(on_event, Progress("speed", 1, 1, f"decode costs at {context} tokens"))
     t_speed = time.perf_counter()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))

@@ -37,29 +37,18 @@ from pathlib import Path
 
 import torch
 
+from tqbench.engine.allocate.budget import REFERENCE, resolve_min_speed
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.allocate.solver import Allocation, allocation_of, solve_allocation
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
-REFERENCE = "turbo4"  # the uniform policy the default minimum speed is stated by
 COSTS_FORMAT = "tqbench-decode-costs/1"
 LAYER_REPEATS = 15
 STEP_REPEATS = 8
 #: bisection steps of the speed penalty
 PENALTY_STEPS = 14
-
-
-def check_min_speed(value) -> float:
-    """A ratio of tokens/s to dense's, above 0 (``RequestError`` naming the field ``min_speed``)."""
-    try:
-        ratio = float(value)
-    except (TypeError, ValueError):
-        raise RequestError("min_speed", value, "give a ratio of tokens/s to dense above 0, e.g. 0.8") from None
-    if not ratio > 0 or ratio != ratio or ratio == float("inf"):
-        raise RequestError("min_speed", value, "give a ratio of tokens/s to dense above 0, e.g. 0.8")
-    return ratio
 
 
 class SpeedUnreachable(RequestError):
@@ -421,17 +410,6 @@ def measure_speed(engine, policy: Policy, context: int, steps: int = 16) -> dict
     dense, fused = decode_steps(engine, [None, policy], context, steps)
     return {"dense_tok_s": 1.0 / dense, "policy_tok_s": 1.0 / fused, "ratio": dense / fused, "steps": steps,
             "context_tokens": context}
-
-
-def resolve_min_speed(value) -> tuple[float | None, str]:
-    """``min_speed`` as given: None (no minimum), ``"reference"`` (the default rule: no slower than uniform
-    turbo4 fused, as predicted) or a ratio above 0. Returns (ratio or None, source); the reference's ratio is
-    known once the costs are: ``min_ratio`` None with source ``"reference"``."""
-    if value is None:
-        return None, "none"
-    if isinstance(value, str) and value.strip().lower() in ("reference", REFERENCE):
-        return None, "reference"
-    return check_min_speed(value), "given"
 
 
 def speed_constraint(engine, table: SensitivityTable, base: Policy, context: int, min_speed,
