@@ -259,8 +259,20 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
 
 
 # ---- measuring ---------------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_key(engine, context: int, base: Policy) -> dict:
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+    """What a cost table depends on: this machine, its threads, the model, the context and the protection."""
+    return {"host": platform.node(), "cpu": _cpu_model(),
             "threads": torch.get_num_threads(), "device": str(getattr(engine, "device", "cpu")),
             "model_fingerprint": engine.loaded.fingerprint, "context": context,
             "protection": f"sink={base.sink},recent={base.recent}", "codec_options": base.to_string(),
