@@ -133,6 +133,18 @@ def test_an_unreachable_min_speed_names_the_best_reachable_ratio():
     assert "--" not in str(exc.value)  # the engine names fields, not flags
 
 
+def test_the_default_rule_gives_way_to_the_best_reachable_ratio():
+    table = _table()
+    model = SpeedModel(_costs(), table.layers)
+    best = model.ratio(_all(table, "turbo1"))
+    c = SpeedConstraint(model, best + 0.05, source="reference")  # (a reference out of reach within this budget)
+    alloc = c.solve(table, GEO, 4.5, CONTEXT, BASE)
+    assert model.ratio(alloc.choice) == pytest.approx(best) and c.relaxed == {(4, 16): pytest.approx(best)}
+    rep = c.report(alloc, CONTEXT)
+    assert rep.relaxed_to == pytest.approx(best) and rep.min_ratio == pytest.approx(best)
+    assert rep.to_dict()["relaxed_to"] == pytest.approx(best)
+
+
 def test_exchange_steps_admit_only_moves_that_keep_the_speed():
     table = _table()
     model = SpeedModel(_costs(), table.layers)

@@ -67,6 +67,9 @@ def print_speed(sp) -> None:
     """Predicted (and measured) decode speed vs dense, the minimum it met and the cost table it came from."""
     rule = {"given": "given", "reference": f"uniform {sp.reference}'s", "none": "none"}[sp.min_source]
     minimum = "no minimum" if sp.min_ratio is None else f"minimum {sp.min_ratio:.3f}x ({rule})"
+    if sp.relaxed_to is not None:
+        minimum = (f"minimum {sp.relaxed_to:.3f}x (uniform {sp.reference}'s {sp.reference_ratio:.3f}x is out of reach "
+                   "within the budget: the best reachable)")
     measured = "" if sp.measured is None else (
         f"; measured {sp.measured_ratio:.3f}x ({sp.measured['policy_tok_s']:.2f} vs {sp.measured['dense_tok_s']:.2f} "
         f"tok/s dense, {sp.measured['steps']} interleaved steps)")

@@ -214,7 +214,7 @@ def improve(
                 continue
             tried.add(frozenset(new.items()))
             trial = allocation_of(new, table, geometry, budget_bits, context, pol, name)
-            if trial is not None and (speed is None or speed.admits(trial.choice)):  # bytes (and speed) within
+            if trial is not None and (speed is None or speed.admits(trial.choice, pol)):  # bytes (and speed) within
                 cand = (trial, desc)
                 break
         if cand is None:

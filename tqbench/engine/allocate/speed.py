@@ -163,6 +163,7 @@ class SpeedReport:
     constrained: bool  # whether the constraint changed the solution
     costs: DecodeCosts
     measured: dict | None = None  # {"dense_tok_s", "policy_tok_s", "ratio", "steps"}
+    relaxed_to: float | None = None  # the default rule out of reach within the budget: the best reachable ratio
 
     @property
     def measured_ratio(self) -> float | None:
@@ -173,14 +174,15 @@ class SpeedReport:
         out = {"predicted_ratio": self.predicted_ratio, "min_ratio": self.min_ratio, "min_source": self.min_source,
                "reference": self.reference, "reference_ratio": self.reference_ratio,
                "unconstrained_ratio": self.unconstrained_ratio, "constrained": self.constrained,
-               "measured_ratio": self.measured_ratio, "threads": self.costs.machine.get("threads")}
+               "measured_ratio": self.measured_ratio, "relaxed_to": self.relaxed_to,
+               "threads": self.costs.machine.get("threads")}
         return {k: v for k, v in out.items() if v is not None}
 
     def to_dict(self) -> dict:
         return {"context_tokens": self.context, "predicted_ratio": self.predicted_ratio,
                 "min_ratio": self.min_ratio, "min_source": self.min_source, "reference": self.reference,
                 "reference_ratio": self.reference_ratio, "unconstrained_ratio": self.unconstrained_ratio,
-                "constrained": self.constrained, "measured_ratio": self.measured_ratio,
+                "constrained": self.constrained, "measured_ratio": self.measured_ratio, "relaxed_to": self.relaxed_to,
                 "measured": self.measured, "cost_ns_per_row": self.costs.per_row(),
                 "mixed_layer_seconds": self.costs.mixed, "dense_step_seconds": self.costs.dense_step,
                 "reference_step_seconds": self.costs.reference_step, "machine": self.costs.machine}
@@ -190,16 +192,25 @@ class SpeedReport:
 class SpeedConstraint:
     """``min_ratio`` (None: none, the prediction only) under ``model``: the solve and the exchange steps' test.
     ``unconstrained``: per (sink, recent) solved, the least-KL solution's predicted ratio and whether the
-    constraint changed the solution."""
+    constraint changed the solution. The default rule (``source`` ``"reference"``) gives way where the budget
+    cannot reach it: ``relaxed`` holds, per (sink, recent), the best reachable ratio it kept instead (a given
+    minimum never gives way: ``SpeedUnreachable``)."""
 
     def __init__(self, model: SpeedModel, min_ratio: float | None, source: str = "given") -> None:
         self.model = model
         self.min_ratio = min_ratio
         self.source = source
         self.unconstrained: dict[tuple[int, int], tuple[float, bool]] = {}
+        self.relaxed: dict[tuple[int, int], float] = {}
 
-    def admits(self, choice: dict) -> bool:
-        return self.min_ratio is None or self.model.ratio(choice) >= self.min_ratio - 1e-12
+    def limit(self, policy: Policy | None = None) -> float | None:
+        """The minimum in force under ``policy``'s protection (the relaxed one where the default gave way)."""
+        key = (policy.sink, policy.recent) if policy is not None else None
+        return self.relaxed.get(key, self.min_ratio) if self.min_ratio is not None else None
+
+    def admits(self, choice: dict, policy: Policy | None = None) -> bool:
+        limit = self.limit(policy)
+        return limit is None or self.model.ratio(choice) >= limit - 1e-12
 
     def solve(self, table: SensitivityTable, geometry, budget_bits: float, context: int, base: Policy,
               name: str | None = None) -> Allocation:
@@ -208,8 +219,9 @@ class SpeedConstraint:
     def report(self, alloc: Allocation, context: int, measured: dict | None = None) -> SpeedReport:
         r0, changed = self.unconstrained.get((alloc.policy.sink, alloc.policy.recent), (None, False))
         ref = self.model.reference_ratio()
-        return SpeedReport(context, self.model.ratio(alloc.choice), self.min_ratio, self.source,
-                           self.model.costs.reference, ref, r0, changed, self.model.costs, measured)
+        return SpeedReport(context, self.model.ratio(alloc.choice), self.limit(alloc.policy), self.source,
+                           self.model.costs.reference, ref, r0, changed, self.model.costs, measured,
+                           self.relaxed.get((alloc.policy.sink, alloc.policy.recent)))
 
 
 def _penalized(table: SensitivityTable, model: SpeedModel, lam: float, kl_weight: float = 1.0) -> SensitivityTable:
@@ -226,7 +238,7 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
     r0 = model.ratio(alloc.choice)
     key = (base.sink, base.recent)
     constraint.unconstrained[key] = (r0, False)
-    if constraint.admits(alloc.choice):
+    if constraint.admits(alloc.choice, base):
         return alloc
     # the fastest allocation within the budget (KL only breaks ties)
     seconds = [abs(model.unit_seconds(u, c)) for u, row in table.kl.items() for c in row]
@@ -236,7 +248,9 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
     fast = solve_allocation(_penalized(table, model, 1.0 / t_scale, 1e-6 / k_scale), geometry, budget_bits,
                             context, base, name)
     best_ratio = model.ratio(fast.choice)
-    if not constraint.admits(fast.choice):
+    if not constraint.admits(fast.choice, base) and constraint.source == "reference":
+        constraint.relaxed[key] = best_ratio  # the default rule: as close to it as the budget allows
+    if not constraint.admits(fast.choice, base):
         raise SpeedUnreachable(constraint.min_ratio, best_ratio,
                                f"the fastest allocation within {budget_bits:g} bits/element at {context} tokens is "
                                f"predicted at {best_ratio:.3f}x dense tokens/s (the least-KL one at {r0:.3f}x): "
@@ -247,7 +261,7 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
         mid = (lo + hi) / 2
         lam = 10 ** mid * k_scale / t_scale
         cand = solve_allocation(_penalized(table, model, lam), geometry, budget_bits, context, base, name)
-        if constraint.admits(cand.choice):
+        if constraint.admits(cand.choice, base):
             hi = mid
             real = allocation_of(cand.choice, table, geometry, budget_bits, context, base, name)
             if real is not None and real.predicted_kl < found.predicted_kl:
