@@ -79,6 +79,18 @@ def test_a_layer_whose_heads_mix_codecs_pays_the_mixed_overhead():
     assert model.step_seconds(mixed) == pytest.approx(11e-3 - 0.4e-3 / 2 + 0.3e-3)
     both = {**mixed, (0, "k", 1): "turbo2"}  # uniform again: no overhead
     assert model.step_seconds(both) == pytest.approx(11e-3 - 0.4e-3)
+    crossed = {**mixed, (0, "v", 1): "turbo2"}  # (turbo2, turbo4) and (turbo4, turbo2): still two groups
+    assert model.step_seconds(crossed) == pytest.approx(11e-3 - 0.4e-3 + 0.3e-3)
+
+
+def test_every_group_past_two_costs_its_own_overhead():
+    costs = DecodeCosts(CONTEXT, 3, _costs().layer, 0.3e-3, 10e-3, 11e-3, mixed_extra_group=0.1e-3)
+    model = SpeedModel(costs, [0])
+    base = {(0, r, h): "turbo4" for r in "kv" for h in range(3)}
+    three = {**base, (0, "k", 0): "turbo1", (0, "k", 1): "turbo2"}
+    assert model.step_seconds(three) - model.step_seconds(base) == pytest.approx(
+        (0.4e-3 - 1.0e-3 + 0.6e-3 - 1.0e-3) / 3 + 0.3e-3 + 0.1e-3)
+    assert costs.group_overhead(1) == 0 and DecodeCosts.from_dict(costs.to_dict()) == costs
 
 
 def test_default_min_speed_is_uniform_turbo4s_predicted_ratio(tiny_engine):

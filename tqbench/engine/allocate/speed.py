@@ -7,14 +7,15 @@ The cost model (``DecodeCosts``), measured once per machine, thread count, model
 - ``layer``: seconds of one layer's fused decode call (the ``TQLayer`` append of the new token's K/V + the
   attention from the packed store, native kernel on CPU) at ``context`` stored rows, for every codec choice of a
   role with the other role at the reference codec (``turbo4``); synthetic rows, a few repeats, median;
-- ``mixed``: the extra seconds of a layer whose KV heads use different codecs (one side per group of heads in the
-  kernel call) over the head-weighted mean of the uniform layers;
+- ``mixed`` / ``mixed_extra_group``: the extra seconds of a layer whose KV heads form two groups (two (K, V) codec
+  pairs: one side per group of heads in the kernel call) over the head-weighted mean of the uniform layers, and
+  of each group past two;
 - ``dense_step`` / ``reference_step``: one decode step of the whole model at ``context`` with a ``DynamicCache``
   and with the uniform reference policy in fused mode, interleaved in one process (medians).
 
 Prediction (``SpeedModel.step_seconds``): the reference policy's measured step plus, per allocatable layer, the
 difference of the policy's layer cost from the reference layer's (each role: the mean over its KV heads of the
-role's per-codec cost; plus ``mixed`` where the layer's heads differ). Tokens/s relative to dense is
+role's per-codec cost; plus the group overhead where the layer's heads form several groups). Tokens/s relative to dense is
 ``dense_step / step``; the uniform reference predicts exactly its measured ratio, which is the default minimum.
 
 The constraint (``solve_with_speed``): a penalty then a check. The exact-bytes DP minimises KL + lambda x (the
@@ -44,8 +45,8 @@ from tqbench.engine.atomic import atomic_write
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
-COSTS_FORMAT = "tqbench-decode-costs/1"
-LAYER_REPEATS = 15
+COSTS_FORMAT = "tqbench-decode-costs/2"  # /2: the group overhead past two groups
+LAYER_REPEATS = 31
 STEP_REPEATS = 8
 #: bisection steps of the speed penalty
 PENALTY_STEPS = 14
@@ -66,11 +67,12 @@ class DecodeCosts:
     context: int
     kv_heads: int
     layer: dict[str, dict[str, float]]  # role -> codec -> one layer's fused call (other role at ``reference``)
-    mixed: float  # extra seconds of a layer whose KV heads use different codecs
+    mixed: float  # extra seconds of a layer whose KV heads form two groups (two (K, V) codec pairs) over one
     dense_step: float  # one decode step of the model, DynamicCache
     reference_step: float  # one decode step of the model, the uniform reference policy in fused mode
     reference: str = REFERENCE
     machine: dict = field(default_factory=dict)
+    mixed_extra_group: float | None = None  # each group past two (None: ``mixed`` again)
 
     def __post_init__(self) -> None:
         for role in ("k", "v"):
@@ -78,6 +80,13 @@ class DecodeCosts:
                 raise ValueError(f"decode costs need the reference codec {self.reference} for role {role}")
         if min(self.dense_step, self.reference_step) <= 0:
             raise ValueError("decode step seconds must be positive")
+
+    def group_overhead(self, groups: int) -> float:
+        """Extra seconds of a layer whose KV heads form ``groups`` groups of one (K, V) codec pair each."""
+        if groups <= 1:
+            return 0.0
+        extra = self.mixed if self.mixed_extra_group is None else self.mixed_extra_group
+        return self.mixed + (groups - 2) * extra
 
     @property
     def uniform_layer(self) -> float:
@@ -100,7 +109,8 @@ class DecodeCosts:
         return cls(int(d["context"]), int(d["kv_heads"]), {r: {c: float(t) for c, t in row.items()}
                                                             for r, row in d["layer"].items()},
                    float(d["mixed"]), float(d["dense_step"]), float(d["reference_step"]),
-                   d.get("reference", REFERENCE), dict(d.get("machine", {})))
+                   d.get("reference", REFERENCE), dict(d.get("machine", {})),
+                   None if d.get("mixed_extra_group") is None else float(d["mixed_extra_group"]))
 
 
 class SpeedModel:
@@ -137,8 +147,11 @@ class SpeedModel:
             for role in ("k", "v"):
                 if (layer, role) not in named:
                     total += self.role_cost(role, c.reference)
-        mixed = sum(1 for roles in per.values() if any(len(set(h.values())) > 1 for h in roles.values()))
-        return total + mixed * c.mixed
+        for roles in per.values():  # the layer's groups: its heads' distinct (K, V) codec pairs
+            heads = set(roles.get("k", {})) | set(roles.get("v", {}))
+            pairs = {(roles.get("k", {}).get(h, c.reference), roles.get("v", {}).get(h, c.reference)) for h in heads}
+            total += c.group_overhead(len(pairs))
+        return total
 
     def ratio(self, choice: dict) -> float:
         return self.costs.dense_step / self.step_seconds(choice)
@@ -184,7 +197,8 @@ class SpeedReport:
                 "reference_ratio": self.reference_ratio, "unconstrained_ratio": self.unconstrained_ratio,
                 "constrained": self.constrained, "measured_ratio": self.measured_ratio, "relaxed_to": self.relaxed_to,
                 "measured": self.measured, "cost_ns_per_row": self.costs.per_row(),
-                "mixed_layer_seconds": self.costs.mixed, "dense_step_seconds": self.costs.dense_step,
+                "mixed_layer_seconds": self.costs.mixed, "mixed_extra_group_seconds": self.costs.mixed_extra_group,
+                "dense_step_seconds": self.costs.dense_step,
                 "reference_step_seconds": self.costs.reference_step, "machine": self.costs.machine}
 
 
@@ -419,16 +433,22 @@ def measure_costs(engine, context: int, base: Policy, choices: dict[str, list[st
             spec = {"k": codec, "v": reference} if role == "k" else {"k": reference, "v": codec}
             table[role][codec] = max(layer_seconds(engine, replace(pol, **spec), layer, context, repeats), 1e-9)
     heads = engine.geometry.kv_heads
-    mixed = 0.0
-    cheap = [c for c in choices.get("k", []) if c not in (reference, "fp16")]
-    if heads > 1 and cheap:
-        other = cheap[0]
-        specs = [other if h % 2 == 0 else reference for h in range(heads)]
+    mixed, extra = 0.0, None
+    others = [c for c in choices.get("k", []) if c not in (reference, "fp16")]
+    if heads > 1 and others:  # two groups: K alternating another codec and the reference
+        specs = [others[0] if h % 2 == 0 else reference for h in range(heads)]
         t = layer_seconds(engine, replace(pol, k="|".join(specs), v=reference), layer, context, repeats)
-        expect = sum(table["k"][s] for s in specs) / heads
-        mixed = max(0.0, t - expect)
+        mixed = max(0.0, t - sum(table["k"][s] for s in specs) / heads)
+        if heads > 2 and len(others) > 1:  # as many groups as K choices allow (up to one per head)
+            kinds = [reference, *others]
+            specs = [kinds[h % len(kinds)] for h in range(heads)]
+            groups = len(set(specs))
+            if groups > 2:
+                t = layer_seconds(engine, replace(pol, k="|".join(specs), v=reference), layer, context, repeats)
+                over = t - sum(table["k"][s] for s in specs) / heads
+                extra = max(0.0, (over - mixed) / (groups - 2))
     dense, ref = decode_steps(engine, [None, replace(pol, k=reference, v=reference)], context, steps)
-    return DecodeCosts(context, heads, table, mixed, dense, ref, reference)
+    return DecodeCosts(context, heads, table, mixed, dense, ref, reference, mixed_extra_group=extra)
 
 
 def measure_speed(engine, policy: Policy, context: int, steps: int = 16) -> dict:
