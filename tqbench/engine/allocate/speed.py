@@ -6,7 +6,8 @@ The cost model (``DecodeCosts``), measured once per machine, thread count, model
 
 - ``layer``: seconds of one layer's fused decode call (the ``TQLayer`` append of the new token's K/V + the
   attention from the packed store, native kernel on CPU) at ``context`` stored rows, for every codec choice of a
-  role with the other role at the reference codec (``turbo4``); synthetic rows, a few repeats, median;
+  role with the other role at the reference codec (``turbo4``); synthetic rows, every configuration timed round
+  by round (interleaved), medians;
 - ``mixed`` / ``mixed_extra_group``: the extra seconds of a layer whose KV heads form two groups (two (K, V) codec
   pairs: one side per group of heads in the kernel call) over the head-weighted mean of the uniform layers, and
   of each group past two;
@@ -345,47 +346,50 @@ def cached_costs(engine, context: int, base: Policy, choices: dict[str, list[str
     return replace(costs, machine=key), False
 
 
-def _median(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def layer_seconds(engine, policy: Policy, layer: int, context: int, repeats: int = LAYER_REPEATS) -> float:
-    """Median seconds of one fused decode call of ``layer`` under ``policy`` (append + attention) over ``context``
-    synthetic stored rows."""
+def layer_seconds(engine, policies: list[Policy], layer: int, context: int, repeats: int = LAYER_REPEATS,
+                  warmup: int = 3) -> list[float]:
+    """Median seconds of one fused decode call of ``layer`` (the ``TQLayer`` append of one token + the attention)
+    over ``context`` synthetic stored rows, for each policy; the calls are interleaved round by round (one call of
+    each policy per round), so a load spike of a shared machine falls on every policy alike."""
     from tqbench.engine.cache.fused.install import fused_attention
     from tqbench.engine.cache.layer import TQLayer
 
     g = engine.geometry
-    cfg = engine.config
-    q_heads = int(getattr(cfg, "num_attention_heads", g.kv_heads))
+    q_heads = int(getattr(engine.config, "num_attention_heads", g.kv_heads))
     dtype = next(engine.model.parameters()).dtype
-    plans = policy.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     gen = torch.Generator().manual_seed(layer)
-    shape = (1, g.kv_heads, context, g.head_dim)
-    k = (torch.randn(shape, generator=gen) + torch.randn(1, g.kv_heads, 1, g.head_dim, generator=gen)).to(dtype)
+    k = (torch.randn(1, g.kv_heads, context, g.head_dim, generator=gen)
+         + torch.randn(1, g.kv_heads, 1, g.head_dim, generator=gen)).to(dtype)
     v = torch.randn(1, g.kv_heads, context, g.v_dim, generator=gen).to(dtype)
-    tq = TQLayer(plans[layer], "fused", policy, g.sliding_window, kv_heads=g.kv_heads)
-    with torch.inference_mode():
+    q = torch.randn(1, q_heads, 1, g.head_dim, generator=gen).to(dtype)
+    k1, v1 = k[:, :, -1:].clone(), v[:, :, -1:].clone()
+    scale = g.head_dim ** -0.5
+
+    def stepper(policy: Policy):
+        plans = policy.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
+        tq = TQLayer(plans[layer], "fused", policy, g.sliding_window, kv_heads=g.kv_heads)
         tq.update(k, v)
-        q = torch.randn(1, q_heads, 1, g.head_dim, generator=gen).to(dtype)
-        k1, v1 = k[:, :, -1:].clone(), v[:, :, -1:].clone()
-        scale = g.head_dim ** -0.5
 
         def step():
-            handle, _ = tq.update(k1, v1)
-            if isinstance(handle, torch.Tensor):  # lossless both roles: the model's own attention over dense rows
-                kk = handle.repeat_interleave(q_heads // g.kv_heads, 1)
-                return torch.nn.functional.scaled_dot_product_attention(q, kk, kk[..., : g.v_dim], scale=scale)
-            return fused_attention(q, handle, None, scale)
+            kk, vv = tq.update(k1, v1)
+            if isinstance(kk, torch.Tensor):  # lossless both roles: the model's own attention over dense rows
+                rep = q_heads // g.kv_heads
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1), scale=scale)
+            return fused_attention(q, kk, None, scale)
 
-        return _median(step, repeats)
+        return step
+
+    with torch.inference_mode():
+        steps = [stepper(p) for p in policies]
+        times: list[list[float]] = [[] for _ in policies]
+        for i in range(warmup + repeats):
+            for j, step in enumerate(steps):
+                t = time.perf_counter()
+                step()
+                if i >= warmup:
+                    times[j].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
 
 
 def decode_steps(engine, policies: list[Policy | None], context: int, steps: int = STEP_REPEATS,
@@ -423,30 +427,36 @@ def measure_costs(engine, context: int, base: Policy, choices: dict[str, list[st
                   reference: str = REFERENCE, repeats: int = LAYER_REPEATS, steps: int = STEP_REPEATS) -> DecodeCosts:
     """Measure the cost table (module doc) for the role -> codec ``choices`` (``reference`` and fp16 added)."""
     pol = replace(base, protect="", overrides=())
-    table: dict[str, dict[str, float]] = {"k": {}, "v": {}}
-    uniform = layer_seconds(engine, replace(pol, k=reference, v=reference), layer, context, repeats)
-    for role in ("k", "v"):
-        table[role][reference] = uniform
-        for codec in dict.fromkeys([*choices.get(role, []), "fp16"]):
-            if codec == reference:
-                continue
-            spec = {"k": codec, "v": reference} if role == "k" else {"k": reference, "v": codec}
-            table[role][codec] = max(layer_seconds(engine, replace(pol, **spec), layer, context, repeats), 1e-9)
     heads = engine.geometry.kv_heads
-    mixed, extra = 0.0, None
+    configs: list[tuple[str, str, str]] = [(reference, reference, "")]  # (K spec, V spec, what it measures)
+    for role in ("k", "v"):
+        for codec in dict.fromkeys([*choices.get(role, []), "fp16"]):
+            if codec != reference:
+                configs.append((codec, reference, "k") if role == "k" else (reference, codec, "v"))
     others = [c for c in choices.get("k", []) if c not in (reference, "fp16")]
+    two = many = None
     if heads > 1 and others:  # two groups: K alternating another codec and the reference
-        specs = [others[0] if h % 2 == 0 else reference for h in range(heads)]
-        t = layer_seconds(engine, replace(pol, k="|".join(specs), v=reference), layer, context, repeats)
-        mixed = max(0.0, t - sum(table["k"][s] for s in specs) / heads)
-        if heads > 2 and len(others) > 1:  # as many groups as K choices allow (up to one per head)
-            kinds = [reference, *others]
-            specs = [kinds[h % len(kinds)] for h in range(heads)]
-            groups = len(set(specs))
-            if groups > 2:
-                t = layer_seconds(engine, replace(pol, k="|".join(specs), v=reference), layer, context, repeats)
-                over = t - sum(table["k"][s] for s in specs) / heads
-                extra = max(0.0, (over - mixed) / (groups - 2))
+        two = [others[0] if h % 2 == 0 else reference for h in range(heads)]
+        configs.append(("|".join(two), reference, "two"))
+        kinds = [reference, *others]
+        many = [kinds[h % len(kinds)] for h in range(heads)]  # as many groups as K choices allow
+        if len(set(many)) > 2:
+            configs.append(("|".join(many), reference, "many"))
+        else:
+            many = None
+    secs = layer_seconds(engine, [replace(pol, k=kc, v=vc) for kc, vc, _ in configs], layer, context, repeats)
+    table: dict[str, dict[str, float]] = {"k": {reference: secs[0]}, "v": {reference: secs[0]}}
+    mixed, extra = 0.0, None
+    for (kc, vc, what), t in zip(configs, secs):
+        if what in ("k", "v"):
+            table[what][kc if what == "k" else vc] = max(t, 1e-9)
+    for (_, _, what), t in zip(configs, secs):
+        if what == "two":
+            mixed = max(0.0, t - sum(table["k"][s] for s in two) / heads)
+    for (_, _, what), t in zip(configs, secs):
+        if what == "many":
+            over = t - sum(table["k"][s] for s in many) / heads
+            extra = max(0.0, (over - mixed) / (len(set(many)) - 2))
     dense, ref = decode_steps(engine, [None, replace(pol, k=reference, v=reference)], context, steps)
     return DecodeCosts(context, heads, table, mixed, dense, ref, reference, mixed_extra_group=extra)
 
