@@ -48,7 +48,7 @@ from tqbench.engine.request import RequestError
 
 COSTS_FORMAT = "tqbench-decode-costs/2"  # /2: the group overhead past two groups
 LAYER_REPEATS = 31
-STEP_REPEATS = 8
+STEP_REPEATS = 16
 #: bisection steps of the speed penalty
 PENALTY_STEPS = 14
 
