@@ -173,7 +173,7 @@ def _cli(*args):
 
 TINY_CLI = ["--calibration", "bread", "--calib-prefill", "48", "--calib-steps", "8", "--verify-prefill", "48",
             "--verify-steps", "6", "--context", "96", "--sink", "2", "--recent", "4", "--codecs", "turbo1,turbo2,turbo4",
-            "--sinks", "2,4", "--recents", "4", "--max-measurements", "3"]
+            "--sinks", "2,4", "--recents", "4", "--max-measurements", "3", "--min-speed", "none"]  # (speed: own tests)
 
 
 def test_cli_allocate_json_and_out(tmp_path):

@@ -56,11 +56,16 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--resume", "resume", default=None,
               help="Partial results file (read if present, updated per cell; default <out>.partial.json).")
 @click.option("--max-kl", type=float, default=None, help="Gate: exit 1 when the verified KL is above this.")
+@click.option("--min-speed", default="turbo4", show_default=True,
+              help="Decode tokens/s relative to a dense cache at --context (fused mode, predicted by a cost model "
+                   "measured on this machine once): a ratio above 0, turbo4 (no slower than uniform turbo4) or none.")
+@click.option("--verify-speed", is_flag=True,
+              help="Also decode the chosen policy (fused) against dense and report the measured speed ratio.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
-             verify_prefill, verify_steps, name, out, resume, max_kl, as_json):
+             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
     import json
@@ -68,11 +73,12 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.allocate import print_allocation
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine.allocate.budget import check_budget
+    from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
     from tqbench.engine.allocate.texts import check_text_names
 
     check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rules, before the model loads
     check_max_kl(max_kl)
+    resolve_min_speed(min_speed)
     from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
     check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
@@ -101,7 +107,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                 base=base_policy, context=context, protections=grid,
                 max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
-                name=policy_name, partial_path=resume, on_event=prog)
+                name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
+                verify_speed=verify_speed)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)

@@ -35,6 +35,8 @@ def print_allocation(rep) -> None:
               f"calibration prefill, {rep.seconds['threads']} threads)")
     for note in rep.notes:
         out.print(f"note: {note}")
+    if rep.speed is not None:
+        print_speed(rep.speed)
     if rep.steps:
         s = Table(title="solver steps (joint chunk KL on the calibration sequences)")
         for col in ("step", "kind", "move", "additive KL", "measured KL", "bits/el", "accepted"):
@@ -60,3 +62,32 @@ def print_allocation(rep) -> None:
               f"{_f(fv['verification_kl'])}, unseen {_f(fv['unseen_kl'])}; unseen/verification "
               f"{_f(fv['unseen_over_verification'], '.2f')}, predicted/verification "
               f"{_f(fv['predicted_over_verification'], '.2f')}")
+
+
+def print_speed(sp) -> None:
+    """Predicted (and measured) decode speed vs dense, the minimum it met and the cost table it came from."""
+    rule = {"given": "given", "reference": f"uniform {sp.reference}'s", "none": "none"}[sp.min_source]
+    minimum = "no minimum" if sp.min_ratio is None else f"minimum {sp.min_ratio:.3f}x ({rule})"
+    if sp.relaxed_to is not None:
+        minimum = (f"minimum {sp.relaxed_to:.3f}x (uniform {sp.reference}'s {sp.reference_ratio:.3f}x is out of reach "
+                   "within the budget: the best reachable)")
+    measured = "" if sp.measured is None else (
+        f"; measured {sp.measured_ratio:.3f}x ({sp.measured['policy_tok_s']:.2f} vs {sp.measured['dense_tok_s']:.2f} "
+        f"tok/s dense, {sp.measured['steps']} interleaved steps)")
+    changed = ""
+    if sp.unconstrained_ratio is not None and sp.constrained:
+        changed = f"; the least-KL policy was predicted at {sp.unconstrained_ratio:.3f}x, so the speed changed it"
+    out.print(f"decode speed vs dense at {sp.context} tokens (fused): predicted {sp.predicted_ratio:.3f}x, {minimum}, "
+              f"uniform {sp.reference} {sp.reference_ratio:.3f}x{measured}{changed}")
+    t = Table(title=f"decode cost per stored row and KV head, ns (one layer's fused call; other role {sp.reference})")
+    rows = sp.costs.per_row()
+    codecs = list(dict.fromkeys([*rows["k"], *rows["v"]]))
+    t.add_column("role")
+    for c in codecs:
+        t.add_column(c, justify="right")
+    for role in ("k", "v"):
+        t.add_row(role.upper(), *[_f(rows[role].get(c), ".1f") for c in codecs])
+    out.print(t)
+    out.print(f"mixed-codec layer overhead {sp.costs.mixed * 1e6:.1f} us; dense step {sp.costs.dense_step * 1e3:.2f} ms,"
+              f" uniform {sp.reference} step {sp.costs.reference_step * 1e3:.2f} ms "
+              f"({sp.costs.machine.get('threads', '?')} threads)")

@@ -2,7 +2,8 @@
 
 ``texts.py`` (the calibration mix and the unseen verification texts), ``chunk.py`` (the chunk KL measure, with
 layer skipping), ``sensitivity.py`` (one-unit chunk KL per layer or KV head, role and codec), ``solver.py``
-(exact-bytes multiple-choice knapsack), ``exchange.py`` (protection options and exchange steps scored by the joint
+(exact-bytes multiple-choice knapsack), ``speed.py`` (the decode-cost model and the minimum-speed constraint),
+``exchange.py`` (protection options and exchange steps scored by the joint
 measured KL), ``verify.py`` (teacher-forced frontier points on held-out text) and ``job.py`` (``allocate_policy``:
 the steps as one cancellable, resumable job). The saved policy it writes lives with
 the policy: ``tqbench.engine.policy`` (``save_policy_artifact``, ``load_policy_artifact``). ``budget.py`` holds the
@@ -18,12 +19,15 @@ _JOB = "tqbench.engine.allocate.job"
 _SOLVER = "tqbench.engine.allocate.solver"
 _EXCHANGE = "tqbench.engine.allocate.exchange"
 _SENSITIVITY = "tqbench.engine.allocate.sensitivity"
+_SPEED = "tqbench.engine.allocate.speed"
 
 #: public name -> its module
 _LAZY: dict[str, str] = {
     "DEFAULT_CODECS": _JOB,
     "GRANULARITIES": _JOB,
     "Allocation": _SOLVER,
+    "DecodeCosts": _SPEED,
+    "SpeedReport": _SPEED,
     "AllocationReport": _JOB,
     "ExchangeStep": _EXCHANGE,
     "JointMeasure": _EXCHANGE,

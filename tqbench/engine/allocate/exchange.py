@@ -157,27 +157,35 @@ def improve(
     name: str | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    speed=None,
 ) -> tuple[Allocation, float, list[ExchangeStep]]:
     """The best allocation found by measuring (see the module doc): (allocation, its measured joint KL, steps).
 
     ``protections``: the (sink, recent) options (None: ``base``'s only); options whose cheapest choice does not
     fit the budget are skipped (a step with ``move`` saying so, not measured). ``measure`` is called at most
-    ``max_measurements`` times (at least once per fitting protection option)."""
+    ``max_measurements`` times (at least once per fitting protection option). ``speed``: a
+    ``speed.SpeedConstraint`` (its solve at every protection option; exchange moves it does not admit are skipped)."""
+    solve = speed.solve if speed is not None else solve_allocation
     options = protections or [(base.sink, base.recent)]
     steps: list[ExchangeStep] = []
     best: tuple[Allocation, float, Policy] | None = None
     count = 0
     total = max(max_measurements, len(options))
     first_error: ValueError | None = None
+    slow_error = None  # the speed refusal of the option with the best reachable speed
     for sink, recent in options:
         raise_if_cancelled(cancel, JOB)
         pol = replace(base, sink=sink, recent=recent)
         try:
-            alloc = solve_allocation(table, geometry, budget_bits, context, pol, name)
+            alloc = solve(table, geometry, budget_bits, context, pol, name)
         except ValueError as exc:
+            slow = getattr(exc, "best_ratio", None) is not None  # fits the budget, not the minimum speed
+            if slow and (slow_error is None or exc.best_ratio > slow_error.best_ratio):
+                slow_error = exc
             first_error = first_error or exc
-            steps.append(ExchangeStep(len(steps), "protection", f"sink={sink},recent={recent}: does not fit the "
-                                      "budget", None, None, None, 0, sink, recent, False))
+            why = "does not meet the minimum speed" if slow else "does not fit the budget"
+            steps.append(ExchangeStep(len(steps), "protection", f"sink={sink},recent={recent}: {why}", None, None,
+                                      None, 0, sink, recent, False))
             continue
         emit(on_event, Progress("measure", count, total, f"sink={sink} recent={recent}"))
         m = measure(alloc.choice, pol)
@@ -189,6 +197,8 @@ def improve(
         if better:
             best = (alloc, m, pol)
     if best is None:  # the first option's message says what fits
+        if slow_error is not None:
+            raise slow_error
         raise ValueError(f"{first_error} (no sink/recent option {options} fits)") from None
     alloc, m, pol = best
     ub = unit_bytes(table, pol, geometry, context)
@@ -204,7 +214,7 @@ def improve(
                 continue
             tried.add(frozenset(new.items()))
             trial = allocation_of(new, table, geometry, budget_bits, context, pol, name)
-            if trial is not None:  # exact bytes within budget
+            if trial is not None and (speed is None or speed.admits(trial.choice, pol)):  # bytes (and speed) within
                 cand = (trial, desc)
                 break
         if cand is None:

@@ -8,7 +8,9 @@
    every candidate measured as the joint chunk KL of the whole policy (``exchange.improve``);
 3. verification (``verify.frontier``) teacher-forced on two texts no step chose on (``rivers`` and
    ``heldout:technical`` by default; any overlap with the calibration texts is refused).
-Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"measure"|"verify", ...)``, ``TeacherForcedStep``;
+With ``min_speed`` (or ``verify_speed``) the solve also keeps the predicted decode speed relative to dense at or
+above a minimum (``speed.py``: a cost model measured on this machine; the report's ``speed``).
+Events: ``SensitivityMeasured`` per cell, ``Progress("solve"|"measure"|"verify"|"speed", ...)``, ``TeacherForcedStep``;
 ``cancel`` is checked every step (``Cancelled``).
 """
 
@@ -28,6 +30,13 @@ from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
+from tqbench.engine.allocate.speed import (
+    DecodeCosts,
+    SpeedReport,
+    measure_speed,
+    resolve_min_speed,
+    speed_constraint,
+)
 from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
@@ -64,6 +73,7 @@ class AllocationReport:
     steps: list[ExchangeStep] = field(default_factory=list)
     unseen: FrontierPoint | None = None  # the second unseen text
     notes: list[str] = field(default_factory=list)  # what was not available and why (pcaq, layer skipping)
+    speed: SpeedReport | None = None  # predicted (and, verify_speed, measured) decode speed vs dense
 
     @property
     def predicted_kl(self) -> float:
@@ -89,6 +99,7 @@ class AllocationReport:
                 "steps": [s.to_dict() for s in self.steps], "notes": self.notes,
                 "measured_cells": self.measured_cells, "resumed_cells": self.resumed_cells,
                 "seconds": self.seconds, "partial_path": self.partial_path,
+                "speed": self.speed.to_dict() if self.speed else None,
                 "sensitivity": self.table.to_rows()}
 
     def to_artifact(self, geometry) -> PolicyArtifact:
@@ -102,6 +113,8 @@ class AllocationReport:
                  "additive_kl": a.predicted_kl, "k_codecs": list(a.k), "v_codecs": list(a.v),
                  "joint_measurements": sum(1 for s in self.steps if s.measured_kl is not None),
                  **self.setup, "fitted_vs_unseen": fvu}
+        if self.speed:
+            alloc["speed"] = self.speed.artifact_fields()
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
@@ -178,6 +191,9 @@ def allocate_policy(
     partial_dir: str | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    min_speed: float | str | None = None,
+    verify_speed: bool = False,
+    decode_costs: DecodeCosts | None = None,
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
@@ -187,6 +203,10 @@ def allocate_policy(
     ``[]``: ``base``'s only). ``max_measurements``: joint measurements (0: the additive solution only).
     ``verify_text``/``unseen_text`` None skip that verification. ``partial_path``: the partial results file (read
     if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
+    ``min_speed``: decode tokens/s relative to a dense ``DynamicCache`` at ``context`` the policy must be predicted
+    to reach (``speed.py``): a ratio, ``"reference"`` (no slower than uniform turbo4 fused) or None (no minimum);
+    ``verify_speed``: also decode the chosen policy (fused) against dense and report the measured ratio;
+    ``decode_costs``: the cost table to predict with (default: measured on this machine, cached).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
@@ -216,6 +236,7 @@ def allocate_policy(
             raise RequestError(what, value, "use at least 1")
     if max_measurements < 0:
         raise RequestError("max_measurements", max_measurements, "use 0 or more")
+    resolve_min_speed(min_speed)  # checked before any measuring
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
     if protections is None:
@@ -253,16 +274,30 @@ def allocate_policy(
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
     t1, c1 = time.perf_counter(), time.process_time()
+    speed, costs_cached = None, False
+    if min_speed is not None or verify_speed or decode_costs is not None:
+        emit(on_event, Progress("speed", 0, 1, f"decode costs at {context} tokens"))
+        try:
+            speed, costs_cached = speed_constraint(engine, table, base_pol, context, min_speed, decode_costs,
+                                                   partial_path)
+        except Exception as exc:  # noqa: BLE001 - the default rule gives way (said in the notes); a given one not
+            if resolve_min_speed(min_speed)[1] == "given":
+                raise
+            notes.append(f"decode speed not considered: {str(exc).splitlines()[0]}")
+        emit(on_event, Progress("speed", 1, 1, f"decode costs at {context} tokens"))
+    t_speed = time.perf_counter()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))
     measure = JointMeasure(runner) if runner is not None else None
     if max_measurements and measure is not None:
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
-                                         name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel)
+                                         name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel,
+                                         speed=speed)
     else:
         from tqbench.engine.allocate.solver import solve_allocation
 
-        alloc = solve_allocation(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
+        solve = speed.solve if speed is not None else solve_allocation
+        alloc = solve(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
         measured, steps = None, []
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
     t2, c2 = time.perf_counter(), time.process_time()
@@ -271,11 +306,14 @@ def allocate_policy(
                                                  steps=verify_steps, context=context, on_event=on_event,
                                                  cancel=cancel).items()} if texts else {}
     t3, c3 = time.perf_counter(), time.process_time()
+    speed_rep = None
+    if speed is not None:
+        speed_rep = speed.report(alloc, context, measure_speed(engine, alloc.policy, context) if verify_speed else None)
     keys = {k for k in cells if k in known}
     n_cells = sum(len(table.choices(u[1])) for u in table.units())
     resumed = sum(1 for u in table.units() for c in table.choices(u[1])
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
-    return AllocationReport(
+    report = AllocationReport(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
         points.get(verify_text) if verify_text else None, n_cells - resumed, resumed,
         {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
@@ -286,6 +324,11 @@ def allocate_policy(
          "layer_skipping": bool(runner and runner.layer_skipping)},
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
     )
+    if speed_rep is not None:
+        report.speed = speed_rep
+        report.seconds.update(speed=round(t_speed - t1, 2), speed_costs_cached=costs_cached,
+                              verify_speed=round(time.perf_counter() - t3, 2))
+    return report
 
 
 def _geometry_summary(engine) -> dict:
