@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("dense-shadow", "simulate", "compressed", "fused")
 
+
+def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference_run(tmp_path):
+    out = tmp_path / "dc.json"
+    base = [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--model", "tiny", "--contexts", "48",
+            "--steps", "2", "--rounds", "1", "--json", str(out)]
+    proc = subprocess.run(base + ["--policies", "turbo4;k=turbo4|turbo2,v=turbo3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["baseline"] == "dense DynamicCache, torch.float32 K/V" and data["threads"] == 1
+    assert [r["policy"] for r in data["rows"]] == ["dense", "turbo4", "k=turbo4|turbo2,v=turbo3"]
+    assert all(r["cpu_ms_per_step"] > 0 for r in data["rows"]) and data["rows"][0]["cpu_ratio_vs_dense"] == 1.0
+    # a run that is not all native kernel is not a kernel figure: refused, saying what ran
+    proc = subprocess.run(base + ["--policies", "turbo4"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TQBENCH_FUSED_IMPL": "torch"})
+    assert proc.returncode != 0 and "did not run only the native kernel" in proc.stderr
 
 def test_decode_benchmark_quick_on_tiny(tmp_path):
     out = tmp_path / "decode.json"
