@@ -6,8 +6,8 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import DynamicCache
 
+from tqbench.engine.cache.dense_baseline import baseline_kv_dtype, dense_cache, is_dense_baseline
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
@@ -92,11 +92,13 @@ class Engine:
 
     # -- caches -------------------------------------------------------------------------------------
     def make_cache(self, policy: Policy | str | CheckedPolicy | None, cache_mode: str = "compressed"):
-        """A plain ``DynamicCache`` for ``None``; a ``TQCache`` otherwise (fused mode wires the attention).
+        """A plain ``DynamicCache`` for ``None``; a dense baseline for a ``DENSE_BASELINES`` name (``dense-fp16``:
+        16-bit K/V rows, upcast for attention; ``cache.dense_baseline``); a ``TQCache`` otherwise (fused mode wires
+        the attention).
 
         A policy fitted on another model warns here (``policy_warning``; the cache's ``policy_warning`` holds it)."""
-        if policy is None:
-            return DynamicCache(config=self.config)
+        if policy is None or is_dense_baseline(policy):
+            return dense_cache(self.config, policy)
         check_mode(cache_mode)
         if cache_mode == "fused":
             self.enable_fused()
@@ -105,6 +107,10 @@ class Engine:
             warnings.warn(checked.warning, stacklevel=2)
         self.check_transforms(checked.policy)
         return TQCache(checked, self.config, mode=cache_mode)  # checked here: the cache does not check it again
+
+    def baseline_kv_dtype(self, baseline: str | None = None) -> str:
+        """The dtype a dense baseline (None: ``dense``) stores this model's K/V rows in, e.g. ``float16``."""
+        return baseline_kv_dtype(baseline, self.loaded.dtype)
 
     def check_policy(self, policy: Policy | str | CheckedPolicy) -> CheckedPolicy:
         """``policy`` parsed, planned on this model's layers (a selector past the last layer is refused) and its
@@ -194,12 +200,13 @@ class Engine:
         prompt-lookup speculation, up to that many draft tokens verified per forward call (greedy only; the
         tokens are greedy decoding's, ``GenerationResult.speculation`` counts the drafts).
         """
-        pol = self.check_policy(policy) if policy is not None else None
+        dense = policy is None or is_dense_baseline(policy)  # a DynamicCache baseline (``cache.dense_baseline``)
+        pol = None if dense else self.check_policy(policy)
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
         if prompt_lookup and pol is not None and cache_mode in ("compressed", "simulate"):
             self.enable_fused()  # a verification call's per-query precision runs in tqbench's attention function
-        cache = self.make_cache(pol, cache_mode)
-        label = pol.label if pol is not None else "dynamic-cache"
+        cache = self.make_cache(policy if dense else pol, cache_mode)
+        label = pol.label if pol is not None else (policy or "dynamic-cache")
         mode = cache_mode if pol is not None else "dynamic"
         events = stream_tokens(
             self.model, self.tokenizer, ids, cache, run=run, kv_policy=label, cache_mode=mode,
