@@ -17,6 +17,11 @@ CORPUS_DIR = PACKAGE_DATA_DIR / "corpus"
 #: every cache mode, in the order the CLI lists them (see ``shared/ARCHITECTURE.md``, "Cache modes")
 CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
 
+#: the dense baselines speed is measured against (``engine.cache.dense_baseline``): name -> the dtype its K/V rows
+#: are stored in (None: the model's own dtype, a plain ``DynamicCache``; float32 for a CPU model). The 16-bit ones
+#: hold the bytes of llama.cpp's f16 or vLLM's fp16/bf16 cache; attention reads their rows upcast to the model's dtype
+DENSE_BASELINES = {"dense": None, "dense-fp16": "float16", "dense-bf16": "bfloat16"}
+
 #: the modes whose validation verdicts say something about quality (dense-shadow reads exact K/V)
 QUALITY_MODES = ("simulate", "compressed", "fused")
 

@@ -15,13 +15,16 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from tqbench.constants import DENSE_BASELINES
+
 __all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "check_dense_baseline", "dense_cache",
            "is_dense_baseline"]
 
-#: baseline name -> the dtype its K/V rows are stored in (None: the model's own dtype, a plain ``DynamicCache``)
-DENSE_BASELINES: dict[str, torch.dtype | None] = {
-    "dense": None, "dense-fp16": torch.float16, "dense-bf16": torch.bfloat16,
-}
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The dtype baseline ``name`` (None: ``dense``) stores rows in; None for the model's own."""
+    dtype = DENSE_BASELINES[check_dense_baseline(name or "dense")]
+    return None if dtype is None else getattr(torch, dtype)
 
 
 def is_dense_baseline(name: object) -> bool:
@@ -36,8 +39,7 @@ def check_dense_baseline(name: str) -> str:
 
 def baseline_kv_dtype(name: str | None, model_dtype: torch.dtype) -> str:
     """The dtype the baseline's K/V rows are stored in, as a name (``float16``); None means ``dense``."""
-    dtype = DENSE_BASELINES[check_dense_baseline(name or "dense")] or model_dtype
-    return str(dtype).replace("torch.", "")
+    return str(_dtype(name) or model_dtype).replace("torch.", "")
 
 
 class _Rows16:
@@ -88,5 +90,5 @@ class Dense16Cache(DynamicCache):
 
 def dense_cache(config, name: str | None = None) -> DynamicCache:
     """The dense baseline ``name`` (``DENSE_BASELINES``; None: ``dense``) for a model with ``config``."""
-    dtype = DENSE_BASELINES[check_dense_baseline(name or "dense")]
+    dtype = _dtype(name)
     return DynamicCache(config=config) if dtype is None else Dense16Cache(config, dtype)
