@@ -7,7 +7,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from tqbench.engine.cache.dense_baseline import baseline_kv_dtype, dense_cache, is_dense_baseline
+from tqbench.engine.cache.dense_baseline import (
+    baseline_kv_dtype,
+    bytes_policy,
+    dense_cache,
+    is_dense_baseline,
+)
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.tqcache import TQCache, check_mode
 from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
@@ -146,6 +151,8 @@ class Engine:
         break-even search stops at the model's context): whether it stores fewer bytes, why not, from when."""
         from tqbench.engine.cache.savings import savings
 
+        if baseline is None or is_dense_baseline(baseline):  # the dense policy holding the same bytes
+            baseline = bytes_policy(baseline, self.loaded.dtype)
         return savings(policy, baseline, self.geometry, seq_len, self.max_context)
 
     def policy_warning(self, policy: Policy | str | None) -> str | None:
@@ -153,7 +160,7 @@ class Engine:
         fingerprint differs; or, when none is recorded, the KV geometry), else None. Works on every form a policy
         arrives in (artifact path, shipped name, parsed ``Policy``): the parsed ``Policy`` carries ``fitted_on``.
         Every front end shows it; ``make_cache`` also warns."""
-        if policy is None:
+        if policy is None or is_dense_baseline(policy):
             return None
         if isinstance(policy, CheckedPolicy) and policy.fingerprint == self.loaded.fingerprint:
             return policy.warning

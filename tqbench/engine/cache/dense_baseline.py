@@ -15,10 +15,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from tqbench.constants import DENSE_BASELINES
+from tqbench.constants import DENSE_BASELINES, dense_baseline_kv
 
-__all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "check_dense_baseline", "dense_cache",
-           "is_dense_baseline"]
+__all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "bytes_policy", "check_dense_baseline",
+           "dense_cache", "is_dense_baseline"]
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -27,19 +27,22 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if dtype is None else getattr(torch, dtype)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def is_dense_baseline(name: object) -> bool:
     return isinstance(name, str) and name in DENSE_BASELINES
 
 
 def check_dense_baseline(name: str) -> str:
-    if name not in DENSE_BASELINES:
-        raise ValueError(f"unknown dense baseline {name!r}: valid dense baselines are {', '.join(DENSE_BASELINES)}")
+    dense_baseline_kv(name, "")  # refuses an unknown name
     return name
 
 
 def baseline_kv_dtype(name: str | None, model_dtype: torch.dtype) -> str:
     """The dtype the baseline's K/V rows are stored in, as a name (``float16``); None means ``dense``."""
-    return str(_dtype(name) or model_dtype).replace("torch.", "")
+    return dense_baseline_kv(name or "dense", _name(model_dtype))
 
 
 class _Rows16:
@@ -86,6 +89,13 @@ class Dense16Cache(DynamicCache):
             else:
                 raise ValueError(f"a {kv_dtype} dense baseline cannot hold a {type(layer).__name__} layer "
                                  "(only full and sliding-window attention layers); use the dense baseline")
+
+
+def bytes_policy(name: str | None, model_dtype: torch.dtype) -> str:
+    """The dense policy that counts the same bytes as baseline ``name`` (``fp16`` for ``dense-fp16``; ``k=fp32,
+    v=fp32`` for ``dense`` on a float32 model): what a savings figure against the baseline is computed with."""
+    width = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[baseline_kv_dtype(name, model_dtype)]
+    return "fp16" if width == "fp16" else f"k={width},v={width}"
 
 
 def dense_cache(config, name: str | None = None) -> DynamicCache:
