@@ -82,6 +82,26 @@ def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tm
     assert [r["policy"] for r in data["rows"]] == ["dense-bf16", "turbo4"]
 
 
+def test_engines_benchmark_on_tiny_times_tqbench_and_skips_llamacpp_with_its_reason(tmp_path):
+    out = tmp_path / "engines.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engines.py"), "--model", "tiny", "--contexts", "64",
+           "--threads", "1", "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    reason = "tiny-random is not a GGUF model: llama-bench runs GGUF files (pass the default model or a .gguf)"
+    assert data["llamacpp_skipped"] == reason and f"llama.cpp skipped: {reason}" in proc.stdout
+    rows = {r["cache"]: r for r in data["rows"]}
+    assert list(rows) == ["dense", "dense-fp16", "turbo4 fused"] and {r["system"] for r in data["rows"]} == {"tqbench"}
+    assert (rows["dense"]["kv_dtype"], rows["dense-fp16"]["kv_dtype"]) == ("float32", "float16")
+    assert (rows["dense"]["bits_per_element"], rows["dense-fp16"]["bits_per_element"]) == (32.0, 16.0)
+    assert rows["dense-fp16"]["vs_own_16bit"] == 1.0 and 0 < rows["turbo4 fused"]["bits_per_element"] < 16
+    assert list(rows["turbo4 fused"]["fused_impl"]) == ["native-cpu"]
+    assert data["summary"]["64"]["turbo4_vs_dense_fp16"] == rows["turbo4 fused"]["vs_own_16bit"]
+    assert data["threads"] == 1 and data["loadavg_per_context"]["64"]["before"]
+    assert "vs own 16-bit" in proc.stdout and "turbo4 fused" in proc.stdout
+
+
 def test_frontier_benchmark_on_tiny_reuses_an_artifacts_verified_point(tmp_path):
     from tqbench.engine.allocate import allocate_policy
     from tqbench.engine.engine import Engine
