@@ -16,6 +16,7 @@ from tqbench.cli.calibrate import calibrate
 from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
 from tqbench.cli.export import export
+from tqbench.cli.llamacpp import llamacpp
 from tqbench.cli.scan import scan
 from tqbench.cli.serve import serve
 from tqbench.cli.sweep import sweep
@@ -55,6 +56,7 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
 for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep, export):
     main.add_command(command)
 main.add_command(calibrate)  # calibrated key transforms (pcaq codecs)
+main.add_command(llamacpp)  # llama.cpp's CPU tools, built from source (export --verify, benchmarks/engines.py)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
