@@ -72,3 +72,10 @@ def test_sliding_window_layers_keep_their_window():
     cache.update(k, k, 0)
     cache.update(k, k, 1)
     assert cache.layers[0].keys.shape[2] == 7 and cache.layers[1].keys.shape[2] == 20  # window - 1 rows kept
+
+
+def test_savings_against_a_dense_baseline_count_its_bytes(tiny_engine):
+    fp16 = tiny_engine.savings("turbo4", "fp16", 256)
+    assert tiny_engine.savings("turbo4", "dense-fp16", 256).baseline_bytes == fp16.baseline_bytes
+    assert tiny_engine.savings("turbo4", "dense", 256).baseline_bytes == 2 * fp16.baseline_bytes  # float32 rows
+    assert tiny_engine.policy_warning("dense-bf16") is None

@@ -151,7 +151,7 @@ class Engine:
         break-even search stops at the model's context): whether it stores fewer bytes, why not, from when."""
         from tqbench.engine.cache.savings import savings
 
-        if baseline is None or is_dense_baseline(baseline):  # the dense policy holding the same bytes
+        if is_dense_baseline(baseline):  # the dense policy holding the same bytes
             baseline = bytes_policy(baseline, self.loaded.dtype)
         return savings(policy, baseline, self.geometry, seq_len, self.max_context)
 
