@@ -8,9 +8,10 @@ llama.cpp: ``llama-bench -m GGUF -d CONTEXT -n STEPS -p 0 -t THREADS -fa 1 -ctk 
 takes minutes, once; ``--no-build`` skips llama.cpp instead, saying why). It runs the model's GGUF file as it is
 (the default model's is Q4_1 weights), so only the ratios within each system compare across systems.
 
-tqbench: the prompt (corpus text, ``CONTEXT`` tokens) is prefilled once into a dense cache; every cache under test
-(``dense``: float32 K/V; ``dense-fp16``: K/V rows stored in 16 bits, upcast for attention; each ``--policies``
-entry in the fused mode) is filled with those K/V rows through its own ``update``; then ``STEPS`` greedy decode
+tqbench: corpus text of the longest context is prefilled once into a dense cache; at each context, every cache
+under test (``dense``: float32 K/V; ``dense-fp16``: K/V rows stored in 16 bits, upcast for attention; each
+``--policies`` entry in the fused mode) is filled with the first ``CONTEXT`` rows through its own ``update`` (the
+rows a prefill of that length gives: attention is causal); then ``STEPS`` greedy decode
 steps are timed per cache (2 warm-up steps first). Each round runs every tqbench cache, then every llama.cpp type,
 so the two systems see the same machine load; the best round counts (the machine may be shared: the load average
 is recorded before and after every context). Contexts past the model's trained context (8192 for the default
@@ -104,31 +105,35 @@ def llama_bench(tool: str, gguf: str, context: int, kv: str, steps: int, threads
 
 
 # ---- tqbench ----------------------------------------------------------------------------------------------
-def prompt_ids(engine, n: int):
-    """``n`` token ids of the corpus texts (repeated if short), as ``benchmarks/decode.py`` reads them."""
-    from decode import corpus_ids
-
-    return corpus_ids(engine, n)
-
-
-def filled_caches(engine, ids, names: list[str], chunk: int) -> tuple[dict, object]:
-    """Every cache ``names`` (dense baselines by name, policies fused) holding the prompt's K/V; the next token."""
+def prompt_kv(engine, n: int, chunk: int):
+    """The K/V rows of ``n`` + 1 corpus tokens (``benchmarks/decode.py``'s text), prefilled once into a dense
+    cache in calls of ``chunk`` tokens: a context of ``c <= n`` tokens is its first ``c`` rows (causal attention:
+    the same rows a ``c``-token prefill gives), and token ``c`` of the text is its first decode input."""
     import torch
+    from decode import corpus_ids
 
     from tqbench.engine.generate import prefill
 
+    ids = corpus_ids(engine, n + 1)
     dense = engine.make_cache("dense")
     with torch.inference_mode():
-        logits, _ = prefill(engine.model, ids, dense, chunk=chunk)
-        caches = {"dense": dense}
+        prefill(engine.model, ids[:, :n], dense, chunk=chunk)
+    return [(la.keys, la.values) for la in dense.layers], ids
+
+
+def filled_caches(engine, kv, context: int, names: list[str]) -> dict:
+    """Every cache ``names`` (dense baselines by name, policies fused) holding the first ``context`` rows of
+    ``kv``, appended through its own ``update``."""
+    import torch
+
+    caches = {}
+    with torch.inference_mode():
         for name in names:
-            if name == "dense":
-                continue
             cache = engine.make_cache(name, "fused")
-            for i, layer in enumerate(dense.layers):
-                cache.update(layer.keys, layer.values, i)
+            for i, (k, v) in enumerate(kv):
+                cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), i)
             caches[name] = cache
-    return caches, logits.argmax(-1).view(1, 1)
+    return caches
 
 
 def time_steps(model, cache, tok, steps: int) -> tuple[float, float, object]:
@@ -150,14 +155,15 @@ def kv_bits(engine, name: str, cache) -> float:
     return {"float32": 32.0, "float16": 16.0, "bfloat16": 16.0}[engine.baseline_kv_dtype(name)]
 
 
-def measure_context(engine, a, context: int, tool: str | None, gguf: str, say) -> list[dict]:
+def measure_context(engine, a, context: int, prompt, tool: str | None, gguf: str, say) -> list[dict]:
     from tqbench.engine.cache.tqcache import TQCache
 
     names = [*DENSE, *a.policies]
-    ids = prompt_ids(engine, context)
+    kv, ids = prompt
     t = time.perf_counter()
-    caches, first = filled_caches(engine, ids, names, a.prefill_chunk)
-    say(f"  {context}: prefilled and filled {len(caches)} caches in {time.perf_counter() - t:.0f} s")
+    caches = filled_caches(engine, kv, context, names)
+    first = ids[:, context : context + 1]
+    say(f"  {context}: filled {len(caches)} caches in {time.perf_counter() - t:.0f} s")
     toks = {}
     for name in names:  # warm-up: the fused switch, codebooks, the kernel's first call
         _, _, toks[name] = time_steps(engine.model, caches[name], first, 2)
@@ -282,17 +288,20 @@ def main(argv=None) -> int:
     tool, gguf, skipped = find_llama_bench(engine, a.no_build)
     if skipped:
         say(f"llama.cpp skipped: {skipped}")
+    t = time.perf_counter()
+    prompt = prompt_kv(engine, max(a.contexts), a.prefill_chunk)
+    say(f"prefilled {max(a.contexts)} tokens once in {time.perf_counter() - t:.0f} s")
     rows, loads = [], {}
     for ctx in a.contexts:
         before = os.getloadavg()
         try:
-            rows += measure_context(engine, a, ctx, tool, gguf, say)
+            rows += measure_context(engine, a, ctx, prompt, tool, gguf, say)
         except RuntimeError as exc:  # llama-bench refused: say so, keep tqbench's rows of the next contexts
             if tool is None or "llama-bench failed" not in str(exc):
                 raise
             say(str(exc))
             skipped, tool = str(exc), None
-            rows += measure_context(engine, a, ctx, None, gguf, say)
+            rows += measure_context(engine, a, ctx, prompt, None, gguf, say)
         loads[str(ctx)] = {"before": list(before), "after": list(os.getloadavg())}
     summ = summary(rows, engine.max_context)
     print_report(rows, summ, skipped, a, engine.name)
