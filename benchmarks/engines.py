@@ -271,12 +271,37 @@ def print_report(rows: list[dict], summ: dict, skipped: str | None, a, model: st
         console.print(f"llama.cpp skipped: {skipped}")
 
 
+class _Quiet:
+    """A console for the JSON written after every context (a killed run keeps the contexts it finished)."""
+
+    def print(self, *_args) -> None:
+        pass
+
+
+def payload(a, argv, engine, gguf: str, skipped: str | None, rows: list[dict], loads: dict, load0) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "benchmark": "engines", "command": [sys.executable, *sys.argv] if argv is None else ["engines.py", *argv],
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": engine.name, "gguf": gguf or None, "dtype": str(engine.loaded.dtype).replace("torch.", ""),
+        "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "contexts": a.contexts,
+        "contexts_done": sorted({r["context"] for r in rows}), "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()), "loadavg_per_context": loads,
+        "baselines": {"tqbench": {"dense": f"DynamicCache, {engine.baseline_kv_dtype('dense')} K/V",
+                                  "dense-fp16": "DynamicCache, float16 K/V (upcast for attention)"},
+                      "llama.cpp": "f16 cache, flash attention (-fa 1)"},
+        "llamacpp_skipped": skipped, "rows": rows, "summary": summary(rows, engine.max_context),
+    }
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.policies = [p.strip() for p in a.policies.split(";") if p.strip()]
     load0 = os.getloadavg()
     import torch
-    import transformers
 
     from tqbench.engine.engine import Engine
 
@@ -303,23 +328,12 @@ def main(argv=None) -> int:
             skipped, tool = str(exc), None
             rows += measure_context(engine, a, ctx, prompt, None, gguf, say)
         loads[str(ctx)] = {"before": list(before), "after": list(os.getloadavg())}
+        write_json(a.json, payload(a, argv, engine, gguf, skipped, rows, loads, load0), console=_Quiet())
     summ = summary(rows, engine.max_context)
     print_report(rows, summ, skipped, a, engine.name)
     load1 = os.getloadavg()
     print(f"load average {load0[0]:.2f} -> {load1[0]:.2f} (1 min), {os.cpu_count()} CPUs, {cpu_model()}")
-    write_json(a.json, {
-        "benchmark": "engines", "command": [sys.executable, *sys.argv] if argv is None else ["engines.py", *argv],
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": engine.name, "gguf": gguf or None, "dtype": str(engine.loaded.dtype).replace("torch.", ""),
-        "threads": a.threads, "steps": a.steps, "rounds": a.rounds, "contexts": a.contexts,
-        "cpu": cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
-        "loadavg_before": list(load0), "loadavg_after": list(load1), "loadavg_per_context": loads,
-        "baselines": {"tqbench": {"dense": f"DynamicCache, {engine.baseline_kv_dtype('dense')} K/V",
-                                  "dense-fp16": "DynamicCache, float16 K/V (upcast for attention)"},
-                      "llama.cpp": "f16 cache, flash attention (-fa 1)"},
-        "llamacpp_skipped": skipped, "rows": rows, "summary": summ,
-    })
+    write_json(a.json, payload(a, argv, engine, gguf, skipped, rows, loads, load0))
     return 0
 
 
