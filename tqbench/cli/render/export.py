@@ -66,6 +66,9 @@ def print_export(rep) -> None:
         out.print(f"warning: {rep.warning}", markup=False, highlight=False)
     if rep.measured is None:
         return
+    from tqbench.engine.deploy.export import ENGINE_CHECK
+
+    out.print(f"{s.engine_label}: {ENGINE_CHECK[s.engine]}", markup=False, highlight=False)
     m = rep.measured
     t = Table(title=f"measured here: teacher-forced on {m.source}, {m.prefill_tokens} prefill + {m.steps} scored "
                     f"tokens, {m.cache_mode} mode (bits/el of the cache at its {m.prefill_tokens + m.steps} tokens)")
@@ -101,6 +104,9 @@ def export_md(rep) -> str:
         lines += ["Could not map:", "", *(f"- {u}" for u in s.unmapped), ""]
     lines += [f"Note: {n}" for n in s.notes]
     if rep.measured is not None:
+        from tqbench.engine.deploy.export import ENGINE_CHECK
+
+        lines += ["", f"{s.engine_label}: {ENGINE_CHECK[s.engine]}."]
         lines += ["", "| | policy | bits/el | KL mean | top-1 | PPL |", "| --- | --- | ---: | ---: | ---: | --- |"]
         lines += ["| " + " | ".join(r) + " |" for r in _rows(rep)]
     if rep.llamacpp_kld is not None:

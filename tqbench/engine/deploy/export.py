@@ -15,7 +15,15 @@ from tqbench.engine.events import CancelFlag, OnEvent
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 
-__all__ = ["ExportReport", "export_policy"]
+__all__ = ["ENGINE_CHECK", "ExportReport", "export_policy"]
+
+#: how far each engine's measurement here goes: llama.cpp runs in the loop; the others are reproduced in storage only
+ENGINE_CHECK = {
+    "llamacpp": "storage bit-exact; llama.cpp's CPU compute path modelled (predicted KLD in llama-perplexity's "
+                "protocol) and checked in llama.cpp itself on request",
+    **{e: "storage-only reproduction: the engine's KV bytes bit-exact, attention and weights are tqbench's; not "
+          "run in the engine (no CPU build of it runs here)" for e in ("vllm", "sglang", "trtllm")},
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,8 @@ class ExportReport:
         return self.measured.results[1] if self.measured is not None else None
 
     def to_dict(self) -> dict:
-        out = {"model": self.model, **self.setting.to_dict(), "warning": self.warning}
+        out = {"model": self.model, **self.setting.to_dict(), "warning": self.warning,
+               "engine_check": ENGINE_CHECK[self.setting.engine]}
         if self.measured is not None:
             m = self.measured
             out["measured"] = {
