@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     settings = [(t, t) for t in types]
-    build = build_llamacpp(lambda m: con.print(f"llama.cpp: {m}", markup=False))
+    build = build_llamacpp(lambda m: con.print(f"llama.cpp: {m}", markup=False), tools=("llama-perplexity",))
     engine = Engine.load("default")
     gguf = model_gguf(engine)
     if gguf is None:

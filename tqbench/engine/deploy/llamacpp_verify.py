@@ -108,7 +108,7 @@ def llamacpp_kld_report(engine, k: str, v: str, *, texts: tuple[str, ...] = VERI
             raise ValueError(f"{engine.name} was not loaded from a GGUF file, so llama.cpp cannot run it here: "
                              "load the model from its .gguf file (or convert it with llama.cpp's "
                              "convert_hf_to_gguf.py) to verify in llama.cpp")
-        build = build_llamacpp(progress)
+        build = build_llamacpp(progress, tools=("llama-perplexity",))
         rep.llamacpp = build.to_dict()
     with tempfile.TemporaryDirectory(prefix="tqbench-llamacpp-") as tmp:
         for name in texts:
