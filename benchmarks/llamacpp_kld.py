@@ -6,7 +6,7 @@ tokens llama.cpp wrote, once with the full model of llama.cpp's compute path and
 part of the model accounts for how much of the KLD):
 
 - ``full``: cache storage + query conversion + every query reading the stored cache + quantized activations;
-- ``no-act``: the same with fp32 activations (no ``llamacpp_matmul``).
+- ``no-act``: the same with fp32 activations (no ``llamacpp_matmul``), for ``--ablation-types``.
 
     python benchmarks/llamacpp_kld.py                          # the docs table (builds llama.cpp if needed)
     python benchmarks/llamacpp_kld.py --types q8_0,q4_0 --texts corpus:rivers+bread+lighthouses
@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--texts", default=",".join(VERIFY_TEXTS))
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-ablation", action="store_true", help="Skip the fp32-activation prediction.")
+    ap.add_argument("--ablation-types", default="q8_0,q4_0",
+                    help="Types also predicted with fp32 activations ('' for none).")
     ap.add_argument("--out", default="benchmarks/results/llamacpp-kld.json")
     args = ap.parse_args()
     con = Console()
@@ -70,12 +71,14 @@ def main() -> None:
             tokens = read_kld_base(base)[2]
             con.print(f"{name}: {tokens.shape[0]} chunks of {tokens.shape[1]} tokens; predicting", markup=False)
             full = predict_llamacpp_kld(engine, tokens, settings, gguf=gguf)
-            noact = None if args.no_ablation else predict_llamacpp_kld(engine, tokens, settings, gguf=None)
-            for i, (m, p) in enumerate(zip(measured, full)):
+            abl = [s for s in settings if s[0] in args.ablation_types.split(",")]
+            noact = {r.k: r for r in predict_llamacpp_kld(engine, tokens, abl, gguf=None)} if abl else {}
+            for m, p in zip(measured, full):
+                na = noact.get(m.k)
                 rows.append({"text": name, "type": m.k, "measured": m.to_dict(), "predicted": p.to_dict(),
-                             "predicted_no_act": noact[i].to_dict() if noact else None,
+                             "predicted_no_act": na.to_dict() if na else None,
                              "ratio": p.kld_mean / m.kld_mean,
-                             "ratio_no_act": noact[i].kld_mean / m.kld_mean if noact else None})
+                             "ratio_no_act": na.kld_mean / m.kld_mean if na else None})
     table = Table(title=f"llama-perplexity KLD vs the f16 cache, -c {args.ctx}, -fa on, {args.threads} threads "
                         f"({cpu_model()})")
     for col in ("text", "-ctk/-ctv", "llama.cpp KLD", "tqbench predicted", "pred/meas", "no-act pred/meas",

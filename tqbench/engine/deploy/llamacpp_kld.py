@@ -44,6 +44,10 @@ PROTOCOL_DIFFERENCES = (
     "threads: llama.cpp splits rows and sums across threads in its own order; tqbench sums in torch's order",
 )
 JOB = "llama.cpp KL prediction"
+#: ggml's CPU "extra" weight buffers (repacked layouts, the AMX kernel) off: its AMX matrix kernel crashed
+#: (SIGSEGV in ggml_backend_amx_mul_mat) on the AMX-capable Xeon VM this was built on; without them weights are
+#: multiplied by ggml's standard kernels, which quantize the activations the same way
+NO_REPACK = ("--no-repack",)
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ def measure_llamacpp_kld(perplexity: Path, gguf: Path, text: Path, settings: lis
     workdir = Path(workdir or tempfile.mkdtemp(prefix="tqbench-llamacpp-"))
     workdir.mkdir(parents=True, exist_ok=True)
     base = workdir / f"{text.stem}-c{n_ctx}.kld"
-    common = ["-m", str(gguf), "-f", str(text), "-c", str(n_ctx), "-t", str(threads), "-fa", "on"]
+    common = ["-m", str(gguf), "-f", str(text), "-c", str(n_ctx), "-t", str(threads), "-fa", "on", *NO_REPACK]
     if progress is not None:
         progress(f"llama.cpp: f16-cache baseline on {text.name} ({n_ctx}-token chunks)")
     _perplexity(perplexity, [*common, "-ctk", BASELINE[0], "-ctv", BASELINE[1], "--kl-divergence-base",
