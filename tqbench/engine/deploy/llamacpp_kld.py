@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from tqbench.engine.deploy.llamacpp import RUNTIME_FLAGS
 from tqbench.engine.deploy.llamacpp_attention import f16_v_accumulation, llamacpp_kv
 from tqbench.engine.deploy.llamacpp_matmul import llamacpp_matmuls
 from tqbench.engine.events import CancelFlag, raise_if_cancelled
@@ -44,10 +45,7 @@ PROTOCOL_DIFFERENCES = (
     "threads: llama.cpp splits rows and sums across threads in its own order; tqbench sums in torch's order",
 )
 JOB = "llama.cpp KL prediction"
-#: ggml's CPU "extra" weight buffers (repacked layouts, the AMX kernel) off: its AMX matrix kernel crashed
-#: (SIGSEGV in ggml_backend_amx_mul_mat) on the AMX-capable Xeon VM this was built on; without them weights are
-#: multiplied by ggml's standard kernels, which quantize the activations the same way
-NO_REPACK = ("--no-repack",)
+NO_REPACK = RUNTIME_FLAGS["llama-perplexity"]  # ggml's AMX kernel crashes on this VM: see RUNTIME_FLAGS
 
 
 @dataclass(frozen=True)
