@@ -416,3 +416,35 @@ def test_the_issue_must_show_allocates_2_5_bits_past_the_window(model):
     if model == "tiny-mistral":
         assert {(s["sink"], s["recent"]) for s in measured if s["kind"] == "protection"} == {(4, 0)}
         assert "recent" not in a["kv_policy_string"]  # recent=0: the default, not written
+
+
+def test_grouped_sdpa_switches_one_model_for_the_block_only():
+    """The chunk forwards' grouped-query SDPA (no ``repeat_kv`` copy): the model's own configs are switched and
+    restored, nothing process-wide is set, another model is untouched, and the log-probs are the model's own."""
+    import os
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tqbench.engine.allocate.gqa import GQA_NAME, grouped_sdpa, grouped_sdpa_forward
+    from tqbench.engine.cache.fused.support import recorded_previous
+
+    eng, other = Engine(family_model("llama", dtype=torch.float64)), engine("qwen2")
+    assert eng.config._attn_implementation == "sdpa" == other.config._attn_implementation
+    ids = _ids()
+    with torch.inference_mode():
+        plain = eng.model(ids).logits
+        with grouped_sdpa(eng.model, torch.device("cpu")):
+            assert eng.config._attn_implementation == GQA_NAME
+            assert ALL_ATTENTION_FUNCTIONS[GQA_NAME] is grouped_sdpa_forward
+            assert other.config._attn_implementation == "sdpa"
+            assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+            grouped = eng.model(ids).logits
+        assert eng.config._attn_implementation == "sdpa"
+        assert (grouped - plain).abs().max().item() <= 1e-12
+        eng.enable_fused()  # fused installed: its plain-tensor route is switched instead, then restored
+        with grouped_sdpa(eng.model, torch.device("cpu")):
+            assert eng.config._attn_implementation == "tqbench_fused" and recorded_previous(eng.config) == GQA_NAME
+            assert torch.equal(eng.model(ids).logits, grouped)
+        assert recorded_previous(eng.config) == "sdpa"
+        with grouped_sdpa(eng.model, "cuda"):  # off the CPU: nothing switched
+            assert recorded_previous(eng.config) == "sdpa"
