@@ -19,6 +19,7 @@ from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_by
 from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.keep import held_rows
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
@@ -109,9 +110,14 @@ def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
     return parts.total, parts.packed_tokens
 
 
-def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1) -> KVEstimate:
+def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1,
+                prefill: int | None = None) -> KVEstimate:
+    """``prefill``: how many of the ``seq_len`` tokens came in prefill calls (default: all); the rest were decoded
+    one per call. It matters only to a policy that evicts (``keep``), which evicts at the end of each prefill
+    call (and, with ``every``, every that many decoded tokens)."""
     if seq_len < 0 or batch < 1:
         raise ValueError("seq_len must be >= 0 and batch >= 1")
+    prefill = seq_len if prefill is None else prefill
     pol = parse_policy(policy)
     g = geometry
     plans = pol.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
@@ -133,6 +139,8 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
             held = seq_len - window_start(seq_len, g.window_rows, align)
             fp16_held = g.window_held(seq_len)
+        elif plan.evicts:  # token eviction (policy.keep): the rows each KV head still holds
+            held = held_rows(seq_len, prefill, plan.keep, plan.sink, pol.window, plan.recent, pol.every)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
             parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += parts.total
