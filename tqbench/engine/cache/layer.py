@@ -16,8 +16,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tqbench.constants import CACHE_MODES
-from tqbench.engine.cache.geometry import window_rows
 from tqbench.engine.cache.evict.state import EVICT_NO_CROP, Evictor
+from tqbench.engine.cache.geometry import window_rows
 from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, snapshot
 from tqbench.engine.cache.precision import plan_precision, quantized_rows, rows_in_parts, set_rows
 from tqbench.engine.cache.store import KVStore
