@@ -226,9 +226,14 @@ class KVEstimateReport:
 
 
 def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
-                memory_budget_bytes: int | None = None) -> KVEstimateReport:
+                memory_budget_bytes: int | None = None, decoded: int = 0) -> KVEstimateReport:
+    """``decoded``: of ``seq_len``, the tokens decoded one per call after the prompt (``estimate_kv``'s
+    ``prefill`` is the rest)."""
     if seq_len < 1:
         raise RequestError("seq_len", seq_len, "use at least 1 token")
+    if not 0 <= decoded < seq_len:
+        raise RequestError("decoded", decoded, f"use 0 to {seq_len - 1}: the tokens decoded after a prompt of at "
+                           "least one token")
     if batch < 1:
         raise RequestError("batch", batch, "use at least 1")
     if not policies:
@@ -243,7 +248,8 @@ def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: 
             n = longest_context(pol, model.geometry, memory_budget_bytes, batch, model.max_context)
             extra.update(max_seq_len_in_budget=n, capped_by_model_context=bool(model.max_context and
                                                                                 n == model.max_context))
-        rep.rows.append(KVEstimateRow.of(estimate_kv(pol, model.geometry, seq_len, batch), pol.to_string(), **extra))
+        est = estimate_kv(pol, model.geometry, seq_len, batch, prefill=seq_len - decoded)
+        rep.rows.append(KVEstimateRow.of(est, pol.to_string(), **extra))
     return rep
 
 
