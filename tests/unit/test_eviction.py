@@ -200,3 +200,16 @@ def test_speculative_decoding_refuses_with_the_reason(tiny_engine):
 def test_h2o_with_every_is_refused_in_fused_mode_with_the_reason(tiny_engine):
     with pytest.raises(EvictionError, match="score=h2o with every= accumulates"):
         tiny_engine.generate(_ids(tiny_engine), "turbo4,keep=0.5,score=h2o,every=4", "fused", max_new_tokens=2)
+
+
+def test_left_padded_batch_is_refused_and_serving_decodes_alone(tiny_engine):
+    from tqbench.engine.batch import why_not_batched
+
+    tok, model = tiny_engine.tokenizer, tiny_engine.model
+    tok.padding_side = "left"
+    batch = tok([PROMPT, "a short one"], return_tensors="pt", padding=True)
+    with pytest.raises(EvictionError, match="cannot run on a left-padded batch"):
+        model.generate(**batch, cache=tiny_engine.make_cache("turbo4,keep=0.5", "compressed"), max_new_tokens=2,
+                       do_sample=False, pad_token_id=tok.pad_token_id)
+    assert "evicts tokens" in why_not_batched(tiny_engine.make_cache("turbo4,keep=0.5", "fused"))
+    assert why_not_batched(tiny_engine.make_cache("turbo4,keep=1.0", "fused")) is None
