@@ -213,3 +213,20 @@ def test_left_padded_batch_is_refused_and_serving_decodes_alone(tiny_engine):
                        do_sample=False, pad_token_id=tok.pad_token_id)
     assert "evicts tokens" in why_not_batched(tiny_engine.make_cache("turbo4,keep=0.5", "fused"))
     assert why_not_batched(tiny_engine.make_cache("turbo4,keep=1.0", "fused")) is None
+
+
+@pytest.mark.parametrize("family,evicting", [("gemma3_text", [1, 3]), ("mistral", []), ("gpt_oss", [1, 3])])
+def test_families_evict_full_attention_layers_only(family, evicting):
+    from tqbench.engine import Engine
+    from tqbench.engine.models.families import family_model
+
+    eng = Engine(family_model(family, dtype=torch.float64))
+    ids = torch.randint(5, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    pol = "turbo4,keep=0.5,window=4,recent=4,sink=2"
+    runs = {m: eng.generate(ids, pol, m, max_new_tokens=4, stop_at_eos=False, prefill_chunk=0)
+            for m in ("compressed", "fused")}
+    assert runs["compressed"].token_ids == runs["fused"].token_ids
+    rep = runs["fused"].cache_report
+    assert rep.compressed_storage_bytes == estimate_kv(pol, eng.geometry, 43, prefill=40).total_bytes
+    assert [r.layer for r in rep.layers if r.evicted_prefill] == evicting
+    assert any("keep= does not apply to the" in n for n in rep.notes)

@@ -108,6 +108,11 @@ def build_report(cache) -> CacheReport:
             + (f", every={pol.every}" if pol.every else "") + f"): {len(evicting)} layers hold {held} of {seen} "
             f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding); sinks and the "
             "last max(window, recent) rows are never evicted")
+    sliding_kept = [p.layer for p in cache.plans if (p.sliding or p.dense_window)]
+    if cache.policy.evicts and sliding_kept:
+        rep.notes.append(
+            f"keep= does not apply to the {len(sliding_kept)} sliding-window layers: they already hold only their "
+            "window (token eviction runs on full-attention layers)")
     verify = sum(la.verify_calls for la in layers)
     if verify:
         rep.notes.append(
