@@ -230,3 +230,16 @@ def test_families_evict_full_attention_layers_only(family, evicting):
     assert rep.compressed_storage_bytes == estimate_kv(pol, eng.geometry, 43, prefill=40).total_bytes
     assert [r.layer for r in rep.layers if r.evicted_prefill] == evicting
     assert any("keep= does not apply to the" in n for n in rep.notes)
+
+
+def test_triton_kernels_read_each_heads_kept_rows_as_the_reference(tiny_engine, monkeypatch):
+    """The Triton kernels (interpreter without a GPU) read the evicted stores as the torch reference does."""
+    from tests.unit.cache_helpers import fused_as_reference
+    from tqbench.kernels import triton_status
+
+    if not triton_status()[0]:
+        pytest.skip(triton_status()[1])
+    ref, got = fused_as_reference(tiny_engine, "turbo4,keep=0.5,score=tova,every=2,window=4", monkeypatch)
+    assert got.cache_report.fused_impl == {"triton": got.cache_report.fused_calls}
+    assert got.cache_report.compressed_storage_bytes == ref.cache_report.compressed_storage_bytes
+    assert sum(r.evicted_decode for r in got.cache_report.layers) > 0
