@@ -243,3 +243,43 @@ def test_triton_kernels_read_each_heads_kept_rows_as_the_reference(tiny_engine, 
     assert got.cache_report.fused_impl == {"triton": got.cache_report.fused_calls}
     assert got.cache_report.compressed_storage_bytes == ref.cache_report.compressed_storage_bytes
     assert sum(r.evicted_decode for r in got.cache_report.layers) > 0
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
+    return CliRunner().invoke(main, ["--headless", *args])
+
+
+def test_validate_fused_says_the_native_kernel_ran_and_what_was_evicted():
+    r = _cli("validate", "--model", "tiny", "--candidate", "turbo4,keep=0.5,score=snapkv", "--cache-mode", "fused",
+             "--max-new-tokens", "4", "--threads", "1")
+    assert "fused kernels" in r.output and "native-cpu:" in r.output
+    assert "token eviction (keep=0.5, score=snapkv" in r.output
+
+
+def test_bench_bytes_are_the_estimate_with_its_decoded_tokens():
+    import json
+
+    r = _cli("bench", "--model", "tiny", "--kv-policy", "turbo4,keep=0.5", "--max-new-tokens", "6", "--no-chat",
+             "--prompt", PROMPT, "--json", "--threads", "1")
+    d = json.loads(r.output[r.output.index("{"):])
+    n_in, n_out = d["input_tokens"], d["output_tokens"]
+    tiny = ("--layers", "4", "--kv-heads", "2", "--head-dim", "16")  # the tiny model's geometry
+    e = _cli("kv-estimate", *tiny, "--kv-policy", "turbo4,keep=0.5", "--seq-len", str(n_in + n_out - 1),
+             "--decoded", str(n_out - 1), "--json")
+    assert json.loads(e.output[e.output.index("{"):])["rows"][0]["total_bytes"] == d["cache_report"]["compressed_storage_bytes"]
+    bad = _cli("kv-estimate", *tiny, "--kv-policy", "turbo4", "--seq-len", "10", "--decoded", "10")
+    assert bad.exit_code == 2 and "decoded=10 is invalid: use 0 to 9" in bad.output
+
+
+def test_chunked_prefill_never_ends_in_a_one_row_call(tiny_engine):
+    """A prompt of 2 chunks + 1 token: the last row joins the last chunk, so the bytes are the estimate's."""
+    ids = torch.randint(5, 200, (1, 41), generator=torch.Generator().manual_seed(2))
+    pol = "turbo4,keep=0.5,window=4"
+    r = tiny_engine.generate(ids, pol, max_new_tokens=3, stop_at_eos=False, prefill_chunk=20)
+    est = estimate_kv(pol, tiny_engine.geometry, 43, prefill=41)
+    assert r.cache_report.compressed_storage_bytes == est.total_bytes
