@@ -1,5 +1,7 @@
 """Token eviction (policy keep=): the policy keys, the kept-row rule, exact bytes, known evicted sets, modes."""
 
+import json
+
 import pytest
 import torch
 
@@ -262,8 +264,6 @@ def test_validate_fused_says_the_native_kernel_ran_and_what_was_evicted():
 
 
 def test_bench_bytes_are_the_estimate_with_its_decoded_tokens():
-    import json
-
     r = _cli("bench", "--model", "tiny", "--kv-policy", "turbo4,keep=0.5", "--max-new-tokens", "6", "--no-chat",
              "--prompt", PROMPT, "--json", "--threads", "1")
     d = json.loads(r.output[r.output.index("{"):])
@@ -283,3 +283,20 @@ def test_chunked_prefill_never_ends_in_a_one_row_call(tiny_engine):
     r = tiny_engine.generate(ids, pol, max_new_tokens=3, stop_at_eos=False, prefill_chunk=20)
     est = estimate_kv(pol, tiny_engine.geometry, 43, prefill=41)
     assert r.cache_report.compressed_storage_bytes == est.total_bytes
+
+
+def test_a_sweep_takes_keep_policies(tmp_path, tiny_engine):
+    from tqbench.engine.sweep import parse_spec, run_sweep
+
+    pol = "turbo4,keep=0.5,score=tova,every=4,keep@0=1.0"
+    spec = parse_spec({"models": ["tiny"], "policies": ["turbo4", pol], "texts": [{"name": "a", "prompt": "hello"}],
+                       "measure": ["validate", "bytes"], "validate": {"max_new_tokens": 4}, "bytes": {"tokens": [4096]},
+                       "threads": 1})
+    report = run_sweep(spec, tmp_path / "out")
+    rows = {r["policy_string"]: r for r in report.models[0]["rows"]}
+    want = parse_policy(pol).to_string()
+    assert set(rows) == {want, "k=turbo4,v=turbo4,sink=4,recent=16"}
+    assert rows[want]["failed_cells"] == 0
+    geo = tiny_engine.geometry
+    assert rows[want]["estimated_bytes"][0]["total_bytes"] == estimate_kv(pol, geo, 4096).total_bytes
+    assert rows[want]["est_bits_per_element"] < rows["k=turbo4,v=turbo4,sink=4,recent=16"]["est_bits_per_element"]
