@@ -300,3 +300,52 @@ def test_a_sweep_takes_keep_policies(tmp_path, tiny_engine):
     geo = tiny_engine.geometry
     assert rows[want]["estimated_bytes"][0]["total_bytes"] == estimate_kv(pol, geo, 4096).total_bytes
     assert rows[want]["est_bits_per_element"] < rows["k=turbo4,v=turbo4,sink=4,recent=16"]["est_bits_per_element"]
+
+
+# -- demote: evicted rows kept at a cheaper codec ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["compressed", "simulate"])
+@pytest.mark.parametrize("policy", ["turbo4,keep=0.5,demote=turbo2", "turbo4,keep=0.3,score=tova,every=4,demote=int4",
+                                    "fp16,keep=20,demote=turbo1,window=4"])
+def test_demoted_rows_are_counted_to_the_byte(tiny_engine, policy, mode):
+    model = tiny_engine.model
+    tiny_engine.enable_fused()
+    cache = TQCache(policy, model.config, mode=mode)
+    prefill_then_steps(model, cache, 100, steps=10)
+    rep = cache.report()
+    est = estimate_kv(policy, KVGeometry.from_config(model.config), 100, prefill=90)
+    assert rep.compressed_storage_bytes == est.total_bytes and [r.total_bytes for r in rep.layers] == est.layer_bytes
+    assert all(r.demoted_tokens == r.evicted_prefill + r.evicted_decode > 0 for r in rep.layers)
+    dropped = estimate_kv(policy.split(",demote")[0], KVGeometry.from_config(model.config), 100, prefill=90)
+    assert dropped.total_bytes < est.total_bytes
+
+
+def test_demote_is_read_by_attention_and_modes_agree(tiny_engine64):
+    ids = _ids(tiny_engine64)
+    pol = "turbo4,keep=0.3,score=tova,every=3,window=4,demote=turbo2"
+    runs = {m: tiny_engine64.generate(ids, pol, m, max_new_tokens=12, stop_at_eos=False).token_ids
+            for m in ("compressed", "simulate")}
+    assert runs["compressed"] == runs["simulate"]
+    model = tiny_engine64.model
+    logits = {}
+    for p in (pol, pol.replace(",demote=turbo2", "")):  # the demoted rows are attended: the next logits differ
+        cache = tiny_engine64.make_cache(p, "compressed")
+        with torch.inference_mode():
+            model(ids, cache=cache)
+            logits[p] = model(torch.tensor([[7]]), cache=cache).logits
+        assert cache.layers[0].get_mask_sizes(1)[0] == cache.layers[0].k_store.n_tokens + 1 + (
+            cache.layers[0].evictor.n_demoted)
+    assert not torch.allclose(*logits.values())
+
+
+def test_demote_refusals():
+    with pytest.raises(ValueError, match="demote=turbo2 keeps the evicted rows at a cheaper codec, but this policy "
+                                         "evicts nothing: set keep below 1"):
+        parse_policy("turbo4,demote=turbo2")
+    with pytest.raises(ValueError, match="demote='turbo9' is invalid: unknown V codec"):
+        parse_policy("turbo4,keep=0.5,demote=turbo9")
+    parse_policy("turbo4,keep@0=0.5,demote=turbo2")  # a per-layer keep is enough
+
+
+def test_demote_in_fused_mode_is_refused_with_the_reason(tiny_engine):
+    with pytest.raises(EvictionError, match="which the fused kernels do not read: use cache mode compressed"):
+        tiny_engine.generate(_ids(tiny_engine), "turbo4,keep=0.5,demote=turbo2", "fused", max_new_tokens=2)
