@@ -349,3 +349,11 @@ def test_demote_refusals():
 def test_demote_in_fused_mode_is_refused_with_the_reason(tiny_engine):
     with pytest.raises(EvictionError, match="which the fused kernels do not read: use cache mode compressed"):
         tiny_engine.generate(_ids(tiny_engine), "turbo4,keep=0.5,demote=turbo2", "fused", max_new_tokens=2)
+
+
+def test_export_says_the_engine_setting_cannot_evict(tiny_engine):
+    from tqbench.engine.deploy.mapping import map_policy
+
+    s = map_policy("turbo4,keep=0.5", "llamacpp", tiny_engine.geometry)
+    assert any("token eviction (keep=0.5, score=snapkv): llama.cpp's KV cache type keeps every token" in u
+               for u in s.unmapped)
