@@ -28,13 +28,16 @@ from tqbench.cli.options import (
 @click.option("--head-dim", type=int, default=None, help="Explicit geometry: head dimension.")
 @click.option("--seq-len", type=int, default=32768, show_default=True)
 @click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--decoded", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Of --seq-len, how many tokens were decoded one per call after the prompt (a bench run's "
+                   "output tokens - 1); matters only to a policy with keep=, which evicts at the end of the prompt.")
 @click.option("--kv-policy", "kv_policy", multiple=True, default=("fp16,turbo4",), show_default=True,
               help="A policy (preset, compact string or file), one row each. " + POLICIES_HELP)
 @click.option("--memory-budget", default=None, help="e.g. 24GiB or 80GB: longest context that fits.")
 @click.option("--list-models", is_flag=True, help="List the shipped model configs.")
 @report_options
 @friendly_errors
-def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, kv_policy, memory_budget, list_models,
+def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_policy, memory_budget, list_models,
                 report_json, report_md, as_json):
     """KV bytes, bits per element and saving for a model geometry (config only, no weights)."""
     from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
@@ -51,7 +54,7 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, kv_policy, me
     geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else model_geometry(model or "default")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     check_out_paths(report_json, report_md)
-    rep = estimate_report(geo, policy_list(kv_policy), seq_len, batch, budget)
+    rep = estimate_report(geo, policy_list(kv_policy), seq_len, batch, budget, decoded=decoded)
     write_reports(rep.to_dict(), kv_estimate_md(rep), report_json, report_md, as_json)
     if not as_json:
         print_kv_estimate(rep)

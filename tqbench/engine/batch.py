@@ -38,6 +38,9 @@ def why_not_batched(cache) -> str | None:
         return f"a {type(cache).__name__} is not a TQCache"
     if not all(isinstance(layer, TQLayer) for layer in cache.layers):
         return "the policy keeps dense sliding-window layers, which bound their own history"
+    if any(layer.evictor is not None for layer in cache.layers):
+        return ("the policy evicts tokens (keep): its layers hold fewer rows than the sequence's length, which "
+                "the batch's one attention mask cannot follow")
     return None
 
 

@@ -105,9 +105,9 @@ class Engine:
         if policy is None or is_dense_baseline(policy):
             return dense_cache(self.config, policy)
         check_mode(cache_mode)
-        if cache_mode == "fused":
-            self.enable_fused()
         checked = self.check_policy(policy)
+        if cache_mode == "fused" or checked.policy.evicts:  # eviction scores read the queries in that function
+            self.enable_fused()
         if checked.warning:
             warnings.warn(checked.warning, stacklevel=2)
         self.check_transforms(checked.policy)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tqbench.constants import DEFAULT_KV_SHARE
 from tqbench.engine.cache import estimate_kv, parse_bytes
+from tqbench.engine.policy import parse_policy
 
 __all__ = ["DEFAULT_KV_SHARE", "KVBudget", "available_memory", "parse_bytes", "request_kv_bytes"]
 
@@ -63,6 +64,14 @@ def available_memory(device_type: str = "cpu") -> tuple[int, str]:
     return int(pages), "sysconf available pages"
 
 
-def request_kv_bytes(policy, geometry, tokens: int) -> int:
-    """The exact bytes one sequence's cache holds at ``tokens`` tokens under ``policy``."""
-    return int(estimate_kv(policy, geometry, max(1, tokens)).total_bytes)
+def request_kv_bytes(policy, geometry, tokens: int, prompt: int | None = None) -> int:
+    """The most bytes one sequence's cache holds on its way to ``tokens`` tokens under ``policy``, ``prompt`` of
+    them prefilled (default: all). A policy that evicts tokens (keep) holds its evicted size: decoded rows add
+    up until the next eviction point (``every``), so the peak is at the end or just before the last point."""
+    tokens = max(1, tokens)
+    prompt = tokens if prompt is None else max(1, min(prompt, tokens))
+    pol = parse_policy(policy)
+    ends = {tokens}
+    if pol.evicts and pol.every and tokens - prompt >= pol.every:
+        ends.add(prompt + (tokens - prompt) // pol.every * pol.every - 1)
+    return max(int(estimate_kv(pol, geometry, n, prefill=prompt).total_bytes) for n in ends)

@@ -45,7 +45,8 @@ class RequestRunner:
         ids, budget = self.encode(prompt, chat, budget, param)
         job = Job(ids, policy, mode, budget, sampling, stop, not req.ignore_eos,
                   asyncio.get_running_loop(), logprobs=top, echo=echo, prefill_chunk=self.prefill_chunk)
-        job.kv_bytes = request_kv_bytes(policy, self.engine.geometry, int(ids.shape[1]) + budget)
+        job.kv_bytes = request_kv_bytes(policy, self.engine.geometry, int(ids.shape[1]) + budget,
+                                        prompt=int(ids.shape[1]))
         if job.kv_bytes > self.kv_budget.bytes:
             raise APIError(400, f"this request's KV cache at {int(ids.shape[1]) + budget} tokens (prompt + "
                            f"{param}) under kv_policy {policy.label!r} takes {job.kv_bytes} bytes, more than the "

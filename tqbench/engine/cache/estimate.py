@@ -19,6 +19,7 @@ from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_by
 from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.keep import held_rows
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
@@ -109,9 +110,14 @@ def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
     return parts.total, parts.packed_tokens
 
 
-def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1) -> KVEstimate:
+def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch: int = 1,
+                prefill: int | None = None) -> KVEstimate:
+    """``prefill``: how many of the ``seq_len`` tokens came in prefill calls (default: all); the rest were decoded
+    one per call. It matters only to a policy that evicts (``keep``), which evicts at the end of each prefill
+    call (and, with ``every``, every that many decoded tokens)."""
     if seq_len < 0 or batch < 1:
         raise ValueError("seq_len must be >= 0 and batch >= 1")
+    prefill = seq_len if prefill is None else prefill
     pol = parse_policy(policy)
     g = geometry
     plans = pol.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
@@ -133,6 +139,8 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             align = math.lcm(*(c.tokens_per_unit for c, _ in codecs))
             held = seq_len - window_start(seq_len, g.window_rows, align)
             fp16_held = g.window_held(seq_len)
+        elif plan.evicts:  # token eviction (policy.keep): the rows each KV head still holds
+            held = held_rows(seq_len, prefill, plan.keep, plan.sink, pol.window, plan.recent, pol.every)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
             parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += parts.total
@@ -140,6 +148,15 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             fp_total += parts.full_precision
             if parts.packed_tokens:
                 shared.update(codec.shared_items(dim))
+        if plan.evicts and pol.demote:  # the evicted rows at the demote codec (no sinks, no recent rows)
+            for role, dim in (("k", g.head_dim), ("v", g.v_dim)):
+                codec = pol.build_codec(pol.demote, role, layer=plan.layer)
+                parts = store_parts(codec, 0, 0, seq_len - held, batch, g.kv_heads, dim)
+                total += parts.total
+                state_total += parts.state
+                fp_total += parts.full_precision
+                if parts.packed_tokens:
+                    shared.update(codec.shared_items(dim))
         per_layer.append(total)
         dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())
@@ -218,9 +235,14 @@ class KVEstimateReport:
 
 
 def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: int = 1,
-                memory_budget_bytes: int | None = None) -> KVEstimateReport:
+                memory_budget_bytes: int | None = None, decoded: int = 0) -> KVEstimateReport:
+    """``decoded``: of ``seq_len``, the tokens decoded one per call after the prompt (``estimate_kv``'s
+    ``prefill`` is the rest)."""
     if seq_len < 1:
         raise RequestError("seq_len", seq_len, "use at least 1 token")
+    if not 0 <= decoded < seq_len:
+        raise RequestError("decoded", decoded, f"use 0 to {seq_len - 1}: the tokens decoded after a prompt of at "
+                           "least one token")
     if batch < 1:
         raise RequestError("batch", batch, "use at least 1")
     if not policies:
@@ -235,7 +257,8 @@ def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: 
             n = longest_context(pol, model.geometry, memory_budget_bytes, batch, model.max_context)
             extra.update(max_seq_len_in_budget=n, capped_by_model_context=bool(model.max_context and
                                                                                 n == model.max_context))
-        rep.rows.append(KVEstimateRow.of(estimate_kv(pol, model.geometry, seq_len, batch), pol.to_string(), **extra))
+        est = estimate_kv(pol, model.geometry, seq_len, batch, prefill=seq_len - decoded)
+        rep.rows.append(KVEstimateRow.of(est, pol.to_string(), **extra))
     return rep
 
 

@@ -18,7 +18,7 @@ import torch
 from tqbench.engine.cache.precision import Precision
 from tqbench.engine.cache.store import KVStore
 
-__all__ = ["ATTN_NAME", "FusedKV", "PrecisionKV", "snapshot"]
+__all__ = ["ATTN_NAME", "EvictKV", "FusedKV", "PrecisionKV", "snapshot"]
 
 #: the attention implementation name tqbench registers with transformers (``fused.install``)
 ATTN_NAME = "tqbench_fused"
@@ -62,6 +62,9 @@ class FusedKV(_Handle):
     extra_k: torch.Tensor | None = None
     extra_v: torch.Tensor | None = None
     precision: Precision | None = None
+    #: token eviction: None, or whether this call ends at an eviction point (the attention function then hands
+    #: the layer its queries: ``TQLayer.after_attention``)
+    evict_point: bool | None = None
 
     @property
     def shape(self) -> torch.Size:  # what code that inspects key.shape expects
@@ -95,6 +98,26 @@ class PrecisionKV(_Handle):
     def shape(self) -> torch.Size:
         b, h, _, d = self.keys.shape
         return torch.Size((b, h, self.total, d))
+
+
+@dataclass
+class EvictKV(_Handle):
+    """A compressed/simulate-mode call of a layer that evicts tokens: dense K/V as the model's attention reads
+    them; the attention function then hands the layer the call's queries (``TQLayer.after_attention``), which
+    score the rows at an eviction point."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    layer: object
+    evict_point: bool
+    _mode = "compressed/simulate"
+    _whose = "tqbench's"
+    _what = "a call of a layer that evicts tokens (its scores read the call's queries)"
+    _hint = ""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.keys.shape
 
 
 def snapshot(store: KVStore) -> tuple:

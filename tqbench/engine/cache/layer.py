@@ -16,8 +16,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tqbench.constants import CACHE_MODES
+from tqbench.engine.cache.evict.state import EVICT_NO_CROP, Evictor
 from tqbench.engine.cache.geometry import window_rows
-from tqbench.engine.cache.handles import FusedKV, PrecisionKV, snapshot
+from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, snapshot
 from tqbench.engine.cache.precision import plan_precision, quantized_rows, rows_in_parts, set_rows
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.spec import LayerPlan, Policy
@@ -76,6 +77,8 @@ class TQLayer(CacheLayerMixin):
         self.sparse_v_rows = [0, 0]  # Sparse-V: value rows skipped, value rows with weight (native kernel)
 
     def _new_stores(self) -> None:
+        #: token eviction (``policy.keep``) on this layer, else None
+        self.evictor = Evictor(self.plan, self.policy, self.mode) if self.plan.evicts else None
         self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
         self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
         self._sim = {"k": None, "v": None}  # simulate: dense rows attention reads, from position _sim_start
@@ -116,6 +119,11 @@ class TQLayer(CacheLayerMixin):
         n0, t = self.cumulative_length, key_states.shape[2]
         # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
         visible = t + (n0 if self.window is None else min(n0, self.window))
+        evictor, point = self.evictor, False
+        if evictor is not None:  # the rows each head still holds; at an eviction point the stores pack after scoring
+            visible = t + self.k_store.n_tokens + evictor.n_demoted
+            point = evictor.begin(n0, t, key_states.shape[0], key_states.shape[1], key_states.device)
+            self.k_store.defer = self.v_store.defer = point
         points, first = self._points(t)
         if self.record_past:
             self.k_store.mark()
@@ -130,8 +138,8 @@ class TQLayer(CacheLayerMixin):
                 base_k, ck, cuts_k = self._simulate(key_states, "k", points)
                 base_v, cv, cuts_v = self._simulate(value_states, "v", points)
             else:
-                base_k = self._with_history(self.k_store, key_states)
-                base_v = self._with_history(self.v_store, value_states)
+                base_k = self._with_history(self.k_store, key_states, "k")
+                base_v = self._with_history(self.v_store, value_states, "v")
                 ck, cuts_k = self.k_store.append_points(key_states, points)
                 cv, cuts_v = self.v_store.append_points(value_states, points)
             base_k, base_v = base_k[:, :, -visible:], base_v[:, :, -visible:]
@@ -160,8 +168,27 @@ class TQLayer(CacheLayerMixin):
                 handle.extra_k, handle.extra_v = self._set_rows(plan, base, (ck, cv))
                 handle.precision = plan
             out = (handle, handle)
+        if evictor is not None and evictor.observes(point):
+            if mode == "fused":
+                out[0].evict_point = point
+            else:
+                handle = EvictKV(out[0], out[1], self, point)
+                out = (handle, handle)
         self.cumulative_length += t
         return out
+
+    def after_attention(self, query: torch.Tensor, scaling: float, point: bool) -> None:
+        """Token eviction: this call's queries (tqbench's attention function calls this after the call's
+        attention); at an eviction point the layer's rows are scored and cut, then packed."""
+        self.evictor.after_attention(self, query, scaling, point)
+        if point and self.mode == "simulate":  # the dense buffer follows the store's rows
+            n_demoted = self.evictor.n_demoted
+            for role, store in (("k", self.k_store), ("v", self.v_store)):
+                parts = [p for p in (self.evictor.demoted_dense(role, query.dtype), store.dense(query.dtype))
+                         if p is not None]
+                self._sim[role] = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+                self._sim_start[role] = store.tail_start - store.head.n - store.n_packed - n_demoted
+                self._sim_pending[role] = []
 
     def _plan(self, n0: int, first: int, cut0: tuple, cuts: tuple, points: list | None, lowest_visible: int):
         """Per-query precision of a verification call (None when every query reads what its first one reads)."""
@@ -195,9 +222,12 @@ class TQLayer(CacheLayerMixin):
             self.keys, self.values = out
         return out
 
-    def _with_history(self, store: KVStore, new: torch.Tensor) -> torch.Tensor:
-        hist = store.dense(new.dtype)
-        return new if hist is None else torch.cat([hist, new], dim=2)
+    def _with_history(self, store: KVStore, new: torch.Tensor, role: str) -> torch.Tensor:
+        parts = [store.dense(new.dtype), new]
+        if self.evictor is not None:  # demoted rows (policy.demote) first
+            parts.insert(0, self.evictor.demoted_dense(role, new.dtype))
+        parts = [p for p in parts if p is not None]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _simulate(self, new: torch.Tensor, role: str, points: list | None):
         """Dense buffer of what attention reads. Rows packed by a call are swapped for their dequantized values
@@ -238,6 +268,9 @@ class TQLayer(CacheLayerMixin):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.evictor is not None:  # the held rows, all before the call's (their own positions: any order)
+            held = self.k_store.n_tokens + self.evictor.n_demoted
+            return held + query_length, self.cumulative_length - held
         if self.window is not None:  # as transformers' DynamicSlidingWindowLayer: the last window - 1 rows
             return min(self.cumulative_length, self.window) + query_length, max(self.cumulative_length - self.window, 0)
         return self.cumulative_length + query_length, 0
@@ -262,6 +295,8 @@ class TQLayer(CacheLayerMixin):
                 "Please use a negative integer to remove that number of tokens from the cache instead.")
         if not self.is_initialized or tokens_to_remove == 0:
             return
+        if self.evictor is not None:
+            raise ValueError(EVICT_NO_CROP)
         keep = max(0, self.cumulative_length + tokens_to_remove)
         ck = self.k_store.crop(keep)
         cv = self.v_store.crop(keep)
@@ -285,6 +320,8 @@ class TQLayer(CacheLayerMixin):
         for store in (self.k_store, self.v_store):
             store.select_batch(indices)
         self._map_dense(lambda t: t.index_select(0, indices.to(t.device)))
+        if self.evictor is not None:
+            self.evictor.map_batch(lambda t: t.index_select(0, indices.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not self.is_initialized:
@@ -292,6 +329,8 @@ class TQLayer(CacheLayerMixin):
         for store in (self.k_store, self.v_store):
             store.repeat_batch(repeats)
         self._map_dense(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self.evictor is not None:
+            self.evictor.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _map_dense(self, fn) -> None:
         for role in ("k", "v"):

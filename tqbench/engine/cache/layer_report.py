@@ -26,9 +26,19 @@ def build_report(cache) -> CacheReport:
         if isinstance(layer, TQLayer):
             kb = layer.k_store.bytes_breakdown()
             vb = layer.v_store.bytes_breakdown()
+            demoted = layer.evictor.demoted if layer.evictor is not None else None
+            if demoted:  # evicted rows kept at the demote codec: this layer's bytes too
+                for side, store, dim in ((kb, demoted[0], head_dim), (vb, demoted[1], v_head_dim)):
+                    for key, n in store.bytes_breakdown().items():
+                        side[key] += n
+                    if store.n_packed:
+                        shared.update(store.codec.shared_items(dim))
             tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
             # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
             fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
+            ev = layer.evictor
+            if ev is not None:  # fp16 would hold every token; the layer holds the rows it kept
+                fp16_tokens = layer.cumulative_length
             batch = batch or _batch_of(layer)
             for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim)):
                 if store.n_packed:
@@ -41,6 +51,9 @@ def build_report(cache) -> CacheReport:
                 k_packed_tokens=layer.k_store.n_packed, v_packed_tokens=layer.v_store.n_packed,
                 dense_fp16_bytes=dense_fp16_bytes(batch * kv_heads * fp16_tokens, head_dim, v_head_dim),
                 reason=plan.reason,
+                evicted_prefill=ev.evicted_prefill if ev is not None else 0,
+                evicted_decode=ev.evicted_decode if ev is not None else 0,
+                demoted_tokens=ev.n_demoted if ev is not None else 0,
             ))
             max_layer_dense = max(max_layer_dense, rows[-1].dense_fp16_bytes)
         else:  # transformers' sliding window layer: dense, bounded
@@ -91,6 +104,24 @@ def build_report(cache) -> CacheReport:
             f"{len(windowed)} sliding-window layers hold only their window ({window_rows(cache.sliding_window)} tokens, "
             f"plus up to one codec unit): their bytes and tokens stay bounded at any context"
         )
+    evicting = [la for la in layers if la.evictor is not None]
+    if evicting:
+        held = sum(la.k_store.n_tokens for la in evicting)
+        seen = sum(la.cumulative_length for la in evicting)
+        pre = sum(la.evictor.evicted_prefill for la in evicting)
+        dec = sum(la.evictor.evicted_decode for la in evicting)
+        pol = cache.policy
+        rep.notes.append(
+            f"token eviction (keep={pol.keep}, score={pol.score}, window={pol.window}"
+            + (f", every={pol.every}" if pol.every else "") + f"): {len(evicting)} layers hold {held} of {seen} "
+            f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding"
+            + (f"; the evicted rows kept at {pol.demote} (demote)" if pol.demote else "") + "); sinks and the "
+            "last max(window, recent) rows are never evicted")
+    sliding_kept = [p.layer for p in cache.plans if (p.sliding or p.dense_window)]
+    if cache.policy.evicts and sliding_kept:
+        rep.notes.append(
+            f"keep= does not apply to the {len(sliding_kept)} sliding-window layers: they already hold only their "
+            "window (token eviction runs on full-attention layers)")
     verify = sum(la.verify_calls for la in layers)
     if verify:
         rep.notes.append(

@@ -35,6 +35,11 @@ class LayerBytes:
     v_packed_tokens: int
     dense_fp16_bytes: int  # what an fp16 DynamicCache holds for the same tokens
     reason: str | None = None
+    #: token eviction (policy keep): rows each KV head dropped at prefill and at decode points (``tokens``:
+    #: the rows each head holds; every head of a layer holds as many, each its own)
+    evicted_prefill: int = 0
+    evicted_decode: int = 0
+    demoted_tokens: int = 0  # of the evicted rows, those kept at the policy's demote codec (in this layer's bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -126,7 +131,7 @@ class CacheReport:
             cache_mode=mode,
             kv_policy=policy.label,
             policy_string=policy.to_string(),
-            tokens=max((r.tokens for r in layers), default=0),
+            tokens=max((r.tokens + r.evicted_prefill + r.evicted_decode for r in layers), default=0),
             compressed_storage_bytes=storage,
             dense_fp16_bytes=dense,
             resident_decode_bytes=resident,

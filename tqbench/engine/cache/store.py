@@ -72,6 +72,9 @@ class KVStore:
         self.recent = recent
         self.seen = 0  # tokens ever appended
         self.dropped = 0  # tokens evicted from the front (window-bounded stores)
+        self.evicted = 0  # rows each KV head dropped by token eviction (``cache.evict``)
+        #: token eviction: pack nothing until ``release`` (the call's rows are scored, and cut, exact first)
+        self.defer = False
         self.last_evicted = 0
         self.head = GrowBuffer()
         self.tail = GrowBuffer()
@@ -97,7 +100,7 @@ class KVStore:
     @property
     def tail_start(self) -> int:
         """The absolute position of the first tail row: rows from ``sink`` up to here are packed (or evicted)."""
-        return self.dropped + self.head.n + self.n_packed
+        return self.dropped + self.evicted + self.head.n + self.n_packed
 
     def tail_start_at(self, seen: int) -> int:
         """``tail_start`` of this store's policy after ``seen`` tokens (a pure function of the count)."""
@@ -134,7 +137,8 @@ class KVStore:
             self._add(x[:, :, prev:p], incoming)
             prev = p
             evicted += self._evict() if self.window is not None else 0
-            chunks += self._flush()
+            if not self.defer:
+                chunks += self._flush()
             cuts.append(self.tail_start)
         self.last_evicted = evicted
         return chunks, cuts
@@ -167,6 +171,11 @@ class KVStore:
             self._set_state(None)  # recalibrated on the rows in the window when packing starts again
         self.tail.drop_front(drop - packed)
         return drop
+
+    def release(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """End a deferral (``defer``): pack what the policy packs now; the chunks, as ``append`` returns them."""
+        self.defer = False
+        return self._flush()
 
     def _set_state(self, state: dict | None) -> None:
         self.state = state

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from tqbench.constants import CACHE_MODES
+from tqbench.engine.cache.evict.state import EVICT_NO_CROP
 from tqbench.engine.cache.geometry import KVGeometry, UnsupportedModelError, check_supported, model_label
 from tqbench.engine.cache.handles import ATTN_NAME, FusedKV
 from tqbench.engine.cache.layer import TQLayer, check_mode
@@ -92,6 +93,8 @@ class TQCache(Cache):
         themselves). transformers' first assisted call feeds the prompt and the first draft together, so when
         called from its ``_assisted_decoding`` the prompt length is read from that function's ``input_ids``;
         otherwise it defaults to 0 (every row from now on is a decode row)."""
+        if any(isinstance(la, TQLayer) and la.evictor is not None for la in self.layers):
+            raise ValueError(EVICT_NO_CROP)
         lossy = any(isinstance(la, TQLayer) and not la.lossless for la in self.layers)
         if (lossy and self.mode in ("compressed", "simulate")
                 and getattr(self._config, "_attn_implementation", None) != ATTN_NAME):
@@ -110,6 +113,12 @@ class TQCache(Cache):
                 layer.activate_past_recording(held + prompt_tokens)
             elif hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
+
+    @property
+    def evicts(self) -> bool:
+        """True when a layer evicts tokens (``policy.keep``): its eviction points are the ends of calls of more
+        than one row, so a prompt fed in chunks must not end with a one-row call (``generate.prefill``)."""
+        return any(isinstance(la, TQLayer) and la.evictor is not None for la in self.layers)
 
     def peak_dense_kv_bytes(self) -> int:
         """The sum over layers (K and V) of the most dense rows each store held at once (``KVStore.peak_dense_bytes``):

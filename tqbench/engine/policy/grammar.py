@@ -7,15 +7,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, engine_setting, is_engine_setting
+from tqbench.engine.policy.keep import parse_keep
 from tqbench.engine.policy.presets import PRESET_TEXT, shipped_policy_names
 from tqbench.engine.policy.spec import _ROLES, Policy
 
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
-_INT_KEYS = ("sink", "recent", "group", "kblock", "seed")
-_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib")
+_INT_KEYS = ("sink", "recent", "group", "kblock", "seed", "window", "every")
+_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score", "demote")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
 _FLOAT_KEYS = ("sparsev",)
-_VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "k@<layers>", "v@<layers>", "kv@<layers>")
+_VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "keep", "k@<layers>", "v@<layers>",
+               "kv@<layers>", "keep@<layers>")
 
 
 def split_policies(text: str) -> list[str]:
@@ -52,12 +54,14 @@ def parse_compact(text: str) -> Policy:
         if "@" in key:
             role, sel = key.split("@", 1)
             if role not in _ROLES:
-                raise ValueError(f"policy part {item!r}: override must start with k@, v@ or kv@")
+                raise ValueError(f"policy part {item!r}: override must start with k@, v@, kv@ or keep@")
             overrides.append((role, sel, val))
         elif key in ("k", "v"):
             kw[key] = val
         elif key == "kv":
             kw["k"] = kw["v"] = val
+        elif key == "keep":
+            kw[key] = parse_keep(val)
         elif key in _INT_KEYS:
             try:
                 kw[key] = int(val)

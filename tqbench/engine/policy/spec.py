@@ -21,6 +21,7 @@ from tqbench.engine.codecs import (
     is_valid_spec,
 )
 from tqbench.engine.codecs.heads import split_head_list
+from tqbench.engine.policy.keep import SCORES, check_keep, evicts, parse_keep
 from tqbench.engine.policy.layers import select_layers, validate_selector
 
 FULL_PRECISION = "fp16"
@@ -31,7 +32,7 @@ BYPASS_CHOICES = ("none", "global")
 #: every length -- Gemma-2-9B at 8192 tokens saved 49.6% instead of 74.4%, a 5:1 Gemma-3 far less)
 SLIDING_CHOICES = ("auto", "compress", "dense", "bypass")
 ROTATION_CHOICES = ("qr", "hadamard")
-_ROLES = ("k", "v", "kv")
+_ROLES = ("k", "v", "kv", "keep")  # "keep": a per-layer keep override (keep@0-3=1.0)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ class LayerPlan:
     reason: str | None = None  # why this layer differs from the policy's default codecs
     dense_window: bool = False  # sliding-window layer kept as transformers' own bounded dense window
     sliding: bool = False  # sliding-window layer in a window-bounded tqbench store (sliding=compress/dense)
+    #: token eviction: the layer's keep value (``policy.keep``), None when it evicts nothing
+    keep: float | int | None = None
+
+    @property
+    def evicts(self) -> bool:
+        return evicts(self.keep)
 
     @property
     def compressed(self) -> bool:
@@ -111,6 +118,12 @@ class Policy:
     sparsev: float = 0.0  # fused mode: skip value rows whose softmax weight is below this (0 = off)
     seed: int = 0
     calib: str = ""  # calibrated (pcaq) key codecs: the transforms file ("" = the shipped default-model fit)
+    #: token eviction (``policy.keep``): rows kept per KV head, a fraction of the evictable ones or a count
+    keep: float | int = 1.0
+    score: str = "snapkv"  # how rows are ranked: see keep.SCORES
+    window: int = 32  # observation window: the last queries a score reads (never evicted themselves)
+    every: int = 0  # decode: evict again every this many decoded tokens (0: only at prefill)
+    demote: str = ""  # evicted rows kept at this (cheaper) codec instead of dropped ("" = dropped)
     name: str | None = field(default=None, compare=False)
     #: the model a saved policy file was fitted on (its ``[model]`` table); None for presets and compact text.
     #: Provenance, not part of the policy's value: not compared, not in ``to_string``/``to_dict``
@@ -122,6 +135,21 @@ class Policy:
         for what, val in (("sink", self.sink), ("recent", self.recent)):
             if not isinstance(val, int) or val < 0:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
+        object.__setattr__(self, "keep", check_keep(self.keep))
+        if self.demote:
+            if is_head_list(self.demote) or is_calibrated_spec(self.demote):
+                raise ValueError(f"demote={self.demote!r} is invalid: use one codec for K and V, e.g. turbo2")
+            try:
+                _check_codec(self.demote, "v")
+            except ValueError as exc:
+                raise ValueError(f"demote={self.demote!r} is invalid: {exc}") from None
+        if self.score not in SCORES:
+            raise ValueError(f"score={self.score!r} is invalid: valid scores are {', '.join(SCORES)}")
+        for what, val in (("window", self.window), ("every", self.every)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < (1 if what == "window" else 0):
+                raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= "
+                                 f"{1 if what == 'window' else 0}"
+                                 + (" (0: evict only at prefill)" if what == "every" else ""))
         for what, val in (("group", self.group), ("kblock", self.kblock)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number >= 1")
@@ -142,16 +170,22 @@ class Policy:
         fixed = []
         for role, sel, spec in self.overrides:
             if role not in _ROLES:
-                raise ValueError(f"override role {role!r} is invalid: use k@, v@ or kv@")
+                raise ValueError(f"override role {role!r} is invalid: use k@, v@, kv@ or keep@")
+            if role == "keep":
+                fixed.append((role, validate_selector(sel), str(parse_keep(spec))))
+                continue
             fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
+        if self.demote and not self.evicts:
+            raise ValueError(f"demote={self.demote} keeps the evicted rows at a cheaper codec, but this policy evicts "
+                             "nothing: set keep below 1 (e.g. keep=0.5)")
 
     # ---- forms ------------------------------------------------------------------------------
     def to_string(self) -> str:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
         for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
-                    "group", "kblock", "seed", "sparsev", "calib"):
+                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every", "demote"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")
@@ -201,9 +235,13 @@ class Policy:
         """Resolve the policy for a model: one ``LayerPlan`` per layer, with a reason wherever it differs."""
         k = [self.k] * num_layers
         v = [self.v] * num_layers
+        keep = [self.keep] * num_layers
         reason: list[str | None] = [None] * num_layers
         for role, sel, spec in self.overrides:
             for i in sorted(select_layers(sel, num_layers)):
+                if role == "keep":
+                    keep[i] = parse_keep(spec)
+                    continue
                 if role in ("k", "kv"):
                     k[i] = spec
                 if role in ("v", "kv"):
@@ -232,10 +270,17 @@ class Policy:
                 elif mixed and self.bypass == "global" and kind == "full_attention":
                     k[i] = v[i] = FULL_PRECISION
                     reason[i] = "bypassed: global (full-attention) layer in a mixed model (bypass=global)"
+        # eviction on full-attention layers only: a sliding-window layer already holds a bounded window
         return [
-            LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.recent, reason[i], window[i], sliding[i])
+            LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.recent, reason[i], window[i], sliding[i],
+                      None if (window[i] or sliding[i] or not evicts(keep[i])) else keep[i])
             for i in range(num_layers)
         ]
+
+    @property
+    def evicts(self) -> bool:
+        """True when some layer of the policy can evict rows (``keep`` below everything)."""
+        return evicts(self.keep) or any(r == "keep" and evicts(parse_keep(s)) for r, _, s in self.overrides)
 
     def codec_options(self, role: str) -> dict:
         """Options passed to ``codec_from_spec`` for this policy and role."""
@@ -265,7 +310,7 @@ class Policy:
     @property
     def per_head(self) -> bool:
         """True when any codec of the policy is a per-KV-head list."""
-        return any(is_head_list(s) for s in (self.k, self.v, *(o[2] for o in self.overrides)))
+        return any(is_head_list(s) for s in (self.k, self.v, *(o[2] for o in self.overrides if o[0] != "keep")))
 
 
 def _fmt(val) -> str:

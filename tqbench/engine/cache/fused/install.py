@@ -46,7 +46,7 @@ from tqbench.engine.cache.fused.support import (
     remember_previous,
 )
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
-from tqbench.engine.cache.handles import ATTN_NAME, FusedKV, PrecisionKV
+from tqbench.engine.cache.handles import ATTN_NAME, EvictKV, FusedKV, PrecisionKV
 from tqbench.engine.cache.precision import precision_mask
 
 _registered = False
@@ -114,9 +114,32 @@ def _previous_forward(module):
     return ALL_ATTENTION_FUNCTIONS[prev]
 
 
+def _scaling(query, args, kwargs) -> float:
+    scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
+
+
 def fused_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
     if isinstance(key, FusedBatch):
-        return fused_batch_attention(module, query, key, attention_mask, *args, **kwargs)
+        points = [kv.evict_point for kv in key.members]
+        for kv in key.members:
+            kv.evict_point = None
+        out = fused_batch_attention(module, query, key, attention_mask, *args, **kwargs)
+        for b, (kv, point) in enumerate(zip(key.members, points)):
+            if point is not None:
+                kv.layer.after_attention(query[b : b + 1], _scaling(query, args, kwargs), point)
+        return out
+    if isinstance(key, EvictKV):  # a layer that evicts tokens: the model's own attention, then the queries
+        check_unpadded(attention_mask, key.evict_point)
+        out = _previous_forward(module)(module, query, key.keys, key.values, attention_mask, *args, **kwargs)
+        key.layer.after_attention(query, _scaling(query, args, kwargs), key.evict_point)
+        return out
+    if isinstance(key, FusedKV) and key.evict_point is not None:
+        point, key.evict_point = key.evict_point, None
+        check_unpadded(attention_mask, point)
+        out = fused_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        key.layer.after_attention(query, _scaling(query, args, kwargs), point)
+        return out
     if isinstance(key, PrecisionKV):  # a verification call in compressed/simulate mode: the model's own attention
         mask = precision_mask(attention_mask, key.precision, key.total, query.shape[0], query.device)
         if previous_implementation(getattr(module, "config", None)) == "eager" and mask.dtype == torch.bool:
@@ -139,6 +162,21 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
         mask = precision_mask(mask, key.precision, total, query.shape[0], query.device)
     out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_unpadded(attention_mask, point: bool) -> None:
+    """Token eviction keeps each KV head's own rows at their positions; a left-padded batch's mask hides
+    padding by position, and the padding would count in every sequence's budget: refused, with the reason."""
+    if not point or attention_mask is None:
+        return
+    last = attention_mask[..., -1, :]
+    hidden = ~last if last.dtype == torch.bool else last < 0
+    if bool(hidden.any()):
+        from tqbench.engine.cache.evict.compact import EvictionError
+
+        raise EvictionError("token eviction (keep) cannot run on a left-padded batch: padding would count in "
+                            "each sequence's budget and the mask hides it by position; run each sequence in "
+                            "its own call (tqbench's batched serving prefills each request alone)")
 
 
 def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *args, **kwargs):

@@ -1,0 +1,155 @@
+"""``Evictor``: one compressed layer's token eviction (``policy.keep``).
+
+Eviction points: the end of every call of more than one row (a prefill, or a prefill chunk), and with
+``every`` > 0 every ``every`` decoded tokens after the last prefill call. At a point the layer's stores defer
+packing (``KVStore.defer``): the call's rows are scored and cut while still exact, after the call's attention
+(the scores read its queries, in tqbench's attention function), then the stores pack as usual. Each KV head
+keeps ``kept_rows`` rows (the sinks and the last max(window, recent) rows always), its own, chosen by the
+score; kept rows keep their positions (cached keys carry their rotary phase; nothing is re-rotated).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqbench.engine.cache.buffer import GrowBuffer
+from tqbench.engine.cache.evict import scores
+from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
+from tqbench.engine.cache.store import KVStore
+from tqbench.engine.policy.keep import kept_rows, protected_rows
+
+__all__ = ["EVICT_NO_CROP", "EvictionError", "Evictor"]
+
+#: why a layer that evicts tokens cannot be cropped (speculative decoding's rejected drafts)
+EVICT_NO_CROP = ("speculative decoding cannot run with token eviction (keep): a crop after a rejected draft must "
+                 "restore the rows an eviction dropped, and they are gone; decode without speculation, or use a "
+                 "policy without keep")
+
+_QUERY_SCORES = ("snapkv", "expected")  # scores that read a window of past queries
+
+
+class Evictor:
+    def __init__(self, plan, policy, mode: str) -> None:
+        self.keep, self.sink, self.recent = plan.keep, plan.sink, plan.recent
+        self.score, self.window, self.every = policy.score, policy.window, policy.every
+        if mode == "fused" and self.score == "h2o" and self.every:
+            raise EvictionError(
+                "score=h2o with every= accumulates every decoded query's attention over the held rows, which the "
+                "fused kernel does not return: use score=tova or snapkv (they read the queries at each eviction), "
+                "or cache mode compressed")
+        if mode == "fused" and policy.demote:
+            raise EvictionError(
+                f"demote={policy.demote} keeps evicted rows in a second store, which the fused kernels do not read: "
+                "use cache mode compressed or simulate, or drop the evicted rows (no demote)")
+        if mode == "dense-shadow":
+            raise EvictionError("token eviction (keep) runs in cache modes compressed, simulate and fused: "
+                                "dense-shadow attends over every exact row by definition")
+        self.positions = GrowBuffer()  # [B, H, held]: each held row's token position
+        self.mass = GrowBuffer()  # h2o: [B, H, held] attention mass received
+        self.queries: torch.Tensor | None = None  # the last ``window`` queries [B, Hq, <=window, D]
+        self.prefill_end = 0
+        self.evicted_prefill = 0  # rows each KV head dropped at prefill points
+        self.evicted_decode = 0  # ... at decode points (every)
+        self.points = 0
+        #: demote: the evicted rows of K and V, kept at the cheaper codec (``policy.demote``), else None
+        self.demoted: tuple[KVStore, KVStore] | None = None
+        if policy.demote:
+            self.demoted = tuple(KVStore(policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0)
+                                 for role in ("k", "v"))
+
+    @property
+    def n_demoted(self) -> int:
+        return self.demoted[0].n_tokens if self.demoted else 0
+
+    def demoted_dense(self, role: str, dtype) -> torch.Tensor | None:
+        """The demoted rows of K (``role`` "k") or V, dequantized (attention reads them before the held rows)."""
+        return self.demoted[0 if role == "k" else 1].dense(dtype) if self.demoted else None
+
+    def begin(self, n0: int, t: int, batch: int, heads: int, device) -> bool:
+        """A call of ``t`` rows after ``n0`` tokens: record the positions; True when it ends at an eviction point."""
+        pos = torch.arange(n0, n0 + t, device=device).view(1, 1, t).expand(batch, heads, t)
+        self.positions.append(pos)
+        if self.score == "h2o":
+            self.mass.append(torch.zeros(batch, heads, t, device=device))
+        if t > 1:
+            self.prefill_end = n0 + t
+            return True
+        return bool(self.every and self.prefill_end and (n0 + t - self.prefill_end) % self.every == 0)
+
+    def observes(self, point: bool) -> bool:
+        """Whether this call's queries are needed (an eviction point, or a score that accumulates them)."""
+        return point or (self.every > 0 and self.score in (*_QUERY_SCORES, "h2o"))
+
+    def after_attention(self, layer, query: torch.Tensor, scaling: float, point: bool) -> None:
+        """Read this call's queries; at an eviction point, evict and let the stores pack."""
+        t = query.shape[2]
+        seen = layer.cumulative_length
+        if self.score in _QUERY_SCORES:
+            q = query.detach() if self.queries is None else torch.cat([self.queries, query.detach()], dim=2)
+            self.queries = q[:, :, -self.window :]
+        keys = None
+        if self.score == "h2o" and (point or self.every):
+            keys = layer.k_store.dense(query.dtype)
+            q_pos = torch.arange(seen - t, seen, device=query.device)
+            self.mass.view().add_(scores.h2o_mass(query, keys, scaling, q_pos, self.positions.view()))
+        if point:
+            self._evict(layer, query, scaling, seen, t, keys)
+
+    def _evict(self, layer, query, scaling, seen: int, t: int, keys) -> None:
+        ks, vs = layer.k_store, layer.v_store
+        held = ks.n_tokens
+        target = kept_rows(seen, self.keep, self.sink, self.window, self.recent)
+        self.points += 1
+        if target < held:
+            head, tail = protected_rows(seen, self.sink, self.window, self.recent)
+            if keys is None:
+                keys = ks.dense(query.dtype)
+            score = self._score(query, keys, vs, scaling, seen)[..., head : held - tail]
+            sel = score.topk(target - head - tail, dim=-1).indices.sort(dim=-1).values + head
+            b, h = sel.shape[:2]
+            dev = sel.device
+            idx = torch.cat([torch.arange(head, device=dev).expand(b, h, head), sel,
+                             torch.arange(held - tail, held, device=dev).expand(b, h, tail)], dim=2)
+            if self.demoted:  # the evicted rows, from the rows as attention read them, to the cheaper codec
+                gone = torch.ones(b, h, held, dtype=torch.bool, device=dev)
+                gone.scatter_(2, idx, False)
+                gone_idx = gone.nonzero()[:, 2].view(b, h, held - idx.shape[2])
+                for store, rows in zip(self.demoted, (keys, vs.dense(query.dtype))):
+                    store.append(_take(rows, gone_idx.to(rows.device)))
+            dropped = compact_store(ks, idx)
+            compact_store(vs, idx)
+            for buf in (self.positions, self.mass):
+                if buf.data is not None:
+                    data = _take(buf.view(), idx.to(buf.data.device))
+                    buf.data, buf.n, buf.start = None, 0, 0
+                    buf.append(data)
+            if t > 1:
+                self.evicted_prefill += dropped
+            else:
+                self.evicted_decode += dropped
+        ks.release()
+        vs.release()
+
+    def _score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
+        if self.score == "keynorm":
+            return scores.keynorm(keys)
+        if self.score == "tova":
+            return scores.tova(query, keys, scaling)
+        if self.score == "h2o":
+            return self.mass.view()
+        q = self.queries
+        if self.score == "snapkv":
+            q_pos = torch.arange(seen - q.shape[2], seen, device=q.device)
+            return scores.snapkv(q, keys, scaling, q_pos, self.positions.view())
+        return scores.expected(q, keys, v_store.dense(query.dtype), scaling)
+
+    # -- batch ----------------------------------------------------------------------------------
+    def map_batch(self, fn) -> None:
+        for buf in (self.positions, self.mass):
+            if buf.data is not None:
+                buf.data = fn(buf.data)
+        if self.queries is not None:
+            self.queries = fn(self.queries)
+        if self.demoted:
+            raise EvictionError("demote= does not follow a batch reordered or repeated (beam search): decode "
+                                "without beams, or drop the evicted rows (no demote)")
