@@ -36,6 +36,7 @@ from tqbench.engine.allocate.keeps import (
     keep_key,
     parse_axes,
     parse_keeps,
+    speed_rule,
 )
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
@@ -238,12 +239,9 @@ def allocate_policy(
     if base_pol.evicts:
         raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
                            "from the base and search the tokens axis")
-    if "tokens" in axes and min_speed is not None:
-        if resolve_min_speed(min_speed)[1] == "given":
-            raise RequestError("min_speed", min_speed, "the decode-cost model has no term for evicted rows: give none "
-                               "with the tokens axis")
-        notes.append("decode speed not considered: the decode-cost model has no term for evicted rows (tokens axis)")
-        min_speed = None
+    min_speed, why = speed_rule(axes, min_speed)
+    if why:
+        notes.append(why)
     if "bits" not in axes:  # eviction alone: every kept row fp16
         specs, kspecs = ["fp16"], ["fp16"]
     elif k_codecs is None:

@@ -51,6 +51,19 @@ def parse_axes(value) -> tuple[str, ...]:
     return tuple(a for a in AXES if a in items)
 
 
+def speed_rule(axes: tuple[str, ...], min_speed):
+    """The minimum decode speed an allocation over ``axes`` applies, and a note when it drops the default one:
+    the decode-cost model has no term for evicted rows, so with the tokens axis a given ratio is refused."""
+    from tqbench.engine.allocate.budget import resolve_min_speed
+
+    if "tokens" not in axes or min_speed is None:
+        return min_speed, None
+    if resolve_min_speed(min_speed)[1] == "given":
+        raise RequestError("min_speed", min_speed, "the decode-cost model has no term for evicted rows: give none "
+                                                   "with the tokens axis")
+    return None, "decode speed not considered: the decode-cost model has no term for evicted rows (tokens axis)"
+
+
 def parse_keeps(value) -> tuple[float, ...]:
     """Keep fractions offered per layer (``"1.0,0.5"`` or a list): each 0 < f <= 1, 1.0 always among them."""
     items = value.split(",") if isinstance(value, str) else list(value or ())
