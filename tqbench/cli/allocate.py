@@ -84,7 +84,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
 
     axes = parse_axes(axes)  # the engine's rules, before the model loads
     parse_keeps(keeps)
-    check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "bits" in axes else ())
+    check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)
     speed_rule(axes, min_speed)

@@ -251,7 +251,7 @@ def allocate_policy(
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
-    check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "bits" in axes else ())
+    check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "tokens" not in axes else ())
     check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":
         try:
