@@ -1,5 +1,6 @@
 """KL vs bits per element: one point per measured policy (plotext 6). Markers by kind: uniform presets ``o``,
-per-layer allocations ``*``, per-KV-head allocations ``+``; with calibrated (pcaq) keys ``O``, ``#``, ``x``."""
+per-layer allocations ``*``, per-KV-head allocations ``+``, allocations that evict tokens ``e``; with calibrated
+(pcaq) keys ``O``, ``#``, ``x``, ``E``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from textual.widgets import Static
 _BG = re.compile(r"\x1b\[48;[25];[0-9;]+m")
 KL_FLOOR = 1e-6  # log scale: a KL of 0 (a lossless policy) is drawn at this floor
 #: point kind -> (marker, marker with calibrated pcaq keys: a kind ending in "+pcaq")
-MARKERS = {"preset": ("o", "O"), "layer": ("*", "#"), "head": ("+", "x")}
+MARKERS = {"preset": ("o", "O"), "layer": ("*", "#"), "head": ("+", "x"), "evict": ("e", "E")}
 #: older sessions and callers say "allocation" for a per-layer allocation
 ALIASES = {"allocation": "layer"}
 CALIBRATED = "+pcaq"
