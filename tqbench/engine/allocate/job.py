@@ -303,6 +303,7 @@ def allocate_policy(
     table = measure_sensitivity(engine, calib.ids, calib_prefill, specs, base_pol, known=known, on_cell=persist,
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
+    tk = time.perf_counter()
     keep_cells = KeepCells(runner, base_pol.score, base_pol.window) if runner is not None and "tokens" in axes else None
     keep_kl = {}
     for i, (layer, f) in enumerate((layer, f) for layer in table.layers for f in keep_choices if f < 1):
@@ -368,6 +369,7 @@ def allocate_policy(
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
     )
     if "tokens" in axes:
+        report.seconds["keep_cells"] = round(t1 - tk, 2)  # of the sensitivity phase: recording + keep cells
         report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
                        "window": base_pol.window, "keep_cells": {f"{layer}/{f:g}": kl for (layer, f), kl in
                                                                    keep_kl.items()},
