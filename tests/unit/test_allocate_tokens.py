@@ -53,6 +53,8 @@ def test_a_budget_only_eviction_reaches_picks_keep_below_one(tiny_engine):
     keeps = [p.keep for p in pol.plan(g.num_layers) if p.evicts]
     assert keeps and all(0 < k < 1 for k in keeps)
     assert rep.allocation.bits_per_element <= 3.0
+    n_units = 4 * 2  # tiny: 4 layers x K/V, one codec each; + 3 keep cells per layer
+    assert (rep.measured_cells, rep.resumed_cells) == (n_units + 4 * 3, 0)
     assert rep.axes["saved_by_eviction"] > 0 and rep.axes["saved_by_codecs"] > 0
     assert sum(r["saved_by_eviction"] for r in rep.axes["per_layer"]) == rep.axes["saved_by_eviction"]
     # the exact bytes: the estimate is the cache report after a real prefill of the stated context, to the byte

@@ -306,6 +306,8 @@ def allocate_policy(
     tk = time.perf_counter()
     keep_cells = KeepCells(runner, base_pol.score, base_pol.window) if runner is not None and "tokens" in axes else None
     keep_kl = {}
+    keep_resumed = sum(1 for layer in table.layers for f in keep_choices
+                       if f < 1 and keep_key(layer, base_pol.score, base_pol.window, f) in known)
     for i, (layer, f) in enumerate((layer, f) for layer in table.layers for f in keep_choices if f < 1):
         key = keep_key(layer, base_pol.score, base_pol.window, f)
         emit(on_event, Progress("keep", i, len(table.layers) * (len(keep_choices) - 1), f"layer {layer} keep={f:g}"))
@@ -359,7 +361,8 @@ def allocate_policy(
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     report = AllocationReport(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
-        points.get(verify_text) if verify_text else None, n_cells - resumed, resumed,
+        points.get(verify_text) if verify_text else None, n_cells - resumed + len(keep_kl) - keep_resumed,
+        resumed + keep_resumed,
         {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
          # CPU seconds of this process per phase (all threads): less sensitive to other processes than wall time
          "cpu": {"setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2), "solve_and_measure": round(c2 - c1, 2),
