@@ -91,6 +91,27 @@ async def test_per_head_granularity_allocates_one_width_per_kv_head(data_dir, st
         assert panel.points["rivers"]["alloc-4.5bit-head"] == (expected.verified, "head")
 
 
+async def test_tokens_axis_allocates_keep_fractions_and_says_where_the_bytes_went(data_dir, steady_engine):
+    from tqbench.engine import allocate_policy
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        pane, panel = await open_panel(pilot, app)
+        panel.query_one("#axes").value = "tokens"
+        await pilot.click("#budget")
+        await pilot.press("1", "2", "enter")
+        await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the allocation")
+        assert panel.status == "done", plain(panel.query_one("#alloc-status", Label))
+        expected = allocate_policy(steady_engine, 12.0, base="sink=2,recent=4", context=96, name="alloc-12bit",
+                                   axes="tokens", verify_text="rivers", verify_prefill=48, verify_steps=6,
+                                   **SMALL_CALIBRATION, **SOLVER)
+        a = panel.result.allocation
+        assert a.policy == expected.allocation.policy and a.policy.evicts and a.bits_per_element <= 12.0
+        status = plain(panel.query_one("#alloc-status", Label))
+        assert f"by eviction {expected.axes['saved_by_eviction']}" in status and "keep per layer" in status
+        assert panel.points["rivers"]["alloc-12bit"] == (expected.verified, "evict")
+
+
 async def test_escape_cancels_an_allocation_and_keeps_nothing(data_dir, steady_engine, monkeypatch):
     import tqbench.engine.allocate as allocate_module
 

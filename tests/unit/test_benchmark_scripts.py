@@ -128,6 +128,36 @@ def test_frontier_benchmark_on_tiny_reuses_an_artifacts_verified_point(tmp_path)
     assert "best_uniform_no_more_bytes" not in alloc
 
 
+def test_frontier_benchmark_puts_joint_eviction_and_quantization_side_by_side(tmp_path):
+    from tqbench.engine.allocate import allocate_policy
+    from tqbench.engine.engine import Engine
+    from tqbench.engine.policy import save_policy_artifact
+
+    engine = Engine.tiny()
+    rep = allocate_policy(engine, 3.0, calibration="bread", calib_prefill=48, calib_steps=8, verify_prefill=48,
+                          verify_steps=6, context=96, base="sink=2,recent=4,window=4", codecs=["turbo4"],
+                          k_codecs=["turbo4"], axes="bits,tokens", max_measurements=1, protections=[])
+    art = save_policy_artifact(rep.to_artifact(engine.geometry), tmp_path / "j.toml")
+    out = tmp_path / "frontier.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), "--model", "tiny", "--allocated", str(art),
+           "--uniform", "turbo2", "--eviction", "fp16,sink=2,recent=4,window=4,keep=0.25", "--prefill", "48",
+           "--steps", "6", "--context", "96", "--threads", "1", "--texts", "rivers,heldout:technical",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for text, where in (("rivers", "[verified]"), ("heldout:technical", "[verified.unseen]")):
+        rows = {r["axis"]: r for r in data["results"][text]}
+        assert set(rows) == {"joint", "bits", "tokens"}
+        joint = rows["joint"]
+        assert joint["source"].endswith(where) and joint["fitted_kl"] == rep.measured_kl
+        assert joint["unseen_over_fitted"] == joint["kl_mean"] / rep.measured_kl
+        assert rows["bits"]["kv_policy"] == "turbo2" and rows["tokens"]["kind"] == "eviction"
+        if rows["bits"]["bits_per_element"] <= joint["bits_per_element"]:
+            assert joint["best_no_eviction_no_more_bytes"] == "turbo2"
+    assert "best no-evict" in proc.stdout
+
+
 def test_attention_benchmark_at_a_shape_preset_reports_ratio_and_copy_bandwidth(tmp_path):
     out = tmp_path / "att.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--shape", "smollm2", "--contexts", "512",

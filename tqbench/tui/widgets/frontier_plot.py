@@ -1,7 +1,8 @@
 """KL vs bits per element: one point per measured policy (plotext 6). Markers by kind: uniform presets ``o``,
-per-layer allocations ``*``, per-KV-head allocations ``+``; with calibrated (pcaq) keys ``O``, ``#``, ``x``. A point
-with a known decode speed (an allocation made with a minimum speed) is drawn with its speed class's marker
-(``SPEED``): ``^`` at or above the minimum, ``v`` below it; the border title says so when the plot has such points."""
+per-layer allocations ``*``, per-KV-head allocations ``+``, allocations that evict tokens ``e``; with calibrated
+(pcaq) keys ``O``, ``#``, ``x``, ``E``. A point with a known decode speed (an allocation made with a minimum speed)
+is drawn with its speed class's marker (``SPEED``): ``^`` at or above the minimum, ``v`` below it; the border title
+says so when the plot has such points."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from textual.widgets import Static
 _BG = re.compile(r"\x1b\[48;[25];[0-9;]+m")
 KL_FLOOR = 1e-6  # log scale: a KL of 0 (a lossless policy) is drawn at this floor
 #: point kind -> (marker, marker with calibrated pcaq keys: a kind ending in "+pcaq")
-MARKERS = {"preset": ("o", "O"), "layer": ("*", "#"), "head": ("+", "x")}
+MARKERS = {"preset": ("o", "O"), "layer": ("*", "#"), "head": ("+", "x"), "evict": ("e", "E")}
 #: older sessions and callers say "allocation" for a per-layer allocation
 ALIASES = {"allocation": "layer"}
 CALIBRATED = "+pcaq"
 #: speed class (a kind's last "@" part: ``"head+pcaq@fast"``) -> (marker, what it means)
 SPEED = {"fast": ("^", "at or above the minimum speed"), "slow": ("v", "below the minimum speed")}
-TITLE = "log10 KL vs bits/el · o presets · * per-layer · + per-head · O # x: the same, pcaq keys"
+TITLE = "log10 KL vs bits/el · o presets · * per-layer · + per-head · e evicting · O # x E: the same, pcaq keys"
 
 
 def split_speed(kind: str) -> tuple[str, str | None]:
