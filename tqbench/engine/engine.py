@@ -214,7 +214,7 @@ class Engine:
         if track_bytes and isinstance(cache, TQCache):
             events = _with_cache_bytes(events, cache)
         if track_kept and isinstance(cache, TQCache) and cache.policy.evicts:
-            events = _with_kept_tokens(events, cache, ids)
+            events = _with_kept_tokens(events, cache, ids, self.tokenizer)
         return events
 
     def sequence(
@@ -286,7 +286,7 @@ class Engine:
         )
 
 
-def _with_kept_tokens(events: Iterator[object], cache: TQCache, ids: torch.Tensor) -> Iterator[object]:
+def _with_kept_tokens(events: Iterator[object], cache: TQCache, ids: torch.Tensor, tokenizer) -> Iterator[object]:
     """Pass ``events`` through; before ``GenerationFinished``, say which positions each evicting head kept."""
     from tqbench.engine.cache.evict.kept import kept_positions
 
@@ -297,7 +297,9 @@ def _with_kept_tokens(events: Iterator[object], cache: TQCache, ids: torch.Tenso
         elif isinstance(ev, GenerationFinished):
             kept = kept_positions(cache)
             if kept is not None:
-                yield KeptTokens(ev.run, kept, tuple(fed[: kept.seen]))
+                seen = fed[: kept.seen]
+                texts = tuple(tokenizer.decode([t], skip_special_tokens=False) for t in seen)
+                yield KeptTokens(ev.run, kept, tuple(seen), texts)
         yield ev
 
 
