@@ -354,8 +354,7 @@ class RunPane(Vertical):
         elif isinstance(ev, CacheBytes):
             graph.add_bytes(ev.run, ev.resident_bytes)
         elif isinstance(ev, KeptTokens) and ev.run == "candidate":
-            self.kept = ev
-            self.query_one("#kept-map", KeptMap).show(ev)
+            self.set_kept(ev)
 
     @on(Finished)
     def _finished(self, msg: Finished) -> None:
@@ -412,6 +411,12 @@ class RunPane(Vertical):
         self.kept = None
         self.query_one("#kept-map", KeptMap).clear()
         self.show_kept(False)
+
+    def set_kept(self, event) -> None:
+        """The engine's ``KeptTokens`` of the candidate's run: drawn in the map (f8 shows it)."""
+        self.kept = event
+        self.query_one("#kept-map", KeptMap).show(event)
+        self._update_strip()
 
     @property
     def kept_shown(self) -> bool:

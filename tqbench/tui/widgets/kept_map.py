@@ -70,9 +70,11 @@ class KeptMap(Vertical):
             label = Text(f"L{layer:<3}h{head:<2} {n:>5}/{kept.seen:<5} ", style="bold")
             ol.add_option(Option(label + strip(kept.mask(layer, head)), id=f"k:{layer}:{head}"))
         per = -(-kept.seen // STRIP_COLUMNS)
-        ol.border_title = f"kept tokens · {kept.policy} · {len(kept.layers)} evicting layers x KV heads"
-        ol.border_subtitle = (f"{kept.seen} positions, {per} per column · " if per > 1 else f"{kept.seen} positions · ") \
-            + "█ kept (brighter: more of the column) · evicted"
+        heads = len(kept.layers[0].heads) if kept.layers else 0
+        ol.border_title = f"kept tokens · {kept.policy} · {len(kept.layers)} evicting layers x {heads} KV heads"
+        ol.border_subtitle = f"{kept.seen} positions" + (
+            f", {per} per column (brighter: more of them kept)" if per > 1 else ", one per column") + \
+            " · █ kept  · evicted"
         if self.rows:
             ol.highlighted = 0
             self.select(*self.rows[0])
