@@ -108,17 +108,14 @@ async def test_build_an_evicting_policy_run_it_and_see_the_kept_tokens(data_dir,
         assert not kept_map.display and run.query_one("#graph").display
         assert app.focused is not None and kept_map not in app.focused.ancestors
 
-        for tab in TABS:  # f8 opens the map from every tab
+        for tab in TABS:  # f8 opens the map from every tab, and the tab keys leave it (focus on its strips)
             await pilot.press(TAB_KEYS[tab])
             await pilot.pause()
+            assert app.query_one(TabbedContent).active == tab
             await pilot.press("f8")
             await pilot.pause()
             assert app.query_one(TabbedContent).active == "run" and kept_map.display, tab
             assert strips.has_focus, tab
-            for other in TABS:  # and every tab key still leaves it
-                await pilot.press(TAB_KEYS[other])
-                await pilot.pause()
-                assert app.query_one(TabbedContent).active == other, (tab, other)
 
         # a candidate chosen elsewhere clears the map (it belonged to the last run)
         run.set_candidate("turbo2")
