@@ -1,5 +1,7 @@
 """Token eviction (policy keep=): the policy keys, the kept-row rule, exact bytes, known evicted sets, modes."""
 
+import json
+
 import pytest
 import torch
 
@@ -140,6 +142,34 @@ def test_tova_keeps_the_rows_the_last_query_reads():
     assert layer.evictor.positions.view()[0, 1].tolist() == [0, 2, 6, 8, 9]
 
 
+def test_snapkv_keeps_the_pooled_cluster_the_window_reads():
+    layer = _layer("fp16,sink=0,recent=0,keep=7,score=snapkv,window=2")
+    k = torch.eye(32)[:30].view(1, 1, 30, 32).expand(1, 2, 30, 32).clone()
+    q = torch.zeros(1, 4, 30, 32)
+    q[0, :2, -2:, 5] = 20.0  # KV head 0's window reads position 5; head 1's reads 20
+    q[0, 2:, -2:, 20] = 20.0
+    layer.update(k, k.clone())
+    layer.after_attention(q, 1.0, True)
+    pos = layer.evictor.positions.view()[0]
+    assert pos[0].tolist() == [3, 4, 5, 6, 7, 28, 29]  # average pooling over 5 rows keeps the spike's neighbours
+    assert pos[1].tolist() == [18, 19, 20, 21, 22, 28, 29]
+
+
+def test_expected_attention_score_by_hand():
+    from tqbench.engine.cache.evict import scores
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 6, 4, generator=g)  # one KV head, 2 query heads
+    k, v = torch.randn(1, 1, 9, 4, generator=g), torch.randn(1, 1, 9, 4, generator=g)
+    got = scores.expected(q, k, v, 0.5)
+    want = []
+    for h in range(2):
+        mu, cov = q[0, h].mean(0), torch.cov(q[0, h].T)
+        logits = 0.5 * k[0, 0] @ mu + 0.125 * torch.einsum("td,de,te->t", k[0, 0], cov, k[0, 0])
+        want.append(torch.softmax(logits, -1))
+    assert torch.allclose(got[0, 0], torch.stack(want).mean(0) * v[0, 0].norm(dim=-1), atol=1e-6)
+
+
 def test_decode_eviction_gathers_packed_codes_never_requantizes(tiny_engine):
     model = tiny_engine.model
     tiny_engine.enable_fused()
@@ -243,3 +273,115 @@ def test_triton_kernels_read_each_heads_kept_rows_as_the_reference(tiny_engine, 
     assert got.cache_report.fused_impl == {"triton": got.cache_report.fused_calls}
     assert got.cache_report.compressed_storage_bytes == ref.cache_report.compressed_storage_bytes
     assert sum(r.evicted_decode for r in got.cache_report.layers) > 0
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
+    return CliRunner().invoke(main, ["--headless", *args])
+
+
+def test_validate_fused_says_the_native_kernel_ran_and_what_was_evicted():
+    r = _cli("validate", "--model", "tiny", "--candidate", "turbo4,keep=0.5,score=snapkv", "--cache-mode", "fused",
+             "--max-new-tokens", "4", "--threads", "1")
+    assert "fused kernels" in r.output and "native-cpu:" in r.output
+    assert "token eviction (keep=0.5, score=snapkv" in r.output
+
+
+def test_bench_bytes_are_the_estimate_with_its_decoded_tokens():
+    r = _cli("bench", "--model", "tiny", "--kv-policy", "turbo4,keep=0.5", "--max-new-tokens", "6", "--no-chat",
+             "--prompt", PROMPT, "--json", "--threads", "1")
+    d = json.loads(r.output[r.output.index("{"):])
+    n_in, n_out = d["input_tokens"], d["output_tokens"]
+    tiny = ("--layers", "4", "--kv-heads", "2", "--head-dim", "16")  # the tiny model's geometry
+    e = _cli("kv-estimate", *tiny, "--kv-policy", "turbo4,keep=0.5", "--seq-len", str(n_in + n_out - 1),
+             "--decoded", str(n_out - 1), "--json")
+    assert json.loads(e.output[e.output.index("{"):])["rows"][0]["total_bytes"] == d["cache_report"]["compressed_storage_bytes"]
+    bad = _cli("kv-estimate", *tiny, "--kv-policy", "turbo4", "--seq-len", "10", "--decoded", "10")
+    assert bad.exit_code == 2 and "decoded=10 is invalid: use 0 to 9" in bad.output
+
+
+def test_chunked_prefill_never_ends_in_a_one_row_call(tiny_engine):
+    """A prompt of 2 chunks + 1 token: the last row joins the last chunk, so the bytes are the estimate's."""
+    ids = torch.randint(5, 200, (1, 41), generator=torch.Generator().manual_seed(2))
+    pol = "turbo4,keep=0.5,window=4"
+    r = tiny_engine.generate(ids, pol, max_new_tokens=3, stop_at_eos=False, prefill_chunk=20)
+    est = estimate_kv(pol, tiny_engine.geometry, 43, prefill=41)
+    assert r.cache_report.compressed_storage_bytes == est.total_bytes
+
+
+def test_a_sweep_takes_keep_policies(tmp_path, tiny_engine):
+    from tqbench.engine.sweep import parse_spec, run_sweep
+
+    pol = "turbo4,keep=0.5,score=tova,every=4,keep@0=1.0"
+    spec = parse_spec({"models": ["tiny"], "policies": ["turbo4", pol], "texts": [{"name": "a", "prompt": "hello"}],
+                       "measure": ["validate", "bytes"], "validate": {"max_new_tokens": 4}, "bytes": {"tokens": [4096]},
+                       "threads": 1})
+    report = run_sweep(spec, tmp_path / "out")
+    rows = {r["policy_string"]: r for r in report.models[0]["rows"]}
+    want = parse_policy(pol).to_string()
+    assert set(rows) == {want, "k=turbo4,v=turbo4,sink=4,recent=16"}
+    assert rows[want]["failed_cells"] == 0
+    geo = tiny_engine.geometry
+    assert rows[want]["estimated_bytes"][0]["total_bytes"] == estimate_kv(pol, geo, 4096).total_bytes
+    assert rows[want]["est_bits_per_element"] < rows["k=turbo4,v=turbo4,sink=4,recent=16"]["est_bits_per_element"]
+
+
+# -- demote: evicted rows kept at a cheaper codec ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["compressed", "simulate"])
+@pytest.mark.parametrize("policy", ["turbo4,keep=0.5,demote=turbo2", "turbo4,keep=0.3,score=tova,every=4,demote=int4",
+                                    "fp16,keep=20,demote=turbo1,window=4"])
+def test_demoted_rows_are_counted_to_the_byte(tiny_engine, policy, mode):
+    model = tiny_engine.model
+    tiny_engine.enable_fused()
+    cache = TQCache(policy, model.config, mode=mode)
+    prefill_then_steps(model, cache, 100, steps=10)
+    rep = cache.report()
+    est = estimate_kv(policy, KVGeometry.from_config(model.config), 100, prefill=90)
+    assert rep.compressed_storage_bytes == est.total_bytes and [r.total_bytes for r in rep.layers] == est.layer_bytes
+    assert all(r.demoted_tokens == r.evicted_prefill + r.evicted_decode > 0 for r in rep.layers)
+    dropped = estimate_kv(policy.split(",demote")[0], KVGeometry.from_config(model.config), 100, prefill=90)
+    assert dropped.total_bytes < est.total_bytes
+
+
+def test_demote_is_read_by_attention_and_modes_agree(tiny_engine64):
+    ids = _ids(tiny_engine64)
+    pol = "turbo4,keep=0.3,score=tova,every=3,window=4,demote=turbo2"
+    runs = {m: tiny_engine64.generate(ids, pol, m, max_new_tokens=12, stop_at_eos=False).token_ids
+            for m in ("compressed", "simulate")}
+    assert runs["compressed"] == runs["simulate"]
+    model = tiny_engine64.model
+    logits = {}
+    for p in (pol, pol.replace(",demote=turbo2", "")):  # the demoted rows are attended: the next logits differ
+        cache = tiny_engine64.make_cache(p, "compressed")
+        with torch.inference_mode():
+            model(ids, cache=cache)
+            logits[p] = model(torch.tensor([[7]]), cache=cache).logits
+        assert cache.layers[0].get_mask_sizes(1)[0] == cache.layers[0].k_store.n_tokens + 1 + (
+            cache.layers[0].evictor.n_demoted)
+    assert not torch.allclose(*logits.values())
+
+
+def test_demote_refusals():
+    with pytest.raises(ValueError, match="demote=turbo2 keeps the evicted rows at a cheaper codec, but this policy "
+                                         "evicts nothing: set keep below 1"):
+        parse_policy("turbo4,demote=turbo2")
+    with pytest.raises(ValueError, match="demote='turbo9' is invalid: unknown V codec"):
+        parse_policy("turbo4,keep=0.5,demote=turbo9")
+    parse_policy("turbo4,keep@0=0.5,demote=turbo2")  # a per-layer keep is enough
+
+
+def test_demote_in_fused_mode_is_refused_with_the_reason(tiny_engine):
+    with pytest.raises(EvictionError, match="which the fused kernels do not read: use cache mode compressed"):
+        tiny_engine.generate(_ids(tiny_engine), "turbo4,keep=0.5,demote=turbo2", "fused", max_new_tokens=2)
+
+
+def test_export_says_the_engine_setting_cannot_evict(tiny_engine):
+    from tqbench.engine.deploy.mapping import map_policy
+
+    s = map_policy("turbo4,keep=0.5", "llamacpp", tiny_engine.geometry)
+    assert any("token eviction (keep=0.5, score=snapkv): llama.cpp's KV cache type keeps every token" in u
+               for u in s.unmapped)

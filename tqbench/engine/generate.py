@@ -242,10 +242,13 @@ def prefill(model, ids: torch.Tensor, cache, *, chunk: int = 0, score_top: int |
     step = chunk if chunk > 0 else n
     scores: list | None = [] if score_top is not None else None
     last = None
-    for a in range(0, n, step):
-        logits = _forward(model, ids[:, a : a + step], cache).logits[0]
+    cuts = list(range(0, n, step)) + [n]
+    if getattr(cache, "evicts", False) and len(cuts) > 2 and cuts[-1] - cuts[-2] == 1:
+        del cuts[-2]  # token eviction runs at the end of each call of more than one row: no 1-row last chunk
+    for a, b in zip(cuts, cuts[1:]):
+        logits = _forward(model, ids[:, a:b], cache).logits[0]
         if scores is not None:
-            targets = ids[0, a + 1 : a + step + 1]
+            targets = ids[0, a + 1 : b + 1]
             scores.extend(token_logprobs(logits[: targets.shape[0]], targets, score_top))
         last = logits[-1]
     return last, scores

@@ -32,6 +32,8 @@ def print_validation(r) -> None:
               f"{ps.bits_per_element:.2f} bits/element")
     t.add_row("throughput", f"{num(ps.throughput_ratio, '.2f')}x baseline decode "
               f"({ps.candidate_decode_tokens_per_second:.1f} vs {ps.baseline_decode_tokens_per_second:.1f} tok/s)")
+    for key, value in _cache_rows(r.candidate_cache_report):
+        t.add_row(key, value)
     t.add_row("recommendation", f"{rec.status}: {rec.next_step}"
               + (" (--cache-mode compressed)" if rec.status == "storage-only" else ""))
     if rec.savings is not None and not rec.savings.saves:
@@ -49,6 +51,18 @@ def print_validation(r) -> None:
     out.rule()
 
 
+def _cache_rows(rep) -> list[tuple[str, str]]:
+    """What ran in the candidate's fused calls (implementation -> calls, fallbacks) and its eviction note."""
+    if rep is None:
+        return []
+    rows = []
+    if rep.fused_impl:
+        rows.append(("fused kernels", ", ".join(f"{impl}: {n} calls" for impl, n in rep.fused_impl.items())
+                     + (f"; fallbacks {rep.fallbacks}" if rep.fallbacks else "")))
+    rows += [("eviction", n) for n in rep.notes if n.startswith(("token eviction", "keep= "))]
+    return rows
+
+
 def validation_md(r) -> str:
     c, s, ps, rec = r.comparison, r.step_comparison, r.policy_summary, r.policy_recommendation
     lines = [
@@ -57,6 +71,7 @@ def validation_md(r) -> str:
         f"- model: {r.model}; cache mode {r.cache_mode} (baseline {r.baseline_mode})",
         f"- candidate policy: `{r.candidate_policy}`; baseline `{r.baseline_policy}`",
         f"- **verdict: {r.quality_verdict}**" + (" (storage-only: no quality claim)" if r.storage_only else ""),
+        *(f"- {key}: {value}" for key, value in _cache_rows(r.candidate_cache_report)),
         "",
         "| metric | value |",
         "| --- | --- |",

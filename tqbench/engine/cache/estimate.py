@@ -148,6 +148,15 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             fp_total += parts.full_precision
             if parts.packed_tokens:
                 shared.update(codec.shared_items(dim))
+        if plan.evicts and pol.demote:  # the evicted rows at the demote codec (no sinks, no recent rows)
+            for role, dim in (("k", g.head_dim), ("v", g.v_dim)):
+                codec = pol.build_codec(pol.demote, role, layer=plan.layer)
+                parts = store_parts(codec, 0, 0, seq_len - held, batch, g.kv_heads, dim)
+                total += parts.total
+                state_total += parts.state
+                fp_total += parts.full_precision
+                if parts.packed_tokens:
+                    shared.update(codec.shared_items(dim))
         per_layer.append(total)
         dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())

@@ -119,10 +119,10 @@ class TQLayer(CacheLayerMixin):
         n0, t = self.cumulative_length, key_states.shape[2]
         # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
         visible = t + (n0 if self.window is None else min(n0, self.window))
-        ev, point = self.evictor, False
-        if ev is not None:  # the rows each head still holds; at an eviction point the stores pack after scoring
-            visible = t + self.k_store.n_tokens
-            point = ev.begin(n0, t, key_states.shape[0], key_states.shape[1], key_states.device)
+        evictor, point = self.evictor, False
+        if evictor is not None:  # the rows each head still holds; at an eviction point the stores pack after scoring
+            visible = t + self.k_store.n_tokens + evictor.n_demoted
+            point = evictor.begin(n0, t, key_states.shape[0], key_states.shape[1], key_states.device)
             self.k_store.defer = self.v_store.defer = point
         points, first = self._points(t)
         if self.record_past:
@@ -138,8 +138,8 @@ class TQLayer(CacheLayerMixin):
                 base_k, ck, cuts_k = self._simulate(key_states, "k", points)
                 base_v, cv, cuts_v = self._simulate(value_states, "v", points)
             else:
-                base_k = self._with_history(self.k_store, key_states)
-                base_v = self._with_history(self.v_store, value_states)
+                base_k = self._with_history(self.k_store, key_states, "k")
+                base_v = self._with_history(self.v_store, value_states, "v")
                 ck, cuts_k = self.k_store.append_points(key_states, points)
                 cv, cuts_v = self.v_store.append_points(value_states, points)
             base_k, base_v = base_k[:, :, -visible:], base_v[:, :, -visible:]
@@ -168,7 +168,7 @@ class TQLayer(CacheLayerMixin):
                 handle.extra_k, handle.extra_v = self._set_rows(plan, base, (ck, cv))
                 handle.precision = plan
             out = (handle, handle)
-        if ev is not None and ev.observes(point):
+        if evictor is not None and evictor.observes(point):
             if mode == "fused":
                 out[0].evict_point = point
             else:
@@ -182,9 +182,12 @@ class TQLayer(CacheLayerMixin):
         attention); at an eviction point the layer's rows are scored and cut, then packed."""
         self.evictor.after_attention(self, query, scaling, point)
         if point and self.mode == "simulate":  # the dense buffer follows the store's rows
+            n_demoted = self.evictor.n_demoted
             for role, store in (("k", self.k_store), ("v", self.v_store)):
-                self._sim[role] = store.dense(query.dtype)
-                self._sim_start[role] = store.tail_start - store.head.n - store.n_packed
+                parts = [p for p in (self.evictor.demoted_dense(role, query.dtype), store.dense(query.dtype))
+                         if p is not None]
+                self._sim[role] = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+                self._sim_start[role] = store.tail_start - store.head.n - store.n_packed - n_demoted
                 self._sim_pending[role] = []
 
     def _plan(self, n0: int, first: int, cut0: tuple, cuts: tuple, points: list | None, lowest_visible: int):
@@ -219,9 +222,12 @@ class TQLayer(CacheLayerMixin):
             self.keys, self.values = out
         return out
 
-    def _with_history(self, store: KVStore, new: torch.Tensor) -> torch.Tensor:
-        hist = store.dense(new.dtype)
-        return new if hist is None else torch.cat([hist, new], dim=2)
+    def _with_history(self, store: KVStore, new: torch.Tensor, role: str) -> torch.Tensor:
+        parts = [store.dense(new.dtype), new]
+        if self.evictor is not None:  # demoted rows (policy.demote) first
+            parts.insert(0, self.evictor.demoted_dense(role, new.dtype))
+        parts = [p for p in parts if p is not None]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _simulate(self, new: torch.Tensor, role: str, points: list | None):
         """Dense buffer of what attention reads. Rows packed by a call are swapped for their dequantized values
@@ -263,7 +269,7 @@ class TQLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.evictor is not None:  # the held rows, all before the call's (their own positions: any order)
-            held = self.k_store.n_tokens
+            held = self.k_store.n_tokens + self.evictor.n_demoted
             return held + query_length, self.cumulative_length - held
         if self.window is not None:  # as transformers' DynamicSlidingWindowLayer: the last window - 1 rows
             return min(self.cumulative_length, self.window) + query_length, max(self.cumulative_length - self.window, 0)

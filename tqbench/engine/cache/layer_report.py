@@ -26,6 +26,13 @@ def build_report(cache) -> CacheReport:
         if isinstance(layer, TQLayer):
             kb = layer.k_store.bytes_breakdown()
             vb = layer.v_store.bytes_breakdown()
+            demoted = layer.evictor.demoted if layer.evictor is not None else None
+            if demoted:  # evicted rows kept at the demote codec: this layer's bytes too
+                for side, store, dim in ((kb, demoted[0], head_dim), (vb, demoted[1], v_head_dim)):
+                    for key, n in store.bytes_breakdown().items():
+                        side[key] += n
+                    if store.n_packed:
+                        shared.update(store.codec.shared_items(dim))
             tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
             # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
             fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
@@ -46,6 +53,7 @@ def build_report(cache) -> CacheReport:
                 reason=plan.reason,
                 evicted_prefill=ev.evicted_prefill if ev is not None else 0,
                 evicted_decode=ev.evicted_decode if ev is not None else 0,
+                demoted_tokens=ev.n_demoted if ev is not None else 0,
             ))
             max_layer_dense = max(max_layer_dense, rows[-1].dense_fp16_bytes)
         else:  # transformers' sliding window layer: dense, bounded
@@ -106,7 +114,8 @@ def build_report(cache) -> CacheReport:
         rep.notes.append(
             f"token eviction (keep={pol.keep}, score={pol.score}, window={pol.window}"
             + (f", every={pol.every}" if pol.every else "") + f"): {len(evicting)} layers hold {held} of {seen} "
-            f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding); sinks and the "
+            f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding"
+            + (f"; the evicted rows kept at {pol.demote} (demote)" if pol.demote else "") + "); sinks and the "
             "last max(window, recent) rows are never evicted")
     sliding_kept = [p.layer for p in cache.plans if (p.sliding or p.dense_window)]
     if cache.policy.evicts and sliding_kept:

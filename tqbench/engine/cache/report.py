@@ -39,6 +39,7 @@ class LayerBytes:
     #: the rows each head holds; every head of a layer holds as many, each its own)
     evicted_prefill: int = 0
     evicted_decode: int = 0
+    demoted_tokens: int = 0  # of the evicted rows, those kept at the policy's demote codec (in this layer's bytes)
 
     @property
     def total_bytes(self) -> int:

@@ -114,6 +114,12 @@ class TQCache(Cache):
             elif hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
 
+    @property
+    def evicts(self) -> bool:
+        """True when a layer evicts tokens (``policy.keep``): its eviction points are the ends of calls of more
+        than one row, so a prompt fed in chunks must not end with a one-row call (``generate.prefill``)."""
+        return any(isinstance(la, TQLayer) and la.evictor is not None for la in self.layers)
+
     def peak_dense_kv_bytes(self) -> int:
         """The sum over layers (K and V) of the most dense rows each store held at once (``KVStore.peak_dense_bytes``):
         an upper bound on the dense K/V the compressed layers ever held together. A prompt prefilled in one call

@@ -123,6 +123,7 @@ class Policy:
     score: str = "snapkv"  # how rows are ranked: see keep.SCORES
     window: int = 32  # observation window: the last queries a score reads (never evicted themselves)
     every: int = 0  # decode: evict again every this many decoded tokens (0: only at prefill)
+    demote: str = ""  # evicted rows kept at this (cheaper) codec instead of dropped ("" = dropped)
     name: str | None = field(default=None, compare=False)
     #: the model a saved policy file was fitted on (its ``[model]`` table); None for presets and compact text.
     #: Provenance, not part of the policy's value: not compared, not in ``to_string``/``to_dict``
@@ -135,6 +136,13 @@ class Policy:
             if not isinstance(val, int) or val < 0:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
         object.__setattr__(self, "keep", check_keep(self.keep))
+        if self.demote:
+            if is_head_list(self.demote) or is_calibrated_spec(self.demote):
+                raise ValueError(f"demote={self.demote!r} is invalid: use one codec for K and V, e.g. turbo2")
+            try:
+                _check_codec(self.demote, "v")
+            except ValueError as exc:
+                raise ValueError(f"demote={self.demote!r} is invalid: {exc}") from None
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r} is invalid: valid scores are {', '.join(SCORES)}")
         for what, val in (("window", self.window), ("every", self.every)):
@@ -168,13 +176,16 @@ class Policy:
                 continue
             fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
+        if self.demote and not self.evicts:
+            raise ValueError(f"demote={self.demote} keeps the evicted rows at a cheaper codec, but this policy evicts "
+                             "nothing: set keep below 1 (e.g. keep=0.5)")
 
     # ---- forms ------------------------------------------------------------------------------
     def to_string(self) -> str:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
         for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
-                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every"):
+                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every", "demote"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")

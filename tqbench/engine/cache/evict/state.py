@@ -15,6 +15,7 @@ import torch
 from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.evict import scores
 from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
+from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.keep import kept_rows, protected_rows
 
 __all__ = ["EVICT_NO_CROP", "EvictionError", "Evictor"]
@@ -36,6 +37,10 @@ class Evictor:
                 "score=h2o with every= accumulates every decoded query's attention over the held rows, which the "
                 "fused kernel does not return: use score=tova or snapkv (they read the queries at each eviction), "
                 "or cache mode compressed")
+        if mode == "fused" and policy.demote:
+            raise EvictionError(
+                f"demote={policy.demote} keeps evicted rows in a second store, which the fused kernels do not read: "
+                "use cache mode compressed or simulate, or drop the evicted rows (no demote)")
         if mode == "dense-shadow":
             raise EvictionError("token eviction (keep) runs in cache modes compressed, simulate and fused: "
                                 "dense-shadow attends over every exact row by definition")
@@ -46,6 +51,19 @@ class Evictor:
         self.evicted_prefill = 0  # rows each KV head dropped at prefill points
         self.evicted_decode = 0  # ... at decode points (every)
         self.points = 0
+        #: demote: the evicted rows of K and V, kept at the cheaper codec (``policy.demote``), else None
+        self.demoted: tuple[KVStore, KVStore] | None = None
+        if policy.demote:
+            self.demoted = tuple(KVStore(policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0)
+                                 for role in ("k", "v"))
+
+    @property
+    def n_demoted(self) -> int:
+        return self.demoted[0].n_tokens if self.demoted else 0
+
+    def demoted_dense(self, role: str, dtype) -> torch.Tensor | None:
+        """The demoted rows of K (``role`` "k") or V, dequantized (attention reads them before the held rows)."""
+        return self.demoted[0 if role == "k" else 1].dense(dtype) if self.demoted else None
 
     def begin(self, n0: int, t: int, batch: int, heads: int, device) -> bool:
         """A call of ``t`` rows after ``n0`` tokens: record the positions; True when it ends at an eviction point."""
@@ -92,6 +110,12 @@ class Evictor:
             dev = sel.device
             idx = torch.cat([torch.arange(head, device=dev).expand(b, h, head), sel,
                              torch.arange(held - tail, held, device=dev).expand(b, h, tail)], dim=2)
+            if self.demoted:  # the evicted rows, from the rows as attention read them, to the cheaper codec
+                gone = torch.ones(b, h, held, dtype=torch.bool, device=dev)
+                gone.scatter_(2, idx, False)
+                gone_idx = gone.nonzero()[:, 2].view(b, h, held - idx.shape[2])
+                for store, rows in zip(self.demoted, (keys, vs.dense(query.dtype))):
+                    store.append(_take(rows, gone_idx.to(rows.device)))
             dropped = compact_store(ks, idx)
             compact_store(vs, idx)
             for buf in (self.positions, self.mass):
@@ -126,3 +150,6 @@ class Evictor:
                 buf.data = fn(buf.data)
         if self.queries is not None:
             self.queries = fn(self.queries)
+        if self.demoted:
+            raise EvictionError("demote= does not follow a batch reordered or repeated (beam search): decode "
+                                "without beams, or drop the evicted rows (no demote)")
