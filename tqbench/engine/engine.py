@@ -15,7 +15,7 @@ from tqbench.engine.cache.dense_baseline import (
 )
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.tqcache import TQCache, check_mode
-from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
+from tqbench.engine.events import CacheBytes, GenerationFinished, KeptTokens, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
 from tqbench.engine.policy.checked import CheckedPolicy
@@ -196,10 +196,13 @@ class Engine:
         echo: bool = False,
         prefill_chunk: int | None = None,
         prompt_lookup: int = 0,
+        track_kept: bool = False,
     ) -> Iterator[object]:
         """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
 
-        With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only).
+        With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only);
+        with ``track_kept`` a policy that evicts tokens (``keep``) yields a ``KeptTokens`` (the positions each KV
+        head still holds) just before ``GenerationFinished``.
         ``logprobs`` (the number of top alternatives, 0 for none) adds a ``TokenLogprob`` to every
         ``TokenGenerated``; ``echo`` adds a ``PromptScored`` after the prefill (and allows
         ``max_new_tokens=0``); ``prefill_chunk`` feeds the prompt in forward calls of that many tokens (0: one call;
@@ -223,7 +226,9 @@ class Engine:
             logprobs=logprobs, echo=echo, prefill_chunk=prefill_chunk, prompt_lookup=prompt_lookup,
         )
         if track_bytes and isinstance(cache, TQCache):
-            return _with_cache_bytes(events, cache)
+            events = _with_cache_bytes(events, cache)
+        if track_kept and isinstance(cache, TQCache) and cache.policy.evicts:
+            events = _with_kept_tokens(events, cache, ids, self.tokenizer)
         return events
 
     def sequence(
@@ -283,15 +288,33 @@ class Engine:
         cancel: Callable[[], bool] | None = None,
         track_bytes: bool = False,
         prefill_chunk: int | None = None,
+        track_kept: bool = False,
     ) -> Iterator[object]:
         """Baseline and candidate generate side by side; yields both streams' events and ``PairStep``s."""
         ids = self.encode_prompt(prompt, chat, max_new_tokens)
         common = dict(max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
-                      cancel=cancel, track_bytes=track_bytes, prefill_chunk=prefill_chunk)
+                      cancel=cancel, track_bytes=track_bytes, prefill_chunk=prefill_chunk, track_kept=track_kept)
         return lockstep(
             self.stream(ids, baseline, baseline_mode, run="baseline", **common),
             self.stream(ids, candidate, candidate_mode, run="candidate", **common),
         )
+
+
+def _with_kept_tokens(events: Iterator[object], cache: TQCache, ids: torch.Tensor, tokenizer) -> Iterator[object]:
+    """Pass ``events`` through; before ``GenerationFinished``, say which positions each evicting head kept."""
+    from tqbench.engine.cache.evict.kept import kept_positions
+
+    fed = [int(i) for i in ids[0].tolist()]
+    for ev in events:
+        if isinstance(ev, TokenGenerated):
+            fed.append(ev.token_id)
+        elif isinstance(ev, GenerationFinished):
+            kept = kept_positions(cache)
+            if kept is not None:
+                seen = fed[: kept.seen]
+                texts = tuple(tokenizer.decode([t], skip_special_tokens=False) for t in seen)
+                yield KeptTokens(ev.run, kept, tuple(seen), texts)
+        yield ev
 
 
 def _with_cache_bytes(events: Iterator[object], cache: TQCache) -> Iterator[object]:

@@ -66,6 +66,8 @@ class WorkbenchApp(App):
                 id="app.tab_scan", priority=True),
         Binding("f5", "tab('compare')", "Compare tab", tooltip="Several policies vs the baseline, sortable",
                 id="app.tab_compare", priority=True),
+        Binding("f8", "kept", "Kept tokens", tooltip="(Run) which prompt tokens each KV head kept after a run of a "
+                "policy that evicts (keep=); f8 again shows the graph", id="app.kept", priority=True, show=False),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave the workbench", id="app.quit", priority=True),
     ]
     #: actions of the main screen that wait while a dialog (help, the session list, the palette) is open: their
@@ -261,6 +263,15 @@ class WorkbenchApp(App):
     def action_tab(self, tab: str) -> None:
         self.show_tab(tab)
 
+    def action_kept(self) -> None:
+        """The Run tab's map of which tokens each KV head kept, in the graph's place; on Run, again: the graph.
+        (f8, not f6: f6 and f7 select in the prompt box.)"""
+        toggle = self.query_one(TabbedContent).active == "run" and len(self.screen_stack) == 1
+        self.show_run()
+        if not self.run_pane.show_kept(None if toggle else True):
+            self.notify("no kept-token map yet: run a candidate policy that evicts tokens (e.g. turbo4,keep=0.5; "
+                        "the Policies builder's keep field)", severity="warning", timeout=6)
+
     def action_help(self) -> None:
         """f1 opens the key list, and closes it again (the binding has priority over the help screen's)."""
         from tqbench.tui.screens.help import HelpScreen
@@ -340,6 +351,8 @@ class WorkbenchApp(App):
                             lambda: self.action_tab("scan"))
         yield SystemCommand("Compare tab", f"Several policies vs the baseline ({k('app.tab_compare')})",
                             lambda: self.action_tab("compare"))
+        yield SystemCommand("Kept tokens", f"Which tokens each KV head kept in the last run ({k('app.kept')})",
+                            self.action_kept)
         yield SystemCommand("Start scan", "Scan the prompt's K/V with every codec", self.scan_pane.action_scan)
         yield SystemCommand("Run suggested policy", "Run the scan's suggested policy as the candidate in Run",
                             self.scan_pane.action_use_suggested)
