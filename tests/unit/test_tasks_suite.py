@@ -10,7 +10,14 @@ import pytest
 from click.testing import CliRunner
 
 from tqbench.cli.group import main
-from tqbench.engine.tasks import TASKS, build_samples, check_tasks, run_tasks, string_match_all, string_match_part
+from tqbench.engine.tasks import (
+    TASKS,
+    build_samples,
+    check_tasks,
+    run_tasks,
+    string_match_all,
+    string_match_part,
+)
 from tqbench.engine.tasks.generate import FIT_SLACK, qa_paragraphs
 from tqbench.engine.tasks.suite import TasksResult
 

@@ -9,8 +9,8 @@ in points, and how that figure was reached (docs/validation.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tqbench.engine.request import RequestError
 
