@@ -134,7 +134,7 @@ def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(monkeypatch, ar
 
 
 def test_check_tasks_names_every_rule():
-    assert [t.name for t in check_tasks(None, 2048, 4)] == list(TASKS)
+    assert [t.name for t in check_tasks(None, 2048, 4)] == ["niah_single", "niah_multikey", "niah_multivalue", "qa"]
     assert [t.name for t in check_tasks(["qa"], 1024, 1)] == ["qa"]
     with pytest.raises(ValueError, match="too short for niah_single, qa: give at least 1024"):
         check_tasks(["niah_single", "qa"], 256, 1)

@@ -39,8 +39,8 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 @click.option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
 @click.option("--baseline", default="fp16", show_default=True)
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
-@click.option("--tasks", "task_names", default=None, help="Comma-separated tasks (default: all; see docs/validation.md).")
-@click.option("--samples", type=int, default=None, help="Samples per task (default 4).")
+@click.option("--tasks", "task_names", default=None, help="Comma-separated tasks (default: the ones the default model can do; see docs/validation.md).")
+@click.option("--samples", type=int, default=None, help="Samples per task (default 3).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sample seed.")
 @click.option("--no-cache", is_flag=True, help="Run the baseline again instead of reusing its cached answers.")
 @click.option("--max-drop", type=float, default=None,
@@ -67,9 +67,11 @@ def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mod
     check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     base_pol, cand_pol = check_policies(engine, baseline, candidate)
+    import sys
+
     from tqbench.engine import run_tasks
 
-    with EventProgress(enabled=True, label="tasks", lines=as_json) as prog:
+    with EventProgress(enabled=True, label="tasks", lines=as_json or not sys.stderr.isatty()) as prog:
         res = run_tasks(engine, cand_pol, context, tasks=names, samples=samples, baseline=base_pol,
                         cache_mode=cache_mode, seed=seed, cache=not no_cache, on_event=prog)
     payload = res.to_dict()

@@ -73,7 +73,7 @@ class TasksScreen(ModalScreen):
                 yield Input("2", id="tasks-samples", compact=True, type="integer")
             with Horizontal():
                 yield Label("tasks")
-                yield Input("", placeholder="all (or e.g. niah_single,qa)", id="tasks-names", compact=True)
+                yield Input("", placeholder="the default set (or e.g. niah_single,qa)", id="tasks-names", compact=True)
                 yield Button("Run tasks", id="tasks-run", compact=True, variant="primary")
             yield Label("ready", id="tasks-status")
             yield DataTable(id="tasks-table", cursor_type="row", zebra_stripes=True)
