@@ -16,7 +16,10 @@
 // score like TurboQuant keys: the query is transformed once per step with its head's transform and each packed
 // row is scored from its codes (<T_h q, level[idx]> + <q, mu>), with no norm. A store whose heads use different
 // codecs (a per-head layer) is described by one side per group of heads, each naming its heads (`heads`,
-// `kv_heads`): the groups of a store are ragged the way the sequences of a batch are, all in one call.
+// `kv_heads`): the groups of a store are ragged the way the sequences of a batch are, all in one call. A group's
+// dense row chunk may hold every KV head of the store (the layer's rows as the cache holds them: read at the group's
+// heads, no per-group copy or view). `heads_encode` quantizes + packs a per-head layer's new rows for all its groups
+// in one call, each group reading its heads by index.
 //
 // Work is split over (sequence, kv head, token block) with at::parallel_for (torch's own thread pool); every
 // block keeps an online-softmax partial (max, sum, accumulators) that is merged at the end (split-K), so

@@ -5,8 +5,9 @@ full-precision rows ``[sinks | tail | this call's rows]`` where they are (chunks
 ``native_fused_attention`` attends one store (a padded batch); ``native_fused_attention_ragged`` attends several
 sequences, each with its own store (own length, own rows, own mask), in one kernel call. A per-head layer's store
 (``HeadSplitCodec``) is handed as one side per group of heads, each naming its heads: still one kernel call for
-the layer (``store_sides``). Both return a string saying why when a call cannot run natively (a codec without a
-packed form, a per-head or additive mask); the caller then runs the torch reference and counts the fallback.
+the layer (``store_sides``), its dense rows handed whole (the kernel reads each group's heads at their indices).
+Both return a string saying why when a call cannot run natively (a codec without a packed form, a per-head or
+additive mask); the caller then runs the torch reference and counts the fallback.
 """
 
 from __future__ import annotations
