@@ -40,9 +40,12 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--base", default="", show_default=False,
               help="Codec options and layer plan every candidate shares, as policy keys without codecs or "
                    "protection, e.g. 'rotation=hadamard,sliding=compress' (compress sliding-window layers too).")
-@click.option("--sinks", default="4,16,64", show_default=True,
-              help="Sink options searched (each x --recents, measured jointly); '' for --sink only.")
-@click.option("--recents", default="16,64,128", show_default=True, help="Recent-window options searched.")
+@click.option("--sinks", default=None,
+              help="Sink options searched (each x --recents, measured jointly); '' for --sink only. Default: the "
+                   "allocator's grid (docs/allocation.md; --sink only when every layer slides).")
+@click.option("--recents", default=None,
+              help="Recent-window options searched. Default: the allocator's grid "
+                   "(docs/allocation.md; with 0 too where sliding-window layers are compressed).")
 @click.option("--max-measurements", type=click.IntRange(min=0), default=24, show_default=True,
               help="Joint measurements (protection options + exchange steps); 0: the additive solution only.")
 @click.option("--verify-text", default="rivers", show_default=True,
@@ -61,11 +64,16 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
                    "measured on this machine once): a ratio above 0, turbo4 (no slower than uniform turbo4) or none.")
 @click.option("--verify-speed", is_flag=True,
               help="Also decode the chosen policy (fused) against dense and report the measured speed ratio.")
+@click.option("--axes", default="bits", show_default=True,
+              help="What the budget is spent on: bits (codec widths), tokens (a keep fraction per layer: token "
+                   "eviction by the base's score, fp16 rows) or bits,tokens (both, jointly).")
+@click.option("--keeps", default="1.0,0.75,0.5,0.25", show_default=True,
+              help="Keep fractions offered per layer with the tokens axis.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
-             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, as_json):
+             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
     import json
@@ -74,11 +82,15 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
+    from tqbench.engine.allocate.keeps import parse_axes, parse_keeps, speed_rule
     from tqbench.engine.allocate.texts import check_text_names
 
-    check_budget(budget, (csv(codecs) or []) + (csv(k_codecs) or []))  # the engine's rules, before the model loads
+    axes = parse_axes(axes)  # the engine's rules, before the model loads
+    parse_keeps(keeps)
+    check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)
+    speed_rule(axes, min_speed)
     from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
     check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
@@ -87,12 +99,16 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     verify = None if verify_text.lower() == "none" else verify_text
     unseen = None if unseen_text.lower() == "none" else unseen_text
     check_text_names(calibration, verify, unseen)
+    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID
+
     try:
-        grid = [(int(a), int(b)) for a in csv(sinks) or [] for b in csv(recents) or []]
+        grid = None if sinks is None and recents is None else [
+            (int(a), int(b)) for a in (list(SINK_GRID) if sinks is None else csv(sinks)) or []
+            for b in (list(RECENT_GRID) if recents is None else csv(recents)) or []]
     except ValueError:
         raise ValueError(f"--sinks {sinks!r} / --recents {recents!r} must be comma-separated token counts, "
                          "e.g. 4,16,64") from None
-    if any(a < 0 or b < 0 for a, b in grid):
+    if any(a < 0 or b < 0 for a, b in grid or []):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
     base_policy = allocation_base(base, sink, recent)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
@@ -108,7 +124,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                 max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
-                verify_speed=verify_speed)
+                verify_speed=verify_speed, axes=axes, keeps=keeps)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)

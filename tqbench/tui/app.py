@@ -332,6 +332,15 @@ class WorkbenchApp(App):
         self.show_run()
         self.notify(f"candidate policy: {msg.policy} · {self.key_for('app.run')} runs it", timeout=3)
 
+    def action_tasks(self) -> None:
+        """The long-context task suite on Run's candidate (``screens.tasks.TasksScreen``)."""
+        from textual.widgets import Input
+
+        from tqbench.tui.screens.tasks import TasksScreen
+
+        candidate = self.run_pane.query_one("#candidate", Input).value.strip() or "turbo4"
+        self.push_screen(TasksScreen(candidate))
+
     def get_system_commands(self, screen):
         """Every action by name; the keys in the descriptions are read from the bindings."""
         yield from super().get_system_commands(screen)
@@ -359,6 +368,8 @@ class WorkbenchApp(App):
         yield SystemCommand("Start comparison", "Compare the listed policies on the prompts",
                             self.compare_pane.action_compare)
         yield SystemCommand("Run sweep", "Run a sweep spec; its cells stream into Compare", lambda: sweep_run.ask(self))
+        yield SystemCommand("Task suite", "Long-context tasks (needles, variable tracking, common words, QA): "
+                            "baseline vs the candidate", self.action_tasks)
         yield SystemCommand("Use built policy", f"Put the built policy into Run's candidate ({k('policies.use')})",
                             self.policies_pane.action_use)
         yield SystemCommand("Keep built policy", f"Name and keep the built policy ({k('policies.keep')})",

@@ -33,6 +33,12 @@ def print_allocation(rep) -> None:
     out.print(f"sensitivity: {rep.measured_cells} cells measured, {rep.resumed_cells} resumed, on "
               f"{rep.setup['calibration']} ({rep.seconds['sensitivity']:.0f} s after a {rep.seconds.get('setup', 0):.0f} s "
               f"calibration prefill, {rep.seconds['threads']} threads)")
+    if rep.axes:
+        keep = {r["layer"]: r["keep"] for r in rep.axes["per_layer"]}
+        out.print(f"axes {','.join(rep.axes['axes'])} (score {rep.axes['score']}, window {rep.axes['window']}): bytes "
+                  f"saved against fp16 by codecs {rep.axes['saved_by_codecs']}, by eviction "
+                  f"{rep.axes['saved_by_eviction']}; keep per layer: "
+                  + " ".join(f"{layer}:{keep[layer]:g}" for layer in rep.table.layers))
     for note in rep.notes:
         out.print(f"note: {note}")
     if rep.speed is not None:

@@ -40,6 +40,19 @@ SINK_GRID = (4, 16, 64)
 RECENT_GRID = (16, 64, 128)
 
 
+def protection_grid(base: Policy, geometry: KVGeometry) -> list[tuple[int, int]]:
+    """The default (sink, recent) options of ``base`` on a model: ``SINK_GRID`` x ``RECENT_GRID``. Where ``base``
+    compresses sliding-window layers, recent=0 too: a window-bounded store holds ``window - 1`` rows and a recent
+    tail of fp16 rows is a large share of a short window (all of it when the window is shorter than the tail).
+    Where every layer slides, only ``base``'s sink: window-bounded stores keep no sinks, so the sink options would
+    all be the same policy."""
+    plans = base.plan(geometry.num_layers, list(geometry.layer_types) if geometry.layer_types else None)
+    sliding = [p.sliding for p in plans]
+    recents = RECENT_GRID + ((0,) if any(sliding) else ())
+    sinks = (base.sink,) if all(sliding) else SINK_GRID
+    return [(s, r) for s in sinks for r in recents]
+
+
 @dataclass(frozen=True)
 class ExchangeStep:
     step: int
@@ -66,22 +79,32 @@ class JointMeasure:
     token protection and codec options (quantized rows are kept between calls: a move re-quantizes only what it
     changes)."""
 
-    def __init__(self, runner: ChunkRunner, max_cached: int = 600) -> None:
+    def __init__(self, runner: ChunkRunner, max_cached: int = 600, keeps=None) -> None:
         self.runner = runner
+        self.keeps = keeps  # keeps.KeepCells: a policy that evicts (keep@) is measured with its layers evicting
         self.count = 0
         self._rows: dict[tuple, torch.Tensor] = {}
         self._max = max_cached
 
-    def _q(self, policy: Policy, spec: str, role: str, layer: int, head: int | None) -> torch.Tensor:
-        key = (policy.sink, policy.recent, policy.to_string(), spec, role, layer, head)
+    def _q(self, policy: Policy, spec: str, role: str, layer: int, head: int | None, keep=None) -> torch.Tensor:
+        key = (policy.sink, policy.recent, policy.to_string(), spec, role, layer, head, keep)
         if key not in self._rows:
-            out = self.runner.quantized(policy, spec, role, layer, head)
+            if keep is None:
+                out = self.runner.quantized(policy, spec, role, layer, head)
+            else:
+                idx = self.keeps.index(layer, keep, policy.sink, policy.recent)
+                out = self.keeps.quantized(policy, spec, role, layer, head, idx)
             if len(self._rows) >= self._max:
                 self._rows.pop(next(iter(self._rows)))
             self._rows[key] = out
         return self._rows[key]
 
     def __call__(self, choice: dict, policy: Policy) -> float:
+        from tqbench.engine.allocate.keeps import layer_keeps
+
+        evict = layer_keeps(policy, self.runner.engine.geometry)
+        if evict and self.keeps is None:
+            raise ValueError(f"{policy.to_string()!r} evicts tokens: measure it with the tokens axis (KeepCells)")
         ks, vs = list(self.runner.keys), list(self.runner.values)
         per_head: dict[tuple[int, str], dict[int, str]] = {}
         sliding: dict[int, dict[tuple[str, int | None], str]] = {}  # a sliding layer: one TQLayer for K and V
@@ -90,19 +113,23 @@ class JointMeasure:
             if self.runner.windows[layer] is not None:
                 sliding.setdefault(layer, {})[(role, unit[2] if len(unit) == 3 else None)] = spec
             elif len(unit) == 2:
-                (ks if role == "k" else vs)[layer] = self._q(policy, spec, role, layer, None)
+                (ks if role == "k" else vs)[layer] = self._q(policy, spec, role, layer, None, evict.get(layer))
             else:
                 per_head.setdefault((layer, role), {})[unit[2]] = spec
         for (layer, role), specs in per_head.items():
             target = ks if role == "k" else vs
             rows = target[layer].clone()
             for h, spec in specs.items():
-                rows[:, h:h + 1] = self._q(policy, spec, role, layer, h)
+                rows[:, h:h + 1] = self._q(policy, spec, role, layer, h, evict.get(layer))
             target[layer] = rows
         for layer, specs in sliding.items():
             ks[layer] = vs[layer] = self.runner.cell(policy, layer, specs)[0][layer]
-        start = min((u[0] for u in choice), default=0)
+        start = min([u[0] for u in choice] + list(evict), default=0)
         self.count += 1
+        if evict:
+            masks = {layer: self.keeps.mask(self.keeps.index(layer, f, policy.sink, policy.recent))
+                     for layer, f in evict.items()}
+            return self.keeps.kl(ks, vs, masks, start=start)
         return self.runner.kl(ks, vs, start=start)
 
 
@@ -158,14 +185,17 @@ def improve(
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
     speed=None,
+    solver=None,
 ) -> tuple[Allocation, float, list[ExchangeStep]]:
     """The best allocation found by measuring (see the module doc): (allocation, its measured joint KL, steps).
 
     ``protections``: the (sink, recent) options (None: ``base``'s only); options whose cheapest choice does not
     fit the budget are skipped (a step with ``move`` saying so, not measured). ``measure`` is called at most
     ``max_measurements`` times (at least once per fitting protection option). ``speed``: a
-    ``speed.SpeedConstraint`` (its solve at every protection option; exchange moves it does not admit are skipped)."""
-    solve = speed.solve if speed is not None else solve_allocation
+    ``speed.SpeedConstraint`` (its solve at every protection option; exchange moves it does not admit are skipped).
+    ``solver``: the solve at each option instead (the joint tokens-and-bits solve); its policy's keep values are
+    kept by the exchange steps, which move codecs."""
+    solve = solver or (speed.solve if speed is not None else solve_allocation)
     options = protections or [(base.sink, base.recent)]
     steps: list[ExchangeStep] = []
     best: tuple[Allocation, float, Policy] | None = None
@@ -187,6 +217,8 @@ def improve(
             steps.append(ExchangeStep(len(steps), "protection", f"sink={sink},recent={recent}: {why}", None, None,
                                       None, 0, sink, recent, False))
             continue
+        # the exchange steps keep the layers' keep values (the tokens axis) and move codecs
+        pol = replace(pol, keep=alloc.policy.keep, overrides=tuple(o for o in alloc.policy.overrides if o[0] == "keep"))
         emit(on_event, Progress("measure", count, total, f"sink={sink} recent={recent}"))
         m = measure(alloc.choice, pol)
         count += 1

@@ -27,7 +27,17 @@ import torch
 
 from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
-from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
+from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
+from tqbench.engine.allocate.joint import axis_split, solve_joint
+from tqbench.engine.allocate.keeps import (
+    DEFAULT_AXES,
+    KEEP_CHOICES,
+    KeepCells,
+    keep_key,
+    parse_axes,
+    parse_keeps,
+    speed_rule,
+)
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.speed import (
@@ -41,7 +51,7 @@ from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names
 from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec
-from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit
+from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 from tqbench.engine.models.fingerprint import model_config_summary
 from tqbench.engine.policy.artifact import PolicyArtifact
 from tqbench.engine.policy.files import parse_policy
@@ -74,6 +84,7 @@ class AllocationReport:
     unseen: FrontierPoint | None = None  # the second unseen text
     notes: list[str] = field(default_factory=list)  # what was not available and why (pcaq, layer skipping)
     speed: SpeedReport | None = None  # predicted (and, verify_speed, measured) decode speed vs dense
+    axes: dict | None = None  # the axes searched, the keep cells and where the bytes went (``joint.axis_split``)
 
     @property
     def predicted_kl(self) -> float:
@@ -99,7 +110,7 @@ class AllocationReport:
                 "steps": [s.to_dict() for s in self.steps], "notes": self.notes,
                 "measured_cells": self.measured_cells, "resumed_cells": self.resumed_cells,
                 "seconds": self.seconds, "partial_path": self.partial_path,
-                "speed": self.speed.to_dict() if self.speed else None,
+                "speed": self.speed.to_dict() if self.speed else None, "axes": self.axes,
                 "sensitivity": self.table.to_rows()}
 
     def to_artifact(self, geometry) -> PolicyArtifact:
@@ -115,6 +126,9 @@ class AllocationReport:
                  **self.setup, "fitted_vs_unseen": fvu}
         if self.speed:
             alloc["speed"] = self.speed.artifact_fields()
+        if self.axes:
+            alloc["axes"] = {k: self.axes[k] for k in ("axes", "keeps", "score", "window", "saved_by_codecs",
+                                                        "saved_by_eviction")}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
@@ -142,7 +156,7 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
         raise RequestError("partial_path", path, "it is not an allocate partial results file: give another")
     old = data.get("setup", {})
     # cells are keyed by codec and by unit (layer or layer.head): another codec list or granularity reuses them
-    free = ("codecs", "k_codecs", "granularity")
+    free = ("codecs", "k_codecs", "granularity")  # keep cells name their score and window in their keys
     diff = sorted(k for k in set(setup) | set(old) if k not in free and setup.get(k) != old.get(k))
     if diff:
         raise RequestError("partial_path", path, f"it was measured with another setup ({', '.join(diff)} differ): "
@@ -151,7 +165,7 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
 
 
 def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
-    codecs = sorted({key.split("/")[2] for key in cells})
+    codecs = sorted({key.split("/")[2] for key in cells if key.split("/")[1] in ("k", "v")})
     doc = {"format": PARTIAL_FORMAT, "setup": setup | {"codecs": codecs}, "cells": cells}
     atomic_write(Path(path), json.dumps(doc).encode("utf-8"))
 
@@ -194,19 +208,23 @@ def allocate_policy(
     min_speed: float | str | None = None,
     verify_speed: bool = False,
     decode_costs: DecodeCosts | None = None,
+    axes: str | tuple[str, ...] = DEFAULT_AXES,
+    keeps: str | tuple[float, ...] = KEEP_CHOICES,
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
     ``base`` gives the token protection (sink, recent) the cells are measured at and the codec options every layer
     shares; ``codecs`` the choices per unit (``k_codecs``: K's, default ``codecs`` plus the calibrated ``pcaq``
     codecs when the model has a fit). ``protections``: (sink, recent) options searched (None: the default grid;
-    ``[]``: ``base``'s only). ``max_measurements``: joint measurements (0: the additive solution only).
+    ``[]``: ``base``'s only; ``exchange.protection_grid``). ``max_measurements``: joint measurements (0: the additive solution only).
     ``verify_text``/``unseen_text`` None skip that verification. ``partial_path``: the partial results file (read
     if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
     ``min_speed``: decode tokens/s relative to a dense ``DynamicCache`` at ``context`` the policy must be predicted
     to reach (``speed.py``): a ratio, ``"reference"`` (no slower than uniform turbo4 fused) or None (no minimum);
     ``verify_speed``: also decode the chosen policy (fused) against dense and report the measured ratio;
     ``decode_costs``: the cost table to predict with (default: measured on this machine, cached).
+    ``axes``: ``bits`` (codec widths), ``tokens`` (a keep fraction per layer among ``keeps``, evicted by
+    ``base``'s score and window: ``keeps.py``, ``joint.py``) or both; ``tokens`` alone keeps every row fp16.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
@@ -216,14 +234,24 @@ def allocate_policy(
         raise RequestError("codecs", ",".join(codecs), "give distinct codecs, e.g. turbo1,turbo2,turbo4")
     base_pol = parse_policy(base)
     notes: list[str] = []
-    if k_codecs is None:
+    axes = parse_axes(axes)
+    keep_choices = parse_keeps(keeps) if "tokens" in axes else (1.0,)
+    if base_pol.evicts:
+        raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
+                           "from the base and search the tokens axis")
+    min_speed, why = speed_rule(axes, min_speed)
+    if why:
+        notes.append(why)
+    if "bits" not in axes:  # eviction alone: every kept row fp16
+        specs, kspecs = ["fp16"], ["fp16"]
+    elif k_codecs is None:
         extra, why = calibrated_k_choices(engine, base_pol)
         if why:
             notes.append(why)
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
-    check_budget(budget, specs + [c for c in kspecs if c not in specs])
+    check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "tokens" not in axes else ())
     check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":
         try:
@@ -240,7 +268,7 @@ def allocate_policy(
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
     if protections is None:
-        protections = [(s, r) for s in SINK_GRID for r in RECENT_GRID]
+        protections = protection_grid(base_pol, engine.geometry)
     options = list(dict.fromkeys([(base_pol.sink, base_pol.recent), *protections]))
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
@@ -262,7 +290,9 @@ def allocate_policy(
 
     t0, c0 = time.perf_counter(), time.process_time()
     runner = None
-    if max_measurements or not known:
+    need_keep = [(layer, f) for layer in _table_layers(engine, base_pol) for f in keep_choices if f < 1
+                 and keep_key(layer, base_pol.score, base_pol.window, f) not in known]
+    if max_measurements or not known or need_keep:
         emit(on_event, Progress("setup", 0, 1, f"exact prefill of {calib.ids.shape[0]} x {calib_prefill} "
                                                "calibration tokens"))
         runner = ChunkRunner(engine, calib.ids, calib_prefill)
@@ -273,6 +303,18 @@ def allocate_policy(
     table = measure_sensitivity(engine, calib.ids, calib_prefill, specs, base_pol, known=known, on_cell=persist,
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
+    tk = time.perf_counter()
+    keep_cells = KeepCells(runner, base_pol.score, base_pol.window) if runner is not None and "tokens" in axes else None
+    keep_kl = {}
+    keep_resumed = sum(1 for layer in table.layers for f in keep_choices
+                       if f < 1 and keep_key(layer, base_pol.score, base_pol.window, f) in known)
+    for i, (layer, f) in enumerate((layer, f) for layer in table.layers for f in keep_choices if f < 1):
+        key = keep_key(layer, base_pol.score, base_pol.window, f)
+        emit(on_event, Progress("keep", i, len(table.layers) * (len(keep_choices) - 1), f"layer {layer} keep={f:g}"))
+        if key not in known:
+            raise_if_cancelled(cancel, "allocate")
+            persist(key, keep_cells.cell(layer, f, base_pol.sink, base_pol.recent))
+        keep_kl[(layer, f)] = cells[key]
     t1, c1 = time.perf_counter(), time.process_time()
     speed, costs_cached = None, False
     if min_speed is not None or verify_speed or decode_costs is not None:
@@ -287,16 +329,20 @@ def allocate_policy(
         emit(on_event, Progress("speed", 1, 1, f"decode costs at {context} tokens"))
     t_speed = time.perf_counter()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))
-    measure = JointMeasure(runner) if runner is not None else None
+    measure = JointMeasure(runner, keeps=keep_cells) if runner is not None else None
+    joint = None
+    if "tokens" in axes:
+        def joint(tab, geo, bud, ctx, pol, nm):
+            return solve_joint(tab, keep_kl, keep_choices, geo, bud, ctx, pol, nm)
     if max_measurements and measure is not None:
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
                                          name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel,
-                                         speed=speed)
+                                         speed=speed, solver=joint)
     else:
         from tqbench.engine.allocate.solver import solve_allocation
 
-        solve = speed.solve if speed is not None else solve_allocation
+        solve = joint or (speed.solve if speed is not None else solve_allocation)
         alloc = solve(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
         measured, steps = None, []
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
@@ -315,7 +361,8 @@ def allocate_policy(
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     report = AllocationReport(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
-        points.get(verify_text) if verify_text else None, n_cells - resumed, resumed,
+        points.get(verify_text) if verify_text else None, n_cells - resumed + len(keep_kl) - keep_resumed,
+        resumed + keep_resumed,
         {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
          # CPU seconds of this process per phase (all threads): less sensitive to other processes than wall time
          "cpu": {"setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2), "solve_and_measure": round(c2 - c1, 2),
@@ -324,11 +371,23 @@ def allocate_policy(
          "layer_skipping": bool(runner and runner.layer_skipping)},
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
     )
+    if "tokens" in axes:
+        report.seconds["keep_cells"] = round(t1 - tk, 2)  # of the sensitivity phase: recording + keep cells
+        report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
+                       "window": base_pol.window, "keep_cells": {f"{layer}/{f:g}": kl for (layer, f), kl in
+                                                                   keep_kl.items()},
+                       **axis_split(alloc.policy, engine.geometry, context)}
     if speed_rep is not None:
         report.speed = speed_rep
         report.seconds.update(speed=round(t_speed - t1, 2), speed_costs_cached=costs_cached,
                               verify_speed=round(time.perf_counter() - t3, 2))
     return report
+
+
+def _table_layers(engine, base: Policy) -> list[int]:
+    from tqbench.engine.allocate.sensitivity import allocatable_layers
+
+    return allocatable_layers(base, engine.geometry)
 
 
 def _geometry_summary(engine) -> dict:

@@ -25,6 +25,7 @@ from tqbench.engine.cache.estimate import KVEstimate, estimate_kv, store_bytes
 from tqbench.engine.cache.geometry import FP_BYTES, KVGeometry
 from tqbench.engine.cache.store import window_start
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
+from tqbench.engine.policy.keep import held_rows
 from tqbench.engine.policy.spec import Policy
 
 #: DP resolution: the budget is cut into at most this many byte quanta
@@ -85,7 +86,8 @@ def policy_from_choices(k: list[str], v: list[str], base: Policy, name: str | No
             if spec != common:
                 groups[spec].append(layer)
         overrides += [(role, "+".join(map(str, layers)), spec) for spec, layers in sorted(groups.items())]
-    return replace(base, k=heads["k"], v=heads["v"], protect="", overrides=tuple(overrides), name=name)
+    keeps = tuple(o for o in base.overrides if o[0] == "keep")  # the layers' keep values (the tokens axis) stay
+    return replace(base, k=heads["k"], v=heads["v"], protect="", overrides=keeps + tuple(overrides), name=name)
 
 
 def layer_specs(choice: dict, num_layers: int, kv_heads: int) -> tuple[list[str], list[str]]:
@@ -130,8 +132,10 @@ def _unit_stores(table: SensitivityTable, base: Policy, g: KVGeometry, context: 
                 # the layer's K/V alignment, and so its bytes, can differ by a unit; estimate_kv checks the sum)
                 held = context - window_start(context, g.sliding_window - 1, codec.tokens_per_unit)
                 nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held, 1, n, dim)
-            else:
-                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, context, 1, n, dim)
+            else:  # a layer that evicts (policy.keep) holds the rows its keep leaves at the stated context
+                held = held_rows(context, context, plan.keep, plan.sink, base.window, plan.recent, base.every)
+                nbytes, packed = store_bytes(codec, plan.sink, plan.recent, held if plan.evicts else context, 1, n,
+                                             dim)
             if is_calibrated_spec(spec):  # its basis and tables for the heads it serves
                 nbytes += sum(codec.shared_items(dim).values())
             row[spec] = (nbytes, packed)

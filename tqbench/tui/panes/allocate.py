@@ -30,6 +30,8 @@ FRONTIER_PRESETS = ("turbo2", "turbo2.5", "k3v2", "turbo3", "k4v2", "turbo3.5", 
 FRONTIER_TEXTS = ("rivers", "heldout:technical")
 FRONTIER = {"text": FRONTIER_TEXTS[0], "prefill": 1024, "steps": 256}
 GRANULARITY_CHOICES = (("per layer", "layer"), ("per KV head", "head"))
+#: what the budget is spent on (``allocate_policy``'s ``axes``): codec widths, + a keep fraction per layer, eviction
+AXES_CHOICES = (("bits", "bits"), ("bits + tokens", "bits,tokens"), ("tokens", "tokens"))
 #: a FrontierPoint's text label -> the frontier text it belongs to
 _TEXT_LABELS = {f"corpus:{t}" if ":" not in t else t: t for t in FRONTIER_TEXTS}
 #: the allocation's calibration (``allocate_policy`` arguments): the shipped mix of four kinds, as the CLI's default
@@ -39,6 +41,17 @@ CALIBRATION = {"calibration": "mix", "calib_prefill": 1024, "calib_steps": 32}
 #: see docs/allocation.md), cells measured at the builder's sink/recent, verified on both frontier texts
 #: (``protections``, ``max_measurements`` and ``k_codecs`` left at those defaults)
 SOLVER = {"unseen_text": FRONTIER_TEXTS[1]}
+
+
+def speed_suffix(speed) -> str:
+    """A frontier point kind's speed class for an allocation's ``SpeedReport`` (none: ""): ``@fast`` when its
+    decode speed relative to dense (measured where it was, else predicted) is at or above the minimum it was
+    solved for (with no minimum: the uniform reference's), ``@slow`` below."""
+    if speed is None:
+        return ""
+    ratio = speed.measured_ratio if speed.measured_ratio is not None else speed.predicted_ratio
+    floor = speed.min_ratio if speed.min_ratio is not None else speed.reference_ratio
+    return "@fast" if ratio >= floor - 1e-12 else "@slow"
 
 
 class AllocatePanel(Vertical):
@@ -57,6 +70,7 @@ class AllocatePanel(Vertical):
     AllocatePanel .row Label { width: 16; color: $text-muted; }
     AllocatePanel #budget { width: 10; }
     AllocatePanel #granularity { width: 16; margin-left: 1; }
+    AllocatePanel #axes { width: 17; margin-left: 1; }
     AllocatePanel #frontier-text { width: 22; margin-left: 1; }
     AllocatePanel #alloc-bar { width: 30; margin-left: 2; }
     AllocatePanel #alloc-status { width: 1fr; height: auto; }
@@ -84,6 +98,8 @@ class AllocatePanel(Vertical):
         self.points: dict[str, dict[str, tuple]] = {t: {} for t in FRONTIER_TEXTS}
         self.frontier = dict(FRONTIER)
         self.calibration = dict(CALIBRATION)
+        #: the allocation's minimum decode speed (``allocate_policy``'s ``min_speed``; None: none, as before)
+        self.min_speed = None
         self._cancel = threading.Event()
         self._points_model: str | None = None
 
@@ -94,6 +110,9 @@ class AllocatePanel(Vertical):
                         tooltip="Enter: allocate the best policy within this budget")
             yield Select(GRANULARITY_CHOICES, value="layer", id="granularity", compact=True, allow_blank=False,
                          tooltip="one codec width per layer and role, or per KV head")
+            yield Select(AXES_CHOICES, value="bits", id="axes", compact=True, allow_blank=False,
+                         tooltip="spend the budget on codec widths, on a keep fraction per layer (token eviction, "
+                                 "the builder's score), or both")
             yield Button("Allocate ⏎", id="allocate", compact=True, variant="primary")
             yield Button("Frontier ^t", id="frontier-button", compact=True)
             yield Select([(t, t) for t in FRONTIER_TEXTS], value=FRONTIER_TEXTS[0], id="frontier-text", compact=True,
@@ -119,7 +138,8 @@ class AllocatePanel(Vertical):
             raise ValueError(f"budget {text!r} is not a number: type bits per element, e.g. 3.0") from None
         from tqbench.engine.allocate import DEFAULT_CODECS, check_budget
 
-        check_budget(budget, DEFAULT_CODECS)  # the engine's bounds (the CLI checks the same)
+        tokens = "tokens" in self.query_one("#axes", Select).value
+        check_budget(budget, () if tokens else DEFAULT_CODECS)  # the engine's bounds (the CLI checks the same)
         ints = []
         for field in ("sink", "recent"):
             val = pane.query_one(f"#{field}", Input).value.strip() or "0"
@@ -148,21 +168,24 @@ class AllocatePanel(Vertical):
             self.app.notify(str(exc), title="cannot allocate", severity="error")
             return
         granularity = self.query_one("#granularity", Select).value
+        axes = self.query_one("#axes", Select).value
         self._start("allocate", engine)
         self.query_one("#alloc-status", Label).update(
-            f"allocating {budget:g} bits/element at {context} tokens, per {'KV head' if granularity == 'head' else 'layer'} ...")
-        self._allocate(engine, budget, sink, recent, context, granularity)
+            f"allocating {budget:g} bits/element at {context} tokens over {axes}, per "
+            f"{'KV head' if granularity == 'head' else 'layer'} ...")
+        self._allocate(engine, budget, sink, recent, context, granularity, axes)
 
     @work(thread=True, exclusive=True, group="allocate", exit_on_error=False)
-    def _allocate(self, engine, budget, sink, recent, context, granularity) -> None:
+    def _allocate(self, engine, budget, sink, recent, context, granularity, axes="bits") -> None:
         from tqbench.engine import allocate_policy
         from tqbench.sessions.store import data_dir
 
         result, error, cancelled = run_engine_job(lambda: allocate_policy(
-            engine, budget, base=f"sink={sink},recent={recent}", context=context, granularity=granularity,
+            engine, budget, base=f"sink={sink},recent={recent}", context=context, granularity=granularity, axes=axes,
             name=f"alloc-{budget:g}bit" + ("-head" if granularity == "head" else ""),
             verify_text=FRONTIER_TEXTS[0], verify_prefill=self.frontier["prefill"],
             verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
+            min_speed=self.min_speed,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         self.post_message(self.Finished(result, error, cancelled, "allocate"))
 
@@ -249,7 +272,7 @@ class AllocatePanel(Vertical):
         hm.border_title = f"{a.policy.label}: bits per layer"
         v = rep.verified
         calibrated = any(is_calibrated_spec(e) for c in a.k for e in (split_head_list(c) if is_head_list(c) else [c]))
-        kind = rep.setup.get("granularity", "layer") + ("+pcaq" if calibrated else "")
+        kind = ("evict" if a.policy.evicts else rep.setup.get("granularity", "layer")) + ("+pcaq" if calibrated else "") + speed_suffix(rep.speed)
         for point in (v, rep.unseen):
             if point is not None and point.text in _TEXT_LABELS:
                 self.points[_TEXT_LABELS[point.text]][a.policy.label] = (point, kind)
@@ -259,7 +282,10 @@ class AllocatePanel(Vertical):
             f"({a.estimate.total_bytes} B)" + (f" · verified KL [b]{v.kl_mean:.4f}[/b], top-1 {v.top1_agreement:.3f}"
                                                   f" on {v.text}" if v else "")
             + (f" · {rep.unseen.kl_mean:.4f} on {rep.unseen.text}" if rep.unseen else "")
-            + f" · {rep.measured_cells} cells measured, {rep.resumed_cells} reused · kept as {a.policy.label}")
+            + f" · {rep.measured_cells} cells measured, {rep.resumed_cells} reused · kept as {a.policy.label}"
+            + (f" · bytes saved by codecs {rep.axes['saved_by_codecs']}, by eviction {rep.axes['saved_by_eviction']};"
+               " keep per layer " + " ".join(f"{r['layer']}:{r['keep']:g}" for r in rep.axes["per_layer"])
+               if rep.axes else ""))
         self._builder().keep_policy(a.policy.label, a.policy.to_string())
         self.redraw_plot()
 

@@ -12,7 +12,14 @@ from textual.message import Message
 from textual.suggester import SuggestFromList
 from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
-from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_PROMPT, fastest_quality_mode
+from tqbench.constants import (
+    CACHE_MODE_RESIDENT,
+    CACHE_MODES,
+    DEFAULT_PROMPT,
+    DENSE_BASELINES,
+    dense_baseline_kv,
+    fastest_quality_mode,
+)
 from tqbench.tui.panes.jobs import notify_policy_warnings
 from tqbench.tui.widgets.graph import ThroughputGraph
 from tqbench.tui.widgets.kept_map import KeptMap
@@ -121,8 +128,10 @@ class RunPane(Vertical):
         yield PromptBox(p.prompt if p else DEFAULT_PROMPT, id="prompt")
         with Horizontal(id="first-controls", classes="controls"):
             yield Label("baseline")
-            yield Input(p.baseline if p else "fp16", id="baseline", compact=True, suggester=SuggestFromList(presets),
-                        tooltip="Baseline policy (preset or compact form)")
+            yield Input(p.baseline if p else "fp16", id="baseline", compact=True,
+                        suggester=SuggestFromList([*DENSE_BASELINES, *presets]),
+                        tooltip="Baseline: a policy (preset or compact form) or a dense DynamicCache: dense (K/V in the "
+                                "model's dtype), dense-fp16 or dense-bf16 (K/V rows stored in 16 bits)")
             yield Label("candidate")
             yield Input(p.candidate if p else "turbo4", id="candidate", compact=True,
                         suggester=SuggestFromList(presets), tooltip="Candidate policy: a preset, k=...,v=... or a file")
@@ -167,7 +176,8 @@ class RunPane(Vertical):
         max_new = num("max-tokens", int, "max tokens")
         base = self.query_one("#baseline", Input).value.strip() or "fp16"
         cand = self.query_one("#candidate", Input).value.strip()
-        parse_policy(base)
+        if base not in DENSE_BASELINES:  # dense, dense-fp16, dense-bf16: a DynamicCache, not a policy
+            parse_policy(base)
         parse_policy(cand)
         p = RunParams(prompt, self.query_one("#chat", Checkbox).value, max_new, num("temperature", float, "temperature"),
                       num("top-p", float, "top-p"), num("seed", int, "seed"), base, cand,
@@ -276,14 +286,27 @@ class RunPane(Vertical):
         self._savings = None
         self._diff_note = ""
         self.status = "running"
-        base, cand = parse_policy(params.baseline), parse_policy(params.candidate)
-        self.query_one("#baseline-view", TokenView).clear(f"baseline · {base.label} (compressed)")
+        cand = parse_policy(params.candidate)
+        base = self._base_title(params.baseline, str(engine.loaded.dtype).replace("torch.", ""))
+        self.query_one("#baseline-view", TokenView).clear(f"baseline · {base}")
         self.query_one("#candidate-view", TokenView).clear(self._cand_title(cand.label, params.cache_mode))
-        self.query_one("#graph", ThroughputGraph).clear()
+        graph = self.query_one("#graph", ThroughputGraph)
+        graph.clear()
+        graph.set_names(base, f"{cand.label} ({params.cache_mode})")
         self._clear_kept()
         self.params_running = params
         self._update_strip()
         self._generate(engine, params)
+
+    @staticmethod
+    def _base_title(baseline: str, model_dtype: str | None) -> str:
+        """``dense-fp16 (float16 K/V)`` for a dense baseline, ``fp16 (compressed)`` for a policy."""
+        from tqbench.engine.policy import parse_policy
+
+        if baseline in DENSE_BASELINES:
+            kv = dense_baseline_kv(baseline, model_dtype) if model_dtype else DENSE_BASELINES[baseline]
+            return f"{baseline} ({kv or 'model dtype'} K/V)"
+        return f"{parse_policy(baseline).label} (compressed)"
 
     @staticmethod
     def _cand_title(label: str, mode: str) -> str:
@@ -391,9 +414,13 @@ class RunPane(Vertical):
             texts = side.token_texts if side.has_token_texts else [f"[{i}]" for i in side.token_ids]
             views[run].set_tokens([(tid, text, rec.baseline is not None and i < rec.steps and not rec.same_token[i])
                                    for i, (tid, text) in enumerate(zip(side.token_ids, texts))])
-        views["baseline"].border_title = f"baseline · {rec.baseline.policy} ({rec.baseline.cache_mode})" \
-            if rec.baseline else "baseline · none"
+        base = None
+        if rec.baseline is not None:
+            base = self._base_title(rec.baseline.policy, None) if rec.baseline.policy in DENSE_BASELINES \
+                else f"{rec.baseline.policy} ({rec.baseline.cache_mode})"
+        views["baseline"].border_title = f"baseline · {base or 'none'}"
         views["candidate"].border_title = self._cand_title(rec.candidate.policy, rec.candidate.cache_mode)
+        graph.set_names(base or "", f"{rec.candidate.policy} ({rec.candidate.cache_mode})")
         graph.set_series(
             {r: getattr(rec, r).tokens_per_second for r in ("baseline", "candidate") if getattr(rec, r)},
             {r: getattr(rec, r).resident_bytes for r in ("baseline", "candidate") if getattr(rec, r)},

@@ -54,11 +54,9 @@ class KeptPositions:
 
 def kept_positions(cache, batch: int = 0) -> KeptPositions | None:
     """The kept positions of sequence ``batch`` in ``cache`` (a ``TQCache``); None when no layer evicts."""
-    from tqbench.engine.cache.layer import TQLayer
-
     layers, seen, prompt = [], 0, 0
     for plan, layer in zip(cache.plans, cache.layers):
-        ev = getattr(layer, "evictor", None) if isinstance(layer, TQLayer) else None
+        ev = getattr(layer, "evictor", None)  # a TQLayer's; dense or sliding pass-through layers have none
         if ev is None:
             continue
         seen = max(seen, layer.cumulative_length)

@@ -28,6 +28,16 @@ EVICT_NO_CROP = ("speculative decoding cannot run with token eviction (keep): a 
 _QUERY_SCORES = ("snapkv", "expected")  # scores that read a window of past queries
 
 
+def select_kept(score: torch.Tensor, held: int, target: int, head: int, tail: int) -> torch.Tensor:
+    """Ordinals [B, H, target] (sorted) of the rows each KV head keeps out of ``held``: the first ``head`` and the
+    last ``tail`` always, the best-scored (``score`` [B, H, held], higher: keep) of the rows between them."""
+    sel = score[..., head : held - tail].topk(target - head - tail, dim=-1).indices.sort(dim=-1).values + head
+    b, h = sel.shape[:2]
+    dev = sel.device
+    return torch.cat([torch.arange(head, device=dev).expand(b, h, head), sel,
+                      torch.arange(held - tail, held, device=dev).expand(b, h, tail)], dim=2)
+
+
 class Evictor:
     def __init__(self, plan, policy, mode: str) -> None:
         self.keep, self.sink, self.recent = plan.keep, plan.sink, plan.recent
@@ -104,12 +114,9 @@ class Evictor:
             head, tail = protected_rows(seen, self.sink, self.window, self.recent)
             if keys is None:
                 keys = ks.dense(query.dtype)
-            score = self._score(query, keys, vs, scaling, seen)[..., head : held - tail]
-            sel = score.topk(target - head - tail, dim=-1).indices.sort(dim=-1).values + head
-            b, h = sel.shape[:2]
-            dev = sel.device
-            idx = torch.cat([torch.arange(head, device=dev).expand(b, h, head), sel,
-                             torch.arange(held - tail, held, device=dev).expand(b, h, tail)], dim=2)
+            idx = select_kept(self._score(query, keys, vs, scaling, seen), held, target, head, tail)
+            b, h = idx.shape[:2]
+            dev = idx.device
             if self.demoted:  # the evicted rows, from the rows as attention read them, to the cheaper codec
                 gone = torch.ones(b, h, held, dtype=torch.bool, device=dev)
                 gone.scatter_(2, idx, False)
