@@ -61,6 +61,13 @@ async def test_build_an_evicting_policy_run_it_and_see_the_kept_tokens(data_dir,
         assert pane.current == "" and "keep=1.5 is invalid: use a fraction 0 < f <= 1" in plain(pane.query_one("#estimate"))
         await type_into(pilot, app, pane.query_one("#keep", Input), "0.5")
         assert pane.current == built.to_string()
+        # evicted rows demoted to a cheaper codec instead of dropped: more bytes than dropping, fewer than keeping
+        await choose(pilot, app, pane.query_one("#demote", Select), "turbo2")
+        assert pane.current == built.to_string() + ",demote=turbo2"
+        assert est.total_bytes < pane.estimate.total_bytes < full.total_bytes
+        assert pane.estimate.total_bytes == estimate_kv(parse_policy(pane.current), geo, ctx).total_bytes
+        await choose(pilot, app, pane.query_one("#demote", Select), "drop")
+        assert pane.current == built.to_string()
 
         await pilot.press("ctrl+u")
         await wait_for(pilot, lambda: app.query_one(TabbedContent).active == "run", what="Run after ctrl+u")
@@ -138,11 +145,12 @@ async def test_a_preset_with_eviction_loads_into_the_builder(data_dir, steady_en
     async with app.run_test(size=(120, 44)) as pilot:
         await pilot.press("f3")
         pane = app.policies_pane
-        pane.keep_policy("evicting", "turbo2,keep=64,score=h2o,window=16,keep@0=1.0")
+        pane.keep_policy("evicting", "turbo2,keep=64,score=h2o,window=16,demote=int4,keep@0=1.0")
         pane.load_into_builder("evicting")
         await pilot.pause()
         assert pane.query_one("#keep", Input).value == "64" and pane.query_one("#score", Select).value == "h2o"
         assert pane.query_one("#window", Input).value == "16" and pane.query_one("#overrides", Input).value == "keep@0=1.0"
-        assert pane.current == parse_policy("turbo2,keep=64,score=h2o,window=16,keep@0=1.0").to_string()
+        assert pane.query_one("#demote", Select).value == "int4"
+        assert pane.current == parse_policy("turbo2,keep=64,score=h2o,window=16,demote=int4,keep@0=1.0").to_string()
         assert "eviction: 3 of 4 layers keep 64 of 1024 rows per KV head (score h2o, window 16)" in \
             plain(pane.query_one("#estimate"))

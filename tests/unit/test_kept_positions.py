@@ -58,6 +58,13 @@ def test_no_event_without_eviction_or_without_asking(tiny_engine):
     assert not [e for e in plain if isinstance(e, KeptTokens)]
 
 
+def test_demoted_rows_are_not_kept_rows(tiny_engine):
+    ev = next(e for e in _events(tiny_engine, POLICY + ",demote=turbo2") if isinstance(e, KeptTokens))
+    plain = next(e for e in _events(tiny_engine, POLICY) if isinstance(e, KeptTokens))
+    assert ev.kept.demote == "turbo2" and plain.kept.demote == ""
+    assert [la.heads for la in ev.kept.layers] == [la.heads for la in plain.kept.layers]  # same scores, same rows
+
+
 def test_layers_without_eviction_are_left_out(tiny_engine):
     ev = next(e for e in _events(tiny_engine, POLICY + ",keep@0-1=1.0") if isinstance(e, KeptTokens))
     assert [la.layer for la in ev.kept.layers] == [2, 3]

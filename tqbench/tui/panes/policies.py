@@ -110,6 +110,12 @@ class PoliciesPane(Horizontal):
                 yield Input("0", id="every", compact=True, type="integer",
                             tooltip="While decoding, evict again every N decoded tokens (0: only at the prompt)")
             with Horizontal(classes="row"):
+                yield Label("evicted rows")
+                yield Select([("dropped", "drop"), *((f"demoted to {c}", c) for c in CODEC_SPECS)], value="drop",
+                             id="demote", compact=True, allow_blank=False,
+                             tooltip="Drop the evicted rows, or keep them at a cheaper codec that attention still "
+                             "reads (demote=; compressed and simulate modes)")
+            with Horizontal(classes="row"):
                 yield Label("sliding layers")
                 yield Select([(c, c) for c in SLIDING_CHOICES], value="auto", id="sliding", compact=True,
                              allow_blank=False)
@@ -193,6 +199,10 @@ class PoliciesPane(Horizontal):
             self.query_one("#score", Select).value = pol.score
             self.query_one("#window", Input).value = str(pol.window)
             self.query_one("#every", Input).value = str(pol.every)
+            demote = self.query_one("#demote", Select)
+            if (pol.demote or "drop") not in {value for _, value in demote._options}:
+                demote.set_options([*demote._options, (f"demoted to {pol.demote}", pol.demote)])
+            demote.value = pol.demote or "drop"
             self.query_one("#protect", Input).value = pol.protect
             self.query_one("#overrides", Input).value = " ".join(f"{r}@{s}={c}" for r, s, c in pol.overrides)
             self.query_one("#policy-name", Input).value = name
@@ -246,6 +256,7 @@ class PoliciesPane(Horizontal):
             sliding=str(self.query_one("#sliding", Select).value), overrides=parsed,
             keep=parse_keep(val("keep") or "1.0"), score=str(self.query_one("#score", Select).value),
             window=whole("window", "observation window"), every=whole("every", "re-evict every"),
+            demote=_demote(self.query_one("#demote", Select).value),
         )
 
     def built_string(self) -> str:
@@ -381,6 +392,10 @@ def _eviction_line(pol, geo, seq_len: int) -> str:
     rows = f"{held[0]}" if len(held) == 1 else f"{held[0]}-{held[-1]}"
     return (f"eviction: {len(plans)} of {geo.num_layers} layers keep [b]{rows}[/b] of {seq_len} rows per KV head "
             f"(score {pol.score}, window {pol.window}" + (f", every {pol.every}" if pol.every else "") + ")\n")
+
+
+def _demote(value) -> str:
+    return "" if value == "drop" else str(value)
 
 
 def _set_codec(select: Select, spec: str) -> None:

@@ -40,6 +40,11 @@ def strip(mask: list[bool], columns: int = STRIP_COLUMNS) -> Text:
     return out
 
 
+def _gone(kept) -> str:
+    """What happened to the rows not kept: dropped, or demoted to a cheaper codec (``demote=``)."""
+    return f"demoted to {kept.demote}" if kept.demote else "evicted"
+
+
 class KeptMap(Vertical):
     """``show(event)`` with an engine ``KeptTokens``; the strip under the cursor picks the tokens shown."""
 
@@ -74,7 +79,7 @@ class KeptMap(Vertical):
         ol.border_title = f"kept tokens · {kept.policy} · {len(kept.layers)} evicting layers x {heads} KV heads"
         ol.border_subtitle = f"{kept.seen} positions" + (
             f", {per} per column (brighter: more of them kept)" if per > 1 else ", one per column") + \
-            " · █ kept  · evicted"
+            f" · █ kept  · {_gone(kept)}"
         if self.rows:
             ol.highlighted = 0
             self.select(*self.rows[0])
@@ -99,7 +104,7 @@ class KeptMap(Vertical):
         box.border_title = (f"layer {layer}, KV head {head}: kept {len(la.heads[head])} of {kept.seen} tokens "
                             f"(the layer's heads dropped {la.evicted_prefill} each at the prompt, "
                             f"{la.evicted_decode} while decoding)")
-        box.border_subtitle = "kept: highlighted · evicted: struck through"
+        box.border_subtitle = f"kept: highlighted · {_gone(kept)}: struck through"
 
     def token_text(self, layer: int, head: int) -> Text:
         kept, texts = self.event.kept, self.event.texts

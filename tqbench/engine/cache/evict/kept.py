@@ -23,12 +23,14 @@ class LayerKept:
 @dataclass(frozen=True)
 class KeptPositions:
     """The kept rows of a cache's evicting layers after ``seen`` tokens (positions ``0 .. seen-1``), of which
-    the first ``prompt_tokens`` came in prefill calls. ``policy``: the cache policy's compact form."""
+    the first ``prompt_tokens`` came in prefill calls. ``policy``: the cache policy's compact form; ``demote``:
+    the codec the rows not kept were demoted to (``policy.demote``), "" when they were dropped."""
 
     policy: str
     seen: int
     prompt_tokens: int
     layers: tuple[LayerKept, ...]
+    demote: str = ""
 
     def layer(self, layer: int) -> LayerKept:
         for la in self.layers:
@@ -44,7 +46,7 @@ class KeptPositions:
         return out
 
     def to_dict(self) -> dict:
-        return {"kv_policy": self.policy, "seen": self.seen, "prompt_tokens": self.prompt_tokens,
+        return {"kv_policy": self.policy, "seen": self.seen, "prompt_tokens": self.prompt_tokens, "demote": self.demote,
                 "layers": [{"layer": la.layer, "kept": [list(h) for h in la.heads],
                             "evicted_prefill": la.evicted_prefill, "evicted_decode": la.evicted_decode}
                            for la in self.layers]}
@@ -64,4 +66,4 @@ def kept_positions(cache, batch: int = 0) -> KeptPositions | None:
         layers.append(LayerKept(plan.layer, heads, ev.evicted_prefill, ev.evicted_decode))
     if not layers:
         return None
-    return KeptPositions(cache.policy.to_string(), seen, prompt, tuple(layers))
+    return KeptPositions(cache.policy.to_string(), seen, prompt, tuple(layers), cache.policy.demote)
