@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from tqbench.constants import DENSE_BASELINES  # noqa: E402  (torch-free)
+
+
+def add_baseline_arg(parser) -> None:
+    """``--baseline``: the dense cache a speed benchmark's ratios are against (``DENSE_BASELINES``)."""
+    parser.add_argument("--baseline", default="dense", choices=list(DENSE_BASELINES),
+                        help="the dense cache ratios are against: dense (K/V in the model's dtype, float32 on CPU), "
+                             "dense-fp16 or dense-bf16 (K/V rows stored in 16 bits, upcast for the model's attention)")
 
 
 def cpu_model() -> str:

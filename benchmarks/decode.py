@@ -1,7 +1,11 @@
 """Decode tokens/s of every cache mode, as ratios against a dense ``DynamicCache`` run in the same process.
 
-``python benchmarks/decode.py [--contexts 1024,4096] [--policies turbo4,q8k-int4v] [--threads N] [--quick]``
-(see ``--help``).
+``python benchmarks/decode.py [--contexts 1024,4096] [--policies turbo4,q8k-int4v] [--threads N] [--quick]
+[--baseline dense-fp16]`` (see ``--help``).
+
+``--baseline``: the dense cache the ratios are against (``tqbench.constants.DENSE_BASELINES``): ``dense`` (the
+default; K/V in the model's dtype, float32 on CPU), ``dense-fp16`` / ``dense-bf16`` (K/V rows stored in 16 bits,
+as llama.cpp's f16 cache, upcast for the model's attention). The JSON names it and its K/V dtype.
 
 ``--shape llama3-8b`` (qwen3-8b, mistral-7b, smollm2: ``_shapes.SHAPES``) times a random-weight model of that
 family with the real attention shapes (hidden size, query/KV heads, head size) and ``--layers`` layers (4;
@@ -25,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from _common import cpu_model, write_json
+from _common import add_baseline_arg, cpu_model, write_json
 from _shapes import SHAPES, load_shape, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
+    add_baseline_arg(p)
     p.add_argument("--quick", action="store_true", help="context 256, 8 new tokens, 1 repeat (smoke test)")
     p.add_argument("--shape", default=None, choices=sorted(SHAPES),
                    help="a random-weight model with this real model's attention shapes (instead of --model)")
@@ -127,11 +132,11 @@ class AppendClock:
 def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
     """Interleaved repeats of the baseline and every policy x mode at one context: (baseline row, rows)."""
     ids = corpus_ids(engine, context)
-    configs = [(None, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
+    configs = [(args.baseline, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
 
     def run(policy, mode, prompt, n):
-        if policy is None:
-            return engine.generate(prompt, None, max_new_tokens=n, stop_at_eos=False)
+        if mode == "dynamic":
+            return engine.generate(prompt, policy, max_new_tokens=n, stop_at_eos=False)
         return engine.generate(prompt, policy, mode, max_new_tokens=n, stop_at_eos=False)
 
     with console.status("warming up ..."):
@@ -143,7 +148,7 @@ def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
     with console.status("measuring ...") as status:
         for r in range(args.repeats):
             for i, (policy, mode) in enumerate(configs):
-                status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {policy or 'dynamic-cache'} "
+                status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {label(policy)} "
                               f"{mode} ({i + 1}/{len(configs)})")
                 clock.lap()
                 res = run(policy, mode, ids, args.new_tokens)
@@ -159,7 +164,7 @@ def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
     for (policy, mode), runs in results.items():
         rep, tps = runs[-1].cache_report, median_tps(runs)
         rows.append({
-            "context": context, "policy": policy or "dynamic-cache", "mode": mode, "decode_tok_s": round(tps, 3),
+            "context": context, "policy": label(policy), "mode": mode, "decode_tok_s": round(tps, 3),
             "decode_tok_s_runs": [round(x.decode_tokens_per_second, 3) for x in runs],
             "ratio_vs_dense": round(tps / base_tps, 4) if base_tps else None,
             "prefill_s": round(statistics.median(x.prefill_seconds for x in runs), 4),
@@ -170,7 +175,13 @@ def measure(engine, args, context, console) -> tuple[dict, list[dict]]:
         if rep is not None and mode == "fused":
             rows[-1]["fused_impl"] = rep.fused_impl
             rows[-1]["fallbacks"] = rep.fallbacks
+    rows[0]["kv_dtype"] = engine.baseline_kv_dtype(args.baseline)
     return rows[0], rows[1:]
+
+
+def label(policy: str) -> str:
+    """A row's policy: the baseline's name (``dynamic-cache`` for ``dense``, as before there were others)."""
+    return "dynamic-cache" if policy == "dense" else policy
 
 
 def fill_cache(cache, config, k_rows, v_rows) -> None:
@@ -193,7 +204,7 @@ def measure_filled(engine, args, context, console) -> tuple[dict, list[dict]]:
     geo = engine.geometry
     gen = torch.Generator().manual_seed(context)
     shape = (1, geo.kv_heads, context, geo.head_dim)
-    configs = [(None, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
+    configs = [(args.baseline, "dynamic")] + [(p, m) for p in args.policies for m in args.modes]
     caches, fill_s = {}, {}
     with console.status(f"filling caches to {context} tokens ..."):
         for policy, mode in configs:
@@ -215,7 +226,7 @@ def measure_filled(engine, args, context, console) -> tuple[dict, list[dict]]:
     with console.status("measuring ...") as status:
         for r in range(args.repeats):
             for c in configs:
-                status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {c[0] or 'dynamic-cache'} {c[1]}")
+                status.update(f"context {context}, repeat {r + 1}/{args.repeats}: {label(c[0])} {c[1]}")
                 clock.lap()
                 times = []
                 for j in range(args.new_tokens):
@@ -232,7 +243,7 @@ def measure_filled(engine, args, context, console) -> tuple[dict, list[dict]]:
         rep = cache.report() if isinstance(cache, TQCache) else None
         tps = statistics.median(len(t) / sum(t) for t in steps[c])
         rows.append({
-            "context": context, "policy": policy or "dynamic-cache", "mode": mode, "decode_tok_s": round(tps, 3),
+            "context": context, "policy": label(policy), "mode": mode, "decode_tok_s": round(tps, 3),
             "decode_tok_s_runs": [round(len(t) / sum(t), 3) for t in steps[c]],
             "ratio_vs_dense": round(tps / base_tps, 4), "prefill_s": round(fill_s[c], 4), "fill": "random K/V",
             "append_ms_per_step": round(1e3 * statistics.median(a / n for a, _, n in append[c]), 4),
@@ -242,6 +253,7 @@ def measure_filled(engine, args, context, console) -> tuple[dict, list[dict]]:
             rows[-1]["fused_impl"] = rep.fused_impl
             rows[-1]["fallbacks"] = rep.fallbacks
     caches.clear()
+    rows[0]["kv_dtype"] = engine.baseline_kv_dtype(args.baseline)
     return rows[0], rows[1:]
 
 
@@ -289,7 +301,7 @@ def main(argv=None) -> int:
         table = Table(title=f"decode: {engine.name}, {context} ctx{' (filled)' if args.shape else ''} + "
                             f"{args.new_tokens} new, "
                             f"{torch.get_num_threads()} threads, median of {args.repeats}")
-        for col in ("policy", "mode", "decode tok/s", "vs dense", "fill s" if args.shape else "prefill s", "append/step", "resident KV", "saved",
+        for col in ("policy", "mode", "decode tok/s", f"vs {args.baseline}", "fill s" if args.shape else "prefill s", "append/step", "resident KV", "saved",
                     "bits/el"):
             table.add_column(col, justify="left" if col in ("policy", "mode") else "right")
         for row in [baseline, *rows]:
@@ -307,12 +319,15 @@ def main(argv=None) -> int:
     summ = summary([r for c in per_context for r in c["rows"]])
     if summ:
         t = Table(title="fused decode tok/s ratios")
-        for col in ("context", "policy", "fused / dense", "fused / compressed"):
+        for col in ("context", "policy", f"fused / {args.baseline}", "fused / compressed"):
             t.add_column(col, justify="left" if col == "policy" else "right")
         for s in summ:
             t.add_row(str(s["context"]), s["policy"], f"{s['fused_vs_dense']:.2f}x",
                       "-" if s["fused_vs_compressed"] is None else f"{s['fused_vs_compressed']:.2f}x")
         console.print(t)
+    kv_dtype = engine.baseline_kv_dtype(args.baseline)
+    console.print(f"baseline: {args.baseline} (DynamicCache, {kv_dtype} K/V, model computes in "
+                  f"{str(engine.loaded.dtype).replace('torch.', '')})")
     console.print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), {cpu_model()}")
 
     out = {
@@ -323,6 +338,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(), "cpu": cpu_model(),
         "loadavg_before": list(load_before), "loadavg_after": list(load_after),
+        "baseline": args.baseline, "baseline_kv_dtype": kv_dtype,
         "results": per_context, "summary": summ, "shape": args.shape,
         "layers": args.layers if args.shape else None,
         "intermediate_size": getattr(engine.config, "intermediate_size", None), "num_params": engine.loaded.num_params,

@@ -7,6 +7,9 @@ times interleaved with dense and the best round counts. Each fused run must have
 cache report's ``fused_impl``): otherwise the script stops and says what ran.
 
     python benchmarks/decode_cpu.py --contexts 1024,4096 --policies turbo4,smollm2-head-2.5bit --threads 1
+
+``--baseline dense-fp16`` (or ``dense-bf16``) times the dense cache with 16-bit K/V rows (upcast for the model's
+attention) instead of the model's dtype; the JSON names the baseline and its K/V dtype.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ import sys
 import time
 
 import torch
-from _common import cpu_model, write_json
-from transformers import DynamicCache
+from _common import add_baseline_arg, cpu_model, write_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    add_baseline_arg(p)
     p.add_argument("--json", default="benchmarks/results/decode-cpu.json")
     return p.parse_args(argv)
 
@@ -62,16 +65,16 @@ def main(argv=None) -> int:
         ids = torch.randint(100, min(20000, eng.config.vocab_size), (1, ctx), generator=torch.Generator().manual_seed(0))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(a.rounds):
-            for pol in ["dense", *policies]:
-                cache = DynamicCache(config=eng.model.config) if pol == "dense" else eng.make_cache(pol, "fused")
+            for pol in [a.baseline, *policies]:
+                cache = eng.make_cache(pol, "fused")  # the baseline name: its DynamicCache
                 cpu, wall = _run(eng.model, ids, cache, a.steps)
-                if pol != "dense":
+                if pol != a.baseline:
                     ran = cache.report().fused_impl
                     if set(ran) != {"native-cpu"}:
                         sys.exit(f"error: {pol} at {ctx} tokens did not run only the native kernel: {ran}")
                 old = best.get(pol)
                 best[pol] = (min(cpu, old[0]), min(wall, old[1])) if old else (cpu, wall)
-        dense_cpu, dense_wall = best["dense"]
+        dense_cpu, dense_wall = best[a.baseline]
         for pol, (cpu, wall) in best.items():
             rows.append({"context": ctx, "policy": pol, "cpu_ms_per_step": round(cpu, 2),
                          "wall_ms_per_step": round(wall, 2), "cpu_ratio_vs_dense": round(dense_cpu / cpu, 3),
@@ -82,12 +85,14 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['context']:>7}  {r['policy']:<24} {r['cpu_ms_per_step']:>11.1f} {r['cpu_ratio_vs_dense']:>13.2f} "
               f"{r['wall_ms_per_step']:>12.1f} {r['wall_ratio_vs_dense']:>14.2f}")
-    print(f"threads {a.threads}, load {load0[0]:.2f} -> {load1[0]:.2f}; baseline: dense DynamicCache "
-          f"({eng.model.dtype} K/V), steps {a.steps}, best of {a.rounds} rounds")
+    kv_dtype = eng.baseline_kv_dtype(a.baseline)
+    baseline = f"{a.baseline} DynamicCache, {kv_dtype} K/V"
+    print(f"threads {a.threads}, load {load0[0]:.2f} -> {load1[0]:.2f}; baseline: {baseline}, steps {a.steps}, "
+          f"best of {a.rounds} rounds")
     write_json(a.json, {"benchmark": "decode_cpu", "date": datetime.datetime.now().isoformat(timespec="seconds"),
                         "model": eng.name, "cpu": cpu_model(), "threads": a.threads, "load_before": load0,
                         "load_after": load1, "steps": a.steps, "rounds": a.rounds,
-                        "baseline": f"dense DynamicCache, {eng.model.dtype} K/V", "rows": rows})
+                        "baseline": baseline, "baseline_kv_dtype": kv_dtype, "rows": rows})
     return 0
 
 

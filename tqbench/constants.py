@@ -17,6 +17,18 @@ CORPUS_DIR = PACKAGE_DATA_DIR / "corpus"
 #: every cache mode, in the order the CLI lists them (see ``shared/ARCHITECTURE.md``, "Cache modes")
 CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
 
+#: the dense baselines speed is measured against (``engine.cache.dense_baseline``): name -> the dtype its K/V rows
+#: are stored in (None: the model's own dtype, a plain ``DynamicCache``; float32 for a CPU model). The 16-bit ones
+#: hold the bytes of llama.cpp's f16 or vLLM's fp16/bf16 cache; attention reads their rows upcast to the model's dtype
+DENSE_BASELINES = {"dense": None, "dense-fp16": "float16", "dense-bf16": "bfloat16"}
+
+
+def dense_baseline_kv(name: str, model_dtype: str) -> str:
+    """The dtype dense baseline ``name`` stores K/V rows in (``float16``), given the model's (``float32``)."""
+    if name not in DENSE_BASELINES:
+        raise ValueError(f"unknown dense baseline {name!r}: valid dense baselines are {', '.join(DENSE_BASELINES)}")
+    return DENSE_BASELINES[name] or model_dtype
+
 #: the modes whose validation verdicts say something about quality (dense-shadow reads exact K/V)
 QUALITY_MODES = ("simulate", "compressed", "fused")
 

@@ -63,7 +63,8 @@ def test_validate_llamacpp_q4_0_runs_on_the_default_model(tmp_path):
 def test_export_of_the_saved_allocation_to_llamacpp_measured(engine):
     from tqbench.engine.deploy import export_policy
 
-    rep = export_policy(ALLOC, "llamacpp", engine=engine, corpus="rivers", context_tokens=128, eval_tokens=16)
+    rep = export_policy(ALLOC, "llamacpp", engine=engine, corpus="rivers", context_tokens=128, eval_tokens=16,
+                        llamacpp_kld="off")  # the llama.cpp KLD prediction: tests/integration/test_llamacpp_default.py
     s = rep.setting
     assert s.lines[0] == "llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on"
     assert any(u.startswith("per-layer K widths") for u in s.unmapped)

@@ -166,3 +166,39 @@ async def test_a_budget_out_of_bounds_is_refused_before_any_work(data_dir, stead
         assert any(f"budget {budget} bits/element is out of range: give a number above 1 (the cheapest codec, "
                    "turbo1, needs more) and below 16" in n for n in notes(app)), notes(app)
         assert panel.status != "running"
+
+
+async def test_the_frontier_marks_allocations_by_speed_class(data_dir, steady_engine):
+    """An allocation made with a minimum speed is drawn with its speed class's marker: ``^`` at or above the
+    minimum, ``v`` below (its measured ratio under it); presets keep ``o``; the border title names the classes."""
+    from dataclasses import replace
+
+    from tqbench.engine import allocate_policy, frontier
+    from tqbench.engine.allocate.speed import DecodeCosts
+    from tqbench.tui.panes.allocate import speed_suffix
+
+    row = {"turbo1": 0.4e-3, "turbo2": 0.6e-3, "turbo3": 0.8e-3, "turbo4": 1.0e-3}
+    costs = DecodeCosts(96, steady_engine.geometry.kv_heads, {"k": dict(row), "v": dict(row)}, 0.0, 10e-3, 11e-3)
+    small = dict(base="sink=2,recent=4", context=96, verify_text="rivers", verify_prefill=48, verify_steps=6,
+                 unseen_text=None, decode_costs=costs, **SMALL_CALIBRATION)
+    fast = allocate_policy(steady_engine, 4.5, name="fast", min_speed="turbo4", **small)
+    assert fast.speed.predicted_ratio >= fast.speed.min_ratio and speed_suffix(fast.speed) == "@fast"
+    slow = allocate_policy(steady_engine, 5.0, name="slow", min_speed=0.5, **small)
+    slow.speed = replace(slow.speed, measured={"ratio": 0.4, "dense_tok_s": 10.0, "policy_tok_s": 4.0, "steps": 4})
+    assert speed_suffix(slow.speed) == "@slow" and speed_suffix(None) == ""
+    (turbo4,) = frontier(steady_engine, ["turbo4"], context=96, **SMALL_FRONTIER)
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        _, panel = await open_panel(pilot, app)
+        panel.points["rivers"]["turbo4"] = (turbo4, "preset")
+        panel.show_result(fast)
+        panel.show_result(slow)
+        await pilot.pause()
+        plot = panel.query_one("#frontier-plot")
+        assert {k: v[2] for k, v in plot.points.items()} == {"turbo4": "preset", "fast": "layer@fast",
+                                                             "slow": "layer@slow"}
+        assert plot.border_title.endswith("· ^: at or above the minimum speed · v: below the minimum speed")
+        drawn = plot.render().plain
+        assert "^" in drawn and "v" in drawn.replace("bits/element", "") and "o" in drawn
+        plot.set_points({"turbo4": plot.points["turbo4"]})  # no speed classes: the title says nothing of them
+        assert "minimum speed" not in plot.border_title

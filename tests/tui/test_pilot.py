@@ -103,6 +103,20 @@ async def test_dense_shadow_is_labelled_storage_only(data_dir, steady_engine):
         assert "dense-shadow: storage-only (outputs equal fp16 by construction)" in plain(app.run_pane.query_one("#strip"))
 
 
+async def test_a_16_bit_dense_baseline_runs_and_the_graph_names_it(data_dir, steady_engine):
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.run_pane.query_one("#baseline", Input).value = "dense-fp16"
+        await run_and_wait(app, pilot, "turbo2", 6)
+        assert app.run_pane.status == "done"
+        bview, _ = app.run_pane.token_views()
+        assert bview.border_title == "baseline · dense-fp16 (float16 K/V)" and len(bview.token_ids) == 6
+        graph = app.run_pane.query_one("#graph")
+        title = plain(graph.border_title) if not isinstance(graph.border_title, str) else graph.border_title
+        assert "━ baseline · dense-fp16 (float16 K/V)" in title and "━ candidate · turbo2 (" in title
+        assert len(graph.tps["baseline"]) == 5 and app.run_pane.record.baseline.policy == "dense-fp16"
+
+
 async def test_bad_policy_is_reported_and_nothing_runs(data_dir, steady_engine):
     app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
     async with app.run_test(size=(100, 30)) as pilot:

@@ -22,7 +22,8 @@ def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["baseline"] == "dense DynamicCache, torch.float32 K/V" and data["threads"] == 1
+    assert data["baseline"] == "dense DynamicCache, float32 K/V" and data["threads"] == 1
+    assert data["baseline_kv_dtype"] == "float32"
     assert [r["policy"] for r in data["rows"]] == ["dense", "turbo4", "k=turbo4|turbo2,v=turbo3"]
     assert all(r["cpu_ms_per_step"] > 0 for r in data["rows"]) and data["rows"][0]["cpu_ratio_vs_dense"] == 1.0
     # a run that is not all native kernel is not a kernel figure: refused, saying what ran
@@ -58,6 +59,47 @@ def test_decode_benchmark_quick_on_tiny(tmp_path):
     assert set(summ) == {"turbo4", "q8k-int4v"} and all(s["context"] == 256 for s in summ.values())
     assert summ["turbo4"]["fused_vs_dense"] == rows["turbo4", "fused"]["ratio_vs_dense"]
     assert summ["turbo4"]["fused_vs_compressed"] > 0 and "fused / compressed" in proc.stdout
+
+
+def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--model", "tiny", "--quick", "--policies", "turbo4",
+           "--modes", "fused", "--threads", "1", "--baseline", "dense-fp16", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert (data["baseline"], data["baseline_kv_dtype"], data["dtype"]) == ("dense-fp16", "float16", "float32")
+    (res,) = data["results"]
+    assert res["baseline"]["policy"] == "dense-fp16" and res["baseline"]["kv_dtype"] == "float16"
+    assert "vs dense-fp16" in proc.stdout and "float16 K/V" in proc.stdout
+    out = tmp_path / "dc.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--model", "tiny", "--contexts", "48",
+           "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--baseline", "dense-bf16", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["baseline"] == "dense-bf16 DynamicCache, bfloat16 K/V" and data["baseline_kv_dtype"] == "bfloat16"
+    assert [r["policy"] for r in data["rows"]] == ["dense-bf16", "turbo4"]
+
+
+def test_engines_benchmark_on_tiny_times_tqbench_and_skips_llamacpp_with_its_reason(tmp_path):
+    out = tmp_path / "engines.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engines.py"), "--model", "tiny", "--contexts", "64",
+           "--threads", "1", "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    reason = "tiny-random is not a GGUF model: llama-bench runs GGUF files (pass the default model or a .gguf)"
+    assert data["llamacpp_skipped"] == reason and f"llama.cpp skipped: {reason}" in proc.stdout
+    rows = {r["cache"]: r for r in data["rows"]}
+    assert list(rows) == ["dense", "dense-fp16", "turbo4 fused"] and {r["system"] for r in data["rows"]} == {"tqbench"}
+    assert (rows["dense"]["kv_dtype"], rows["dense-fp16"]["kv_dtype"]) == ("float32", "float16")
+    assert (rows["dense"]["bits_per_element"], rows["dense-fp16"]["bits_per_element"]) == (32.0, 16.0)
+    assert rows["dense-fp16"]["vs_own_16bit"] == 1.0 and 0 < rows["turbo4 fused"]["bits_per_element"] < 16
+    assert list(rows["turbo4 fused"]["fused_impl"]) == ["native-cpu"]
+    assert data["summary"]["64"]["turbo4_vs_dense_fp16"] == rows["turbo4 fused"]["vs_own_16bit"]
+    assert data["threads"] == 1 and data["loadavg_per_context"]["64"]["before"]
+    assert "vs own 16-bit" in proc.stdout and "turbo4 fused" in proc.stdout
 
 
 def test_frontier_benchmark_on_tiny_reuses_an_artifacts_verified_point(tmp_path):

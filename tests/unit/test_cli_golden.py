@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from tqbench.cli import main
@@ -37,6 +38,24 @@ def test_bench_json_keys_are_golden():
     assert list(d["cache_report"]) == CACHE_REPORT_KEYS
     assert d["cache_report"]["layers"] and all(list(row) == LAYER_KEYS for row in d["cache_report"]["layers"])
     assert d["threads"] == 1 and d["kv_policy"] == "turbo4" and d["cache_mode"] == "compressed"
+
+
+def test_bench_baseline_runs_the_same_tokens_with_a_16_bit_dense_cache_and_names_it():
+    r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--max-new-tokens", "6", "--cache-mode",
+                                  "fused", "--prompt", "hello there", "--threads", "1", "--baseline", "dense-fp16",
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert list(d) == [*BENCH_KEYS, "baseline"]
+    b = d["baseline"]
+    assert (b["name"], b["kv_dtype"]) == ("dense-fp16", "float16") and b["decode_tokens_per_second"] > 0
+    assert b["decode_ratio"] == pytest.approx(d["decode_tokens_per_second"] / b["decode_tokens_per_second"], rel=1e-3)
+    r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--max-new-tokens", "4",
+                                  "--prompt", "hello there", "--threads", "1", "--baseline", "dense"])
+    assert r.exit_code == 0, r.output
+    assert "baseline" in r.stdout and "dense (DynamicCache, float32 K/V)" in r.stdout
+    r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--baseline", "fp16"])
+    assert r.exit_code == 2 and "'fp16' is not one of 'dense', 'dense-fp16', 'dense-bf16'" in r.output
 
 
 def test_policies_json_keys_are_golden():

@@ -62,7 +62,7 @@ SKIPPED_BLOCKS = {
 MODEL_COMMANDS = {"bench", "validate", "compare-policies", "niah", "scan", "allocate", "calibrate", "serve",
                   "export"}
 #: commands with a gate: exit 1 (with ``gate failed:`` on stderr) is a documented outcome
-GATED = {"validate", "compare-policies", "niah", "scan", "allocate", "kv-estimate", "sweep"}
+GATED = {"validate", "compare-policies", "niah", "scan", "allocate", "kv-estimate", "sweep", "tasks"}
 #: options whose value is a file the command writes
 OUTPUT_OPTIONS = {"--report-json", "--report-md", "--out", "--save-session", "--resume"}
 VERDICTS = ("exact-match", "near-stable", "prefix-stable-then-diverged", "diverged")
@@ -360,6 +360,17 @@ def check_export(argv, out, tmp):
         assert "KL mean" in out and "mapped" in out, out
 
 
+def check_tasks(argv, out, tmp):
+    if "--json" in argv:
+        d = json.loads(out)
+    else:
+        assert "baseline" in out and "overall" in out, out
+        d = json.loads((tmp / opt(argv, "--report-json")).read_text(encoding="utf-8")) if opt(argv, "--report-json") \
+            else None
+    if d is not None:
+        assert d["tasks"] and {r["method"] for r in d["leaderboard"]} == {d["baseline"], d["candidate"]}
+
+
 def check_version(argv, out, tmp):
     from tqbench import __version__
 
@@ -369,7 +380,7 @@ def check_version(argv, out, tmp):
 CHECKS = {"bench": check_bench, "validate": check_validate, "compare-policies": check_compare, "scan": check_scan,
           "niah": check_niah,
           "kv-estimate": check_kv_estimate, "policies": check_policies, "allocate": check_allocate,
-          "calibrate": check_calibrate, "sweep": check_sweep, "export": check_export,
+          "calibrate": check_calibrate, "sweep": check_sweep, "export": check_export, "tasks": check_tasks,
           "--version": check_version}
 EXACT = {"kv-estimate", "policies"}  # their documented output is byte arithmetic: it must match
 

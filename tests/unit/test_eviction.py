@@ -142,6 +142,34 @@ def test_tova_keeps_the_rows_the_last_query_reads():
     assert layer.evictor.positions.view()[0, 1].tolist() == [0, 2, 6, 8, 9]
 
 
+def test_snapkv_keeps_the_pooled_cluster_the_window_reads():
+    layer = _layer("fp16,sink=0,recent=0,keep=7,score=snapkv,window=2")
+    k = torch.eye(32)[:30].view(1, 1, 30, 32).expand(1, 2, 30, 32).clone()
+    q = torch.zeros(1, 4, 30, 32)
+    q[0, :2, -2:, 5] = 20.0  # KV head 0's window reads position 5; head 1's reads 20
+    q[0, 2:, -2:, 20] = 20.0
+    layer.update(k, k.clone())
+    layer.after_attention(q, 1.0, True)
+    pos = layer.evictor.positions.view()[0]
+    assert pos[0].tolist() == [3, 4, 5, 6, 7, 28, 29]  # average pooling over 5 rows keeps the spike's neighbours
+    assert pos[1].tolist() == [18, 19, 20, 21, 22, 28, 29]
+
+
+def test_expected_attention_score_by_hand():
+    from tqbench.engine.cache.evict import scores
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 6, 4, generator=g)  # one KV head, 2 query heads
+    k, v = torch.randn(1, 1, 9, 4, generator=g), torch.randn(1, 1, 9, 4, generator=g)
+    got = scores.expected(q, k, v, 0.5)
+    want = []
+    for h in range(2):
+        mu, cov = q[0, h].mean(0), torch.cov(q[0, h].T)
+        logits = 0.5 * k[0, 0] @ mu + 0.125 * torch.einsum("td,de,te->t", k[0, 0], cov, k[0, 0])
+        want.append(torch.softmax(logits, -1))
+    assert torch.allclose(got[0, 0], torch.stack(want).mean(0) * v[0, 0].norm(dim=-1), atol=1e-6)
+
+
 def test_decode_eviction_gathers_packed_codes_never_requantizes(tiny_engine):
     model = tiny_engine.model
     tiny_engine.enable_fused()
@@ -349,3 +377,11 @@ def test_demote_refusals():
 def test_demote_in_fused_mode_is_refused_with_the_reason(tiny_engine):
     with pytest.raises(EvictionError, match="which the fused kernels do not read: use cache mode compressed"):
         tiny_engine.generate(_ids(tiny_engine), "turbo4,keep=0.5,demote=turbo2", "fused", max_new_tokens=2)
+
+
+def test_export_says_the_engine_setting_cannot_evict(tiny_engine):
+    from tqbench.engine.deploy.mapping import map_policy
+
+    s = map_policy("turbo4,keep=0.5", "llamacpp", tiny_engine.geometry)
+    assert any("token eviction (keep=0.5, score=snapkv): llama.cpp's KV cache type keeps every token" in u
+               for u in s.unmapped)

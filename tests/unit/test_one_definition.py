@@ -72,6 +72,10 @@ FOREIGN_FLAGS = {
                            "--model-path", "--extra_llm_api_options"}, "the deploy targets' own flags"),
     "codecs/engine_formats.py": ({"--kv-cache-dtype"}, "vLLM's and SGLang's flag that selects the format"),
     "models/resolve.py": ({"--no-deps", "--force-reinstall"}, "pip's flags in an install hint"),
+    "deploy/llamacpp.py": ({"--build", "--target", "--install", "--no-repack", "--repack"},
+                           "cmake's flags, xcode-select's in a hint, llama.cpp tools' own flags"),
+    "deploy/llamacpp_kld.py": ({"--kl-divergence", "--kl-divergence-base"}, "llama-perplexity's own flags"),
+    "deploy/llamacpp_verify.py": ({"--kl-divergence"}, "llama-perplexity's own flag, in the protocol line"),
 }
 
 

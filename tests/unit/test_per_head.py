@@ -260,3 +260,33 @@ def test_protect_and_sliding_rules_replace_a_head_list_and_the_bits_grid_shows_i
     est = estimate_kv(pol, geo, 50)
     alloc = Allocation(pol, tuple(p.k for p in plans), tuple(p.v for p in plans), 0.0, 3.0, est)
     assert alloc.bits_grid() == [[3.0, 3.0], [3.0, 3.0], [16.0, 16.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k,v", [("pcaq3|turbo2", "turbo4|turbo1"), ("turbo3|pcaq2", "turbo2|turbo2")])
+def test_a_per_head_layer_encodes_all_its_groups_in_one_native_call(tiny_fit, k, v, dtype):
+    """The append path of a per-head layer: one native ``heads_encode`` for every group (turbo and calibrated keys,
+    centred), each group's heads read from the layer's rows by index; the codes are each group's own encode's."""
+    pol = parse_policy(f"k={k},v={v},calib={tiny_fit}")
+    kc, vc = pol.layer_codecs(pol.plan(2)[1], 2)
+    x = _rows(2, 2, 24, dtype=dtype)
+    new = _rows(2, 2, 3, seed=1, dtype=dtype)
+    for codec in (kc, vc):
+        st = codec.calibrate(x)
+        fast = codec.encode(new, st)
+        assert codec._plan is not None and codec._plan[2] is not None  # the one native call ran
+        for g, sub in enumerate(codec.subs):
+            own = sub.encode(codec.take(new, g), HeadSplitCodec.sub_fields(st, g))
+            for name, t in own.items():
+                assert torch.equal(fast[f"g{g}.{name}"], t), (codec.spec, g, name)
+        assert set(fast) == {f"g{g}.{n}" for g, sub in enumerate(codec.subs)
+                             for n in sub.encode(codec.take(new, g), HeadSplitCodec.sub_fields(st, g))}
+    # a group codec without a one-call form (int4): each group encodes on its own
+    mp = parse_policy("k=int4|turbo2,v=turbo2")
+    mixed = mp.layer_codecs(mp.plan(2)[1], 2)[0]
+    rows = torch.cat([x, x], 2)[:, :, :32]
+    st = mixed.calibrate(rows)
+    enc = mixed.encode(rows, st)
+    assert mixed._plan[2] is None
+    own = mixed.subs[1].encode(mixed.take(rows, 1), HeadSplitCodec.sub_fields(st, 1))
+    assert all(torch.equal(enc[f"g1.{n}"], t) for n, t in own.items())

@@ -40,9 +40,12 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--base", default="", show_default=False,
               help="Codec options and layer plan every candidate shares, as policy keys without codecs or "
                    "protection, e.g. 'rotation=hadamard,sliding=compress' (compress sliding-window layers too).")
-@click.option("--sinks", default="4,16,64", show_default=True,
-              help="Sink options searched (each x --recents, measured jointly); '' for --sink only.")
-@click.option("--recents", default="16,64,128", show_default=True, help="Recent-window options searched.")
+@click.option("--sinks", default=None,
+              help="Sink options searched (each x --recents, measured jointly); '' for --sink only. Default: the "
+                   "allocator's grid (docs/allocation.md; --sink only when every layer slides).")
+@click.option("--recents", default=None,
+              help="Recent-window options searched. Default: the allocator's grid "
+                   "(docs/allocation.md; with 0 too where sliding-window layers are compressed).")
 @click.option("--max-measurements", type=click.IntRange(min=0), default=24, show_default=True,
               help="Joint measurements (protection options + exchange steps); 0: the additive solution only.")
 @click.option("--verify-text", default="rivers", show_default=True,
@@ -96,12 +99,16 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     verify = None if verify_text.lower() == "none" else verify_text
     unseen = None if unseen_text.lower() == "none" else unseen_text
     check_text_names(calibration, verify, unseen)
+    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID
+
     try:
-        grid = [(int(a), int(b)) for a in csv(sinks) or [] for b in csv(recents) or []]
+        grid = None if sinks is None and recents is None else [
+            (int(a), int(b)) for a in (list(SINK_GRID) if sinks is None else csv(sinks)) or []
+            for b in (list(RECENT_GRID) if recents is None else csv(recents)) or []]
     except ValueError:
         raise ValueError(f"--sinks {sinks!r} / --recents {recents!r} must be comma-separated token counts, "
                          "e.g. 4,16,64") from None
-    if any(a < 0 or b < 0 for a, b in grid):
+    if any(a < 0 or b < 0 for a, b in grid or []):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
     base_policy = allocation_base(base, sink, recent)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)

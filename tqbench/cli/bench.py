@@ -5,6 +5,7 @@ Heavy imports happen inside the commands so ``tqbench --help`` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -17,7 +18,7 @@ from tqbench.cli.options import (
     torch_threads,
 )
 from tqbench.cli.workbench import check_session_path, open_workbench
-from tqbench.constants import CACHE_MODES
+from tqbench.constants import CACHE_MODES, DENSE_BASELINES
 
 
 @click.command()
@@ -32,6 +33,10 @@ from tqbench.constants import CACHE_MODES
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @prefill_chunk_option
+@click.option("--baseline", type=click.Choice(list(DENSE_BASELINES)), default=None,
+              help="Also generate the same tokens with this dense cache and report the policy's decode speed "
+                   "against it: dense (K/V in the model's dtype, float32 on CPU), dense-fp16 or dense-bf16 (K/V rows "
+                   "stored in 16 bits, upcast for attention).")
 @click.option("--per-layer", is_flag=True, help="Print the per-layer byte table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--save-session", "save_session", default=None, metavar="FILE",
@@ -39,7 +44,7 @@ from tqbench.constants import CACHE_MODES
 @click.pass_context
 @friendly_errors
 def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, prompt_file, chat, max_new_tokens,
-          temperature, top_p, seed, prefill_chunk, per_layer, as_json, save_session):
+          temperature, top_p, seed, prefill_chunk, baseline, per_layer, as_json, save_session):
     """Generate under a KV policy; report speed and what the cache costs."""
     if not ctx.find_root().obj.get("headless"):  # the workbench's Run screen with these flags filled in
         ctx.find_root().obj["workbench"].update(model=model, device=device, dtype=dtype, threads=threads)
@@ -47,7 +52,7 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
             prompt=read_prompt(prompt, prompt_file), chat=chat, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, seed=seed, candidate=kv_policy, cache_mode=cache_mode))
     from tqbench.cli.render.console import err, load_engine, warn_policies
-    from tqbench.cli.render.tables import BenchRun, print_bench
+    from tqbench.cli.render.tables import BaselineRun, BenchRun, print_bench
     from tqbench.engine import GenerationRequest, parse_policy
 
     request = GenerationRequest(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -65,6 +70,15 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
     result = _generate(engine, text, policy, cache_mode, max_new_tokens, chat, request.sampling, recorder,
                        not as_json, prefill_chunk)
     run = BenchRun.of(engine, result, policy, torch_threads())
+    if baseline:
+        if result.output_tokens < 2:
+            raise click.UsageError("--baseline compares decode speed: the policy's run produced fewer than 2 tokens; "
+                                   "raise --max-new-tokens")
+        # the same prompt and number of tokens (the policy's run may have stopped at EOS), same sampling
+        base = engine.generate(text, baseline, max_new_tokens=result.output_tokens, chat=chat,
+                               sampling=request.sampling, stop_at_eos=False, prefill_chunk=prefill_chunk)
+        run = dataclasses.replace(run, baseline=BaselineRun(baseline, engine.baseline_kv_dtype(baseline),
+                                                            base.decode_tokens_per_second))
     if recorder is not None:
         saved = save_headless_session(save_session, engine, model, [recorder.record])
         if not as_json:

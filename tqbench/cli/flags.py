@@ -12,6 +12,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "eval_tokens": ("tf_tokens",),
     "partial_path": ("resume",),
     "out": ("out_path",),
+    "tasks": ("task_names",),
 }
 
 

@@ -2,7 +2,7 @@
 
 The click group lives here and every command family is registered on it from its own module: ``bench``
 (bench, policies), ``validate``, ``compare`` (compare-policies, niah), ``scan``, ``estimate`` (kv-estimate),
-``export`` (a policy as an engine's KV setting) and ``serve``. Heavy imports (torch, transformers) happen inside commands so ``tqbench --help`` starts at once.
+``export`` (a policy as an engine's KV setting), ``tasks`` (the long-context task suite) and ``serve``. Heavy imports (torch, transformers) happen inside commands so ``tqbench --help`` starts at once.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from tqbench.cli.calibrate import calibrate
 from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
 from tqbench.cli.export import export
+from tqbench.cli.llamacpp import llamacpp
 from tqbench.cli.scan import scan
 from tqbench.cli.serve import serve
 from tqbench.cli.sweep import sweep
+from tqbench.cli.tasks import tasks
 from tqbench.cli.validate import validate
 from tqbench.cli.workbench import open_workbench
 
@@ -52,9 +54,11 @@ def main(ctx: click.Context, headless: bool, wb_model, wb_device, wb_dtype, wb_t
         open_workbench(ctx)
 
 
-for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep, export):
+for command in (bench, policies, validate, compare_policies, niah, scan, kv_estimate, serve, allocate, sweep, export,
+                tasks):
     main.add_command(command)
 main.add_command(calibrate)  # calibrated key transforms (pcaq codecs)
+main.add_command(llamacpp)  # llama.cpp's CPU tools, built from source (export --verify, benchmarks/engines.py)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -62,6 +62,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "teacher_forced_quality": (_VALIDATE, "teacher_forced_quality"),
     "compare_policies": (_VALIDATE, "compare_policies"),
     "needle_in_haystack": (_VALIDATE, "needle_in_haystack"),
+    "run_tasks": ("tqbench.engine.tasks", "run_tasks"),
+    "check_tasks": ("tqbench.engine.tasks", "check_tasks"),
     "run_scan": (_SCAN, "scan"),
     "capture_qkv": (_SCAN, "capture_qkv"),
     "allocate_policy": (_ALLOCATE, "allocate_policy"),

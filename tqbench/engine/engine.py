@@ -6,11 +6,16 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-from transformers import DynamicCache
 
+from tqbench.engine.cache.dense_baseline import (
+    baseline_kv_dtype,
+    bytes_policy,
+    dense_cache,
+    is_dense_baseline,
+)
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.cache.tqcache import TQCache, check_mode
-from tqbench.engine.events import CacheBytes, GenerationFinished, TokenGenerated
+from tqbench.engine.events import CacheBytes, GenerationFinished, KeptTokens, TokenGenerated
 from tqbench.engine.generate import GREEDY, GenerationResult, Sampling, Sequence, lockstep, stream_tokens
 from tqbench.engine.models import LoadedModel, load_model, tiny_model
 from tqbench.engine.policy.checked import CheckedPolicy
@@ -92,11 +97,13 @@ class Engine:
 
     # -- caches -------------------------------------------------------------------------------------
     def make_cache(self, policy: Policy | str | CheckedPolicy | None, cache_mode: str = "compressed"):
-        """A plain ``DynamicCache`` for ``None``; a ``TQCache`` otherwise (fused mode wires the attention).
+        """A plain ``DynamicCache`` for ``None``; a dense baseline for a ``DENSE_BASELINES`` name (``dense-fp16``:
+        16-bit K/V rows, upcast for attention; ``cache.dense_baseline``); a ``TQCache`` otherwise (fused mode wires
+        the attention).
 
         A policy fitted on another model warns here (``policy_warning``; the cache's ``policy_warning`` holds it)."""
-        if policy is None:
-            return DynamicCache(config=self.config)
+        if policy is None or is_dense_baseline(policy):
+            return dense_cache(self.config, policy)
         check_mode(cache_mode)
         checked = self.check_policy(policy)
         if cache_mode == "fused" or checked.policy.evicts:  # eviction scores read the queries in that function
@@ -105,6 +112,10 @@ class Engine:
             warnings.warn(checked.warning, stacklevel=2)
         self.check_transforms(checked.policy)
         return TQCache(checked, self.config, mode=cache_mode)  # checked here: the cache does not check it again
+
+    def baseline_kv_dtype(self, baseline: str | None = None) -> str:
+        """The dtype a dense baseline (None: ``dense``) stores this model's K/V rows in, e.g. ``float16``."""
+        return baseline_kv_dtype(baseline, self.loaded.dtype)
 
     def check_policy(self, policy: Policy | str | CheckedPolicy) -> CheckedPolicy:
         """``policy`` parsed, planned on this model's layers (a selector past the last layer is refused) and its
@@ -140,6 +151,8 @@ class Engine:
         break-even search stops at the model's context): whether it stores fewer bytes, why not, from when."""
         from tqbench.engine.cache.savings import savings
 
+        if is_dense_baseline(baseline):  # the dense policy holding the same bytes
+            baseline = bytes_policy(baseline, self.loaded.dtype)
         return savings(policy, baseline, self.geometry, seq_len, self.max_context)
 
     def policy_warning(self, policy: Policy | str | None) -> str | None:
@@ -147,7 +160,7 @@ class Engine:
         fingerprint differs; or, when none is recorded, the KV geometry), else None. Works on every form a policy
         arrives in (artifact path, shipped name, parsed ``Policy``): the parsed ``Policy`` carries ``fitted_on``.
         Every front end shows it; ``make_cache`` also warns."""
-        if policy is None:
+        if policy is None or is_dense_baseline(policy):
             return None
         if isinstance(policy, CheckedPolicy) and policy.fingerprint == self.loaded.fingerprint:
             return policy.warning
@@ -183,10 +196,13 @@ class Engine:
         echo: bool = False,
         prefill_chunk: int | None = None,
         prompt_lookup: int = 0,
+        track_kept: bool = False,
     ) -> Iterator[object]:
         """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
 
-        With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only).
+        With ``track_bytes`` a ``CacheBytes`` event follows every ``TokenGenerated`` (compressed caches only);
+        with ``track_kept`` a policy that evicts tokens (``keep``) yields a ``KeptTokens`` (the positions each KV
+        head still holds) just before ``GenerationFinished``.
         ``logprobs`` (the number of top alternatives, 0 for none) adds a ``TokenLogprob`` to every
         ``TokenGenerated``; ``echo`` adds a ``PromptScored`` after the prefill (and allows
         ``max_new_tokens=0``); ``prefill_chunk`` feeds the prompt in forward calls of that many tokens (0: one call;
@@ -194,12 +210,13 @@ class Engine:
         prompt-lookup speculation, up to that many draft tokens verified per forward call (greedy only; the
         tokens are greedy decoding's, ``GenerationResult.speculation`` counts the drafts).
         """
-        pol = self.check_policy(policy) if policy is not None else None
+        dense = policy is None or is_dense_baseline(policy)  # a DynamicCache baseline (``cache.dense_baseline``)
+        pol = None if dense else self.check_policy(policy)
         ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
         if prompt_lookup and pol is not None and cache_mode in ("compressed", "simulate"):
             self.enable_fused()  # a verification call's per-query precision runs in tqbench's attention function
-        cache = self.make_cache(pol, cache_mode)
-        label = pol.label if pol is not None else "dynamic-cache"
+        cache = self.make_cache(policy if dense else pol, cache_mode)
+        label = pol.label if pol is not None else (policy or "dynamic-cache")
         mode = cache_mode if pol is not None else "dynamic"
         events = stream_tokens(
             self.model, self.tokenizer, ids, cache, run=run, kv_policy=label, cache_mode=mode,
@@ -209,7 +226,9 @@ class Engine:
             logprobs=logprobs, echo=echo, prefill_chunk=prefill_chunk, prompt_lookup=prompt_lookup,
         )
         if track_bytes and isinstance(cache, TQCache):
-            return _with_cache_bytes(events, cache)
+            events = _with_cache_bytes(events, cache)
+        if track_kept and isinstance(cache, TQCache) and cache.policy.evicts:
+            events = _with_kept_tokens(events, cache, ids, self.tokenizer)
         return events
 
     def sequence(
@@ -269,15 +288,33 @@ class Engine:
         cancel: Callable[[], bool] | None = None,
         track_bytes: bool = False,
         prefill_chunk: int | None = None,
+        track_kept: bool = False,
     ) -> Iterator[object]:
         """Baseline and candidate generate side by side; yields both streams' events and ``PairStep``s."""
         ids = self.encode_prompt(prompt, chat, max_new_tokens)
         common = dict(max_new_tokens=max_new_tokens, sampling=sampling, collect_logits=collect_logits,
-                      cancel=cancel, track_bytes=track_bytes, prefill_chunk=prefill_chunk)
+                      cancel=cancel, track_bytes=track_bytes, prefill_chunk=prefill_chunk, track_kept=track_kept)
         return lockstep(
             self.stream(ids, baseline, baseline_mode, run="baseline", **common),
             self.stream(ids, candidate, candidate_mode, run="candidate", **common),
         )
+
+
+def _with_kept_tokens(events: Iterator[object], cache: TQCache, ids: torch.Tensor, tokenizer) -> Iterator[object]:
+    """Pass ``events`` through; before ``GenerationFinished``, say which positions each evicting head kept."""
+    from tqbench.engine.cache.evict.kept import kept_positions
+
+    fed = [int(i) for i in ids[0].tolist()]
+    for ev in events:
+        if isinstance(ev, TokenGenerated):
+            fed.append(ev.token_id)
+        elif isinstance(ev, GenerationFinished):
+            kept = kept_positions(cache)
+            if kept is not None:
+                seen = fed[: kept.seen]
+                texts = tuple(tokenizer.decode([t], skip_special_tokens=False) for t in seen)
+                yield KeptTokens(ev.run, kept, tuple(seen), texts)
+        yield ev
 
 
 def _with_cache_bytes(events: Iterator[object], cache: TQCache) -> Iterator[object]:

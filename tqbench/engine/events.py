@@ -136,6 +136,19 @@ class CacheBytes:
 
 
 @dataclass(frozen=True)
+class KeptTokens:
+    """Which tokens each KV head of a run's evicting layers kept (``Engine.stream(..., track_kept=True)``),
+    just before its ``GenerationFinished``: ``kept`` is a ``cache.evict.kept.KeptPositions``, ``token_ids`` the
+    ids at positions ``0 .. kept.seen-1`` (the prompt, then the generated tokens fed back), ``texts`` each
+    token decoded alone (special tokens shown; a character split over tokens shows as U+FFFD)."""
+
+    run: str
+    kept: Any
+    token_ids: tuple[int, ...]
+    texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ValidationDone:
     """``validate`` finished; ``report`` is the ``ValidationReport``."""
 

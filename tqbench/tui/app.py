@@ -66,6 +66,8 @@ class WorkbenchApp(App):
                 id="app.tab_scan", priority=True),
         Binding("f5", "tab('compare')", "Compare tab", tooltip="Several policies vs the baseline, sortable",
                 id="app.tab_compare", priority=True),
+        Binding("f8", "kept", "Kept tokens", tooltip="(Run) which prompt tokens each KV head kept after a run of a "
+                "policy that evicts (keep=); f8 again shows the graph", id="app.kept", priority=True, show=False),
         Binding("ctrl+q", "quit", "Quit", tooltip="Leave the workbench", id="app.quit", priority=True),
     ]
     #: actions of the main screen that wait while a dialog (help, the session list, the palette) is open: their
@@ -261,6 +263,15 @@ class WorkbenchApp(App):
     def action_tab(self, tab: str) -> None:
         self.show_tab(tab)
 
+    def action_kept(self) -> None:
+        """The Run tab's map of which tokens each KV head kept, in the graph's place; on Run, again: the graph.
+        (f8, not f6: f6 and f7 select in the prompt box.)"""
+        toggle = self.query_one(TabbedContent).active == "run" and len(self.screen_stack) == 1
+        self.show_run()
+        if not self.run_pane.show_kept(None if toggle else True):
+            self.notify("no kept-token map yet: run a candidate policy that evicts tokens (e.g. turbo4,keep=0.5; "
+                        "the Policies builder's keep field)", severity="warning", timeout=6)
+
     def action_help(self) -> None:
         """f1 opens the key list, and closes it again (the binding has priority over the help screen's)."""
         from tqbench.tui.screens.help import HelpScreen
@@ -321,6 +332,15 @@ class WorkbenchApp(App):
         self.show_run()
         self.notify(f"candidate policy: {msg.policy} · {self.key_for('app.run')} runs it", timeout=3)
 
+    def action_tasks(self) -> None:
+        """The long-context task suite on Run's candidate (``screens.tasks.TasksScreen``)."""
+        from textual.widgets import Input
+
+        from tqbench.tui.screens.tasks import TasksScreen
+
+        candidate = self.run_pane.query_one("#candidate", Input).value.strip() or "turbo4"
+        self.push_screen(TasksScreen(candidate))
+
     def get_system_commands(self, screen):
         """Every action by name; the keys in the descriptions are read from the bindings."""
         yield from super().get_system_commands(screen)
@@ -340,12 +360,16 @@ class WorkbenchApp(App):
                             lambda: self.action_tab("scan"))
         yield SystemCommand("Compare tab", f"Several policies vs the baseline ({k('app.tab_compare')})",
                             lambda: self.action_tab("compare"))
+        yield SystemCommand("Kept tokens", f"Which tokens each KV head kept in the last run ({k('app.kept')})",
+                            self.action_kept)
         yield SystemCommand("Start scan", "Scan the prompt's K/V with every codec", self.scan_pane.action_scan)
         yield SystemCommand("Run suggested policy", "Run the scan's suggested policy as the candidate in Run",
                             self.scan_pane.action_use_suggested)
         yield SystemCommand("Start comparison", "Compare the listed policies on the prompts",
                             self.compare_pane.action_compare)
         yield SystemCommand("Run sweep", "Run a sweep spec; its cells stream into Compare", lambda: sweep_run.ask(self))
+        yield SystemCommand("Task suite", "Long-context tasks (needles, variable tracking, common words, QA): "
+                            "baseline vs the candidate", self.action_tasks)
         yield SystemCommand("Use built policy", f"Put the built policy into Run's candidate ({k('policies.use')})",
                             self.policies_pane.action_use)
         yield SystemCommand("Keep built policy", f"Name and keep the built policy ({k('policies.keep')})",

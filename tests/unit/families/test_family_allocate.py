@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.unit.families.short_windows import short_window_model
 from tqbench.engine.allocate import allocate_policy
 from tqbench.engine.allocate.chunk import ChunkRunner
 from tqbench.engine.allocate.sensitivity import allocatable_layers
@@ -36,7 +37,7 @@ BASE = "sink=2,recent=2,rotation=hadamard"  # recent below the window, so slidin
 
 @functools.cache
 def engine(family: str, **overrides) -> Engine:
-    return Engine(family_model(family, dtype=torch.float64, **overrides))
+    return Engine(short_window_model(family, dtype=torch.float64, **overrides))
 
 
 def _ids(batch=2, n=PREFILL + STEPS, seed=0):
@@ -378,3 +379,72 @@ def test_cli_allocate_base_takes_no_codecs_or_protection(base):
     assert res.exit_code == 2, res.output
     assert f"--base {base!r} must hold codec options and the layer plan only" in res.stderr
     assert "Traceback" not in res.output
+
+
+def test_the_default_protection_grid_follows_the_layers():
+    """recent=0 joins the grid where sliding layers are compressed; an all-sliding model searches no sinks."""
+    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, protection_grid
+
+    base = parse_policy("sink=4,recent=16")
+    full = [(s, r) for s in SINK_GRID for r in RECENT_GRID]
+    assert protection_grid(base, engine("llama").geometry) == full
+    assert protection_grid(base, engine("gemma3_text").geometry) == [(s, r) for s in SINK_GRID for r in (*RECENT_GRID, 0)]
+    assert protection_grid(replace(base, sliding="bypass"), engine("gemma3_text").geometry) == full
+    assert protection_grid(base, engine("mistral").geometry) == [(4, r) for r in (*RECENT_GRID, 0)]
+
+
+@pytest.mark.parametrize("model", ["tiny-gemma3_text", "tiny-mistral"])
+def test_the_issue_must_show_allocates_2_5_bits_past_the_window(model):
+    """issue 30's must-show, verbatim: 256-token calibration and verification past the window (tiny-mistral: 192 on
+    every layer; only recent=0 fits 2.5 bits there), measured KL, the cache's own bytes equal to the estimate."""
+    import json
+
+    from tqbench.engine.models.families import FAMILIES
+
+    res = _cli("--model", model, "--budget", "2.5", "--granularity", "head", "--calib-prefill", "256",
+               "--verify-prefill", "256", "--verify-steps", "16", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    a = data["allocation"]
+    assert FAMILIES[model.removeprefix("tiny-")]["sliding_window"] < 256
+    assert a["bits_per_element"] <= 2.5
+    assert data["verified"]["report_bytes"] == a["total_bytes"]
+    assert 0 < data["fitted_vs_unseen"]["calibration_joint_kl"] < 1
+    assert 0 < data["verified"]["kl_mean"] < 1 and 0 < data["unseen"]["kl_mean"] < 1
+    measured = [s for s in data["steps"] if s["measured_kl"] is not None]
+    assert measured and all(s["total_bytes"] > 0 for s in measured)
+    if model == "tiny-mistral":
+        assert {(s["sink"], s["recent"]) for s in measured if s["kind"] == "protection"} == {(4, 0)}
+        assert "recent" not in a["kv_policy_string"]  # recent=0: the default, not written
+
+
+def test_grouped_sdpa_switches_one_model_for_the_block_only():
+    """The chunk forwards' grouped-query SDPA (no ``repeat_kv`` copy): the model's own configs are switched and
+    restored, nothing process-wide is set, another model is untouched, and the log-probs are the model's own."""
+    import os
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tqbench.engine.allocate.gqa import GQA_NAME, grouped_sdpa, grouped_sdpa_forward
+    from tqbench.engine.cache.fused.support import recorded_previous
+
+    eng, other = Engine(family_model("llama", dtype=torch.float64)), engine("qwen2")
+    assert eng.config._attn_implementation == "sdpa" == other.config._attn_implementation
+    ids = _ids()
+    with torch.inference_mode():
+        plain = eng.model(ids).logits
+        with grouped_sdpa(eng.model, torch.device("cpu")):
+            assert eng.config._attn_implementation == GQA_NAME
+            assert ALL_ATTENTION_FUNCTIONS[GQA_NAME] is grouped_sdpa_forward
+            assert other.config._attn_implementation == "sdpa"
+            assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+            grouped = eng.model(ids).logits
+        assert eng.config._attn_implementation == "sdpa"
+        assert (grouped - plain).abs().max().item() <= 1e-12
+        eng.enable_fused()  # fused installed: its plain-tensor route is switched instead, then restored
+        with grouped_sdpa(eng.model, torch.device("cpu")):
+            assert eng.config._attn_implementation == "tqbench_fused" and recorded_previous(eng.config) == GQA_NAME
+            assert torch.equal(eng.model(ids).logits, grouped)
+        assert recorded_previous(eng.config) == "sdpa"
+        with grouped_sdpa(eng.model, "cuda"):  # off the CPU: nothing switched
+            assert recorded_previous(eng.config) == "sdpa"

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.families.short_windows import short_window_model
 from tqbench.engine.batch import decode_step, why_not_batched
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.families import FAMILIES, family_model
+from tqbench.engine.models.families import FAMILIES
 from tqbench.engine.validate.quality import corpus_ids
 
 NO_FUSED = ("falcon", "deepseek_v3")  # refuse the fused mode (test_family_refusals.py)
@@ -23,7 +24,7 @@ SLIDING = ("gemma2", "gemma3_text", "gpt_oss")
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in NO_FUSED])
 def test_fused_batch_equals_solo_float64(family):
-    eng = Engine(family_model(family, dtype=torch.float64))
+    eng = Engine(short_window_model(family, dtype=torch.float64))
     eng.enable_fused()
     ids = corpus_ids(eng.tokenizer, "rivers", max(LENGTHS))
     prompts = [ids[:, :n] for n in LENGTHS]

@@ -17,10 +17,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from tests.unit.families.short_windows import short_window_model
 from tqbench.constants import CACHE_MODES
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.families import FAMILIES, family_model
+from tqbench.engine.models.families import FAMILIES
 from tqbench.engine.validate.quality import corpus_ids, teacher_forced
 
 POLICIES = ("fp16", "turbo4", "q8k-int4v")
@@ -39,7 +40,7 @@ CELLS = [(f, m, p) for f in FAMILIES for m in CACHE_MODES for p in POLICIES if n
 
 @functools.cache
 def engine(family: str) -> Engine:
-    return Engine(family_model(family, dtype=torch.float64))
+    return Engine(short_window_model(family, dtype=torch.float64))
 
 
 @functools.cache
@@ -136,7 +137,7 @@ def test_turbo4_teacher_forced_kl_is_bounded(family):
 def test_baseline_unchanged_after_fused_install(family):
     """Baseline tokens and logits are identical before and after the fused attention is installed (plain
     tensors go to the implementation the model had before: its eager, soft-cap and sinks included)."""
-    eng = Engine(family_model(family, dtype=torch.float64))
+    eng = Engine(short_window_model(family, dtype=torch.float64))
     ids = prompt(family)
 
     def run():

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from tests.unit.families.short_windows import short_window_model
 from tqbench.engine.cache import TQCache, UnsupportedModelError, model_geometry
 from tqbench.engine.cache.fused import FusedUnsupportedError, reference_fused_attention
 from tqbench.engine.cache.tqcache import TQLayer
@@ -93,7 +94,7 @@ def test_fused_mask_builder_builds_the_previous_implementations_masks():
                 create_causal_mask(cfg, emb, pad, cache, pos))
 
     for family, dtype in (("gemma2", torch.float32), ("mistral", torch.bool)):
-        eng = Engine(family_model(family))
+        eng = Engine(short_window_model(family))
         cfg = eng.config
         before = masks(cfg)
         eng.enable_fused()

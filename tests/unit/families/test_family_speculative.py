@@ -9,10 +9,11 @@ import functools
 import pytest
 import torch
 
+from tests.unit.families.short_windows import short_window_model
 from tqbench.constants import CACHE_MODES
 from tqbench.engine.cache.fused import FusedUnsupportedError
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.families import FAMILIES, family_model
+from tqbench.engine.models.families import FAMILIES
 from tqbench.engine.validate.quality import corpus_ids
 
 #: packs rows on the families' 8-token sliding windows too, and inside a 4-token verification call
@@ -23,7 +24,7 @@ NEW = 16
 
 @functools.cache
 def engine(family: str) -> Engine:
-    return Engine(family_model(family, dtype=torch.float64))
+    return Engine(short_window_model(family, dtype=torch.float64))
 
 
 @functools.cache

@@ -17,6 +17,35 @@ def _rows(rep) -> list[tuple[str, str, str, str, str, str]]:
     return rows
 
 
+def _kld_rows(k) -> list[tuple[str, ...]]:
+    rows = []
+    for r in k.rows():
+        meas = r.get("measured_kld")
+        rows.append((r["text"], f"{r['predicted_kld']:.5f}",
+                     f"{meas:.5f} ± {r['measured_kld_unc']:.5f}" if meas is not None else "not run (--verify)",
+                     f"{r['predicted_over_measured']:.2f}" if r.get("predicted_over_measured") else "-",
+                     f"{r['predicted_same_top_pct']:.1f}" + (f" / {r['measured_same_top_pct']:.1f}" if meas is not None
+                                                             else ""),
+                     f"{r['predicted_ppl_ratio']:.4f}" + (f" / {r['measured_ppl_ratio']:.4f}" if meas is not None
+                                                         else ""),
+                     str(r["scored_tokens"])))
+    return rows
+
+
+_KLD_COLS = ("text", "tqbench predicted KLD", "llama.cpp measured KLD", "pred/meas", "same top % (pred / meas)",
+             "PPL ratio (pred / meas)", "scored tokens")
+
+
+def _kld_lines(rep) -> list[str]:
+    k = rep.llamacpp_kld
+    lines = [f"protocol: {k.protocol}; tokens from {k.tokens_from}; {k.machine}"]
+    if k.llamacpp:
+        lines.append(f"llama.cpp {k.llamacpp['version']}: {k.llamacpp['origin']}")
+    lines += [f"where the protocols differ: {d}" for d in k.differences]
+    lines += [f"note: {r['note']}" for r in k.rows() if r["note"]][:1]
+    return lines
+
+
 def print_export(rep) -> None:
     s = rep.setting
     out.print(f"[bold]{s.policy}[/] on {s.engine_label} ({rep.model}): K {s.k_type}, V {s.v_type}")
@@ -37,6 +66,9 @@ def print_export(rep) -> None:
         out.print(f"warning: {rep.warning}", markup=False, highlight=False)
     if rep.measured is None:
         return
+    from tqbench.engine.deploy.export import ENGINE_CHECK
+
+    out.print(f"{s.engine_label}: {ENGINE_CHECK[s.engine]}", markup=False, highlight=False)
     m = rep.measured
     t = Table(title=f"measured here: teacher-forced on {m.source}, {m.prefill_tokens} prefill + {m.steps} scored "
                     f"tokens, {m.cache_mode} mode (bits/el of the cache at its {m.prefill_tokens + m.steps} tokens)")
@@ -45,6 +77,19 @@ def print_export(rep) -> None:
     for row in _rows(rep):
         t.add_row(*row)
     out.print(t)
+    if rep.llamacpp_kld_skipped:
+        out.print(f"llama.cpp KLD: {rep.llamacpp_kld_skipped}", markup=False, highlight=False)
+    if rep.llamacpp_kld is None:
+        return
+    k = rep.llamacpp_kld
+    t = Table(title=f"llama.cpp -ctk {k.k} -ctv {k.v}: KLD against llama.cpp's f16 cache")
+    for col in _KLD_COLS:
+        t.add_column(col, justify="left" if col == "text" else "right")
+    for row in _kld_rows(k):
+        t.add_row(*row)
+    out.print(t)
+    for line in _kld_lines(rep):
+        out.print(line, markup=False, highlight=False)
 
 
 def export_md(rep) -> str:
@@ -59,6 +104,17 @@ def export_md(rep) -> str:
         lines += ["Could not map:", "", *(f"- {u}" for u in s.unmapped), ""]
     lines += [f"Note: {n}" for n in s.notes]
     if rep.measured is not None:
+        from tqbench.engine.deploy.export import ENGINE_CHECK
+
+        lines += ["", f"{s.engine_label}: {ENGINE_CHECK[s.engine]}."]
         lines += ["", "| | policy | bits/el | KL mean | top-1 | PPL |", "| --- | --- | ---: | ---: | ---: | --- |"]
         lines += ["| " + " | ".join(r) + " |" for r in _rows(rep)]
+    if rep.llamacpp_kld is not None:
+        k = rep.llamacpp_kld
+        lines += ["", f"llama.cpp -ctk {k.k} -ctv {k.v}: KLD against llama.cpp's f16 cache", "",
+                  "| " + " | ".join(_KLD_COLS) + " |", "| --- |" + " ---: |" * (len(_KLD_COLS) - 1)]
+        lines += ["| " + " | ".join(r) + " |" for r in _kld_rows(k)]
+        lines += ["", *_kld_lines(rep)]
+    elif rep.llamacpp_kld_skipped:
+        lines += ["", f"llama.cpp KLD: {rep.llamacpp_kld_skipped}"]
     return "\n".join(lines) + "\n"

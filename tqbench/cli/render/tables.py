@@ -15,6 +15,20 @@ from tqbench.cli.render.formats import mib
 
 # ---- bench ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class BaselineRun:
+    """``bench --baseline``: the dense cache the same tokens were generated with, and its decode speed."""
+
+    name: str  # a DENSE_BASELINES name
+    kv_dtype: str  # what its K/V rows are stored in
+    decode_tokens_per_second: float
+
+    def to_dict(self, policy_tps: float) -> dict:
+        base = self.decode_tokens_per_second
+        return {"name": self.name, "kv_dtype": self.kv_dtype, "decode_tokens_per_second": round(base, 3),
+                "decode_ratio": round(policy_tps / base, 4) if base else None}
+
+
+@dataclass(frozen=True)
 class BenchRun:
     """One ``bench`` run: the engine's ``GenerationResult`` and where it ran; ``to_dict()`` is ``--json``."""
 
@@ -25,6 +39,7 @@ class BenchRun:
     device: str
     dtype: str
     threads: int
+    baseline: BaselineRun | None = None
 
     @classmethod
     def of(cls, engine, result, policy, threads: int) -> BenchRun:
@@ -42,6 +57,8 @@ class BenchRun:
         d["dtype"] = self.dtype
         d["threads"] = self.threads
         d["cache_report"] = rep.to_dict() if rep is not None else None
+        if self.baseline is not None:
+            d["baseline"] = self.baseline.to_dict(self.result.decode_tokens_per_second)
         return d
 
 
@@ -55,6 +72,11 @@ def print_bench(run: BenchRun, per_layer: bool = False) -> None:
     t.add_row("tokens", f"{res.input_tokens} in, {res.output_tokens} out (stopped by {res.stopped_by})")
     t.add_row("prefill", f"{res.prefill_seconds:.2f} s ({res.input_tokens / max(res.prefill_seconds, 1e-9):.0f} tok/s)")
     t.add_row("decode", f"{res.decode_tokens_per_second:.1f} tok/s")
+    if run.baseline is not None:
+        b = run.baseline.to_dict(res.decode_tokens_per_second)
+        ratio = "-" if b["decode_ratio"] is None else f"{b['decode_ratio']:.2f}x"
+        t.add_row("baseline", f"{b['name']} (DynamicCache, {b['kv_dtype']} K/V): {b['decode_tokens_per_second']:.1f} "
+                              f"tok/s decode; policy {ratio} of it")
     t.add_row("total", f"{res.elapsed_seconds:.2f} s, {res.tokens_per_second:.1f} tok/s")
     if rep is not None:
         _cache_rows(t, rep)

@@ -251,12 +251,12 @@ class ChunkRunner:
         return args, {**kwargs, "hidden_states": hidden}
 
     def _forward(self, keys: list, values: list, start: int, full: bool = False) -> torch.Tensor:
-        with grouped_sdpa(self.ids.device):
-            return self._forward_layers(keys, values, start, full)
+        cache = self._cache(keys, values)  # (before the switch: a compressed sliding layer installs fused attention)
+        with grouped_sdpa(self.engine.model, self.ids.device):
+            return self._forward_layers(cache, start, full)
 
-    def _forward_layers(self, keys: list, values: list, start: int, full: bool = False) -> torch.Tensor:
+    def _forward_layers(self, cache, start: int, full: bool = False) -> torch.Tensor:
         self.calls += 1
-        cache = self._cache(keys, values)
         if full or start == 0 or self._layers is None:
             out = self.model(input_ids=self.chunk, cache=cache, use_cache=True)
         else:

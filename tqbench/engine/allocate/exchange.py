@@ -40,6 +40,19 @@ SINK_GRID = (4, 16, 64)
 RECENT_GRID = (16, 64, 128)
 
 
+def protection_grid(base: Policy, geometry: KVGeometry) -> list[tuple[int, int]]:
+    """The default (sink, recent) options of ``base`` on a model: ``SINK_GRID`` x ``RECENT_GRID``. Where ``base``
+    compresses sliding-window layers, recent=0 too: a window-bounded store holds ``window - 1`` rows and a recent
+    tail of fp16 rows is a large share of a short window (all of it when the window is shorter than the tail).
+    Where every layer slides, only ``base``'s sink: window-bounded stores keep no sinks, so the sink options would
+    all be the same policy."""
+    plans = base.plan(geometry.num_layers, list(geometry.layer_types) if geometry.layer_types else None)
+    sliding = [p.sliding for p in plans]
+    recents = RECENT_GRID + ((0,) if any(sliding) else ())
+    sinks = (base.sink,) if all(sliding) else SINK_GRID
+    return [(s, r) for s in sinks for r in recents]
+
+
 @dataclass(frozen=True)
 class ExchangeStep:
     step: int

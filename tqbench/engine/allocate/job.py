@@ -27,7 +27,7 @@ import torch
 
 from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
-from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, ExchangeStep, JointMeasure, improve
+from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
 from tqbench.engine.allocate.joint import axis_split, solve_joint
 from tqbench.engine.allocate.keeps import (
     DEFAULT_AXES,
@@ -216,7 +216,7 @@ def allocate_policy(
     ``base`` gives the token protection (sink, recent) the cells are measured at and the codec options every layer
     shares; ``codecs`` the choices per unit (``k_codecs``: K's, default ``codecs`` plus the calibrated ``pcaq``
     codecs when the model has a fit). ``protections``: (sink, recent) options searched (None: the default grid;
-    ``[]``: ``base``'s only). ``max_measurements``: joint measurements (0: the additive solution only).
+    ``[]``: ``base``'s only; ``exchange.protection_grid``). ``max_measurements``: joint measurements (0: the additive solution only).
     ``verify_text``/``unseen_text`` None skip that verification. ``partial_path``: the partial results file (read
     if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
     ``min_speed``: decode tokens/s relative to a dense ``DynamicCache`` at ``context`` the policy must be predicted
@@ -268,7 +268,7 @@ def allocate_policy(
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
     if protections is None:
-        protections = [(s, r) for s in SINK_GRID for r in RECENT_GRID]
+        protections = protection_grid(base_pol, engine.geometry)
     options = list(dict.fromkeys([(base_pol.sink, base_pol.recent), *protections]))
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,

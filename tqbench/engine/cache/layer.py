@@ -119,10 +119,10 @@ class TQLayer(CacheLayerMixin):
         n0, t = self.cumulative_length, key_states.shape[2]
         # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
         visible = t + (n0 if self.window is None else min(n0, self.window))
-        ev, point = self.evictor, False
-        if ev is not None:  # the rows each head still holds; at an eviction point the stores pack after scoring
-            visible = t + self.k_store.n_tokens + ev.n_demoted
-            point = ev.begin(n0, t, key_states.shape[0], key_states.shape[1], key_states.device)
+        evictor, point = self.evictor, False
+        if evictor is not None:  # the rows each head still holds; at an eviction point the stores pack after scoring
+            visible = t + self.k_store.n_tokens + evictor.n_demoted
+            point = evictor.begin(n0, t, key_states.shape[0], key_states.shape[1], key_states.device)
             self.k_store.defer = self.v_store.defer = point
         points, first = self._points(t)
         if self.record_past:
@@ -168,7 +168,7 @@ class TQLayer(CacheLayerMixin):
                 handle.extra_k, handle.extra_v = self._set_rows(plan, base, (ck, cv))
                 handle.precision = plan
             out = (handle, handle)
-        if ev is not None and ev.observes(point):
+        if evictor is not None and evictor.observes(point):
             if mode == "fused":
                 out[0].evict_point = point
             else:

@@ -70,6 +70,7 @@ class HeadSplitCodec(Codec):
         self.subs = list(subs)
         self.tokens_per_unit = math.lcm(*(c.tokens_per_unit for c in self.subs))
         self._index: dict = {}
+        self._plan: tuple | None = None  # (key, state, the native encode plan): see _native_plan
 
     # -- groups ----------------------------------------------------------------------------------
     def head_index(self, g: int, device) -> slice | torch.Tensor:
@@ -115,8 +116,68 @@ class HeadSplitCodec(Codec):
     def encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
         self.check_input(x)
         self._check_heads(x)
+        plan = self._native_plan(x, state)
+        if plan is not None:  # every group in one native call (the decode step's append path)
+            names, encoder = plan
+            outs = encoder.encode(x.contiguous())
+            return {name: t for group, fields in zip(names, outs) for name, t in zip(group, fields)}
         return {f"g{g}.{k}": t for g, c in enumerate(self.subs)
                 for k, t in c.encode(self.take(x, g), self.sub_fields(state, g)).items()}
+
+    def _native_plan(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
+        """``(field names per group, a native ``HeadsEncoder``)``: every group encoded in one native call, each
+        reading its heads of ``x`` by index (no slicing here); kept while the state, dtype, head_dim and batch
+        stand. None where it cannot run: rows off the CPU or not fp32/fp64, a group whose codec is neither a
+        TurboQuant-MSE nor a calibrated-key codec (then each group encodes on its own, on its own native path where
+        it has one), or no native kernel (each group's encode then says why)."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+            return None
+        key = (x.dtype, x.shape[-1], x.shape[0])
+        hit = self._plan
+        if hit is not None and hit[0] == key and hit[1] is state:
+            return hit[2]
+        plan = self._build_plan(x.dtype, x.shape[-1], x.shape[0], state)
+        self._plan = (key, state, plan)
+        return plan
+
+    def _build_plan(self, dtype: torch.dtype, d: int, batch: int, state: dict[str, torch.Tensor]):
+        from .base import native_encoder
+        from .calibrated import PcaKeyCodec
+        from .turbo import TurboCodec
+
+        kinds, mus, tables, bits, normfix, names = [], [], [], [], [], []
+        for g, c in enumerate(self.subs):
+            sub = self.sub_fields(state, g)
+            n = len(self.groups[g])
+            if type(c) is TurboCodec:
+                mu = c._mu(sub)
+                if mu is None and c.encode_problem(d):
+                    return None
+                rot, levels, bounds = c._tables(d, "cpu", dtype)
+                kinds.append("turbo")
+                tables.append([rot.contiguous(), levels.contiguous(), bounds.contiguous()])
+                bits.append(c.bits)
+                normfix.append(bool(c.norm_correction))
+                names.append((f"g{g}.idx", f"g{g}.norm"))
+            elif type(c) is PcaKeyCodec:
+                widths, _, enc, _, bounds = c._layer_tables(d, "cpu", dtype)
+                if widths.shape[0] != n:
+                    return None
+                mu = c._mu(sub)
+                kinds.append("pcaq")
+                tables.append([enc.contiguous(), bounds.contiguous(), c.fused_tables(d, "cpu", dtype)[0]])
+                bits.append(0)
+                normfix.append(False)
+                names.append((f"g{g}.idx",))
+            else:
+                return None
+            if mu is not None and tuple(mu.shape) != (batch, n, 1, d):
+                return None
+            mus.append(None if mu is None else mu.to(torch.float16).contiguous())
+        mod = native_encoder(self.subs[0])
+        if mod is None:
+            return None
+        return names, mod.HeadsEncoder(kinds, [list(h) for h in self.groups], mus, tables, bits, normfix)
 
     def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         out = None

@@ -168,18 +168,21 @@ class TurboCodec(_Centered):
     # -- codec -----------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
         self.check_input(x)
-        d = x.shape[-1]
-        if not self.center and max_values(packed_nbytes(d, self.bits), self.bits) != d:
-            raise ValueError(
-                f"{self.spec}: head_dim {d} cannot be unpacked unambiguously "
-                f"(head_dim*{self.bits} must be a multiple of 8, or use center=True)"
-            )
+        if (problem := self.encode_problem(x.shape[-1])) is not None:
+            raise ValueError(problem)
         xc = self._center(x, state)
         fast = self._triton_quantize_pack(xc) if xc.device.type == "cuda" else self._native_quantize_pack(xc)
         if fast is not None:
             return fast
         idx, norm = self._quantize(xc)
         return {"idx": pack_bits(idx, self.bits, check=False), "norm": norm}
+
+    def encode_problem(self, d: int) -> str | None:
+        """Why rows of head_dim ``d`` cannot be encoded (None: they can)."""
+        if not self.center and max_values(packed_nbytes(d, self.bits), self.bits) != d:
+            return (f"{self.spec}: head_dim {d} cannot be unpacked unambiguously "
+                    f"(head_dim*{self.bits} must be a multiple of 8, or use center=True)")
+        return None
 
     def _triton_quantize_pack(self, xc: torch.Tensor) -> Encoded | None:
         """``_quantize`` + ``pack_bits`` in one Triton launch (the GPU append path: ``kernels/turbo_quantize.py``),

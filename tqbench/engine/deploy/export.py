@@ -15,7 +15,15 @@ from tqbench.engine.events import CancelFlag, OnEvent
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 
-__all__ = ["ExportReport", "export_policy"]
+__all__ = ["ENGINE_CHECK", "ExportReport", "export_policy"]
+
+#: how far each engine's measurement here goes: llama.cpp runs in the loop; the others are reproduced in storage only
+ENGINE_CHECK = {
+    "llamacpp": "storage bit-exact; llama.cpp's CPU compute path modelled (predicted KLD in llama-perplexity's "
+                "protocol) and checked in llama.cpp itself on request",
+    **{e: "storage-only reproduction: the engine's KV bytes bit-exact, attention and weights are tqbench's; not "
+          "run in the engine (no CPU build of it runs here)" for e in ("vllm", "sglang", "trtllm")},
+}
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,8 @@ class ExportReport:
     model: str
     measured: object | None = None  # validate.quality.TeacherForcedReport: results[0] original, [1] mapped
     warning: str | None = None  # the policy was fitted on another model
+    llamacpp_kld: object | None = None  # llamacpp_verify.LlamaCppKldReport: llama-perplexity's KLD, predicted (+measured)
+    llamacpp_kld_skipped: str | None = None  # why it was not predicted
 
     @property
     def original(self):
@@ -34,13 +44,18 @@ class ExportReport:
         return self.measured.results[1] if self.measured is not None else None
 
     def to_dict(self) -> dict:
-        out = {"model": self.model, **self.setting.to_dict(), "warning": self.warning}
+        out = {"model": self.model, **self.setting.to_dict(), "warning": self.warning,
+               "engine_check": ENGINE_CHECK[self.setting.engine]}
         if self.measured is not None:
             m = self.measured
             out["measured"] = {
                 "source": m.source, "cache_mode": m.cache_mode, "prefill_tokens": m.prefill_tokens,
                 "steps": m.steps, "original": self.original.to_dict(), "mapped": self.mapped.to_dict(),
             }
+        if self.llamacpp_kld is not None:
+            out["llamacpp_kld"] = self.llamacpp_kld.to_dict()
+        elif self.llamacpp_kld_skipped:
+            out["llamacpp_kld"] = {"skipped": self.llamacpp_kld_skipped}
         return out
 
 
@@ -59,11 +74,23 @@ def export_policy(
     cache_mode: str = "compressed",
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    llamacpp_kld: str = "predict",
+    kld_texts: tuple[str, ...] | None = None,
+    kld_ctx: int = 1024,
+    threads: int = 2,
+    progress=None,
 ) -> ExportReport:
     """Map ``policy`` to ``engine_name`` for ``engine``'s model (or ``geometry`` of ``model_name``), and measure
-    both unless ``measure`` is False (measuring needs ``engine``)."""
+    both unless ``measure`` is False (measuring needs ``engine``).
+
+    For llama.cpp, when measuring, ``llamacpp_kld``: ``"predict"`` adds tqbench's prediction of
+    llama-perplexity's KLD for the mapped flags (``llamacpp_verify``; on a model loaded from a GGUF file, the one
+    llama.cpp runs), ``"verify"`` also runs those flags in llama.cpp (found or built, said through
+    ``progress``) on the same texts, ``"off"`` neither."""
     from tqbench.engine.policy.artifact import artifact_warning_for
 
+    if llamacpp_kld not in ("off", "predict", "verify"):
+        raise ValueError(f"llamacpp_kld={llamacpp_kld!r}: give off, predict or verify")
     if engine is None and geometry is None:
         raise ValueError("export needs a loaded model (engine) or a KV geometry to map the policy on")
     if measure and engine is None:
@@ -81,5 +108,17 @@ def export_policy(
             engine, [pol, setting.mapped_policy], corpus=corpus, context_tokens=context_tokens,
             eval_tokens=eval_tokens, cache_mode=cache_mode, on_event=on_event, cancel=cancel,
         )
+    kld, skipped = None, None
+    if setting.engine == "llamacpp" and measure and llamacpp_kld != "off":
+        from tqbench.engine.deploy.llamacpp_kld import VERIFY_TEXTS
+        from tqbench.engine.deploy.llamacpp_verify import llamacpp_kld_report, model_gguf
+
+        if llamacpp_kld == "verify" or model_gguf(engine) is not None:
+            kld = llamacpp_kld_report(engine, setting.k_type, setting.v_type, texts=tuple(kld_texts or VERIFY_TEXTS),
+                                      n_ctx=kld_ctx, verify=llamacpp_kld == "verify", threads=threads,
+                                      progress=progress, cancel=cancel)
+        else:
+            skipped = (f"{engine.name} was not loaded from a GGUF file: llama.cpp's weight products (quantized "
+                       "activations) cannot be modelled, so its KLD is not predicted")
     name = engine.name if engine is not None else f"{model_name or 'a model'} (geometry only, not measured)"
-    return ExportReport(setting, name, measured, warning)
+    return ExportReport(setting, name, measured, warning, kld, skipped)

@@ -190,6 +190,10 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
     if pol.sink or pol.recent:
         unmapped.append(f"sink={pol.sink} / recent={pol.recent} full-precision tokens: {label} stores every "
                         "token in its cache type")
+    if pol.evicts:
+        unmapped.append(f"token eviction (keep={pol.keep}, score={pol.score}"
+                        + (f", demote={pol.demote}" if pol.demote else "") + f"): {label}'s KV cache type keeps every "
+                        "token; the mapped setting evicts nothing (its cache holds every row)")
     if any(p.dense_window for p in plan):
         unmapped.append("sliding-window layers kept as a bounded dense window here: the engine applies its "
                         "dtype to them too")

@@ -4,7 +4,10 @@ config class (``AutoConfig.for_model`` + ``from_config``: no download), with the
 ``family_model("gemma2")`` is what the family matrix tests run and what ``--model tiny-gemma2`` loads: the
 family's attention features stay as its config sets them (Gemma-2's soft-capping and alternating
 sliding/global layers, gpt-oss's sinks, Mistral's sliding window, ...), at a small size (4 layers, 4 query
-heads / 2 KV heads, head size 32, window 8 where the family has one so short prompts cross it).
+heads / 2 KV heads, head size 32, window 8 where the family has one so short prompts cross it). Mistral slides over
+192 tokens on every layer: a 7-row window would hold less than a 16-row recent tail (and less than its 8 KB of
+rotations), so no low budget could fit; 192 is still shorter than ``allocate``'s 256-token calibration and
+verification, so those lengths run past it. The family tests set 8 (``tests/unit/families/short_windows.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ FAMILIES: dict[str, dict] = {
     "llama": {},
     "qwen2": {},
     "qwen3": {},
-    "mistral": {"sliding_window": 8},
+    "mistral": {"sliding_window": 192},  # every layer slides (see the module doc)
     "gemma2": {"sliding_window": 8, "query_pre_attn_scalar": 16},  # soft-capping 50, sliding + global layers
     "gemma3_text": {"sliding_window": 8, "layer_types": list(SLIDING), "query_pre_attn_scalar": 16},
     "phi3": {"sliding_window": 8},

@@ -44,19 +44,33 @@ def _sentences() -> list[str]:
 
 def build_haystack(tokenizer, length: int, depth: float, passphrase: str) -> tuple[str, int]:
     """(text, needle sentence index) of about ``length`` tokens of filler with the needle at ``depth``."""
+    text, (at,) = build_haystack_needles(tokenizer, length, [(depth, f"The secret passphrase is {passphrase}.")])
+    return text, at
+
+
+def build_haystack_needles(tokenizer, length: int, needles: list[tuple[float, str]],
+                           pool: list[str] | None = None) -> tuple[str, list[int]]:
+    """(text, sentence index of each needle) of about ``length`` tokens of filler sentences (``pool``, default the
+    shipped corpus, cycled) with each needle sentence inserted at its depth (0 = start, 1 = end), in order."""
     if length < 16:
         raise ValueError(f"haystack length {length} is too short: use at least 16 tokens")
-    if not 0 <= depth <= 1:
-        raise ValueError(f"depth {depth} is invalid: use a fraction between 0 and 1")
-    pool = _sentences()
+    for depth, _ in needles:
+        if not 0 <= depth <= 1:
+            raise ValueError(f"depth {depth} is invalid: use a fraction between 0 and 1")
+    pool = pool or _sentences()
     chosen, n, i = [], 0, 0
     while n < length:
         s = pool[i % len(pool)]
         n += len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
         chosen.append(s)
         i += 1
-    at = round(depth * len(chosen))
-    chosen.insert(at, f"The secret passphrase is {passphrase}.")
+    slots = [round(depth * len(chosen)) for depth, _ in needles]
+    order = sorted(range(len(needles)), key=lambda k: (slots[k], k))
+    for k in reversed(order):  # from the end, so earlier slots stay where they were counted
+        chosen.insert(slots[k], needles[k][1])
+    at = [0] * len(needles)
+    for rank, k in enumerate(order):
+        at[k] = slots[k] + rank
     return " ".join(chosen), at
 
 

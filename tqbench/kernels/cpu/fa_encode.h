@@ -159,3 +159,94 @@ torch::Tensor pcaq_encode(torch::Tensor x, torch::Tensor transform, torch::Tenso
 }
 
 }  // namespace
+
+namespace {
+
+// A per-head layer's new rows in one call: x [B, H, T, D] holds every KV head of the layer (float32/float64); group
+// g reads its heads `heads[g]` by their index in x, subtracts its centring mean `mus[g]` (fp16 [B, Hg, 1, D], or
+// none) and quantizes + packs them with its own codec: kind "turbo" (tables: rotation [D, D], levels [2**bits],
+// bounds [2**bits - 1]; `bits[g]`, `normfix[g]`) or "pcaq" (tables: transform [Hg, D, D], bounds [Hg, D, nb],
+// widths uint8 [Hg, D]). Returns per group its fields: turbo {codes, norms}, pcaq {codes} (as turbo_encode /
+// pcaq_encode return them for that group's rows).
+std::vector<std::vector<torch::Tensor>> heads_encode(torch::Tensor x, std::vector<std::string> kinds,
+                                                     std::vector<std::vector<int64_t>> heads,
+                                                     std::vector<std::optional<torch::Tensor>> mus,
+                                                     std::vector<std::vector<torch::Tensor>> tables,
+                                                     std::vector<int64_t> bits, std::vector<bool> normfix) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got one on ", x.device());
+  TORCH_CHECK(x.dim() == 4, "x must be 4-D [batch, kv_heads, tokens, head_dim], got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble,
+              "x must be float32 or float64, got ", c10::toString(x.scalar_type()));
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous, got strides ", x.strides());
+  const size_t G = kinds.size();
+  TORCH_CHECK(heads.size() == G && mus.size() == G && tables.size() == G && bits.size() == G && normfix.size() == G,
+              "kinds, heads, mus, tables, bits and normfix must have one entry per group of heads (", G, " kinds)");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  std::vector<bool> seen(H, false);
+  std::vector<std::vector<torch::Tensor>> out;
+  out.reserve(G);
+  for (size_t g = 0; g < G; ++g) {
+    const std::string gn = "group " + std::to_string(g);
+    const auto& hs = heads[g];
+    const int64_t Hg = static_cast<int64_t>(hs.size());
+    TORCH_CHECK(Hg >= 1, gn, " names no heads");
+    for (int64_t h : hs) {
+      TORCH_CHECK(h >= 0 && h < H, gn, " names kv head ", h, ", outside 0..", H - 1);
+      TORCH_CHECK(!seen[h], gn, " names kv head ", h, ", which an earlier group already holds");
+      seen[h] = true;
+    }
+    // the group's rows, centred, in x's dtype (what the sub-codec's own encode computes before quantizing)
+    auto xg = torch::empty({B, Hg, T, D}, x.options());
+    const auto& mu = mus[g];
+    if (mu.has_value()) {
+      TORCH_CHECK(mu->device().is_cpu() && mu->scalar_type() == torch::kHalf && mu->is_contiguous() &&
+                      mu->sizes().equals({B, Hg, 1, D}),
+                  gn, ": mus must be a contiguous CPU float16 [", B, ", ", Hg, ", 1, ", D, "] tensor, got ",
+                  c10::toString(mu->scalar_type()), " ", mu->sizes());
+    }
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "heads_encode", [&] {
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      scalar_t* dst = xg.data_ptr<scalar_t>();
+      const at::Half* mp = mu.has_value() ? mu->data_ptr<at::Half>() : nullptr;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < Hg; ++j) {
+          const scalar_t* s = src + ((b * H + hs[j]) * T) * D;
+          scalar_t* d = dst + ((b * Hg + j) * T) * D;
+          if (mp == nullptr) {
+            std::memcpy(d, s, sizeof(scalar_t) * T * D);
+            continue;
+          }
+          const at::Half* m = mp + (b * Hg + j) * D;
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t i = 0; i < D; ++i) d[t * D + i] = s[t * D + i] - static_cast<scalar_t>(static_cast<float>(m[i]));
+        }
+    });
+    const auto& tb = tables[g];
+    if (kinds[g] == "turbo") {
+      TORCH_CHECK(tb.size() == 3, gn, ": a turbo group's tables are (rotation, levels, bounds), got ", tb.size());
+      out.push_back(turbo_encode(xg, tb[0], tb[1], tb[2], bits[g], normfix[g]));
+    } else if (kinds[g] == "pcaq") {
+      TORCH_CHECK(tb.size() == 3, gn, ": a pcaq group's tables are (transform, bounds, widths), got ", tb.size());
+      out.push_back({pcaq_encode(xg, tb[0], tb[1], tb[2])});
+    } else {
+      TORCH_CHECK(false, gn, ": kind must be turbo or pcaq, got ", kinds[g]);
+    }
+  }
+  return out;
+}
+
+// heads_encode's per-group arguments held once (a store's codec and state stand for many steps): encode(x) then
+// converts only x, not the tables, on every call.
+struct HeadsEncoder {
+  std::vector<std::string> kinds;
+  std::vector<std::vector<int64_t>> heads;
+  std::vector<std::optional<torch::Tensor>> mus;
+  std::vector<std::vector<torch::Tensor>> tables;
+  std::vector<int64_t> bits;
+  std::vector<bool> normfix;
+  std::vector<std::vector<torch::Tensor>> encode(torch::Tensor x) const {
+    return heads_encode(std::move(x), kinds, heads, mus, tables, bits, normfix);
+  }
+};
+
+}  // namespace

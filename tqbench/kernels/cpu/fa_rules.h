@@ -139,6 +139,10 @@ struct Side {
   int nchunks = 0;
   const T* dptr[MAX_DENSE_CHUNKS];
   int64_t dend[MAX_DENSE_CHUNKS], db[MAX_DENSE_CHUNKS], dh[MAX_DENSE_CHUNKS], dr[MAX_DENSE_CHUNKS];
+  // a group side's chunk that holds every KV head of its store (the layer's rows as the cache holds them): head
+  // h of the side is head gheads[h] of that chunk (dglobal); its other chunks hold only the group's heads
+  bool dglobal[MAX_DENSE_CHUNKS] = {false};
+  std::vector<int64_t> gheads;
 };
 
 inline void half_to(const at::Half* src, int64_t n, float* out) {

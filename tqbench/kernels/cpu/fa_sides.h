@@ -139,8 +139,12 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
   for (size_t i = 0; i < d.dense.size(); ++i) {
     const auto& t = d.dense[i];
     const std::string cn = nm + ".dense[" + std::to_string(i) + "]";
-    check_rows(t, cn, dt, Bs, H, t.dim() == 4 ? t.size(2) : -1, D, "its own", false);
+    // a group of heads may hand a chunk of all its store's kv heads (read at its heads' indices, no copy)
+    const bool global = !d.heads.empty() && d.kv_heads != H && t.dim() == 4 && t.size(1) == d.kv_heads;
+    check_rows(t, cn, dt, Bs, global ? d.kv_heads : H, t.dim() == 4 ? t.size(2) : -1, D, "its own", false);
     if (t.size(2) == 0) continue;
+    if (global && s.gheads.empty()) s.gheads = d.heads;
+    s.dglobal[s.nchunks] = global;
     s.dptr[s.nchunks] = t.data_ptr<T>();
     s.db[s.nchunks] = t.stride(0);
     s.dh[s.nchunks] = t.stride(1);

@@ -34,7 +34,7 @@
 // Files (one translation unit; the headers are internal): fa_rules.h (ISA, rules, side types), fa_decode.h
 // (unpack and fetch rows), fa_tiles.h (tile scores / values), fa_turbo_tiles.h (packed turbo tiles),
 // fa_sides.h (the checked boundary), fa_stores.h (stores and their groups of heads), fa_attend.h (attend),
-// fa_encode.h (turbo encode).
+// fa_encode.h (turbo, pcaq and per-head-layer encode).
 
 #include "fa_rules.h"
 #include "fa_decode.h"
@@ -124,6 +124,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rotation"), py::arg("levels"), py::arg("bounds"), py::arg("bits"), py::arg("normfix"));
   m.def("pcaq_encode", &pcaq_encode, "calibrated (pcaq) quantize + pack of centred rows (CPU)", py::arg("x"),
         py::arg("transform"), py::arg("bounds"), py::arg("widths"));
+  m.def("heads_encode", &heads_encode,
+        "a per-head layer's new rows quantized + packed in one call, each group of heads by its own codec (CPU)",
+        py::arg("x"), py::arg("kinds"), py::arg("heads"), py::arg("mus"), py::arg("tables"), py::arg("bits"),
+        py::arg("normfix"));
+  py::class_<HeadsEncoder>(m, "HeadsEncoder", "heads_encode with its per-group arguments held (encode(x) per step)")
+      .def(py::init([](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> heads,
+                       std::vector<OptT> mus, std::vector<std::vector<torch::Tensor>> tables,
+                       std::vector<int64_t> bits, std::vector<bool> normfix) {
+             return HeadsEncoder{std::move(kinds), std::move(heads), std::move(mus), std::move(tables),
+                                 std::move(bits), std::move(normfix)};
+           }),
+           py::arg("kinds"), py::arg("heads"), py::arg("mus"), py::arg("tables"), py::arg("bits"),
+           py::arg("normfix"))
+      .def("encode", &HeadsEncoder::encode, py::arg("x"));
   m.def("simd_turbo_bits", &simd_turbo_bits, "turbo widths decoded in SIMD order when head_dim % 64 == 0 (fp32)");
   m.def("simd_order", &simd_order, "the coordinate each position holds when a turbo row decodes in SIMD order");
   m.def("rules", []() {

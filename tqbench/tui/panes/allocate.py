@@ -43,6 +43,17 @@ CALIBRATION = {"calibration": "mix", "calib_prefill": 1024, "calib_steps": 32}
 SOLVER = {"unseen_text": FRONTIER_TEXTS[1]}
 
 
+def speed_suffix(speed) -> str:
+    """A frontier point kind's speed class for an allocation's ``SpeedReport`` (none: ""): ``@fast`` when its
+    decode speed relative to dense (measured where it was, else predicted) is at or above the minimum it was
+    solved for (with no minimum: the uniform reference's), ``@slow`` below."""
+    if speed is None:
+        return ""
+    ratio = speed.measured_ratio if speed.measured_ratio is not None else speed.predicted_ratio
+    floor = speed.min_ratio if speed.min_ratio is not None else speed.reference_ratio
+    return "@fast" if ratio >= floor - 1e-12 else "@slow"
+
+
 class AllocatePanel(Vertical):
     HELP_SCOPE = "Policies · allocation"
     BINDINGS = [
@@ -87,6 +98,8 @@ class AllocatePanel(Vertical):
         self.points: dict[str, dict[str, tuple]] = {t: {} for t in FRONTIER_TEXTS}
         self.frontier = dict(FRONTIER)
         self.calibration = dict(CALIBRATION)
+        #: the allocation's minimum decode speed (``allocate_policy``'s ``min_speed``; None: none, as before)
+        self.min_speed = None
         self._cancel = threading.Event()
         self._points_model: str | None = None
 
@@ -172,6 +185,7 @@ class AllocatePanel(Vertical):
             name=f"alloc-{budget:g}bit" + ("-head" if granularity == "head" else ""),
             verify_text=FRONTIER_TEXTS[0], verify_prefill=self.frontier["prefill"],
             verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
+            min_speed=self.min_speed,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         self.post_message(self.Finished(result, error, cancelled, "allocate"))
 
@@ -258,7 +272,7 @@ class AllocatePanel(Vertical):
         hm.border_title = f"{a.policy.label}: bits per layer"
         v = rep.verified
         calibrated = any(is_calibrated_spec(e) for c in a.k for e in (split_head_list(c) if is_head_list(c) else [c]))
-        kind = ("evict" if a.policy.evicts else rep.setup.get("granularity", "layer")) + ("+pcaq" if calibrated else "")
+        kind = ("evict" if a.policy.evicts else rep.setup.get("granularity", "layer")) + ("+pcaq" if calibrated else "") + speed_suffix(rep.speed)
         for point in (v, rep.unseen):
             if point is not None and point.text in _TEXT_LABELS:
                 self.points[_TEXT_LABELS[point.text]][a.policy.label] = (point, kind)

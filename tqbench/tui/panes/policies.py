@@ -58,6 +58,7 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.codecs import CODEC_SPECS
         from tqbench.engine.deploy import ENGINE_LABELS
         from tqbench.engine.policy import ROTATION_CHOICES, SLIDING_CHOICES
+        from tqbench.engine.policy.keep import SCORES
 
         codecs = [(c, c) for c in CODEC_SPECS]
         yield OptionList(id="policy-list")
@@ -89,6 +90,25 @@ class PoliciesPane(Horizontal):
             with Horizontal(classes="row"):
                 yield Label("overrides")
                 yield Input("", id="overrides", compact=True, placeholder="v@last8=int8 k@0-3=fp16")
+            with Horizontal(classes="row"):
+                yield Label("keep tokens")
+                yield Input("1.0", id="keep", compact=True,
+                            placeholder="1.0 = keep all · 0.5 = half · 1024 = rows per KV head",
+                            tooltip="Token eviction: a fraction of the evictable rows (0.5) or rows per KV head "
+                            "(1024); sinks and the last max(window, recent) rows are never evicted")
+            with Horizontal(classes="row"):
+                yield Label("evict by score")
+                yield Select([(sc, sc) for sc in SCORES], value="snapkv", id="score", compact=True,
+                             allow_blank=False, tooltip="How rows are ranked (docs/policies.md: which published "
+                             "method each follows)")
+            with Horizontal(classes="row"):
+                yield Label("obs. window")
+                yield Input("32", id="window", compact=True, type="integer",
+                            tooltip="The last queries a score reads (never evicted themselves)")
+            with Horizontal(classes="row"):
+                yield Label("re-evict every")
+                yield Input("0", id="every", compact=True, type="integer",
+                            tooltip="While decoding, evict again every N decoded tokens (0: only at the prompt)")
             with Horizontal(classes="row"):
                 yield Label("sliding layers")
                 yield Select([(c, c) for c in SLIDING_CHOICES], value="auto", id="sliding", compact=True,
@@ -169,6 +189,10 @@ class PoliciesPane(Horizontal):
             self.query_one("#sliding", Select).value = pol.sliding
             self.query_one("#sink", Input).value = str(pol.sink)
             self.query_one("#recent", Input).value = str(pol.recent)
+            self.query_one("#keep", Input).value = str(pol.keep)
+            self.query_one("#score", Select).value = pol.score
+            self.query_one("#window", Input).value = str(pol.window)
+            self.query_one("#every", Input).value = str(pol.every)
             self.query_one("#protect", Input).value = pol.protect
             self.query_one("#overrides", Input).value = " ".join(f"{r}@{s}={c}" for r, s, c in pol.overrides)
             self.query_one("#policy-name", Input).value = name
@@ -195,24 +219,38 @@ class PoliciesPane(Horizontal):
         except ValueError:
             return 1024
 
-    def built_string(self) -> str:
+    def built_policy(self):
+        """The builder's fields as the engine's ``Policy`` (its checks; bad fields raise ``ValueError`` naming the
+        field). Overrides are read by the compact grammar, the one reader of ``ROLE@LAYERS=VALUE``."""
+        from tqbench.engine.policy import Policy, parse_policy
+        from tqbench.engine.policy.keep import parse_keep
+
         def val(i: str) -> str:
             return self.query_one(f"#{i}", Input).value.strip()
 
-        parts = [f"k={self.query_one('#k-codec', Select).value}", f"v={self.query_one('#v-codec', Select).value}"]
-        for key in ("sink", "recent"):
-            if val(key) not in ("", "0"):
-                parts.append(f"{key}={val(key)}")
-        if val("protect"):
-            parts.append(f"protect={val('protect')}")
-        if self.query_one("#rotation", Select).value != "qr":
-            parts.append(f"rotation={self.query_one('#rotation', Select).value}")
-        if not self.query_one("#center", Checkbox).value:
-            parts.append("center=off")
-        if self.query_one("#sliding", Select).value != "auto":
-            parts.append(f"sliding={self.query_one('#sliding', Select).value}")
-        parts += [o for o in val("overrides").replace(",", " ").split() if o]
-        return ",".join(parts)
+        def whole(i: str, what: str) -> int:
+            text = val(i)
+            if not text:
+                return getattr(Policy(), i)
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"{what} {text!r} is not a whole number") from None
+
+        overrides = " ".join(o for o in val("overrides").replace(",", " ").split() if o)
+        parsed = parse_policy(",".join(["k=fp16", *overrides.split()])).overrides if overrides else ()
+        return Policy(
+            k=str(self.query_one("#k-codec", Select).value), v=str(self.query_one("#v-codec", Select).value),
+            sink=whole("sink", "sink tokens"), recent=whole("recent", "recent window"), protect=val("protect"),
+            rotation=str(self.query_one("#rotation", Select).value), center=self.query_one("#center", Checkbox).value,
+            sliding=str(self.query_one("#sliding", Select).value), overrides=parsed,
+            keep=parse_keep(val("keep") or "1.0"), score=str(self.query_one("#score", Select).value),
+            window=whole("window", "observation window"), every=whole("every", "re-evict every"),
+        )
+
+    def built_string(self) -> str:
+        """The built policy's compact form, written by the engine (``Policy.to_string``)."""
+        return self.built_policy().to_string()
 
     @on(Input.Changed)
     @on(Select.Changed)
@@ -232,10 +270,8 @@ class PoliciesPane(Horizontal):
 
     def recompute(self) -> None:
         from tqbench.engine.cache.estimate import estimate_kv
-        from tqbench.engine.policy import parse_policy
 
         out = self.query_one("#estimate", Static)
-        text = self.built_string()
         try:
             geo = self.geometry()
         except ValueError as exc:
@@ -243,7 +279,7 @@ class PoliciesPane(Horizontal):
             out.update(f"[b red]no geometry for \"geometry of\"[/]: {exc}")
             return
         try:
-            pol = parse_policy(text)
+            pol = self.built_policy()
             est = estimate_kv(pol, geo, self.context())
         except ValueError as exc:
             self.current, self.estimate = "", None
@@ -258,6 +294,7 @@ class PoliciesPane(Horizontal):
             f"[b]{est.bits_per_element:.2f}[/b] bits/element · KV at {est.seq_len} tokens: "
             f"[b]{_mib(est.total_bytes)}[/b] vs fp16 {_mib(est.dense_fp16_bytes)} "
             f"([b green]{est.saved_pct:.1f}% saved[/]) · shared {est.shared_bytes} B\n"
+            f"{_eviction_line(pol, g, est.seq_len)}"
             f"[dim]geometry: {g.num_layers} layers{sliding} × {g.kv_heads} KV heads × head_dim {g.head_dim}"
             f"{f' (V {g.v_dim})' if g.v_dim != g.head_dim else ''}; every byte "
             f"counted (norms, scales, fp16 sink/window rows, rotations and codebooks once)[/dim]"
@@ -328,6 +365,22 @@ class PoliciesPane(Horizontal):
     def set_kept(self, kept: dict[str, str]) -> None:
         self.kept = dict(kept)
         self.reload_list()
+
+
+def _eviction_line(pol, geo, seq_len: int) -> str:
+    """What the policy's eviction keeps at ``seq_len`` prompt tokens (``policy.keep.held_rows``, the estimate's
+    rule), or nothing when it evicts nothing."""
+    from tqbench.engine.policy.keep import held_rows
+
+    plans = [p for p in pol.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None) if p.evicts]
+    if not pol.evicts:
+        return ""
+    if not plans:
+        return "[b yellow]keep evicts nothing here[/]: no full-attention layer to evict from (sliding layers hold their window)\n"
+    held = sorted({held_rows(seq_len, seq_len, p.keep, p.sink, pol.window, p.recent, pol.every) for p in plans})
+    rows = f"{held[0]}" if len(held) == 1 else f"{held[0]}-{held[-1]}"
+    return (f"eviction: {len(plans)} of {geo.num_layers} layers keep [b]{rows}[/b] of {seq_len} rows per KV head "
+            f"(score {pol.score}, window {pol.window}" + (f", every {pol.every}" if pol.every else "") + ")\n")
 
 
 def _set_codec(select: Select, spec: str) -> None:

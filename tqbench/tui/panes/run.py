@@ -12,9 +12,17 @@ from textual.message import Message
 from textual.suggester import SuggestFromList
 from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
 
-from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_PROMPT, fastest_quality_mode
+from tqbench.constants import (
+    CACHE_MODE_RESIDENT,
+    CACHE_MODES,
+    DEFAULT_PROMPT,
+    DENSE_BASELINES,
+    dense_baseline_kv,
+    fastest_quality_mode,
+)
 from tqbench.tui.panes.jobs import notify_policy_warnings
 from tqbench.tui.widgets.graph import ThroughputGraph
+from tqbench.tui.widgets.kept_map import KeptMap
 from tqbench.tui.widgets.model_bar import RunStrip
 from tqbench.tui.widgets.prompt_box import PromptBox
 from tqbench.tui.widgets.token_view import TokenView
@@ -73,6 +81,7 @@ class RunPane(Vertical):
     RunPane #run-button { margin-left: 1; min-width: 9; }
     RunPane #texts { height: 3fr; min-height: 5; }
     RunPane ThroughputGraph { height: 2fr; min-height: 8; max-height: 20; }
+    RunPane KeptMap { height: 3fr; min-height: 10; display: none; }
     """
 
     class Finished(Message):
@@ -108,6 +117,7 @@ class RunPane(Vertical):
         self.status = "idle"
         self.on_finish = None  # callback(record) set by the app for re-run-and-diff
         self._mode_chosen = False  # the user (or a saved run) picked the candidate's cache mode
+        self.kept = None  # the engine's KeptTokens of the candidate's last run (a policy that evicts tokens)
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -118,8 +128,10 @@ class RunPane(Vertical):
         yield PromptBox(p.prompt if p else DEFAULT_PROMPT, id="prompt")
         with Horizontal(id="first-controls", classes="controls"):
             yield Label("baseline")
-            yield Input(p.baseline if p else "fp16", id="baseline", compact=True, suggester=SuggestFromList(presets),
-                        tooltip="Baseline policy (preset or compact form)")
+            yield Input(p.baseline if p else "fp16", id="baseline", compact=True,
+                        suggester=SuggestFromList([*DENSE_BASELINES, *presets]),
+                        tooltip="Baseline: a policy (preset or compact form) or a dense DynamicCache: dense (K/V in the "
+                                "model's dtype), dense-fp16 or dense-bf16 (K/V rows stored in 16 bits)")
             yield Label("candidate")
             yield Input(p.candidate if p else "turbo4", id="candidate", compact=True,
                         suggester=SuggestFromList(presets), tooltip="Candidate policy: a preset, k=...,v=... or a file")
@@ -144,6 +156,7 @@ class RunPane(Vertical):
             yield TokenView("candidate", id="candidate-view")
         yield RunStrip("ready: write a prompt, pick a candidate policy, press ctrl+r", id="strip")
         yield ThroughputGraph(id="graph")
+        yield KeptMap(id="kept-map")
 
     # ---- reading the form ------------------------------------------------------------------------
     def params(self) -> RunParams:
@@ -163,7 +176,8 @@ class RunPane(Vertical):
         max_new = num("max-tokens", int, "max tokens")
         base = self.query_one("#baseline", Input).value.strip() or "fp16"
         cand = self.query_one("#candidate", Input).value.strip()
-        parse_policy(base)
+        if base not in DENSE_BASELINES:  # dense, dense-fp16, dense-bf16: a DynamicCache, not a policy
+            parse_policy(base)
         parse_policy(cand)
         p = RunParams(prompt, self.query_one("#chat", Checkbox).value, max_new, num("temperature", float, "temperature"),
                       num("top-p", float, "top-p"), num("seed", int, "seed"), base, cand,
@@ -230,6 +244,7 @@ class RunPane(Vertical):
         self.query_one("#baseline-view", TokenView).clear(f"baseline · {base}")
         self.query_one("#candidate-view", TokenView).clear(f"candidate · {cand} · not run yet: {key} runs it")
         self.query_one("#graph", ThroughputGraph).clear()
+        self._clear_kept()
         self.steps = 0
         self._same_token, self._same_top1, self._kl = [], [], []
         self._diff_note = ""
@@ -271,13 +286,27 @@ class RunPane(Vertical):
         self._savings = None
         self._diff_note = ""
         self.status = "running"
-        base, cand = parse_policy(params.baseline), parse_policy(params.candidate)
-        self.query_one("#baseline-view", TokenView).clear(f"baseline · {base.label} (compressed)")
+        cand = parse_policy(params.candidate)
+        base = self._base_title(params.baseline, str(engine.loaded.dtype).replace("torch.", ""))
+        self.query_one("#baseline-view", TokenView).clear(f"baseline · {base}")
         self.query_one("#candidate-view", TokenView).clear(self._cand_title(cand.label, params.cache_mode))
-        self.query_one("#graph", ThroughputGraph).clear()
+        graph = self.query_one("#graph", ThroughputGraph)
+        graph.clear()
+        graph.set_names(base, f"{cand.label} ({params.cache_mode})")
+        self._clear_kept()
         self.params_running = params
         self._update_strip()
         self._generate(engine, params)
+
+    @staticmethod
+    def _base_title(baseline: str, model_dtype: str | None) -> str:
+        """``dense-fp16 (float16 K/V)`` for a dense baseline, ``fp16 (compressed)`` for a policy."""
+        from tqbench.engine.policy import parse_policy
+
+        if baseline in DENSE_BASELINES:
+            kv = dense_baseline_kv(baseline, model_dtype) if model_dtype else DENSE_BASELINES[baseline]
+            return f"{baseline} ({kv or 'model dtype'} K/V)"
+        return f"{parse_policy(baseline).label} (compressed)"
 
     @staticmethod
     def _cand_title(label: str, mode: str) -> str:
@@ -298,7 +327,7 @@ class RunPane(Vertical):
                 params.prompt, params.baseline, params.candidate, candidate_mode=params.cache_mode,
                 chat=params.chat, max_new_tokens=params.max_new_tokens,
                 sampling=params.request.sampling, collect_logits=True,
-                cancel=self._cancel.is_set, track_bytes=True,
+                cancel=self._cancel.is_set, track_bytes=True, track_kept=True,
             )
             for ev in events:
                 rec(ev)
@@ -326,7 +355,7 @@ class RunPane(Vertical):
 
     @on(_Event)
     def _event(self, msg: _Event) -> None:
-        from tqbench.engine.events import CacheBytes
+        from tqbench.engine.events import CacheBytes, KeptTokens
 
         ev = msg.event
         graph = self.query_one("#graph", ThroughputGraph)
@@ -347,6 +376,8 @@ class RunPane(Vertical):
             self._update_strip()
         elif isinstance(ev, CacheBytes):
             graph.add_bytes(ev.run, ev.resident_bytes)
+        elif isinstance(ev, KeptTokens) and ev.run == "candidate":
+            self.set_kept(ev)
 
     @on(Finished)
     def _finished(self, msg: Finished) -> None:
@@ -369,6 +400,7 @@ class RunPane(Vertical):
     def show_record(self, rec, note: str = "") -> None:
         """Render a ``RunRecord`` (from a session) exactly as a live run would have left the screen."""
         self.record = rec
+        self._clear_kept()  # a session keeps no kept-token map
         self.fill(rec.params())
         self._mode_chosen = True  # the saved run's mode stays when the model loads
         views = {"baseline": self.query_one("#baseline-view", TokenView),
@@ -382,9 +414,13 @@ class RunPane(Vertical):
             texts = side.token_texts if side.has_token_texts else [f"[{i}]" for i in side.token_ids]
             views[run].set_tokens([(tid, text, rec.baseline is not None and i < rec.steps and not rec.same_token[i])
                                    for i, (tid, text) in enumerate(zip(side.token_ids, texts))])
-        views["baseline"].border_title = f"baseline · {rec.baseline.policy} ({rec.baseline.cache_mode})" \
-            if rec.baseline else "baseline · none"
+        base = None
+        if rec.baseline is not None:
+            base = self._base_title(rec.baseline.policy, None) if rec.baseline.policy in DENSE_BASELINES \
+                else f"{rec.baseline.policy} ({rec.baseline.cache_mode})"
+        views["baseline"].border_title = f"baseline · {base or 'none'}"
         views["candidate"].border_title = self._cand_title(rec.candidate.policy, rec.candidate.cache_mode)
+        graph.set_names(base or "", f"{rec.candidate.policy} ({rec.candidate.cache_mode})")
         graph.set_series(
             {r: getattr(rec, r).tokens_per_second for r in ("baseline", "candidate") if getattr(rec, r)},
             {r: getattr(rec, r).resident_bytes for r in ("baseline", "candidate") if getattr(rec, r)},
@@ -396,6 +432,36 @@ class RunPane(Vertical):
         self.status = "saved run"
         self._diff_note = note
         self._update_strip()
+
+    # ---- which tokens each head kept ------------------------------------------------------------
+    def _clear_kept(self) -> None:
+        self.kept = None
+        self.query_one("#kept-map", KeptMap).clear()
+        self.show_kept(False)
+
+    def set_kept(self, event) -> None:
+        """The engine's ``KeptTokens`` of the candidate's run: drawn in the map (f8 shows it)."""
+        self.kept = event
+        self.query_one("#kept-map", KeptMap).show(event)
+        self._update_strip()
+
+    @property
+    def kept_shown(self) -> bool:
+        return self.query_one("#kept-map", KeptMap).display
+
+    def show_kept(self, on: bool | None = None) -> bool:
+        """Show the kept-token map in the graph's place (``on`` None: toggle); False when there is none to show."""
+        on = not self.kept_shown if on is None else on
+        if on and self.kept is None:
+            return False
+        kept_map = self.query_one("#kept-map", KeptMap)
+        kept_map.display = on
+        self.query_one("#graph", ThroughputGraph).display = not on
+        if on:
+            self.screen.set_focus(kept_map.query_one("#kept-strips"))
+        elif self.screen.focused is not None and kept_map in self.screen.focused.ancestors:
+            self.screen.set_focus(self.query_one("#run-button"))
+        return True
 
     def set_diff_note(self, note: str) -> None:
         self._diff_note = note
@@ -434,6 +500,8 @@ class RunPane(Vertical):
         parts.append(f"cache mode [b]{mode}[/b]")
         if mode == "dense-shadow":
             parts.append("[b yellow]dense-shadow: storage-only (outputs equal fp16 by construction)[/]")
+        if self.kept is not None and self.status not in ("running", "ready"):
+            parts.append(f"{self.app.key_for('app.kept')}: which tokens each head kept")
         if self._diff_note:
             parts.append(self._diff_note)
         self.query_one("#strip", RunStrip).update(" │ ".join(parts))

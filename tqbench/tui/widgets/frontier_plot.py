@@ -1,6 +1,8 @@
 """KL vs bits per element: one point per measured policy (plotext 6). Markers by kind: uniform presets ``o``,
 per-layer allocations ``*``, per-KV-head allocations ``+``, allocations that evict tokens ``e``; with calibrated
-(pcaq) keys ``O``, ``#``, ``x``, ``E``."""
+(pcaq) keys ``O``, ``#``, ``x``, ``E``. A point with a known decode speed (an allocation made with a minimum speed)
+is drawn with its speed class's marker (``SPEED``): ``^`` at or above the minimum, ``v`` below it; the border title
+says so when the plot has such points."""
 
 from __future__ import annotations
 
@@ -17,10 +19,24 @@ MARKERS = {"preset": ("o", "O"), "layer": ("*", "#"), "head": ("+", "x"), "evict
 #: older sessions and callers say "allocation" for a per-layer allocation
 ALIASES = {"allocation": "layer"}
 CALIBRATED = "+pcaq"
+#: speed class (a kind's last "@" part: ``"head+pcaq@fast"``) -> (marker, what it means)
+SPEED = {"fast": ("^", "at or above the minimum speed"), "slow": ("v", "below the minimum speed")}
+TITLE = "log10 KL vs bits/el · o presets · * per-layer · + per-head · e evicting · O # x E: the same, pcaq keys"
+
+
+def split_speed(kind: str) -> tuple[str, str | None]:
+    """``(kind without its speed class, the class or None)``."""
+    base, sep, speed = kind.rpartition("@")
+    if not sep:
+        return kind, None
+    if speed not in SPEED:
+        raise ValueError(f"unknown speed class {speed!r} in frontier point kind {kind!r}: use one of {', '.join(SPEED)}")
+    return base, speed
 
 
 def split_kind(kind: str) -> tuple[str, bool]:
-    """``(base kind, calibrated)`` of a point kind such as ``"head+pcaq"``."""
+    """``(base kind, calibrated)`` of a point kind such as ``"head+pcaq"`` (a speed class ``@fast`` ignored)."""
+    kind = split_speed(kind)[0]
     calibrated = kind.endswith(CALIBRATED)
     base = kind[: -len(CALIBRATED)] if calibrated else kind
     base = ALIASES.get(base, base)
@@ -40,12 +56,12 @@ class FrontierPlot(Static):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.points: dict[str, tuple[float, float, str]] = {}
-        self.border_title = "log10 KL vs bits/el · o presets · * per-layer · + per-head · O # x: the same, pcaq keys"
+        self.border_title = TITLE
 
     def set_points(self, points: dict[str, tuple[float, float, str]], subtitle: str = "") -> None:
-        for _, _, kind in points.values():
-            split_kind(kind)
+        speeds = {split_speed(kind)[1] for _, _, kind in points.values() if split_kind(kind)}
         self.points = dict(points)
+        self.border_title = TITLE + "".join(f" · {SPEED[c][0]}: {SPEED[c][1]}" for c in SPEED if c in speeds)
         self.border_subtitle = subtitle
         self.refresh()
 
@@ -61,12 +77,14 @@ class FrontierPlot(Static):
         fig = plt.figure
         fig.clear()
         fig.plot_size(w, h)
-        groups: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+        groups: dict[tuple[str, bool, str], list[tuple[float, float]]] = {}
         for b, kl, kind in self.points.values():
-            groups.setdefault(split_kind(kind), []).append((b, math.log10(max(kl, KL_FLOOR))))
-        for (base, calibrated), pts in sorted(groups.items()):
+            key = (*split_kind(kind), split_speed(kind)[1] or "")
+            groups.setdefault(key, []).append((b, math.log10(max(kl, KL_FLOOR))))
+        for (base, calibrated, speed), pts in sorted(groups.items()):
             pts.sort()
-            fig.draw(fig.signal([p[0] for p in pts], [p[1] for p in pts], marker=MARKERS[base][calibrated]))
+            marker = SPEED[speed][0] if speed else MARKERS[base][calibrated]
+            fig.draw(fig.signal([p[0] for p in pts], [p[1] for p in pts], marker=marker))
         fig.legend(active=False)  # the border title names the markers; a legend box would hide points
         fig.label("bits/element", "x")
         return Text.from_ansi(_BG.sub("", fig.build().string()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from rich.markup import escape
 from rich.text import Text
 from textual.widgets import Static
 
@@ -22,7 +23,16 @@ class ThroughputGraph(Static):
         super().__init__(**kwargs)
         self.tps: dict[str, list[float]] = {"baseline": [], "candidate": []}
         self.kv: dict[str, list[int]] = {"baseline": [], "candidate": []}
-        self.border_title = (f"throughput: [{COLORS['baseline']}]━ baseline[/] [{COLORS['candidate']}]━ candidate[/]"
+        self.set_names()
+
+    def set_names(self, baseline: str = "", candidate: str = "") -> None:
+        """Name what each line is (``baseline · dense-fp16 (float16 K/V)``): a ratio read off the graph says
+        against what."""
+        def name(run: str, what: str) -> str:
+            what = escape(what)
+            return f"[{COLORS[run]}]━ {run}{' · ' + what if what else ''}[/]"
+
+        self.border_title = (f"throughput: {name('baseline', baseline)} {name('candidate', candidate)}"
                              " · left: tokens/s per step · right: resident KV MiB")
 
     def on_mount(self) -> None:

@@ -64,7 +64,8 @@ def expected(q_window, k, v, scaling) -> torch.Tensor:
     cov = torch.einsum("bhrld,bhrle->bhrde", centred, centred) / max(1, qg.shape[3] - 1)
     kf = k.float()
     lin = torch.einsum("bhrd,bhtd->bhrt", mu, kf) * scaling
-    quad = torch.einsum("bhtd,bhrde,bhte->bhrt", kf, cov, kf) * (scaling * scaling / 2)
+    kc = torch.einsum("bhtd,bhrde->bhrte", kf, cov)  # (one pairwise product: no [T, D, D] intermediate)
+    quad = (kc * kf[:, :, None]).sum(-1) * (scaling * scaling / 2)
     p = torch.softmax(lin + quad, dim=-1).mean(dim=2)  # [B, H, T]
     return p * v.float().norm(dim=-1)
 

@@ -22,7 +22,8 @@ import torch
 from tqbench.engine.cache.handles import FusedKV
 from tqbench.engine.codecs.heads import HeadSplitCodec
 
-__all__ = ["GroupStore", "group_label", "group_labels", "group_views", "is_per_head", "query_index"]
+__all__ = ["GroupStore", "group_label", "group_label_of", "group_labels", "group_stores", "group_views", "is_per_head",
+           "query_index"]
 
 
 class GroupStore:
@@ -60,7 +61,8 @@ class GroupStore:
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _stores(store) -> list[GroupStore]:
+def group_stores(store) -> list[GroupStore]:
+    """The ``GroupStore`` of every group of a per-head store (kept while its codec stands)."""
     views = _VIEWS.get(store)
     if views is None or views[0].codec is not store.codec.subs[0]:
         views = [GroupStore(store, g) for g in range(len(store.codec.groups))]
@@ -88,7 +90,7 @@ def group_views(kv: FusedKV) -> list[FusedKV]:
     kc, vc = kv.k_store.codec, kv.v_store.codec
     if kc.groups != vc.groups:
         raise RuntimeError(f"per-head K ({kc.spec}) and V ({vc.spec}) were built over different groups of heads")
-    ks, vs = _stores(kv.k_store), _stores(kv.v_store)
+    ks, vs = group_stores(kv.k_store), group_stores(kv.v_store)
     out = []
     for g in range(len(kc.groups)):
         out.append(replace(
@@ -128,7 +130,12 @@ def group_label(kv_g: FusedKV) -> str:
     return _label(kv_g.k_store.codec.spec, kv_g.v_store.codec.spec, kv_g.k_store.heads)
 
 
+def group_label_of(kc: HeadSplitCodec, vc: HeadSplitCodec, g: int) -> str:
+    """``group_label`` of group ``g`` of a per-head layer's K and V codecs (without building its view)."""
+    return _label(kc.subs[g].spec, vc.subs[g].spec, kc.groups[g])
+
+
 def group_labels(kv: FusedKV) -> list[str]:
     """``group_label`` of every group of a per-head layer's handle, in group order (without building the views)."""
     kc, vc = kv.k_store.codec, kv.v_store.codec
-    return [_label(kc.subs[g].spec, vc.subs[g].spec, kc.groups[g]) for g in range(len(kc.groups))]
+    return [group_label_of(kc, vc, g) for g in range(len(kc.groups))]

@@ -67,7 +67,7 @@ def install_fused_attention(model) -> None:
     if current == ATTN_NAME:
         return
     check_fused_support(model, current)
-    configs = _configs(model)
+    configs = model_configs(model)
     for cfg in configs:
         remember_previous(cfg, getattr(cfg, "_attn_implementation", None) or current)
     model.set_attn_implementation(ATTN_NAME)
@@ -80,7 +80,7 @@ def install_fused_attention(model) -> None:
         )
 
 
-def _configs(model) -> list:
+def model_configs(model) -> list:
     """The model's config and every sub-config (multimodal models nest the decoder's)."""
     out, todo = [], [model.config]
     while todo:

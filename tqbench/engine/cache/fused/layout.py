@@ -63,7 +63,7 @@ def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
 _SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _kernel_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype, extra=None):
+def store_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype, extra=None):
     before, packed, after = layout(parts)
     chunks = [*before, *after, new] + ([] if extra is None else [extra])
     if packed is None:
@@ -94,10 +94,10 @@ def kernel_sides(kv, d: int, dt: torch.dtype):
     sets, ``FusedKV.extra_k``), passed as they are stored
     (converted to ``dt`` only where they are in another dtype; ``extra_bytes`` counts those copies). The packed
     run's description is kept per store and rebuilt only when the run changes."""
-    ks = _kernel_side(kv.k_store, kv.k_parts, kv.new_k, d, dt, kv.extra_k)
+    ks = store_side(kv.k_store, kv.k_parts, kv.new_k, d, dt, kv.extra_k)
     if isinstance(ks, str):
         return ks
-    vs = _kernel_side(kv.v_store, kv.v_parts, kv.new_v, kv.new_v.shape[-1], dt, kv.extra_v)
+    vs = store_side(kv.v_store, kv.v_parts, kv.new_v, kv.new_v.shape[-1], dt, kv.extra_v)
     if isinstance(vs, str):
         return vs
     total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts) + kv.extra_rows

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from tqbench.engine.cache.fused.groups import group_label, group_views, is_per_head
-from tqbench.engine.cache.fused.layout import kernel_sides
+from tqbench.engine.cache.fused.groups import group_label_of, group_stores, is_per_head
+from tqbench.engine.cache.fused.layout import kernel_sides, store_side
 from tqbench.engine.cache.fused.masks import bool_mask
+from tqbench.engine.codecs.heads import HeadSplitCodec
 from tqbench.kernels.cpu.attention import native_attention_batch
 
 
@@ -40,20 +41,48 @@ def store_sides(kv, d: int, dt: torch.dtype):
             if side.kv_heads:
                 side.heads, side.kv_heads = [], 0
         return [sides[0]], [sides[1]], sides[2], sides[3]
+    return _group_sides(kv, d, dt)
+
+
+def _group_parts(parts: tuple, codec: HeadSplitCodec, g: int) -> tuple:
+    """Group ``g``'s view of a per-head store's parts: dense rows as stored (every KV head: the kernel reads the
+    group's heads at their indices), packed fields the group's own (a lossless group's: its dense rows)."""
+    out = []
+    for part in parts:
+        if part[0] == "dense":
+            out.append(part)
+        else:
+            sub = HeadSplitCodec.sub_fields(part[2], g)
+            out.append(("dense", part[1], sub["x"]) if codec.subs[g].lossless else ("packed", part[1], sub))
+    return tuple(out)
+
+
+def _group_sides(kv, d: int, dt: torch.dtype):
+    """``store_sides`` of a per-head layer: one K and one V side per group of heads, each naming its heads. The
+    dense chunks (sinks, tail, this call's rows) are handed whole, every KV head: no per-group slicing here."""
+    kc, vc = kv.k_store.codec, kv.v_store.codec
+    if kc.groups != vc.groups:
+        raise RuntimeError(f"per-head K ({kc.spec}) and V ({vc.spec}) were built over different groups of heads")
     kv_heads = kv.new_k.shape[1]
-    k_sides, v_sides, extra, total = [], [], 0, None
-    for kv_g in group_views(kv):
-        sides = kernel_sides(kv_g, d, dt)
-        if isinstance(sides, str):
-            return f"{sides} ({group_label(kv_g)})"
-        ks, vs, total, x = sides
-        heads = list(kv_g.k_store.heads)
-        for side in (ks, vs):  # (a kept side of an earlier call is re-labelled: its store's grouping may differ)
-            side.heads = heads
-            side.kv_heads = kv_heads
-        k_sides.append(ks)
-        v_sides.append(vs)
-        extra += x
+    k_views, v_views = group_stores(kv.k_store), group_stores(kv.v_store)
+    k_sides, v_sides, extra = [], [], 0
+    for g, heads in enumerate(kc.groups):
+        ek = None if kv.extra_k is None else kc.take(kv.extra_k, g)
+        ev = None if kv.extra_v is None else vc.take(kv.extra_v, g)
+        ks = store_side(k_views[g], _group_parts(kv.k_parts, kc, g), kv.new_k, d, dt, ek)
+        if isinstance(ks, str):
+            return f"{ks} ({group_label_of(kc, vc, g)})"
+        vs = store_side(v_views[g], _group_parts(kv.v_parts, vc, g), kv.new_v, kv.new_v.shape[-1], dt, ev)
+        if isinstance(vs, str):
+            return f"{vs} ({group_label_of(kc, vc, g)})"
+        for side in (ks[0], vs[0]):  # (a kept side is labelled once: its group's heads stand with its store view)
+            if side.kv_heads != kv_heads:
+                side.heads = list(heads)
+                side.kv_heads = kv_heads
+        k_sides.append(ks[0])
+        v_sides.append(vs[0])
+        extra += ks[1] + vs[1]
+    total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts) + kv.extra_rows
     return k_sides, v_sides, total, extra
 
 

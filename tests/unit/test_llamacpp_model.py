@@ -1,0 +1,111 @@
+"""tqbench's model of llama.cpp's compute path (``deploy.llamacpp_attention`` / ``llamacpp_matmul``): the query
+conversion bit for bit against ggml-cpu's x86 quantizers, and the attention's paths, on fixed inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tqbench.engine.deploy.llamacpp_attention import (
+    VEC_DOT_TYPE,
+    f16_v_accumulation,
+    quantize_row_q8,
+    query_as_vec_dot,
+    stored,
+)
+from tqbench.engine.deploy.llamacpp_matmul import quantize_row_q8_k
+
+# the bytes llama.cpp 11434's ggml-cpu writes for ``vector()``: a C program calling
+# ``ggml_get_type_traits_cpu(GGML_TYPE_Q8_0 / GGML_TYPE_Q8_1)->from_float(x, y, 64)``, linked against the
+# libggml-cpu.a / libggml-base.a of ``tqbench --headless llamacpp build`` (x86, AVX2 and AVX-512 CPU)
+GGML_Q8_0 = [0, 60, 127, 2, 252, 0, 0, 2, 250, 255, 255, 0, 3, 5, 5, 2, 0, 254, 253, 254, 0, 4, 7, 1, 1, 255, 252, 251,
+             252, 0, 1, 2, 3, 1, 169, 44, 229, 182, 163, 248, 2, 29, 55, 57, 129, 216, 244, 229, 232, 5, 48, 82, 79, 3,
+             244, 219, 203, 217, 8, 69, 14, 22, 10, 232, 193, 177, 203, 2]
+GGML_Q8_1 = [0, 60, 40, 88, 127, 2, 252, 0, 0, 2, 250, 255, 255, 0, 3, 5, 5, 2, 0, 254, 253, 254, 0, 4, 7, 1, 1, 255,
+             252, 251, 252, 0, 1, 2, 3, 1, 169, 44, 151, 205, 229, 182, 163, 248, 2, 29, 55, 57, 129, 216, 244, 229,
+             232, 5, 48, 82, 79, 3, 244, 219, 203, 217, 8, 69, 14, 22, 10, 232, 193, 177, 203, 2]
+
+
+def vector() -> torch.Tensor:
+    """x[i] = sinf(0.7 i) * (i % 7 + 1), block 0 set to ties at scale 1 (127, 2.5, -3.5, 0.5, -0.5, 1.5), x[40] = -9.25."""
+    # sinf in fp32, as the C program computes it
+    x = torch.sin(torch.arange(64, dtype=torch.float32) * torch.tensor(0.7, dtype=torch.float32)) * \
+        (torch.arange(64) % 7 + 1).to(torch.float32)
+    x[:6] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5])
+    x[40] = -9.25
+    return x
+
+
+def _f16_bytes(v: torch.Tensor) -> list[int]:
+    return v.to(torch.float16).reshape(-1).view(torch.uint8).tolist()
+
+
+def test_q8_0_query_conversion_is_ggml_cpu_bit_for_bit():
+    d, q, _ = quantize_row_q8(vector())
+    got = []
+    for b in range(2):
+        got += _f16_bytes(d[b]) + q[b].view(torch.uint8).tolist()
+    assert got == GGML_Q8_0
+    assert q[0, :6].tolist() == [127, 2, -4, 0, 0, 2]  # ties to even; the _ref quantizer (roundf) gives 3, -4, 1, -1, 2
+
+
+def test_q8_1_query_conversion_and_block_sum_are_ggml_cpu_bit_for_bit():
+    d, q, s = quantize_row_q8(vector())
+    got = []
+    for b in range(2):
+        got += _f16_bytes(d[b]) + _f16_bytes(s[b]) + q[b].view(torch.uint8).tolist()
+    assert got == GGML_Q8_1
+
+
+def test_query_conversion_follows_the_k_type():
+    x = vector().reshape(1, 64)
+    for k in ("q8_0", "q4_0", "q5_0", "iq4_nl"):
+        vals, s = query_as_vec_dot(x, k)
+        assert s is None and vals[0, 1].item() == 2.0  # q8_0 blocks
+    vals, s = query_as_vec_dot(x, "q4_1")
+    assert s is not None and s.shape == (1, 2)
+    vals, s = query_as_vec_dot(x, "f16")
+    assert s is None and torch.equal(vals, x.half().float())
+    assert set(VEC_DOT_TYPE) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "iq4_nl", "q4_1", "q5_1"}
+    assert f16_v_accumulation("q8_0", "f16") and not f16_v_accumulation("f16", "f16")
+    assert not f16_v_accumulation("q8_0", "q8_0")
+
+
+def test_stored_q8_0_is_the_x86_cache_quantizer_and_1_types_return_minima():
+    x = vector().reshape(2, 32)
+    vals, m = stored(x, "q8_0")
+    assert m is None and vals[0, :6].tolist() == [127.0, 2.0, -4.0, 0.0, 0.0, 2.0]
+    vals, m = stored(x, "q4_1")
+    assert m.shape == (2, 1) and torch.allclose(m[:, 0], x.amin(-1).half().float())
+    with pytest.raises(ValueError, match="'q3_k' is not a llama.cpp KV type"):
+        stored(x, "q3_k")
+
+
+def test_q8_k_activation_quantization():
+    x = torch.zeros(256)
+    x[0], x[1], x[2] = -127.0, 0.5, 1.5  # iscale = -127 / -127 = 1: ties to even
+    y = quantize_row_q8_k(x)
+    assert y[:3].tolist() == [-127.0, 0.0, 2.0]
+    assert torch.equal(quantize_row_q8_k(torch.zeros(256)), torch.zeros(256))
+
+
+def test_attention_model_on_a_tiny_model():
+    """f16/f16 against itself is exactly 0; q8_0 and q4_0 caches move the output, q4_0 more; the tiled-path
+    model (f32/f32) equals the model's own attention."""
+    from tqbench.engine.deploy.llamacpp_attention import llamacpp_kv
+    from tqbench.engine.deploy.llamacpp_kld import predict_llamacpp_kld
+    from tqbench.engine.engine import Engine
+
+    engine = Engine.load("tiny-llama")
+    model = engine.model
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model(input_ids=ids[:1], use_cache=False).logits
+        with llamacpp_kv(model, "f32", "f32"):
+            modelled = model(input_ids=ids[:1], use_cache=False).logits
+    assert torch.allclose(plain, modelled, atol=1e-5)
+    assert model.config._attn_implementation != "tqbench-llamacpp-cpu"  # restored
+    res = predict_llamacpp_kld(engine, ids, [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0")], gguf=None)
+    assert res[0].kld_mean == 0.0 and res[0].same_top_pct == 100.0
+    assert 0 < res[1].kld_mean < res[2].kld_mean
+    assert res[1].tokens == 2 * 31 and "no GGUF" in res[1].note

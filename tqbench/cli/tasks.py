@@ -1,0 +1,84 @@
+"""``tasks``: the long-context task suite (RULER-style, ``engine.tasks``), baseline vs one candidate policy.
+
+Bad input (an unknown task, a context too short for a task or above the model's, a bad sample count or policy) is
+a one-line error and exit 2 before the model loads (the context is checked against a shipped model's config;
+another model's limit is checked once it has loaded, still before any generation). Exit 1: ``--max-drop`` gate.
+"""
+
+from __future__ import annotations
+
+import click
+
+from tqbench.cli.options import (
+    check_out_paths,
+    csv,
+    friendly_errors,
+    gate,
+    model_options,
+    report_options,
+    write_reports,
+)
+from tqbench.constants import CACHE_MODES
+
+
+def _known_max_context(model: str) -> tuple[int | None, str]:
+    """The context limit of a shipped model config (``kv-estimate``'s geometry), without loading weights."""
+    from tqbench.engine.cache import model_geometry
+
+    try:
+        geo = model_geometry(model)
+    except (ValueError, OSError):
+        return None, model
+    return geo.max_context, geo.name
+
+
+@click.command()
+@model_options
+@click.option("--context", type=int, default=4096, show_default=True,
+              help="Target context in tokens (prompt + answer) of every sample, e.g. 2048, 4096, 8192.")
+@click.option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
+@click.option("--baseline", default="fp16", show_default=True)
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@click.option("--tasks", "task_names", default=None, help="Comma-separated tasks (default: the ones the default model can do; see docs/validation.md).")
+@click.option("--samples", type=int, default=None, help="Samples per task (default 3).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sample seed.")
+@click.option("--no-cache", is_flag=True, help="Run the baseline again instead of reusing its cached answers.")
+@click.option("--max-drop", type=float, default=None,
+              help="Gate: exit 1 when the candidate's overall score is more than this many points below the baseline.")
+@report_options
+@friendly_errors
+def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mode, task_names, samples, seed,
+          no_cache, max_drop, report_json, report_md, as_json):
+    """Long-context tasks (needles, variable tracking, common words, QA): baseline vs candidate scores."""
+    from tqbench.cli.render.console import check_policies, load_engine
+    from tqbench.cli.render.progress import EventProgress
+    from tqbench.cli.render.tasks import print_tasks, tasks_md
+    from tqbench.engine import parse_policy
+    from tqbench.engine.tasks import DEFAULT_SAMPLES, check_tasks
+
+    names = csv(task_names) if task_names is not None else None
+    samples = DEFAULT_SAMPLES if samples is None else samples
+    limit, shown = _known_max_context(model)
+    check_tasks(names, context, samples, limit, shown)
+    parse_policy(candidate)
+    parse_policy(baseline)
+    if max_drop is not None and not max_drop >= 0:
+        raise ValueError(f"--max-drop {max_drop:g} is invalid: give points, 0 or more (e.g. 2)")
+    check_out_paths(report_json, report_md)
+    engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    base_pol, cand_pol = check_policies(engine, baseline, candidate)
+    import sys
+
+    from tqbench.engine import run_tasks
+
+    with EventProgress(enabled=True, label="tasks", lines=as_json or not sys.stderr.isatty()) as prog:
+        res = run_tasks(engine, cand_pol, context, tasks=names, samples=samples, baseline=base_pol,
+                        cache_mode=cache_mode, seed=seed, cache=not no_cache, on_event=prog)
+    payload = res.to_dict()
+    write_reports(payload, tasks_md(res), report_json, report_md, as_json)
+    if not as_json:
+        print_tasks(res)
+    if max_drop is not None:
+        o = payload["overall"]
+        gate(o["delta"] >= -max_drop, f"overall score {o['candidate_score']:.1f} is {-o['delta']:.1f} points below "
+                                      f"the baseline's {o['baseline_score']:.1f} (allowed: {max_drop:g})")

@@ -1,0 +1,104 @@
+"""The dense baselines every speed ratio is measured against: a transformers ``DynamicCache`` whose K/V rows are
+held in the model's dtype (``dense``: float32 for a CPU model) or in 16 bits (``dense-fp16``, ``dense-bf16``).
+
+A 16-bit baseline stores each K/V row rounded to its width (half the bytes of float32 rows) and hands attention
+the rows upcast to the model's compute dtype: the model computes as it does with any cache (its own attention
+function on float32 rows), only the storage is 16-bit, as in llama.cpp's f16 cache or vLLM's fp16/bf16 cache on a
+float32 model. The upcast is part of every step's cost (it is what reading a 16-bit cache costs a float32 model),
+so on a CPU this baseline is not faster than ``dense``; it is the baseline with the bytes the engines' 16-bit caches
+hold. Sliding-window layers keep their window exactly as ``DynamicCache`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from tqbench.constants import DENSE_BASELINES, dense_baseline_kv
+
+__all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "bytes_policy", "check_dense_baseline",
+           "dense_cache", "is_dense_baseline"]
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The dtype baseline ``name`` (None: ``dense``) stores rows in; None for the model's own."""
+    dtype = DENSE_BASELINES[check_dense_baseline(name or "dense")]
+    return None if dtype is None else getattr(torch, dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def is_dense_baseline(name: object) -> bool:
+    return isinstance(name, str) and name in DENSE_BASELINES
+
+
+def check_dense_baseline(name: str) -> str:
+    dense_baseline_kv(name, "")  # refuses an unknown name
+    return name
+
+
+def baseline_kv_dtype(name: str | None, model_dtype: torch.dtype) -> str:
+    """The dtype the baseline's K/V rows are stored in, as a name (``float16``); None means ``dense``."""
+    return dense_baseline_kv(name or "dense", _name(model_dtype))
+
+
+class _Rows16:
+    """Mixin for a ``DynamicLayer`` (or its sliding-window subclass): rows stored in ``kv_dtype``, returned upcast
+    to the dtype the model handed them in."""
+
+    kv_dtype: torch.dtype
+    compute_dtype: torch.dtype | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.compute_dtype = key_states.dtype
+        super().lazy_initialization(key_states.to(self.kv_dtype), value_states.to(self.kv_dtype))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = super().update(key_states.to(self.kv_dtype), value_states.to(self.kv_dtype), *args, **kwargs)
+        return keys.to(self.compute_dtype), values.to(self.compute_dtype)
+
+
+class Dense16Layer(_Rows16, DynamicLayer):
+    def __init__(self, kv_dtype: torch.dtype, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kv_dtype = kv_dtype
+
+
+class Dense16SlidingLayer(_Rows16, DynamicSlidingWindowLayer):
+    def __init__(self, kv_dtype: torch.dtype, sliding_window: int, **kwargs) -> None:
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.kv_dtype = kv_dtype
+
+
+class Dense16Cache(DynamicCache):
+    """A ``DynamicCache`` (same layer types and windows, from ``config``) that stores K/V rows in ``kv_dtype``."""
+
+    def __init__(self, config, kv_dtype: torch.dtype) -> None:
+        super().__init__(config=config)
+        self.kv_dtype = kv_dtype
+        for i, layer in enumerate(self.layers):
+            if type(layer) is DynamicLayer:
+                self.layers[i] = Dense16Layer(kv_dtype)
+            elif type(layer) is DynamicSlidingWindowLayer:
+                self.layers[i] = Dense16SlidingLayer(kv_dtype, layer.sliding_window)
+            else:
+                raise ValueError(f"a {kv_dtype} dense baseline cannot hold a {type(layer).__name__} layer "
+                                 "(only full and sliding-window attention layers); use the dense baseline")
+
+
+def bytes_policy(name: str | None, model_dtype: torch.dtype) -> str:
+    """The dense policy that counts the same bytes as baseline ``name`` (``fp16`` for ``dense-fp16``; ``k=fp32,
+    v=fp32`` for ``dense`` on a float32 model): what a savings figure against the baseline is computed with."""
+    width = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[baseline_kv_dtype(name, model_dtype)]
+    return "fp16" if width == "fp16" else f"k={width},v={width}"
+
+
+def dense_cache(config, name: str | None = None) -> DynamicCache:
+    """The dense baseline ``name`` (``DENSE_BASELINES``; None: ``dense``) for a model with ``config``."""
+    dtype = _dtype(name)
+    return DynamicCache(config=config) if dtype is None else Dense16Cache(config, dtype)

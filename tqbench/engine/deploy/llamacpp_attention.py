@@ -1,0 +1,152 @@
+"""llama.cpp's CPU flash attention (``ggml_compute_forward_flash_attn_ext_f16``, ggml-cpu ``ops.cpp``), in torch.
+
+What the engine computes for a ``-ctk K -ctv V -fa on`` cache, read in llama.cpp 11434's source:
+
+- The cache holds what ``set_rows`` wrote: the CPU ``from_float`` of the type (x86: ``quantize_row_q8_0`` is the
+  AVX one, ``x * (127/amax)`` rounded half to even; the 4/5-bit types and ``iq4_nl`` are the reference
+  quantizers, ``codecs.ggml``), ``f16`` rounds to half precision.
+- Batches of at least ``GGML_FA_TILE_Q`` queries with an ``f16`` (or ``f32``) K and V of the same type take the
+  tiled path: Q stays fp32, K/V are widened to fp32, scores, softmax and the V sum in fp32. Every other case
+  (a quantized K or V, a mixed pair, single-token decode) takes ``_one_chunk``: Q is converted to the K type's
+  ``vec_dot_type`` (``q8_0`` blocks for q8_0/q4_0/q5_0/iq4_nl, ``q8_1`` for q4_1/q5_1, fp16 for f16), scores
+  are that block dot product (for the ``_1`` types plus ``m_k * s_q`` with ``s_q`` the fp16 block sum of the
+  query), softmax online in fp32, V accumulated in fp32 when V is quantized (in fp16 when V is f16: not
+  modelled here, ``f16_v_accumulation`` says so).
+- Every query of a batch reads the cache as stored, its own row included.
+
+``LLAMACPP_ATTN`` is registered with transformers' ``AttentionInterface``; ``llamacpp_kv(model, k, v)`` switches a
+model to it for a block. One sequence per call, no cache (the whole chunk in one forward, as llama-perplexity's
+chunk reads its own cache), causal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tqbench.engine.codecs.ggml import GGML_TYPES, QK, dequantize_blocks, quantize_blocks
+
+__all__ = ["LLAMACPP_ATTN", "VEC_DOT_TYPE", "f16_v_accumulation", "llamacpp_kv", "quantize_row_q8",
+           "query_as_vec_dot", "stored"]
+
+LLAMACPP_ATTN = "tqbench-llamacpp-cpu"
+#: ggml-cpu type_traits_cpu[K].vec_dot_type: what the query is converted to before the K dot product
+VEC_DOT_TYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
+                "iq4_nl": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1"}
+_TILED = ("f32", "f16")  # K = V of these types take the tiled (all-fp32) path for a batch of queries
+
+
+def quantize_row_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml-cpu's x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1`` on rows ``[..., n*32]`` (fp32): per block of
+    32, ``d = amax/127`` stored as fp16, ``q = round_half_even(x * (127/amax))``, and (q8_1) ``s = fp16(d_fp32 *
+    sum(q))``. Returns ``(d [..., n] as fp32 of the fp16, q [..., n, 32] int8, s [..., n] fp32 of the fp16)``."""
+    xb = x.to(torch.float32).reshape(*x.shape[:-1], -1, QK)
+    amax = xb.abs().amax(-1)
+    d = amax / 127
+    inv = torch.where(amax != 0, 127 / torch.where(amax != 0, amax, 1), 0)
+    q = torch.round(xb * inv.unsqueeze(-1))  # torch.round: half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
+    s = (d * q.sum(-1)).to(torch.float16).to(torch.float32)
+    return d.to(torch.float16).to(torch.float32), q.to(torch.int8), s
+
+
+def query_as_vec_dot(q: torch.Tensor, k_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The query as the K type's dot product reads it: ``(values [..., D] fp32, s [..., D/32] or None)``; ``s``
+    is the q8_1 block sum the ``_1`` types' dot product uses for their minimum (``m_k * s``), in place of
+    ``m_k * sum(values)``."""
+    vt = VEC_DOT_TYPE[k_type]
+    if vt == "f32":
+        return q.to(torch.float32), None
+    if vt in ("f16", "bf16"):
+        return q.to(torch.float16 if vt == "f16" else torch.bfloat16).to(torch.float32), None
+    d, qi, s = quantize_row_q8(q)
+    vals = (qi.to(torch.float32) * d.unsqueeze(-1)).reshape(q.shape)
+    return vals, (s if vt == "q8_1" else None)
+
+
+def stored(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the cache holds for rows ``x [..., D]`` of type ``kind``, read back as fp32, and the per-block
+    minimum ``m [..., D/32]`` of a ``_1`` type (else None)."""
+    if kind == "f32":
+        return x.to(torch.float32), None
+    if kind in ("f16", "bf16"):
+        return x.to(torch.float16 if kind == "f16" else torch.bfloat16).to(torch.float32), None
+    if kind not in GGML_TYPES:
+        raise ValueError(f"{kind!r} is not a llama.cpp KV type: valid types are f32, f16, bf16, "
+                         f"{', '.join(GGML_TYPES)}")
+    xb = x.to(torch.float32).reshape(-1, QK)
+    if kind == "q8_0":  # the x86 set_rows quantizer (AVX), not the _ref one
+        d, qi, _ = quantize_row_q8(xb)
+        vals = qi.to(torch.float32).reshape(-1, QK) * d.reshape(-1, 1)
+        return vals.reshape(x.shape), None
+    raw = quantize_blocks(kind, xb)
+    vals = dequantize_blocks(kind, raw).reshape(x.shape)
+    if kind in ("q4_1", "q5_1"):
+        m = raw[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
+        return vals, m.reshape(*x.shape[:-1], -1)
+    return vals, None
+
+
+def f16_v_accumulation(k_type: str, v_type: str) -> bool:
+    """True where llama.cpp sums V in fp16 for a batch (a quantized K with an f16 V): not modelled here."""
+    return v_type == "f16" and k_type not in _TILED
+
+
+_current: dict = {}
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """``AttentionInterface`` function: ``query [1, H, T, D]``, ``key``/``value [1, Hkv, T, D]`` (this call's rows,
+    no cache) -> ``[1, T, H, D]``, computed as llama.cpp's CPU flash attention with ``_current`` K/V types."""
+    k_type, v_type = _current["k"], _current["v"]
+    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
+        raise ValueError("the llama.cpp attention model covers full causal attention without sinks only")
+    b, h, t, dk = query.shape
+    if b != 1 or key.shape[2] != t:
+        raise ValueError("the llama.cpp attention model runs one sequence in one forward, without a cache")
+    rep = h // key.shape[1]
+    scale = scaling if scaling is not None else dk ** -0.5
+    if k_type == v_type and k_type in _TILED:  # tiled path: fp32 Q, K/V widened from their storage
+        qv, s_q = query.to(torch.float32), None
+    else:
+        qv, s_q = query_as_vec_dot(query, k_type)
+    kv, m_k = stored(key, k_type)
+    vv, _ = stored(value, v_type)
+    kv = kv.repeat_interleave(rep, dim=1)
+    vv = vv.repeat_interleave(rep, dim=1)
+    scores = qv @ kv.transpose(-1, -2)
+    if s_q is not None and m_k is not None:  # the _1 types: m_k * s_q, not m_k * sum(q values)
+        nb = dk // QK
+        qsum = qv.reshape(b, h, t, nb, QK).sum(-1)
+        scores = scores + (s_q - qsum) @ m_k.repeat_interleave(rep, dim=1).transpose(-1, -2)
+    scores = scores * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
+    scores = scores.masked_fill(causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = probs @ vv
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+@contextmanager
+def llamacpp_kv(model, k_type: str, v_type: str) -> Iterator[None]:
+    """Run ``model``'s attention as llama.cpp's CPU flash attention over a ``k_type``/``v_type`` cache for the
+    block (then restore its implementation)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    for kind in (k_type, v_type):
+        if kind not in VEC_DOT_TYPE:
+            raise ValueError(f"{kind!r} is not a llama.cpp KV type: valid types are {', '.join(VEC_DOT_TYPE)}")
+    AttentionInterface.register(LLAMACPP_ATTN, _attention)
+    AttentionMaskInterface.register(LLAMACPP_ATTN, sdpa_mask)
+    previous = model.config._attn_implementation
+    _current.update(k=k_type, v=v_type)
+    model.set_attn_implementation(LLAMACPP_ATTN)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _current.clear()

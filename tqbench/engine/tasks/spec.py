@@ -1,0 +1,103 @@
+"""The suite's tasks, their metrics and the rules on what a run may ask for. Torch-free: front ends check input
+here before a model loads.
+
+Metrics are RULER's (``string_match_all``: the fraction of references the answer contains; ``string_match_part``:
+1 when it contains any of them; case-insensitive); a task's score is 100 x the mean over its samples.
+``chance`` is what a model with no access to the context (or guessing among what the context offers) would score,
+in points, and how that figure was reached (docs/validation.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tqbench.engine.request import RequestError
+
+SUITE = "tqbench-ruler"
+#: bump when a prompt, a task's size or a metric changes: cached baseline answers of another version are not used
+SUITE_VERSION = 1
+CONTEXTS = (2048, 4096, 8192)
+DEFAULT_SAMPLES = 3
+MAX_SAMPLES = 64
+
+
+def string_match_all(answer: str, references: tuple[str, ...]) -> float:
+    a = answer.lower()
+    return sum(r.lower() in a for r in references) / len(references)
+
+
+def string_match_part(answer: str, references: tuple[str, ...]) -> float:
+    a = answer.lower()
+    return float(max(r.lower() in a for r in references))
+
+
+METRICS: dict[str, Callable[[str, tuple[str, ...]], float]] = {
+    "string_match_all": string_match_all, "string_match_part": string_match_part}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    what: str  # what it tests, in a few words
+    metric: str  # a METRICS key
+    max_new_tokens: int
+    min_context: int
+    chance: float  # points
+    chance_note: str
+    default: bool  # in the suite when no tasks are named (sized for the default 135M model: docs/validation.md)
+    builder: str  # a ``generate`` function: (tokenizer, rng, filler length, index, n) -> (user text, references, answer prefix)
+
+    @property
+    def build(self) -> Callable:
+        from tqbench.engine.tasks import generate
+
+        return getattr(generate, self.builder)
+
+    def score(self, answer: str, references: tuple[str, ...]) -> float:
+        return METRICS[self.metric](answer, references)
+
+
+TASKS: dict[str, TaskSpec] = {t.name: t for t in (
+    TaskSpec("niah_single", "one key-value needle in essay text, retrieve its value", "string_match_all", 16, 512,
+             0.0, "a 7-digit number: guessing scores ~0", True, "build_niah_single"),
+    TaskSpec("niah_multikey", "four key-value needles, retrieve the value of one key", "string_match_all", 16, 512,
+             25.0, "copying one of the 4 numbers in the context at random scores 25", True, "build_niah_multikey"),
+    TaskSpec("niah_multivalue", "two values under one key, retrieve both", "string_match_all", 24, 512,
+             0.0, "7-digit numbers: guessing scores ~0", True, "build_niah_multivalue"),
+    TaskSpec("variable_tracking", "a chain of 3 variable assignments in noise, list every variable holding "
+             "a value", "string_match_all", 24, 512, 0.0,
+             "5-letter random names: guessing scores ~0 (naming the one variable set to the value directly: 33)",
+             False, "build_variable_tracking"),
+    TaskSpec("common_words", "the 3 most frequent words (30 times each, the rest once) of a long numbered list",
+             "string_match_all", 24, 512, 0.0,
+             "3 random words of the list: 3 x 3/V, under 1 point at 2K (V > 300 distinct words)",
+             False, "build_common_words"),
+    TaskSpec("qa", "answer a question about one shipped paragraph among distractor paragraphs",
+             "string_match_part", 16, 1024, 0.0,
+             "short factual answers named only in the gold paragraph; measured closed-book (docs) ",
+             True, "build_qa"),
+)}
+
+
+def check_tasks(names: list[str] | None, context: int, samples: int, max_context: int | None = None,
+                model: str = "the model") -> list[TaskSpec]:
+    """The tasks asked for (None: the default set, ``TaskSpec.default``), checked against ``context`` and ``samples``; ``max_context`` (the model's,
+    when known) bounds the context. A ``RequestError`` names the field (tasks, context, samples) and what to give."""
+    if names is not None:
+        unknown = [n for n in names if n not in TASKS]
+        if unknown or not names:
+            raise RequestError("tasks", ",".join(names), f"unknown task {', '.join(unknown) or '(none given)'}: "
+                               f"choose from {', '.join(TASKS)}")
+    tasks = [TASKS[n] for n in names] if names else [t for t in TASKS.values() if t.default]
+    if isinstance(samples, bool) or not isinstance(samples, int) or not 1 <= samples <= MAX_SAMPLES:
+        raise RequestError("samples", samples, f"give 1 to {MAX_SAMPLES} samples per task")
+    short = [t.name for t in tasks if context < t.min_context]
+    if short:
+        need = max(TASKS[n].min_context for n in short)
+        raise RequestError("context", context, f"too short for {', '.join(short)}: give at least {need} tokens "
+                           "(or leave those tasks out)")
+    if max_context and context > max_context:
+        raise RequestError("context", context, f"above {model}'s maximum of {max_context} tokens: give at most "
+                           f"{max_context}")
+    return tasks

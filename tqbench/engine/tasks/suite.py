@@ -1,0 +1,201 @@
+"""Run the suite: the baseline's and a candidate's greedy answers on every sample, scored against the reference
+answers (RULER's metrics, ``spec``) and the candidate against the baseline's own answer (agreement).
+
+The baseline's answers are cached per (model fingerprint, dtype, device, baseline policy, cache mode, prompt ids,
+new tokens) in ``<tqbench cache>/tasks/`` (``models.resolve.cache_dir``): a second candidate on the same suite does
+not run the baseline again. The result carries rows of (dataset, model, method, compression_ratio, score) per
+task and overall, as kvpress's leaderboard does; compression_ratio is kvpress's: the fraction of fp16 KV bytes
+the method does not store (0 = none, 0.75 = a quarter kept), from the cache report of each run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqbench.engine.events import CancelFlag, GenerationFinished, OnEvent, Progress, emit, raise_if_cancelled
+from tqbench.engine.tasks.generate import Sample, make_sample
+from tqbench.engine.tasks.spec import DEFAULT_SAMPLES, SUITE, SUITE_VERSION, TASKS, TaskSpec, check_tasks
+
+
+@dataclass
+class Answer:
+    text: str
+    score: float  # 0..1 against the references
+    stored_bytes: int
+    fp16_bytes: int
+
+    @property
+    def compression_ratio(self) -> float:
+        return 1 - self.stored_bytes / self.fp16_bytes if self.fp16_bytes else 0.0
+
+
+@dataclass
+class TasksResult:
+    model: str
+    context: int
+    seed: int
+    baseline: str
+    candidate: str
+    cache_mode: str
+    samples_per_task: int
+    tasks: list[str]
+    samples: list[dict] = field(default_factory=list)
+    baseline_cached: int = 0  # samples whose baseline answer came from the cache
+
+    @property
+    def dataset(self) -> str:
+        return f"{SUITE}-{self.context}"
+
+    def _of(self, task: str | None) -> list[dict]:
+        return [s for s in self.samples if task is None or s["task"] == task]
+
+    def task_row(self, task: str | None) -> dict:
+        """Scores of one task (None: overall, the mean of the task scores) in points."""
+        if task is None:
+            rows = [self.task_row(t) for t in self.tasks]
+            mean = (lambda k: sum(r[k] for r in rows) / len(rows)) if rows else (lambda k: 0.0)
+            return {"task": "overall", "samples": sum(r["samples"] for r in rows),
+                    "chance": mean("chance"), "baseline_score": mean("baseline_score"),
+                    "candidate_score": mean("candidate_score"), "agreement": mean("agreement"),
+                    "delta": mean("candidate_score") - mean("baseline_score")}
+        ss = self._of(task)
+        n = len(ss) or 1
+        base = 100 * sum(s["baseline_score"] for s in ss) / n
+        cand = 100 * sum(s["candidate_score"] for s in ss) / n
+        return {"task": task, "samples": len(ss), "chance": TASKS[task].chance, "baseline_score": base,
+                "candidate_score": cand, "agreement": 100 * sum(s["agree"] for s in ss) / n, "delta": cand - base}
+
+    def leaderboard(self) -> list[dict]:
+        """(dataset, model, method, compression_ratio, score) rows: baseline and candidate, per task and overall."""
+        rows = []
+        for task in [*self.tasks, None]:
+            r = self.task_row(task)
+            ss = self._of(task)
+            for method, side in ((self.baseline, "baseline"), (self.candidate, "candidate")):
+                cr = sum(s[f"{side}_compression_ratio"] for s in ss) / (len(ss) or 1)
+                rows.append({"dataset": self.dataset, "task": r["task"], "model": self.model, "method": method,
+                             "compression_ratio": round(cr, 6), "score": round(r[f"{side}_score"], 4),
+                             "samples": r["samples"]})
+        return rows
+
+    def to_dict(self) -> dict:
+        return {
+            "suite": SUITE, "suite_version": SUITE_VERSION, "dataset": self.dataset, "model": self.model,
+            "context": self.context, "seed": self.seed, "baseline": self.baseline, "candidate": self.candidate,
+            "cache_mode": self.cache_mode, "samples_per_task": self.samples_per_task,
+            "baseline_cached": self.baseline_cached,
+            "tasks": [self.task_row(t) for t in self.tasks], "overall": self.task_row(None),
+            "leaderboard": self.leaderboard(), "samples": self.samples,
+        }
+
+
+# ---- the baseline's cache ------------------------------------------------------------------------------------
+def baseline_cache_dir() -> Path:
+    from tqbench.engine.models.resolve import cache_dir
+
+    return cache_dir() / "tasks"
+
+
+def _sample_key(engine, baseline: str, cache_mode: str, sample: Sample, max_new_tokens: int) -> str:
+    lm = engine.loaded
+    h = hashlib.sha256(json.dumps([SUITE_VERSION, lm.fingerprint, str(lm.dtype), str(lm.device), baseline,
+                                   cache_mode, max_new_tokens]).encode())
+    h.update(sample.ids.numpy().astype("int64").tobytes())
+    return h.hexdigest()
+
+
+class BaselineCache:
+    """Baseline answers on disk, one JSON file per model fingerprint (``folder`` None: no cache)."""
+
+    def __init__(self, folder: Path | None, fingerprint: str) -> None:
+        self.path = folder / f"{fingerprint[:32]}.json" if folder is not None else None
+        self.data: dict = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                self.data = json.loads(self.path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                self.data = {}  # a damaged cache is rebuilt, never trusted
+
+    def get(self, key: str) -> dict | None:
+        return self.data.get(key)
+
+    def put(self, key: str, value: dict) -> None:
+        if self.path is None:
+            return
+        from tqbench.engine.atomic import atomic_write
+
+        self.data[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, json.dumps(self.data).encode("utf-8"))
+
+
+# ---- running -------------------------------------------------------------------------------------------------
+def build_samples(engine, tasks: list[TaskSpec], context: int, samples: int, seed: int) -> list[Sample]:
+    return [make_sample(engine, t, context, i, samples, seed) for t in tasks for i in range(samples)]
+
+
+def _answer(engine, sample: Sample, task: TaskSpec, pol, cache_mode: str, cancel: CancelFlag | None) -> Answer:
+    res = None
+    for ev in engine.stream(sample.ids, pol, cache_mode, max_new_tokens=task.max_new_tokens, cancel=cancel):
+        if isinstance(ev, GenerationFinished):
+            res = ev.result
+    raise_if_cancelled(cancel, "tasks")  # a cut-off answer is not scored
+    rep = res.cache_report
+    stored = int(rep.compressed_storage_bytes) if rep is not None else 0
+    dense = int(rep.dense_fp16_bytes) if rep is not None else 0
+    return Answer(res.text, task.score(res.text, sample.references), stored, dense)
+
+
+def run_tasks(
+    engine,
+    candidate,
+    context: int,
+    *,
+    tasks: list[str] | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    baseline="fp16",
+    cache_mode: str = "compressed",
+    seed: int = 0,
+    cache: bool = True,
+    cache_folder: Path | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
+) -> TasksResult:
+    """The suite at ``context`` tokens: baseline (cached unless ``cache`` is False) and ``candidate`` on every sample.
+    Raises ``Cancelled`` when ``cancel()`` turns true."""
+    specs = check_tasks(tasks, context, samples, engine.max_context, engine.name)
+    base_pol, cand_pol = engine.check_policy(baseline), engine.check_policy(candidate)
+    store = BaselineCache((cache_folder or baseline_cache_dir()) if cache else None, engine.loaded.fingerprint)
+    emit(on_event, Progress("tasks", 0, None, f"building {len(specs) * samples} samples at {context} tokens"))
+    built = build_samples(engine, specs, context, samples, seed)
+    result = TasksResult(engine.name, context, seed, base_pol.label, cand_pol.label, cache_mode, samples,
+                         [t.name for t in specs])
+    total, done = 2 * len(built), 0
+    for s in built:
+        task = TASKS[s.task]
+        key = _sample_key(engine, base_pol.label, cache_mode, s, task.max_new_tokens)
+        hit = store.get(key)
+        if hit is not None:
+            base = Answer(hit["text"], task.score(hit["text"], s.references), hit["stored_bytes"], hit["fp16_bytes"])
+            result.baseline_cached += 1
+        else:
+            raise_if_cancelled(cancel, "tasks")
+            emit(on_event, Progress("tasks", done, total, f"{base_pol.label}: {s.task} #{s.index}"))
+            base = _answer(engine, s, task, base_pol, cache_mode, cancel)
+            store.put(key, {"text": base.text, "stored_bytes": base.stored_bytes, "fp16_bytes": base.fp16_bytes})
+        done += 1
+        raise_if_cancelled(cancel, "tasks")
+        emit(on_event, Progress("tasks", done, total, f"{cand_pol.label}: {s.task} #{s.index}"))
+        cand = _answer(engine, s, task, cand_pol, cache_mode, cancel)
+        done += 1
+        result.samples.append({
+            "task": s.task, "index": s.index, "prompt_tokens": s.prompt_tokens, "references": list(s.references),
+            "baseline_answer": base.text, "candidate_answer": cand.text, "baseline_score": base.score,
+            "candidate_score": cand.score, "agree": cand.text.strip() == base.text.strip(),
+            "baseline_compression_ratio": base.compression_ratio,
+            "candidate_compression_ratio": cand.compression_ratio})
+    emit(on_event, Progress("tasks", done, total, "done"))
+    return result
