@@ -68,7 +68,8 @@ def test_estimate_is_about_half_at_8k():
     geo = model_geometry("default").geometry
     full = estimate_kv("turbo4", geo, 8192)
     half = estimate_kv("turbo4,keep=0.5", geo, 8192)
-    assert 0.49 < half.total_bytes / full.total_bytes < 0.52
+    # half the rows, plus each held row's int32 position per KV head (counted: evict.bookkeeping)
+    assert 0.52 < half.total_bytes / full.total_bytes < 0.55
     assert half.dense_fp16_bytes == full.dense_fp16_bytes  # bits/element against every token in fp16
 
 

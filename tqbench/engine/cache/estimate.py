@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from tqbench.engine.cache.evict.bookkeeping import bookkeeping_bytes
 from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_bytes
 from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import window_start
@@ -148,6 +149,10 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             fp_total += parts.full_precision
             if parts.packed_tokens:
                 shared.update(codec.shared_items(dim))
+        if plan.evicts:  # the held rows' positions (and h2o's mass)
+            extra = bookkeeping_bytes(pol.score, batch, g.kv_heads, held)
+            total += extra
+            state_total += extra
         if plan.evicts and pol.demote:  # the evicted rows at the demote codec (no sinks, no recent rows)
             for role, dim in (("k", g.head_dim), ("v", g.v_dim)):
                 codec = pol.build_codec(pol.demote, role, layer=plan.layer)

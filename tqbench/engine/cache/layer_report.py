@@ -33,6 +33,8 @@ def build_report(cache) -> CacheReport:
                         side[key] += n
                     if store.n_packed:
                         shared.update(store.codec.shared_items(dim))
+            if layer.evictor is not None:  # the held rows' positions (and h2o's mass): row metadata, K side
+                kb["state"] += layer.evictor.bookkeeping_bytes()
             tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
             # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
             fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)

@@ -14,6 +14,7 @@ import torch
 
 from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.evict import scores
+from tqbench.engine.cache.evict.bookkeeping import MASS_DTYPE, POSITION_DTYPE
 from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.keep import kept_rows, protected_rows
@@ -67,6 +68,11 @@ class Evictor:
             self.demoted = tuple(KVStore(policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0)
                                  for role in ("k", "v"))
 
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of the held rows' positions and mass as held now (``evict.bookkeeping``'s rule)."""
+        return sum(b.view().numel() * b.view().element_size() for b in (self.positions, self.mass)
+                   if b.data is not None)
+
     @property
     def n_demoted(self) -> int:
         return self.demoted[0].n_tokens if self.demoted else 0
@@ -77,10 +83,10 @@ class Evictor:
 
     def begin(self, n0: int, t: int, batch: int, heads: int, device) -> bool:
         """A call of ``t`` rows after ``n0`` tokens: record the positions; True when it ends at an eviction point."""
-        pos = torch.arange(n0, n0 + t, device=device).view(1, 1, t).expand(batch, heads, t)
+        pos = torch.arange(n0, n0 + t, dtype=POSITION_DTYPE, device=device).view(1, 1, t).expand(batch, heads, t)
         self.positions.append(pos)
         if self.score == "h2o":
-            self.mass.append(torch.zeros(batch, heads, t, device=device))
+            self.mass.append(torch.zeros(batch, heads, t, dtype=MASS_DTYPE, device=device))
         if t > 1:
             self.prefill_end = n0 + t
             return True
@@ -134,6 +140,8 @@ class Evictor:
                 self.evicted_prefill += dropped
             else:
                 self.evicted_decode += dropped
+        if not self.every:  # no later eviction point reads these queries
+            self.queries = None
         ks.release()
         vs.release()
 
