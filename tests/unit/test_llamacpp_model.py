@@ -109,3 +109,14 @@ def test_attention_model_on_a_tiny_model():
     assert res[0].kld_mean == 0.0 and res[0].same_top_pct == 100.0
     assert 0 < res[1].kld_mean < res[2].kld_mean
     assert res[1].tokens == 2 * 31 and "no GGUF" in res[1].note
+
+
+def test_quantized_caches_are_hadamard_rotated_as_llamacpp_stores_them():
+    from tqbench.engine.deploy.llamacpp_attention import hadamard, llamacpp_kv, rotated
+
+    h = hadamard()
+    assert h.shape == (64, 64) and torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.T)
+    assert rotated("q4_0", 64) and rotated("q8_0", 128) and not rotated("f16", 64) and not rotated("q4_0", 96)
+    with pytest.raises(ValueError, match="'q3_k' is not a llama.cpp KV type"):
+        with llamacpp_kv(None, "q3_k", "f16"):
+            pass

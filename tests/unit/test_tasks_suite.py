@@ -119,7 +119,8 @@ def test_run_caches_the_baseline_and_scores_both_sides(tiny_engine, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "niah_single,nope"], "--tasks='niah_single,nope' is invalid: unknown task nope: choose from"),
-    (["--context", "800"], "--context=800 is invalid: too short for qa: give at least 1024 tokens"),
+    (["--context", "800", "--tasks", "qa"], "--context=800 is invalid: too short for qa: give at least 1024 tokens"),
+    (["--context", "400"], "--context=400 is invalid: too short for niah_single, niah_multikey, niah_multivalue"),
     (["--context", "9000"], "--context=9000 is invalid: above SmolLM2-135M's maximum of 8192 tokens"),
     (["--samples", "0"], "--samples=0 is invalid: give 1 to 64 samples per task"),
     (["--candidate", "nope4"], "unknown policy preset 'nope4'"),
@@ -134,7 +135,7 @@ def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(monkeypatch, ar
 
 
 def test_check_tasks_names_every_rule():
-    assert [t.name for t in check_tasks(None, 2048, 4)] == ["niah_single", "niah_multikey", "niah_multivalue", "qa"]
+    assert [t.name for t in check_tasks(None, 2048, 4)] == ["niah_single", "niah_multikey", "niah_multivalue"]
     assert [t.name for t in check_tasks(["qa"], 1024, 1)] == ["qa"]
     with pytest.raises(ValueError, match="too short for niah_single, qa: give at least 1024"):
         check_tasks(["niah_single", "qa"], 256, 1)

@@ -13,6 +13,10 @@ What the engine computes for a ``-ctk K -ctv V -fa on`` cache, read in llama.cpp
   query), softmax online in fp32, V accumulated in fp32 when V is quantized (in fp16 when V is f16: not
   modelled here, ``f16_v_accumulation`` says so).
 - Every query of a batch reads the cache as stored, its own row included.
+- A quantized K (V) cache holds its rows rotated by a 64 x 64 Hadamard matrix (``llama_kv_cache``: ``n_rot_k``,
+  ``n_rot_v`` = 64 when the type is quantized and head_dim is a multiple of 64, ``ggml_gen_hadamard``; the
+  environment variable ``LLAMA_ATTN_ROT_DISABLE=1`` turns it off): the query is rotated the same way before its
+  conversion, and the attention output is rotated back for V. Modelled with the normalized Sylvester matrix.
 
 ``LLAMACPP_ATTN`` is registered with transformers' ``AttentionInterface``; ``llamacpp_kv(model, k, v)`` switches a
 model to it for a block. One sequence per call, no cache (the whole chunk in one forward, as llama-perplexity's
@@ -94,6 +98,25 @@ def f16_v_accumulation(k_type: str, v_type: str) -> bool:
 
 
 _current: dict = {}
+ROT = 64  # llama.cpp's rotation block for a quantized cache (n_rot_k for head_dim 64; n_rot_v is always 64)
+
+
+def hadamard(n: int = ROT) -> torch.Tensor:
+    """The normalized Sylvester Hadamard matrix of order ``n`` (symmetric, its own inverse)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def rotated(kind: str, dim: int) -> bool:
+    """True where llama.cpp stores rows of ``kind`` Hadamard-rotated (a quantized type, head_dim % 64 == 0)."""
+    return kind in GGML_TYPES and dim % ROT == 0 and not _current.get("no_rot", False)
+
+
+def _rot(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    return (x.to(torch.float32).reshape(*x.shape[:-1], d // ROT, ROT) @ hadamard()).reshape(x.shape)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
@@ -107,6 +130,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise ValueError("the llama.cpp attention model runs one sequence in one forward, without a cache")
     rep = h // key.shape[1]
     scale = scaling if scaling is not None else dk ** -0.5
+    if rotated(k_type, dk):  # the quantized K cache and the query, rotated alike (Q.K unchanged before quantizing)
+        query, key = _rot(query), _rot(key)
+    rot_v = rotated(v_type, value.shape[-1])
+    if rot_v:
+        value = _rot(value)
     if k_type == v_type and k_type in _TILED:  # tiled path: fp32 Q, K/V widened from their storage
         qv, s_q = query.to(torch.float32), None
     else:
@@ -127,11 +155,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     scores = scores.masked_fill(causal, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = probs @ vv
+    if rot_v:
+        out = _rot(out)  # the Hadamard matrix is its own inverse
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
 @contextmanager
-def llamacpp_kv(model, k_type: str, v_type: str) -> Iterator[None]:
+def llamacpp_kv(model, k_type: str, v_type: str, rotation: bool = True) -> Iterator[None]:
     """Run ``model``'s attention as llama.cpp's CPU flash attention over a ``k_type``/``v_type`` cache for the
     block (then restore its implementation)."""
     from transformers import AttentionInterface
@@ -143,7 +173,7 @@ def llamacpp_kv(model, k_type: str, v_type: str) -> Iterator[None]:
     AttentionInterface.register(LLAMACPP_ATTN, _attention)
     AttentionMaskInterface.register(LLAMACPP_ATTN, sdpa_mask)
     previous = model.config._attn_implementation
-    _current.update(k=k_type, v=v_type)
+    _current.update(k=k_type, v=v_type, no_rot=not rotation)
     model.set_attn_implementation(LLAMACPP_ATTN)
     try:
         yield
