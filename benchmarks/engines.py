@@ -35,6 +35,10 @@ LLAMA_BITS = {"f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, 
               "iq4_nl": 4.5}  # bits per element of each GGML KV type (block scales included)
 DENSE = ("dense", "dense-fp16")  # tqbench's dense baselines, 32- and 16-bit K/V on a float32 model
 TARGETS = {8192: 1.5, 16384: 2.0}  # issue 31: fused turbo4 decode vs tqbench's fp16-K/V dense baseline
+#: llama-bench options beyond the measured ones: llama.cpp 11434 built -march=native on an AMX/AVX512-FP16 Xeon
+#: crashes (SIGSEGV) in batched prompt processing (the -d depth fill) with the Q4_1 weights repacked for the CPU;
+#: --repack 0 keeps them as stored in the GGUF (decode speed then reads the GGUF's own layout)
+LLAMA_EXTRA = ("--repack", "0")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,13 +95,14 @@ def find_llama_bench(engine, no_build: bool) -> tuple[str | None, str, str | Non
 def llama_bench(tool: str, gguf: str, context: int, kv: str, steps: int, threads: int) -> dict:
     """One ``llama-bench`` run (one repetition): decode tok/s of ``steps`` tokens at depth ``context``."""
     cmd = [tool, "-m", gguf, "-d", str(context), "-n", str(steps), "-p", "0", "-t", str(threads), "-fa", "1",
-           "-ctk", kv, "-ctv", kv, "-r", "1", "-o", "json"]
+           "-ctk", kv, "-ctv", kv, "-r", "1", "-o", "json", *LLAMA_EXTRA]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"llama-bench failed (exit {proc.returncode}) for -ctk {kv} at -d {context}: "
+        how = "crashed with SIGSEGV" if proc.returncode in (-11, 139) else f"failed (exit {proc.returncode})"
+        raise RuntimeError(f"llama-bench {how} for -ctk {kv} at -d {context}: {' '.join(cmd)}: "
                            + " | ".join(tail))
     (row,) = json.loads(proc.stdout)
     return {"tok_s": float(row["avg_ts"]), "wall_s": round(wall, 2), "build": row.get("build_commit"),
@@ -322,7 +327,7 @@ def main(argv=None) -> int:
         try:
             rows += measure_context(engine, a, ctx, prompt, tool, gguf, say)
         except RuntimeError as exc:  # llama-bench refused: say so, keep tqbench's rows of the next contexts
-            if tool is None or "llama-bench failed" not in str(exc):
+            if tool is None or not str(exc).startswith("llama-bench "):
                 raise
             say(str(exc))
             skipped, tool = str(exc), None
