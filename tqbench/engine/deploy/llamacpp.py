@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqbench.kernels.pidlock import pid_lock
+
 __all__ = ["LLAMACPP_VERSION", "RUNTIME_FLAGS", "LlamaCppBuild", "LlamaCppUnavailable", "TOOLS", "build_llamacpp",
            "find_llamacpp_tool", "llamacpp_dir", "llamacpp_status"]
 
@@ -158,23 +160,9 @@ def _missing_build_tools() -> str | None:
 
 @contextmanager
 def _builder_lock(root: Path, say: Progress) -> Iterator[None]:
-    """Hold an OS lock on ``root`` for the block (dropped by the OS however this process ends)."""
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            say(f"waiting for another process's llama.cpp build in {root} (pid {holder})")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    """Hold an OS lock on ``root`` for the block (``pidlock.pid_lock``: dropped by the OS however this process ends)."""
+    with pid_lock(root / LOCK, lambda pid: say(f"waiting for another process's llama.cpp build in {root} (pid {pid})")):
         yield
-    finally:
-        os.close(fd)
 
 
 def _sdist(root: Path, say: Progress) -> Path:

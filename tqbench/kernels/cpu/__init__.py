@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tqbench.kernels.pidlock import pid_lock
+
 __all__ = ["BUILDER_LOCK", "DISABLE_ENV", "ISA_ENV", "NativeUnavailable", "build_name", "builder_lock", "cflags",
            "native_module", "native_status"]
 
@@ -140,43 +142,24 @@ def _stable_source(build_dir: Path) -> Path:
     return build_dir / SOURCE.name
 
 
-def _holder(fd: int) -> str:
-    """The pid the lock file's holder wrote into it ("?" when it has not yet)."""
-    try:
-        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-    except OSError:
-        return "?"
-    return text if text.isdigit() else "?"
-
-
 @contextmanager
 def builder_lock(build_dir: Path) -> Iterator[str | None]:
-    """Hold the builders' OS lock on ``build_dir`` for the block (build or load inside it).
+    """Hold the builders' OS lock on ``build_dir`` for the block (build or load inside it; ``pidlock.pid_lock``).
 
     While another live process holds it, wait (saying so once, with its pid). Once held, a torch ``lock`` file in
     the folder cannot belong to a live build (every tqbench builder holds this lock while torch's exists): it was
     left by a killed build, so it is removed at once, with a warning. Yields what was done about a stale lock, or
     None. Where the OS has no ``flock`` (Windows), nothing is held and torch's own wait applies.
     """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - POSIX everywhere tqbench builds today
-        yield None
-        return
-    build_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(build_dir / BUILDER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            warnings.warn(f"waiting for another process's native-kernel build in {build_dir} (pid {_holder(fd)}); a "
-                          "build takes about a minute on 2 cores", stacklevel=3)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # returns when that process finishes or dies
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def waiting(pid: str) -> None:
+        warnings.warn(f"waiting for another process's native-kernel build in {build_dir} (pid {pid}); a "
+                      "build takes about a minute on 2 cores", stacklevel=6)
+
+    with pid_lock(build_dir / BUILDER_LOCK, waiting) as held:
         note = None
         lock = build_dir / "lock"
-        if lock.exists():
+        if held and lock.exists():
             try:
                 lock.unlink()
             except FileNotFoundError:
@@ -185,8 +168,6 @@ def builder_lock(build_dir: Path) -> Iterator[str | None]:
                     "build left it)")
             warnings.warn(note, stacklevel=3)
         yield note
-    finally:
-        os.close(fd)  # drops the flock
 
 
 def native_module():
