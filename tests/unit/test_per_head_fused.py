@@ -154,3 +154,40 @@ def test_fused_per_head_through_the_triton_kernels_matches_the_reference(monkeyp
     rep = got.cache_report
     assert rep.fused_impl == {"triton": 2 * rep.fused_calls} and rep.fallbacks == {}
     assert set(rep.fused_groups) == {"k=turbo4 v=turbo3 heads 0", "k=turbo2 v=turbo3 heads 1"}
+
+
+def _decode_logits(engine, policy: str, ids, steps: int) -> torch.Tensor:
+    cache, out = engine.make_cache(policy, "fused"), []
+    with torch.inference_mode():
+        logits = engine.model(input_ids=ids, cache=cache).logits[:, -1:]
+        for _ in range(steps):
+            out.append(logits)
+            logits = engine.model(input_ids=logits.argmax(-1), cache=cache).logits[:, -1:]
+    assert cache.report().fused_impl == {"native-cpu": cache.report().fused_calls}
+    return torch.cat(out)
+
+
+def test_kept_per_head_sides_give_the_logits_of_sides_rebuilt_every_step(engine64, monkeypatch):
+    """A per-head layer's kernel sides are kept across decode steps (only the dense chunks, the row counts and,
+    when rows were packed, the payload fields are set on them): the logits are those of sides rebuilt every step,
+    bit for bit, across steps that pack a 32-token KIVI block and steps that pack nothing."""
+    if not _native_ok():
+        pytest.skip("no native kernel here")
+    from tqbench.engine.cache.fused import native_glue
+
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "native")
+    ids = engine64.encode_prompt(PROMPT, chat=False)
+    kept = native_glue._kept_sides
+    hits = []
+
+    def counting(*args):
+        out = kept(*args)
+        hits.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_glue, "_kept_sides", counting)
+    got = _decode_logits(engine64, NATIVE_POLICY, ids, 40)
+    assert sum(hits) > len(hits) // 2  # the kept sides served most calls
+    monkeypatch.setattr(native_glue, "_kept_sides", lambda *args: None)
+    want = _decode_logits(engine64, NATIVE_POLICY, ids, 40)
+    assert torch.equal(got, want)

@@ -89,8 +89,13 @@ class HeadSplitCodec(Codec):
         return x[:, idx] if isinstance(idx, slice) else x.index_select(1, idx)
 
     @staticmethod
+    def field_prefix(g: int) -> str:
+        """What names group ``g``'s fields in a per-head payload or state (``g0.idx``)."""
+        return f"g{g}."
+
+    @staticmethod
     def sub_fields(d: dict, g: int) -> dict:
-        prefix = f"g{g}."
+        prefix = HeadSplitCodec.field_prefix(g)
         return {k[len(prefix):]: v for k, v in d.items() if k.startswith(prefix)}
 
     @property

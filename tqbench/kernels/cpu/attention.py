@@ -120,11 +120,12 @@ def _payload_fields(kind: str, payload: dict) -> dict:
     return {attr: payload[name] for attr, name in _PAYLOAD[kind]}
 
 
-def refresh_side(side, payload: dict, n_packed: int) -> None:
+def refresh_side(side, payload: dict, n_packed: int, prefix: str = "") -> None:
     """Point a kept ``Side`` at its store's packed run after rows were packed into it (same codec and state: the
-    codebook, rotation, widths and centring mean stand; only the payload tensors and the row count change)."""
+    codebook, rotation, widths and centring mean stand; only the payload tensors and the row count change).
+    ``prefix``: the side's fields are ``payload[prefix + name]`` (a group of a per-head store's payload)."""
     for attr, name in _PAYLOAD[side.kind]:
-        setattr(side, attr, payload[name])
+        setattr(side, attr, payload[prefix + name])
     side.n_packed = n_packed
 
 

@@ -135,7 +135,15 @@ def group_label_of(kc: HeadSplitCodec, vc: HeadSplitCodec, g: int) -> str:
     return _label(kc.subs[g].spec, vc.subs[g].spec, kc.groups[g])
 
 
+# K codec -> (V codec, the labels of its groups): a layer's labels, made once per codec pair
+_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def group_labels(kv: FusedKV) -> list[str]:
     """``group_label`` of every group of a per-head layer's handle, in group order (without building the views)."""
     kc, vc = kv.k_store.codec, kv.v_store.codec
-    return [group_label_of(kc, vc, g) for g in range(len(kc.groups))]
+    hit = _LABELS.get(kc)
+    if hit is None or hit[0] is not vc:
+        hit = (vc, [group_label_of(kc, vc, g) for g in range(len(kc.groups))])
+        _LABELS[kc] = hit
+    return hit[1]

@@ -12,6 +12,7 @@ additive mask); the caller then runs the torch reference and counts the fallback
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +21,7 @@ from tqbench.engine.cache.fused.groups import group_label_of, group_stores, is_p
 from tqbench.engine.cache.fused.layout import kernel_sides, store_side
 from tqbench.engine.cache.fused.masks import bool_mask
 from tqbench.engine.codecs.heads import HeadSplitCodec
-from tqbench.kernels.cpu.attention import native_attention_batch
+from tqbench.kernels.cpu.attention import dense_chunks, native_attention_batch, refresh_side
 
 
 def _record(layer, call, seq: slice) -> None:
@@ -58,12 +59,61 @@ def _group_parts(parts: tuple, codec: HeadSplitCodec, g: int) -> tuple:
     return tuple(out)
 
 
+# per-head K store -> (layout key, K sides, V sides): a decode step's groups keep their sides; only the dense chunks,
+# the row counts and (after a flush packed rows) the payload fields are set on them (``_kept_sides``)
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _packed_key(parts: tuple):
+    """``(n_before, n_packed, payload, data pointers)`` of a store's parts, or None without a packed run."""
+    n_before = 0
+    for kind, n, payload in parts:
+        if kind == "packed":
+            return n_before, n, payload, tuple(t.data_ptr() for t in payload.values())
+        n_before += n
+    return None
+
+
+def _kept_sides(kv, d: int, dt: torch.dtype, kc: HeadSplitCodec, vc: HeadSplitCodec):
+    """``_group_sides`` from the sides kept from this layer's last call, or None (no kept sides, or their codecs,
+    state, dims or run layout changed: the caller builds them group by group). Same sides, same fields as a
+    rebuild: the packed fields and row count are refreshed from this call's payload when rows were packed,
+    and the dense chunks (sinks, tail, new rows; every KV head) converted once and handed to every group."""
+    hit = _KEPT.get(kv.k_store)
+    if hit is None or kv.extra_k is not None or kv.extra_v is not None:
+        return None
+    (v_store, kc0, vc0, heads, dims, versions), k_sides, v_sides, ptrs = hit
+    if v_store is not kv.v_store or kc0 is not kc or vc0 is not vc or heads != kv.new_k.shape[1] or \
+            dims != (d, kv.new_v.shape[-1], dt) or versions != (kv.k_store.state_version, kv.v_store.state_version):
+        return None
+    kp, vp = _packed_key(kv.k_parts), _packed_key(kv.v_parts)
+    if kp is None or vp is None:
+        return None
+    extra = 0
+    for i, (sides, (n_before, n_packed, payload, now), new, parts) in enumerate((
+            (k_sides, kp, kv.new_k, kv.k_parts), (v_sides, vp, kv.new_v, kv.v_parts))):
+        dense, x = dense_chunks([p[2] for p in parts if p[0] == "dense"] + [new], dt)
+        extra += x
+        moved = ptrs[i] != (n_packed, now)  # rows packed (the payload views grew) or a buffer moved
+        for g, side in enumerate(sides):
+            if moved:
+                refresh_side(side, payload, n_packed, HeadSplitCodec.field_prefix(g))
+            side.n_before = n_before
+            side.dense = dense
+        ptrs[i] = (n_packed, now)
+    total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts) + kv.extra_rows
+    return k_sides, v_sides, total, extra
+
+
 def _group_sides(kv, d: int, dt: torch.dtype):
     """``store_sides`` of a per-head layer: one K and one V side per group of heads, each naming its heads. The
     dense chunks (sinks, tail, this call's rows) are handed whole, every KV head: no per-group slicing here."""
     kc, vc = kv.k_store.codec, kv.v_store.codec
     if kc.groups != vc.groups:
         raise RuntimeError(f"per-head K ({kc.spec}) and V ({vc.spec}) were built over different groups of heads")
+    kept = _kept_sides(kv, d, dt, kc, vc)
+    if kept is not None:
+        return kept
     kv_heads = kv.new_k.shape[1]
     k_views, v_views = group_stores(kv.k_store), group_stores(kv.v_store)
     k_sides, v_sides, extra = [], [], 0
@@ -84,7 +134,21 @@ def _group_sides(kv, d: int, dt: torch.dtype):
         v_sides.append(vs[0])
         extra += ks[1] + vs[1]
     total = kv.new_k.shape[2] + sum(p[1] for p in kv.k_parts) + kv.extra_rows
+    _keep(kv, d, dt, kc, vc, k_sides, v_sides)
     return k_sides, v_sides, total, extra
+
+
+def _keep(kv, d: int, dt: torch.dtype, kc: HeadSplitCodec, vc: HeadSplitCodec, k_sides, v_sides) -> None:
+    """Keep a rebuilt layer's sides for ``_kept_sides`` when every group is packed (a lossless group's rows are
+    dense, its side built apart) and the call had no verification columns; else drop what was kept."""
+    kp, vp = _packed_key(kv.k_parts), _packed_key(kv.v_parts)
+    if kp is None or vp is None or kv.extra_k is not None or kv.extra_v is not None or \
+            any(c.lossless for c in (*kc.subs, *vc.subs)):
+        _KEPT.pop(kv.k_store, None)
+        return
+    key = (kv.v_store, kc, vc, kv.new_k.shape[1], (d, kv.new_v.shape[-1], dt),
+           (kv.k_store.state_version, kv.v_store.state_version))
+    _KEPT[kv.k_store] = (key, k_sides, v_sides, [kp[1::2], vp[1::2]])
 
 
 def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: float, *, softcap=None,
