@@ -134,7 +134,7 @@ def test_frontier_benchmark_puts_joint_eviction_and_quantization_side_by_side(tm
     from tqbench.engine.policy import save_policy_artifact
 
     engine = Engine.tiny()
-    rep = allocate_policy(engine, 3.0, calibration="bread", calib_prefill=48, calib_steps=8, verify_prefill=48,
+    rep = allocate_policy(engine, 3.5, calibration="bread", calib_prefill=48, calib_steps=8, verify_prefill=48,
                           verify_steps=6, context=96, base="sink=2,recent=4,window=4", codecs=["turbo4"],
                           k_codecs=["turbo4"], axes="bits,tokens", max_measurements=1, protections=[])
     art = save_policy_artifact(rep.to_artifact(engine.geometry), tmp_path / "j.toml")

@@ -25,7 +25,8 @@ CACHE_REPORT_KEYS = [
 #: one row of ``cache_report.layers``
 LAYER_KEYS = [
     "layer", "k_codec", "v_codec", "tokens", "k_bytes", "v_bytes", "full_precision_bytes", "packed_bytes",
-    "state_bytes", "k_packed_tokens", "v_packed_tokens", "dense_fp16_bytes", "reason", "total_bytes",
+    "state_bytes", "k_packed_tokens", "v_packed_tokens", "dense_fp16_bytes", "reason", "evicted_prefill",
+    "evicted_decode", "demoted_tokens", "total_bytes",
 ]
 
 

@@ -144,7 +144,7 @@ def test_engine_runs_fused_without_triton():
         "(False, 'triton is not installed (pip install triton)')",
         "['native-cpu']",
         "['tqbench.kernels', 'tqbench.kernels.cpu', 'tqbench.kernels.cpu.attention', 'tqbench.kernels.packing', "
-        "'tqbench.kernels.reference']",
+        "'tqbench.kernels.pidlock', 'tqbench.kernels.reference']",
     ]
 
 
