@@ -26,7 +26,7 @@ CACHE_REPORT_KEYS = [
 LAYER_KEYS = [
     "layer", "k_codec", "v_codec", "tokens", "k_bytes", "v_bytes", "full_precision_bytes", "packed_bytes",
     "state_bytes", "k_packed_tokens", "v_packed_tokens", "dense_fp16_bytes", "reason", "evicted_prefill",
-    "evicted_decode", "demoted_tokens", "total_bytes",
+    "evicted_decode", "demoted_tokens", "head_tokens", "total_bytes",
 ]
 
 

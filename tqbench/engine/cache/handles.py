@@ -109,7 +109,10 @@ class EvictKV(_Handle):
     keys: torch.Tensor
     values: torch.Tensor
     layer: object
-    evict_point: bool
+    evict_point: bool | None  # None: not an eviction point and no queries needed (a ragged layer's other calls)
+    #: heads=ada: the rows each KV head held before this call (``keys`` holds them first, then padding up to
+    #: the most any head holds, then the call's rows); the attention function masks each head's padding
+    lengths: list[int] | None = None
     _mode = "compressed/simulate"
     _whose = "tqbench's"
     _what = "a call of a layer that evicts tokens (its scores read the call's queries)"

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tqbench.constants import CACHE_MODES
+from tqbench.engine.cache.evict.ragged import RaggedStore, check_ragged_codec
 from tqbench.engine.cache.evict.state import EVICT_NO_CROP, Evictor
 from tqbench.engine.cache.geometry import window_rows
 from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, snapshot
@@ -79,11 +80,22 @@ class TQLayer(CacheLayerMixin):
     def _new_stores(self) -> None:
         #: token eviction (``policy.keep``) on this layer, else None
         self.evictor = Evictor(self.plan, self.policy, self.mode) if self.plan.evicts else None
-        self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
-        self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+        if self.evictor is not None and self.evictor.ragged:  # heads=ada: one store per KV head, ragged rows
+            check_ragged_codec(self.k_codec, "k")
+            check_ragged_codec(self.v_codec, "v")
+            self.k_store = RaggedStore(self.k_codec, self.plan.sink, self.plan.recent)
+            self.v_store = RaggedStore(self.v_codec, self.plan.sink, self.plan.recent)
+        else:
+            self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+            self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
         self._sim = {"k": None, "v": None}  # simulate: dense rows attention reads, from position _sim_start
         self._sim_start = {"k": 0, "v": 0}
         self._sim_pending: dict[str, list] = {}
+
+    @property
+    def ragged(self) -> bool:
+        """heads=ada: each KV head holds its own rows (``evict.ragged``)."""
+        return self.evictor is not None and self.evictor.ragged
 
     @property
     def lossless(self) -> bool:
@@ -116,6 +128,9 @@ class TQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
+        if self.ragged:  # simulate reads the same rows as compressed: a ragged layer keeps no dense buffer
+            mode = "compressed"
+        lengths = (self.k_store.rows or None) if self.ragged else None  # (none before the first rows)
         n0, t = self.cumulative_length, key_states.shape[2]
         # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
         visible = t + (n0 if self.window is None else min(n0, self.window))
@@ -172,8 +187,11 @@ class TQLayer(CacheLayerMixin):
             if mode == "fused":
                 out[0].evict_point = point
             else:
-                handle = EvictKV(out[0], out[1], self, point)
+                handle = EvictKV(out[0], out[1], self, point, lengths)
                 out = (handle, handle)
+        elif lengths is not None:
+            handle = EvictKV(out[0], out[1], self, None, lengths)
+            out = (handle, handle)
         self.cumulative_length += t
         return out
 
@@ -181,7 +199,7 @@ class TQLayer(CacheLayerMixin):
         """Token eviction: this call's queries (tqbench's attention function calls this after the call's
         attention); at an eviction point the layer's rows are scored and cut, then packed."""
         self.evictor.after_attention(self, query, scaling, point)
-        if point and self.mode == "simulate":  # the dense buffer follows the store's rows
+        if point and self.mode == "simulate" and not self.ragged:  # the dense buffer follows the store's rows
             n_demoted = self.evictor.n_demoted
             for role, store in (("k", self.k_store), ("v", self.v_store)):
                 parts = [p for p in (self.evictor.demoted_dense(role, query.dtype), store.dense(query.dtype))

@@ -36,6 +36,9 @@ def build_report(cache) -> CacheReport:
             if layer.evictor is not None:  # the held rows' positions (and h2o's mass): row metadata, K side
                 kb["state"] += layer.evictor.bookkeeping_bytes()
             tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
+            head_tokens = tuple(layer.k_store.rows) if layer.ragged else ()
+            if head_tokens:  # heads=ada: each head its own rows; the mean is the layer's budget per head
+                tokens = sum(head_tokens) // len(head_tokens)
             # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
             fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
             ev = layer.evictor
@@ -56,6 +59,7 @@ def build_report(cache) -> CacheReport:
                 evicted_prefill=ev.evicted_prefill if ev is not None else 0,
                 evicted_decode=ev.evicted_decode if ev is not None else 0,
                 demoted_tokens=ev.n_demoted if ev is not None else 0,
+                head_tokens=head_tokens,
             ))
             max_layer_dense = max(max_layer_dense, rows[-1].dense_fp16_bytes)
         else:  # transformers' sliding window layer: dense, bounded
@@ -108,7 +112,8 @@ def build_report(cache) -> CacheReport:
         )
     evicting = [la for la in layers if la.evictor is not None]
     if evicting:
-        held = sum(la.k_store.n_tokens for la in evicting)
+        held = sum(sum(la.k_store.rows) // len(la.k_store.rows) if la.ragged else la.k_store.n_tokens
+                   for la in evicting)
         seen = sum(la.cumulative_length for la in evicting)
         pre = sum(la.evictor.evicted_prefill for la in evicting)
         dec = sum(la.evictor.evicted_decode for la in evicting)
@@ -119,6 +124,11 @@ def build_report(cache) -> CacheReport:
             f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding"
             + (f"; the evicted rows kept at {pol.demote} (demote)" if pol.demote else "") + "); sinks and the "
             "last max(window, recent) rows are never evicted")
+        if pol.heads == "ada":
+            rep.notes.append(
+                f"heads=ada (AdaKV, ada_floor={pol.ada_floor}): each layer's KV heads share its kept rows by their "
+                "scores, each holding its own rows (head_tokens per layer; tokens is their mean); compressed and "
+                "simulate read the same rows (no dense simulate buffer for a ragged layer)")
     sliding_kept = [p.layer for p in cache.plans if (p.sliding or p.dense_window)]
     if cache.policy.evicts and sliding_kept:
         rep.notes.append(
@@ -180,7 +190,12 @@ def _side_peak(store, dim: int, bh: int, elem: int) -> int:
 
 
 def _batch_of(layer: TQLayer) -> int:
-    for buf in (layer.k_store.head, layer.k_store.tail, *layer.k_store.packed.values()):
+    store = layer.k_store
+    if layer.ragged:  # heads=ada: every head's store holds the same sequences
+        if not store.stores:
+            return 0
+        store = store.stores[0]
+    for buf in (store.head, store.tail, *store.packed.values()):
         if buf.data is not None:
             return buf.data.shape[0]
     return 0

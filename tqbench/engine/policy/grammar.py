@@ -13,9 +13,9 @@ from tqbench.engine.policy.spec import _ROLES, Policy
 
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
 _INT_KEYS = ("sink", "recent", "group", "kblock", "seed", "window", "every")
-_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score", "demote")
+_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score", "demote", "heads")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
-_FLOAT_KEYS = ("sparsev",)
+_FLOAT_KEYS = ("sparsev", "ada_floor")
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "keep", "k@<layers>", "v@<layers>",
                "kv@<layers>", "keep@<layers>")
 
@@ -71,7 +71,8 @@ def parse_compact(text: str) -> Policy:
             try:
                 kw[key] = float(val)
             except ValueError:
-                raise ValueError(f"policy part {item!r}: {key} must be a number such as 0.001") from None
+                raise ValueError(f"policy part {item!r}: {key} must be a number such as "
+                                 f"{'0.2' if key == 'ada_floor' else '0.001'}") from None
         elif key in _BOOL_KEYS:
             if val.lower() not in _BOOL:
                 raise ValueError(f"policy part {item!r}: {key} must be on or off")

@@ -10,6 +10,11 @@ import math
 #: scores a policy can rank rows by (docs/policies.md says which published method each follows)
 SCORES = ("snapkv", "keynorm", "expected", "h2o", "tova")
 NO_EVICTION = 1.0
+#: how a layer's kept rows are shared between its KV heads: ``uniform`` (every head keeps ``kept_rows``), ``ada``
+#: (AdaKV: the heads' scores ranked together, the layer keeps ``heads * kept_rows`` rows, each head at least
+#: ``ada_floor`` of the uniform share of the rows between its sinks and its protected tail)
+HEAD_BUDGETS = ("uniform", "ada")
+ADA_FLOOR = 0.2  # kvpress AdaKVPress's alpha_safeguard default
 
 _KEEP_HELP = "use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5) or a whole number of rows per KV head (e.g. 1024)"
 
@@ -74,6 +79,22 @@ def held_rows(seen: int, prefill: int, keep, sink: int, window: int, recent: int
     if every > 0:
         last = prefill + (seen - prefill) // every * every
     return kept_rows(last, keep, sink, window, recent) + (seen - last)
+
+
+def check_heads(heads, ada_floor) -> None:
+    """``heads`` and ``ada_floor`` checked (a one-line error that says what to use)."""
+    if heads not in HEAD_BUDGETS:
+        raise ValueError(f"heads={heads!r} is invalid: use uniform (every KV head keeps the same rows) or ada "
+                         "(AdaKV: the layer's kept rows shared between its heads by their scores)")
+    if isinstance(ada_floor, bool) or not isinstance(ada_floor, (int, float)) or not 0 <= ada_floor <= 1:
+        raise ValueError(f"ada_floor={ada_floor!r} is invalid: use a fraction 0 <= f <= 1 of the uniform share "
+                         f"each KV head keeps at least (default {ADA_FLOOR})")
+
+
+def ada_floor_rows(target: int, head: int, tail: int, ada_floor: float) -> int:
+    """The rows between the sinks and the protected tail that every KV head keeps at least under ``heads=ada``:
+    ``floor(ada_floor * (target - head - tail))`` of the uniform share ``target - head - tail``."""
+    return math.floor(ada_floor * max(0, target - head - tail))
 
 
 def fmt_keep(keep) -> str:

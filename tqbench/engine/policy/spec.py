@@ -21,7 +21,7 @@ from tqbench.engine.codecs import (
     is_valid_spec,
 )
 from tqbench.engine.codecs.heads import split_head_list
-from tqbench.engine.policy.keep import SCORES, check_keep, evicts, parse_keep
+from tqbench.engine.policy.keep import ADA_FLOOR, SCORES, check_heads, check_keep, evicts, parse_keep
 from tqbench.engine.policy.layers import select_layers, validate_selector
 
 FULL_PRECISION = "fp16"
@@ -124,6 +124,8 @@ class Policy:
     window: int = 32  # observation window: the last queries a score reads (never evicted themselves)
     every: int = 0  # decode: evict again every this many decoded tokens (0: only at prefill)
     demote: str = ""  # evicted rows kept at this (cheaper) codec instead of dropped ("" = dropped)
+    heads: str = "uniform"  # kept rows shared between a layer's KV heads: uniform, or ada (see keep.HEAD_BUDGETS)
+    ada_floor: float = ADA_FLOOR  # heads=ada: the fraction of the uniform share every KV head keeps at least
     name: str | None = field(default=None, compare=False)
     #: the model a saved policy file was fitted on (its ``[model]`` table); None for presets and compact text.
     #: Provenance, not part of the policy's value: not compared, not in ``to_string``/``to_dict``
@@ -143,6 +145,8 @@ class Policy:
                 _check_codec(self.demote, "v")
             except ValueError as exc:
                 raise ValueError(f"demote={self.demote!r} is invalid: {exc}") from None
+        check_heads(self.heads, self.ada_floor)
+        object.__setattr__(self, "ada_floor", float(self.ada_floor))
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r} is invalid: valid scores are {', '.join(SCORES)}")
         for what, val in (("window", self.window), ("every", self.every)):
@@ -176,6 +180,12 @@ class Policy:
                 continue
             fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
+        if self.heads == "ada" and not self.evicts:
+            raise ValueError("heads=ada shares a layer's kept rows between its KV heads, but this policy evicts "
+                             "nothing: set keep below 1 (e.g. keep=0.5)")
+        if self.heads == "ada" and self.demote:
+            raise ValueError(f"heads=ada with demote={self.demote} is not supported: the demoted rows would be "
+                             "ragged per head too; drop the evicted rows (no demote) or use heads=uniform")
         if self.demote and not self.evicts:
             raise ValueError(f"demote={self.demote} keeps the evicted rows at a cheaper codec, but this policy evicts "
                              "nothing: set keep below 1 (e.g. keep=0.5)")
@@ -185,7 +195,7 @@ class Policy:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
         for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
-                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every", "demote"):
+                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every", "demote", "heads", "ada_floor"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={_fmt(val)}")

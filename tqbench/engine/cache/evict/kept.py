@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tqbench.engine.cache.evict.ragged import PAD_POSITION
+
 
 @dataclass(frozen=True)
 class LayerKept:
@@ -61,8 +63,9 @@ def kept_positions(cache, batch: int = 0) -> KeptPositions | None:
             continue
         seen = max(seen, layer.cumulative_length)
         prompt = max(prompt, ev.prefill_end)
-        pos = ev.positions.view()  # [B, H, held]
-        heads = () if pos is None else tuple(tuple(sorted(int(p) for p in row)) for row in pos[batch].tolist())
+        pos = ev.held_positions()  # [B, H, held] (heads=ada: each head's own rows, padded)
+        heads = () if pos is None else tuple(tuple(sorted(int(p) for p in row if p != PAD_POSITION))
+                                             for row in pos[batch].tolist())
         layers.append(LayerKept(plan.layer, heads, ev.evicted_prefill, ev.evicted_decode))
     if not layers:
         return None

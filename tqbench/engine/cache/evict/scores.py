@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: a ragged layer's padding position (``ragged.PAD_POSITION``): after every query, so masked as a future key
+PAD = torch.iinfo(torch.int32).max
 _CHUNK = 256  # queries per block when accumulating H2O's prefill mass (bounds the [queries x rows] matrix)
 
 
@@ -49,15 +51,17 @@ def snapkv(q_window, k, scaling, q_pos, k_pos, pool: int = 5) -> torch.Tensor:
     return p
 
 
-def tova(q_last, k, scaling) -> torch.Tensor:
-    return attention_probs(q_last[:, :, -1:], k, scaling, None, None).mean(dim=(2, 3))
+def tova(q_last, k, scaling, k_pos=None) -> torch.Tensor:
+    """(``k_pos``: a ragged layer's padded positions, its padding masked; None: every key read)"""
+    q_pos = None if k_pos is None else torch.zeros(1, dtype=k_pos.dtype, device=k_pos.device) + (PAD - 1)
+    return attention_probs(q_last[:, :, -1:], k, scaling, q_pos, k_pos).mean(dim=(2, 3))
 
 
 def keynorm(k) -> torch.Tensor:
     return -k.float().norm(dim=-1)
 
 
-def expected(q_window, k, v, scaling) -> torch.Tensor:
+def expected(q_window, k, v, scaling, k_pos=None) -> torch.Tensor:
     qg = _grouped(q_window.float(), k.shape[1])  # [B, H, r, L, D]
     mu = qg.mean(dim=3)  # [B, H, r, D]
     centred = qg - mu.unsqueeze(3)
@@ -66,7 +70,10 @@ def expected(q_window, k, v, scaling) -> torch.Tensor:
     lin = torch.einsum("bhrd,bhtd->bhrt", mu, kf) * scaling
     kc = torch.einsum("bhtd,bhrde->bhrte", kf, cov)  # (one pairwise product: no [T, D, D] intermediate)
     quad = (kc * kf[:, :, None]).sum(-1) * (scaling * scaling / 2)
-    p = torch.softmax(lin + quad, dim=-1).mean(dim=2)  # [B, H, T]
+    logits = lin + quad
+    if k_pos is not None:  # a ragged layer's padding (its position PAD) is no row
+        logits = logits.masked_fill((k_pos == PAD)[:, :, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1).mean(dim=2)  # [B, H, T]
     return p * v.float().norm(dim=-1)
 
 

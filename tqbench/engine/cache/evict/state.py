@@ -16,6 +16,7 @@ from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.evict import scores
 from tqbench.engine.cache.evict.bookkeeping import MASS_DTYPE, POSITION_DTYPE
 from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
+from tqbench.engine.cache.evict.ragged import PAD_POSITION, HeadRows, select_ada
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.keep import kept_rows, protected_rows
 
@@ -55,7 +56,14 @@ class Evictor:
         if mode == "dense-shadow":
             raise EvictionError("token eviction (keep) runs in cache modes compressed, simulate and fused: "
                                 "dense-shadow attends over every exact row by definition")
-        self.positions = GrowBuffer()  # [B, H, held]: each held row's token position
+        #: heads=ada: each KV head holds its own rows (``ragged.RaggedStore``), chosen by ``select_ada``
+        self.ragged = policy.heads == "ada"
+        self.ada_floor = policy.ada_floor
+        if self.ragged and mode == "fused":
+            raise EvictionError(
+                "heads=ada (per-head row counts) runs in cache modes compressed and simulate: the fused kernels' "
+                "ragged per-head path is not built yet; use cache mode compressed, or heads=uniform in fused")
+        self.positions = GrowBuffer()  # [B, H, held]: each held row's token position (ragged: ``HeadRows``)
         self.mass = GrowBuffer()  # h2o: [B, H, held] attention mass received
         self.queries: torch.Tensor | None = None  # the last ``window`` queries [B, Hq, <=window, D]
         self.prefill_end = 0
@@ -70,8 +78,16 @@ class Evictor:
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of the held rows' positions and mass as held now (``evict.bookkeeping``'s rule)."""
+        if self.ragged:
+            return sum(b.nbytes() for b in (self.positions, self.mass) if isinstance(b, HeadRows))
         return sum(b.view().numel() * b.view().element_size() for b in (self.positions, self.mass)
                    if b.data is not None)
+
+    def held_positions(self) -> torch.Tensor | None:
+        """``[B, H, held]`` positions of the held rows (ragged: padded with ``PAD_POSITION``)."""
+        if self.ragged:
+            return self.positions.view(PAD_POSITION) if isinstance(self.positions, HeadRows) else None
+        return self.positions.view()
 
     @property
     def n_demoted(self) -> int:
@@ -84,6 +100,10 @@ class Evictor:
     def begin(self, n0: int, t: int, batch: int, heads: int, device) -> bool:
         """A call of ``t`` rows after ``n0`` tokens: record the positions; True when it ends at an eviction point."""
         pos = torch.arange(n0, n0 + t, dtype=POSITION_DTYPE, device=device).view(1, 1, t).expand(batch, heads, t)
+        if self.ragged and not isinstance(self.positions, HeadRows):
+            self.positions = HeadRows(heads)
+            if self.score == "h2o":
+                self.mass = HeadRows(heads)
         self.positions.append(pos)
         if self.score == "h2o":
             self.mass.append(torch.zeros(batch, heads, t, dtype=MASS_DTYPE, device=device))
@@ -107,7 +127,11 @@ class Evictor:
         if self.score == "h2o" and (point or self.every):
             keys = layer.k_store.dense(query.dtype)
             q_pos = torch.arange(seen - t, seen, device=query.device)
-            self.mass.view().add_(scores.h2o_mass(query, keys, scaling, q_pos, self.positions.view()))
+            mass = scores.h2o_mass(query, keys, scaling, q_pos, self.held_positions())
+            if self.ragged:
+                self.mass.add_(mass)
+            else:
+                self.mass.view().add_(mass)
         if point:
             self._evict(layer, query, scaling, seen, t, keys)
 
@@ -116,7 +140,9 @@ class Evictor:
         held = ks.n_tokens
         target = kept_rows(seen, self.keep, self.sink, self.window, self.recent)
         self.points += 1
-        if target < held:
+        if self.ragged:
+            self._evict_ragged(layer, query, scaling, seen, t, keys, target)
+        elif target < held:
             head, tail = protected_rows(seen, self.sink, self.window, self.recent)
             if keys is None:
                 keys = ks.dense(query.dtype)
@@ -145,23 +171,54 @@ class Evictor:
         ks.release()
         vs.release()
 
+    def _evict_ragged(self, layer, query, scaling, seen: int, t: int, keys, target: int) -> None:
+        """heads=ada: the layer keeps ``heads * target`` rows, shared between its heads by ``select_ada``."""
+        ks, vs = layer.k_store, layer.v_store
+        held = ks.rows
+        if sum(held) <= len(held) * target:
+            return
+        head, tail = protected_rows(seen, self.sink, self.window, self.recent)
+        if keys is None:
+            keys = ks.dense(query.dtype)
+        score = self._score(query, keys, vs, scaling, seen)
+        idx = select_ada(score, held, target, head, tail, self.ada_floor)
+        dropped = ks.compact(idx) // len(held)  # the mean over the heads (the layer drops whole rows per head)
+        vs.compact(idx)
+        for buf in (self.positions, self.mass):
+            if isinstance(buf, HeadRows):
+                buf.take(idx)
+        if t > 1:
+            self.evicted_prefill += dropped
+        else:
+            self.evicted_decode += dropped
+
     def _score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
+        """[B, H, held] scores (ragged: padding scored -inf, and masked out of every softmax by its position)."""
+        s = self._raw_score(query, keys, v_store, scaling, seen)
+        if self.ragged:
+            s = s.float().masked_fill(self.held_positions() == PAD_POSITION, float("-inf"))
+        return s
+
+    def _raw_score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
         if self.score == "keynorm":
             return scores.keynorm(keys)
         if self.score == "tova":
-            return scores.tova(query, keys, scaling)
+            return scores.tova(query, keys, scaling, self.held_positions() if self.ragged else None)
         if self.score == "h2o":
             return self.mass.view()
         q = self.queries
         if self.score == "snapkv":
             q_pos = torch.arange(seen - q.shape[2], seen, device=q.device)
-            return scores.snapkv(q, keys, scaling, q_pos, self.positions.view())
-        return scores.expected(q, keys, v_store.dense(query.dtype), scaling)
+            return scores.snapkv(q, keys, scaling, q_pos, self.held_positions())
+        return scores.expected(q, keys, v_store.dense(query.dtype), scaling,
+                               self.held_positions() if self.ragged else None)
 
     # -- batch ----------------------------------------------------------------------------------
     def map_batch(self, fn) -> None:
         for buf in (self.positions, self.mass):
-            if buf.data is not None:
+            if isinstance(buf, HeadRows):
+                buf.map(fn)
+            elif buf.data is not None:
                 buf.data = fn(buf.data)
         if self.queries is not None:
             self.queries = fn(self.queries)

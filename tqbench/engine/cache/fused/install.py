@@ -46,6 +46,7 @@ from tqbench.engine.cache.fused.support import (
     remember_previous,
 )
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
+from tqbench.engine.cache.fused.masks import ragged_mask
 from tqbench.engine.cache.handles import ATTN_NAME, EvictKV, FusedKV, PrecisionKV
 from tqbench.engine.cache.precision import precision_mask
 
@@ -131,8 +132,13 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
         return out
     if isinstance(key, EvictKV):  # a layer that evicts tokens: the model's own attention, then the queries
         check_unpadded(attention_mask, key.evict_point)
-        out = _previous_forward(module)(module, query, key.keys, key.values, attention_mask, *args, **kwargs)
-        key.layer.after_attention(query, _scaling(query, args, kwargs), key.evict_point)
+        mask = attention_mask
+        if key.lengths is not None:  # heads=ada: each KV head's padding masked
+            mask = ragged_mask(attention_mask, key.lengths, query, key.keys.shape[2],
+                               previous_implementation(getattr(module, "config", None)) == "eager")
+        out = _previous_forward(module)(module, query, key.keys, key.values, mask, *args, **kwargs)
+        if key.evict_point is not None:
+            key.layer.after_attention(query, _scaling(query, args, kwargs), key.evict_point)
         return out
     if isinstance(key, FusedKV) and key.evict_point is not None:
         point, key.evict_point = key.evict_point, None
