@@ -105,6 +105,17 @@ def store_parts(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
                       _state_bytes(codec, batch, heads, head_dim), packed)
 
 
+def ragged_store_parts(codec, sink: int, recent: int, held: int, batch: int, heads: int, head_dim: int) -> StoreBytes:
+    """``StoreBytes`` of a ``heads=ada`` layer's K or V (``evict.ragged.RaggedStore``: one store per KV head, each
+    its own rows, ``heads * held`` in all): ``heads`` one-head stores of ``held`` rows. Exact for any split of the
+    rows between the heads: each head holds its sinks and at least its protected tail, so its full-precision rows
+    are the same in every head and its packed rows are its rows less those (codecs of one token per unit,
+    ``ragged.check_ragged_codec``); every head keeps a packed row whenever the uniform share does
+    (``keep.ada_floor_rows``), so each head's store holds its own codec state exactly when a uniform head would."""
+    one = store_parts(codec, sink, recent, held, batch, 1, head_dim)
+    return StoreBytes(one.full_precision * heads, one.packed * heads, one.state * heads, one.packed_tokens)
+
+
 def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> tuple[int, int]:
     """(bytes, packed_tokens) of one K or V store holding ``tokens`` rows."""
     parts = store_parts(codec, sink, recent, tokens, batch, heads, head_dim)
@@ -143,7 +154,10 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         elif plan.evicts:  # token eviction (policy.keep): the rows each KV head still holds
             held = held_rows(seq_len, prefill, plan.keep, plan.sink, pol.window, plan.recent, pol.every)
         for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
-            parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
+            if plan.evicts and pol.heads == "ada":
+                parts = ragged_store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
+            else:
+                parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
             total += parts.total
             state_total += parts.state
             fp_total += parts.full_precision

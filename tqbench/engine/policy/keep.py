@@ -93,8 +93,11 @@ def check_heads(heads, ada_floor) -> None:
 
 def ada_floor_rows(target: int, head: int, tail: int, ada_floor: float) -> int:
     """The rows between the sinks and the protected tail that every KV head keeps at least under ``heads=ada``:
-    ``floor(ada_floor * (target - head - tail))`` of the uniform share ``target - head - tail``."""
-    return math.floor(ada_floor * max(0, target - head - tail))
+    ``floor(ada_floor * share)`` of the uniform share ``share = target - head - tail``, and at least one when the
+    share has one (so every head's store packs rows, and holds its codec state, exactly when a uniform head's
+    would: the layer's bytes stay a pure function of its row count, ``estimate.ragged_store_parts``)."""
+    share = max(0, target - head - tail)
+    return max(math.floor(ada_floor * share), min(share, 1))
 
 
 def fmt_keep(keep) -> str:
