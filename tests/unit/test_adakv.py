@@ -1,0 +1,185 @@
+"""heads=ada (AdaKV per-head budgets within a layer): the choice of rows, ragged per-head stores counted to the
+byte, the per-head padding mask, modes, a sliding-window family, refusals."""
+
+import pytest
+import torch
+
+from tests.unit.cache_helpers import prefill_then_steps
+from tqbench.engine.cache import TQCache
+from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
+from tqbench.engine.cache.evict.compact import EvictionError
+from tqbench.engine.cache.evict.ragged import select_ada
+from tqbench.engine.cache.fused.masks import ragged_mask
+from tqbench.engine.policy import parse_policy
+from tqbench.engine.policy.keep import ada_floor_rows, held_rows
+
+PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
+
+
+# -- the choice of rows ------------------------------------------------------------------------------------
+def test_select_ada_ranks_heads_together_with_a_floor():
+    # 3 heads of 20 rows: sinks 2, protected tail 4, uniform share 6 of the 14 middle rows per head
+    g = torch.Generator().manual_seed(0)
+    score = torch.rand(1, 3, 20, generator=g)
+    score[0, 0, 2:16] += 10.0  # head 0's middle rows beat every other head's
+    idx = select_ada(score, [20, 20, 20], target=12, head=2, tail=4, floor_frac=0.5)
+    counts = [i.shape[2] for i in idx]
+    assert sum(counts) == 3 * 12  # the layer keeps its total budget
+    floor = ada_floor_rows(12, 2, 4, 0.5)
+    assert floor == 3
+    # heads 1 and 2 keep their floor (3 middle rows each), head 0 the rest of the 18: 12 of its 14
+    assert counts == [2 + 4 + 18 - 2 * floor, 2 + 4 + floor, 2 + 4 + floor]
+    for h, i in enumerate(idx):
+        rows = i[0, 0].tolist()
+        assert rows == sorted(rows) and rows[:2] == [0, 1] and rows[-4:] == [16, 17, 18, 19]
+        if h:  # its floor rows are its best-scored middle rows
+            mid = score[0, h, 2:16]
+            assert set(rows[2:-4]) == {int(j) + 2 for j in mid.topk(floor).indices}
+
+
+def test_select_ada_floor_one_is_uniform_and_ragged_input_is_read_as_held():
+    score = torch.rand(1, 2, 30)
+    idx = select_ada(score, [30, 30], target=10, head=0, tail=2, floor_frac=1.0)
+    assert [i.shape[2] for i in idx] == [10, 10]
+    for h in range(2):  # uniform: each head its own top 8 of the middle
+        assert set(idx[h][0, 0, :-2].tolist()) == {int(j) for j in score[0, h, :28].topk(8).indices}
+    # head 1 holds 12 rows (padding after them must never be chosen)
+    score = torch.rand(1, 2, 30)
+    score[0, 1, 12:] = float("-inf")
+    idx = select_ada(score, [30, 12], target=14, head=1, tail=2, floor_frac=0.0)
+    assert sum(i.shape[2] for i in idx) == 28 and int(idx[1].max()) < 12
+    assert ada_floor_rows(14, 1, 2, 0.0) == 1  # at least one row per head (each head's store packs)
+
+
+def test_select_ada_refuses_a_batch():
+    with pytest.raises(EvictionError, match="heads=ada chooses each sequence's per-head row counts"):
+        select_ada(torch.rand(2, 2, 10), [10, 10], 6, 0, 2, 0.2)
+
+
+def test_ragged_mask_masks_each_heads_padding_as_per_head_attention():
+    g = torch.Generator().manual_seed(1)
+    lengths, t, d, n_rep = [5, 2, 7], 3, 4, 2
+    span = max(lengths)
+    q = torch.randn(1, 3 * n_rep, t, d, generator=g)
+    k = torch.randn(1, 3, span + t, d, generator=g)
+    v = torch.randn(1, 3, span + t, d, generator=g)
+    causal = torch.ones(t, span + t, dtype=torch.bool).tril(span).view(1, 1, t, span + t)
+    for base in (causal, None):
+        mask = ragged_mask(base, lengths, q, span + t, additive=False)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, 1),
+                                                               v.repeat_interleave(n_rep, 1), attn_mask=mask)
+        for h, n in enumerate(lengths):  # each head over its own rows and the call's, nothing padded
+            cols = list(range(n)) + list(range(span, span + t))
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[:, h * n_rep : (h + 1) * n_rep], k[:, h : h + 1, cols].expand(1, n_rep, -1, d),
+                v[:, h : h + 1, cols].expand(1, n_rep, -1, d), attn_mask=causal[..., cols])
+            assert torch.allclose(out[:, h * n_rep : (h + 1) * n_rep], ref, atol=1e-6)
+    assert ragged_mask(causal, [4, 4], q[:, :4], 7, additive=False) is causal  # equal rows: nothing to mask
+
+
+# -- the cache: rows per head, bytes, modes ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["compressed", "simulate"])
+@pytest.mark.parametrize("policy", [
+    "turbo4,keep=0.5,heads=ada", "k=turbo4,v=turbo2,sink=2,recent=4,keep=40,score=keynorm,window=8,heads=ada",
+    "turbo4,keep=0.3,score=tova,every=4,keep@0=1.0,heads=ada,ada_floor=0.5",
+    "k=turbo3,v=int4,keep=0.6,score=expected,window=8,heads=ada", "turbo4,keep=0.4,score=h2o,every=3,heads=ada",
+])
+def test_per_head_rows_differ_sum_to_the_budget_and_bytes_are_the_estimate(tiny_engine, policy, mode):
+    model = tiny_engine.model
+    tiny_engine.enable_fused()  # tqbench's attention function (it reads the queries, masks each head's padding)
+    cache = TQCache(policy, model.config, mode=mode)
+    prefill_then_steps(model, cache, 100, steps=10)
+    rep = cache.report()
+    est = estimate_kv(policy, KVGeometry.from_config(model.config), 100, prefill=90)
+    assert rep.compressed_storage_bytes == est.total_bytes
+    assert [r.total_bytes for r in rep.layers] == est.layer_bytes
+    pol = parse_policy(policy)
+    heads = model.config.num_key_value_heads
+    ragged = 0
+    for plan, row in zip(pol.plan(4), rep.layers):
+        if not plan.evicts:
+            assert row.head_tokens == () and row.tokens == 100
+            continue
+        want = held_rows(100, 90, plan.keep, plan.sink, pol.window, plan.recent, pol.every)
+        assert len(row.head_tokens) == heads and sum(row.head_tokens) == heads * want == heads * row.tokens
+        share = want - plan.sink - max(pol.window, plan.recent)
+        assert min(row.head_tokens) >= want - share + ada_floor_rows(want, plan.sink, max(pol.window, plan.recent),
+                                                                     pol.ada_floor) - (pol.every and 10)
+        ragged += len(set(row.head_tokens)) > 1
+    assert ragged  # AdaKV moved rows between heads somewhere
+    assert any("heads=ada" in n for n in rep.notes)
+
+
+def test_the_report_and_kept_positions_agree_per_head(tiny_engine):
+    from tqbench.engine.cache.evict.kept import kept_positions
+
+    tiny_engine.enable_fused()
+    cache = TQCache("turbo4,keep=0.5,heads=ada,ada_floor=0.1", tiny_engine.model.config, mode="compressed")
+    prefill_then_steps(tiny_engine.model, cache, 80, steps=1)
+    kept = kept_positions(cache)
+    for la, row in zip(kept.layers, cache.report().layers):
+        assert tuple(len(h) for h in la.heads) == row.head_tokens
+        assert all(list(h) == sorted(set(h)) and h[-32:] == tuple(range(48, 80)) for h in la.heads)
+
+
+def test_compressed_and_simulate_agree_and_floor_one_is_uniform(tiny_engine64):
+    ids = tiny_engine64.encode_prompt(PROMPT, chat=False)
+    runs = {m: tiny_engine64.generate(ids, "turbo4,keep=0.5,score=snapkv,heads=ada", m, max_new_tokens=10,
+                                      stop_at_eos=False) for m in ("compressed", "simulate")}
+    assert runs["compressed"].token_ids == runs["simulate"].token_ids
+    assert runs["compressed"].cache_report.compressed_storage_bytes == runs["simulate"].cache_report.compressed_storage_bytes
+    # ada_floor=1: every head keeps its uniform share: the same rows, tokens and bytes as heads=uniform
+    uni = tiny_engine64.generate(ids, "turbo4,keep=0.5,score=snapkv", "compressed", max_new_tokens=10,
+                                 stop_at_eos=False)
+    one = tiny_engine64.generate(ids, "turbo4,keep=0.5,score=snapkv,heads=ada,ada_floor=1", "compressed",
+                                 max_new_tokens=10, stop_at_eos=False)
+    assert one.token_ids == uni.token_ids
+    assert one.cache_report.compressed_storage_bytes == uni.cache_report.compressed_storage_bytes
+
+
+def test_sliding_window_family_beyond_its_window():
+    from tests.unit.families.short_windows import SHORT_WINDOW, short_window_model
+    from tqbench.engine import Engine
+
+    eng = Engine(short_window_model("gemma3_text", dtype=torch.float64))
+    ids = torch.randint(5, 300, (1, 60), generator=torch.Generator().manual_seed(0))
+    assert ids.shape[1] > 5 * SHORT_WINDOW
+    pol = "turbo4,keep=0.5,window=4,recent=4,sink=2,heads=ada"
+    runs = {m: eng.generate(ids, pol, m, max_new_tokens=6, stop_at_eos=False, prefill_chunk=0)
+            for m in ("compressed", "simulate")}
+    assert runs["compressed"].token_ids == runs["simulate"].token_ids
+    rep = runs["compressed"].cache_report
+    assert rep.compressed_storage_bytes == estimate_kv(pol, eng.geometry, 65, prefill=60).total_bytes
+    evicting = [r for r in rep.layers if r.evicted_prefill]
+    assert [r.layer for r in evicting] == [1, 3]  # full-attention layers only
+    assert all(r.head_tokens == () for r in rep.layers if r.layer not in (1, 3))
+
+
+# -- refusals ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,msg", [
+    ("turbo4,keep=0.5,heads=some", "heads='some' is invalid: use uniform"),
+    ("turbo4,keep=0.5,heads=ada,ada_floor=1.5", r"ada_floor=1.5 is invalid: use a fraction 0 <= f <= 1"),
+    ("turbo4,keep=0.5,ada_floor=x", "ada_floor must be a number such as 0.2"),
+    ("turbo4,heads=ada", "heads=ada shares a layer's kept rows between its KV heads, but this policy evicts nothing"),
+    ("turbo4,keep=0.5,heads=ada,demote=turbo2", "heads=ada with demote=turbo2 is not supported"),
+])
+def test_bad_values_say_what_to_use(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_policy(text)
+
+
+def test_round_trip():
+    pol = parse_policy("turbo4,keep=0.5,heads=ada,ada_floor=0.3")
+    assert (pol.heads, pol.ada_floor) == ("ada", 0.3)
+    assert parse_policy(pol.to_string()) == pol
+    assert "heads" not in parse_policy("turbo4,keep=0.5").to_string()
+
+
+@pytest.mark.parametrize("policy,mode,msg", [
+    ("turbo4,keep=0.5,heads=ada", "fused", "heads=ada .per-head row counts. runs in cache modes compressed and simulate"),
+    ("k=int8,v=turbo4,keep=0.5,heads=ada", "compressed", "heads=ada needs a codec that packs each row on its own"),
+    ("k=turbo4|turbo2,v=turbo4,keep=0.5,heads=ada", "compressed", "heads=ada with the per-head codec list"),
+])
+def test_refusals_say_why_and_what_to_use(tiny_engine, policy, mode, msg):
+    with pytest.raises(EvictionError, match=msg):
+        tiny_engine.generate(tiny_engine.encode_prompt(PROMPT, chat=False), policy, mode, max_new_tokens=2)
