@@ -37,6 +37,7 @@ from tqbench.engine.cache.fused.groups import (
     query_index,
     take_heads,
 )
+from tqbench.engine.cache.fused.masks import ragged_mask
 from tqbench.engine.cache.fused.support import (
     FusedUnsupportedError,
     check_fused_support,
@@ -46,7 +47,6 @@ from tqbench.engine.cache.fused.support import (
     remember_previous,
 )
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
-from tqbench.engine.cache.fused.masks import ragged_mask
 from tqbench.engine.cache.handles import ATTN_NAME, EvictKV, FusedKV, PrecisionKV
 from tqbench.engine.cache.precision import precision_mask
 
