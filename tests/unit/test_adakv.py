@@ -146,8 +146,9 @@ def test_sliding_window_family_beyond_its_window():
     assert ids.shape[1] > 5 * SHORT_WINDOW
     pol = "turbo4,keep=0.5,window=4,recent=4,sink=2,heads=ada"
     runs = {m: eng.generate(ids, pol, m, max_new_tokens=6, stop_at_eos=False, prefill_chunk=0)
-            for m in ("compressed", "simulate")}
-    assert runs["compressed"].token_ids == runs["simulate"].token_ids
+            for m in ("compressed", "simulate", "fused")}
+    assert runs["compressed"].token_ids == runs["simulate"].token_ids == runs["fused"].token_ids
+    assert runs["fused"].cache_report.fused_impl == {"native-cpu": runs["fused"].cache_report.fused_calls}
     rep = runs["compressed"].cache_report
     assert rep.compressed_storage_bytes == estimate_kv(pol, eng.geometry, 65, prefill=60).total_bytes
     evicting = [r for r in rep.layers if r.evicted_prefill]
@@ -175,8 +176,61 @@ def test_round_trip():
     assert "heads" not in parse_policy("turbo4,keep=0.5").to_string()
 
 
+# -- fused: one native call per layer, each KV head a side with its own rows -------------------------------------
+def _logits(engine, policy, mode, ids, steps=6):
+    """Logits of a prefill of ``ids`` then ``steps`` single-token calls (the argmax fed back)."""
+    engine.enable_fused()
+    cache = TQCache(policy, engine.model.config, mode=mode)
+    out = []
+    with torch.inference_mode():
+        x = ids
+        for _ in range(steps + 1):
+            logits = engine.model(x, cache=cache).logits[:, -1]
+            out.append(logits)
+            x = logits.argmax(-1, keepdim=True)
+    return torch.stack(out), cache
+
+
+@pytest.mark.parametrize("policy", ["turbo4,keep=0.5,score=snapkv,heads=ada",
+                                    "k=turbo4,v=turbo2,keep=0.4,score=tova,every=2,window=4,heads=ada,ada_floor=0.1"])
+def test_fused_native_is_one_call_per_layer_and_matches_compressed(tiny_engine64, policy):
+    ids = torch.randint(5, 200, (1, 70), generator=torch.Generator().manual_seed(2))
+    ref, c_ref = _logits(tiny_engine64, policy, "compressed", ids)
+    got, c_got = _logits(tiny_engine64, policy, "fused", ids)
+    assert (got - ref).abs().max() < 1e-9  # float64: the same rows, the same codes
+    rep = c_got.report()
+    assert rep.fused_impl == {"native-cpu": rep.fused_calls} and rep.fused_calls == 4 * 6  # one per layer per step
+    assert not rep.fallbacks
+    assert [r.head_tokens for r in rep.layers] == [r.head_tokens for r in c_ref.report().layers]
+    assert any(len(set(r.head_tokens)) > 1 for r in rep.layers)
+    est = estimate_kv(policy, KVGeometry.from_config(tiny_engine64.model.config), 76, prefill=70)
+    assert rep.compressed_storage_bytes == est.total_bytes
+
+
+def test_fused_elsewhere_runs_head_by_head_and_says_so(tiny_engine, monkeypatch):
+    from tests.unit.cache_helpers import fused_as_reference
+
+    ref, got = fused_as_reference(tiny_engine, "turbo4,keep=0.5,score=tova,heads=ada", monkeypatch, impl="native")
+    groups = ref.cache_report.fused_groups
+    assert set(groups) == {"kv head 0 (heads=ada)", "kv head 1 (heads=ada)"}
+    calls = ref.cache_report.fused_calls  # every call of every layer: each head its own reference call
+    assert all(ran == {"torch-reference (TQBENCH_FUSED_IMPL=torch)": calls} for ran in groups.values())
+    assert got.cache_report.fused_impl == {"native-cpu": got.cache_report.fused_calls}
+
+
+def test_triton_runs_head_by_head_as_the_reference(tiny_engine, monkeypatch):
+    """The Triton kernels (interpreter without a GPU) read each head's own store as the torch reference does."""
+    from tests.unit.cache_helpers import fused_as_reference
+    from tqbench.kernels import triton_status
+
+    if not triton_status()[0]:
+        pytest.skip(triton_status()[1])
+    ref, got = fused_as_reference(tiny_engine, "turbo4,keep=0.5,score=tova,heads=ada", monkeypatch)
+    assert got.cache_report.fused_groups["kv head 1 (heads=ada)"] == {"triton": got.cache_report.fused_calls}
+    assert got.cache_report.compressed_storage_bytes == ref.cache_report.compressed_storage_bytes
+
+
 @pytest.mark.parametrize("policy,mode,msg", [
-    ("turbo4,keep=0.5,heads=ada", "fused", "heads=ada .per-head row counts. runs in cache modes compressed and simulate"),
     ("k=int8,v=turbo4,keep=0.5,heads=ada", "compressed", "heads=ada needs a codec that packs each row on its own"),
     ("k=turbo4|turbo2,v=turbo4,keep=0.5,heads=ada", "compressed", "heads=ada with the per-head codec list"),
 ])

@@ -65,6 +65,9 @@ class FusedKV(_Handle):
     #: token eviction: None, or whether this call ends at an eviction point (the attention function then hands
     #: the layer its queries: ``TQLayer.after_attention``)
     evict_point: bool | None = None
+    #: heads=ada: one ``FusedKV`` per KV head (its own store, its rows of this call), each its own row count
+    #: (``fused.ragged_heads``); the layer's ``k_parts``/``v_parts`` are then empty
+    ragged: list | None = None
 
     @property
     def shape(self) -> torch.Size:  # what code that inspects key.shape expects
@@ -73,6 +76,8 @@ class FusedKV(_Handle):
 
     @property
     def k_store_tokens(self) -> int:
+        if self.ragged is not None:  # the most rows a head holds
+            return max((kv.k_store_tokens for kv in self.ragged), default=0)
         return sum(p[1] for p in self.k_parts)
 
     @property

@@ -128,7 +128,7 @@ class TQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
-        if self.ragged:  # simulate reads the same rows as compressed: a ragged layer keeps no dense buffer
+        if self.ragged and mode == "simulate":  # the same rows as compressed: a ragged layer keeps no dense buffer
             mode = "compressed"
         lengths = (self.k_store.rows or None) if self.ragged else None  # (none before the first rows)
         n0, t = self.cumulative_length, key_states.shape[2]
@@ -168,6 +168,14 @@ class TQLayer(CacheLayerMixin):
                 handle = PrecisionKV(torch.cat([base_k, ek], dim=2), torch.cat([base_v, ev], dim=2), visible,
                                      plan, self)
                 out = (handle, handle)
+        elif self.ragged:  # fused, heads=ada: each KV head its own store (one kernel call: fused.ragged_heads)
+            views = [FusedKV(ks, vs, key_states[:, h : h + 1], value_states[:, h : h + 1], snapshot(ks),
+                             snapshot(vs), self) for h, (ks, vs) in enumerate(zip(self.k_store.stores,
+                                                                                  self.v_store.stores))]
+            handle = FusedKV(self.k_store, self.v_store, key_states, value_states, (), (), self, ragged=views)
+            self.k_store.append_points(key_states, points)
+            self.v_store.append_points(value_states, points)
+            out = (handle, handle)
         else:  # fused
             handle = FusedKV(self.k_store, self.v_store, key_states, value_states,
                              snapshot(self.k_store), snapshot(self.v_store), self)
@@ -189,7 +197,7 @@ class TQLayer(CacheLayerMixin):
             else:
                 handle = EvictKV(out[0], out[1], self, point, lengths)
                 out = (handle, handle)
-        elif lengths is not None:
+        elif lengths is not None and mode != "fused":  # compressed/simulate: each head's padding masked
             handle = EvictKV(out[0], out[1], self, None, lengths)
             out = (handle, handle)
         self.cumulative_length += t

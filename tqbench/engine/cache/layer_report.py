@@ -166,6 +166,9 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_h
         return max(max(_side_peak(GroupStore(layer.k_store, g), head_dim, b * len(heads), elem),
                        _side_peak(GroupStore(layer.v_store, g), v_head_dim, b * len(heads), elem))
                    for g, heads in enumerate(layer.k_codec.groups))
+    if layer.ragged:  # heads=ada: head by head, each its own store: the largest one
+        return max((max(_side_peak(ks, head_dim, b, elem), _side_peak(vs, v_head_dim, b, elem))
+                    for ks, vs in zip(layer.k_store.stores, layer.v_store.stores)), default=0)
     return max(_side_peak(layer.k_store, head_dim, b * kv_heads, elem),
                _side_peak(layer.v_store, v_head_dim, b * kv_heads, elem))
 

@@ -59,10 +59,6 @@ class Evictor:
         #: heads=ada: each KV head holds its own rows (``ragged.RaggedStore``), chosen by ``select_ada``
         self.ragged = policy.heads == "ada"
         self.ada_floor = policy.ada_floor
-        if self.ragged and mode == "fused":
-            raise EvictionError(
-                "heads=ada (per-head row counts) runs in cache modes compressed and simulate: the fused kernels' "
-                "ragged per-head path is not built yet; use cache mode compressed, or heads=uniform in fused")
         self.positions = GrowBuffer()  # [B, H, held]: each held row's token position (ragged: ``HeadRows``)
         self.mass = GrowBuffer()  # h2o: [B, H, held] attention mass received
         self.queries: torch.Tensor | None = None  # the last ``window`` queries [B, Hq, <=window, D]

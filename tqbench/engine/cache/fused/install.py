@@ -154,7 +154,8 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
         return _previous_forward(module)(module, query, key.keys, key.values, mask, *args, **kwargs)
     if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
         return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
-    if not key.k_parts and not key.v_parts and key.precision is None:  # prefill with no history: exact attention
+    ragged = key.ragged is not None and any(kv.k_parts for kv in key.ragged)  # heads=ada with rows held
+    if not ragged and not key.k_parts and not key.v_parts and key.precision is None:  # no history: exact attention
         return _previous_forward(module)(module, query, key.new_k, key.new_v, attention_mask, *args, **kwargs)
     scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
     if scaling is None:
@@ -166,7 +167,12 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     mask = window_mask(attention_mask, total)
     if key.precision is not None:  # a verification call: the column sets after the call's rows
         mask = precision_mask(mask, key.precision, total, query.shape[0], query.device)
-    out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
+    if ragged:
+        from tqbench.engine.cache.fused.ragged_heads import ragged_fused_attention
+
+        out = ragged_fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
+    else:
+        out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

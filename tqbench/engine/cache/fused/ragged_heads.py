@@ -1,0 +1,95 @@
+"""The ``fused`` mode of a ``heads=ada`` layer: each KV head holds its own rows in its own store
+(``evict.ragged.RaggedStore``), so each head is attended over its own row count, nothing padded.
+
+On the native kernel the layer is ONE call: each KV head is a side of the call with its own packed codes,
+full-precision rows, row count and mask, the way the sequences of serving's ragged batch are (the kernel takes
+sides of different lengths as different sequences: the query heads each KV head serves are handed as that
+"sequence"'s query, ``[H * B, n_rep, L, D]``). Elsewhere (Triton, the torch reference, sink logits, a call the
+kernel refuses) the layer runs head by head through the ordinary fused path, each head counted in the report
+(``TQLayer.fused_groups``), and the report says why.
+
+The call's mask (transformers', over the most rows a head holds plus the call's rows) is read per head: head
+``h``'s held rows are the mask's first ``rows_h`` columns (every held row is before every query), then the call's
+own columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tqbench.engine.cache.fused.masks import bool_mask
+
+__all__ = ["head_mask", "ragged_fused_attention"]
+
+
+def head_mask(attention_mask, held: int, span: int):
+    """The columns of ``attention_mask`` (``[..., span + L]``) that head ``h`` with ``held`` rows reads: its rows
+    (the first ``held``) and the call's (the last ``L``)."""
+    if attention_mask is None or held == span:
+        return attention_mask
+    return torch.cat([attention_mask[..., :held], attention_mask[..., span:]], dim=-1)
+
+
+def _native(query, kv, attention_mask, scaling, softcap):
+    """One native call over every KV head, or ``str`` (why not)."""
+    from tqbench.engine.cache.fused.layout import kernel_sides
+    from tqbench.engine.cache.fused.native_glue import _record
+    from tqbench.kernels.cpu.attention import native_attention_batch
+
+    heads = kv.ragged
+    b, hq, seq, d = query.shape
+    n_rep = hq // len(heads)
+    dt = torch.float64 if query.dtype == torch.float64 else torch.float32
+    span = kv.k_store_tokens
+    total = span + seq
+    mask = bool_mask(attention_mask, seq, total)
+    if isinstance(mask, str):
+        return mask
+    k_sides, v_sides, masks, extra = [], [], [], 0
+    for kv_h in heads:
+        sides = kernel_sides(kv_h, d, dt)
+        if isinstance(sides, str):
+            return sides
+        ks, vs, _, x = sides
+        for side in (ks, vs):  # a one-head store, whole (no group naming)
+            if side.kv_heads:
+                side.heads, side.kv_heads = [], 0
+        k_sides.append(ks)
+        v_sides.append(vs)
+        masks.append(head_mask(mask, kv_h.k_store_tokens, span))
+        extra += x
+    # each KV head's query heads as its own "sequence": [H * B, n_rep, L, D], head-major
+    q = query.reshape(b, len(heads), n_rep, seq, d).transpose(0, 1).reshape(len(heads) * b, n_rep, seq, d)
+    extra += q.numel() * q.element_size()
+    out, call = native_attention_batch(q, k_sides, v_sides, scaling, masks=masks, softcap=softcap,
+                                       sparse_v=kv.layer.policy.sparsev, extra_bytes=extra)
+    _record(kv.layer, call, slice(None))
+    dv = out.shape[-1]
+    return out.reshape(len(heads), b, n_rep, seq, dv).transpose(0, 1).reshape(b, hq, seq, dv)
+
+
+def ragged_fused_attention(query, kv, attention_mask, scaling: float, *, softcap=None, sinks=None) -> torch.Tensor:
+    """Attention of ``query`` ``[B, Hq, L, D]`` over each KV head's own rows plus the call's (``kv.ragged``)."""
+    from tqbench.engine.cache.fused.choose import NATIVE, choose_impl
+    from tqbench.engine.cache.fused.install import _count, _fused_one
+
+    layer = kv.layer
+    if choose_impl(query)[0] == NATIVE:
+        why = "sink logits differ per query head (one call hands each KV head's query heads as one sequence)" \
+            if sinks is not None else _native(query, kv, attention_mask, scaling, softcap)
+        if not isinstance(why, str):
+            _count(layer, NATIVE, None)
+            return why
+        layer.note_fallback(f"native: {why}: the layer's KV heads (heads=ada) ran one call each")
+    heads = kv.ragged
+    n_rep = query.shape[1] // len(heads)
+    span = kv.k_store_tokens
+    out = None
+    for h, kv_h in enumerate(heads):
+        qi = slice(h * n_rep, (h + 1) * n_rep)
+        o = _fused_one(query[:, qi], kv_h, head_mask(attention_mask, kv_h.k_store_tokens, span), scaling, softcap,
+                       None if sinks is None else sinks[qi], f"kv head {h} (heads=ada)")
+        if out is None:
+            out = o.new_empty(query.shape[0], query.shape[1], *o.shape[2:])
+        out[:, qi] = o
+    return out
