@@ -35,6 +35,12 @@ def check_ragged_codec(codec, role: str) -> None:
     if isinstance(codec, HeadSplitCodec):
         raise EvictionError(f"heads=ada with the per-head codec list {codec.spec} ({role}) is not supported yet: use "
                             "one codec for every head (e.g. turbo4), or heads=uniform")
+    from tqbench.engine.codecs.calibrated import PcaKeyCodec
+
+    if isinstance(codec, PcaKeyCodec):
+        raise EvictionError(f"heads=ada with calibrated keys ({codec.spec}) is not supported yet: their tables are "
+                            "fitted per KV head of the layer and each head's store would need its own; use a turbo "
+                            "key codec, or heads=uniform")
     if codec.tokens_per_unit != 1:
         raise EvictionError(f"heads=ada needs a codec that packs each row on its own: {codec.spec} ({role}) packs "
                             f"{codec.tokens_per_unit} tokens per unit, so a head's rows would not fill whole units; "
