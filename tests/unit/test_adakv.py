@@ -12,6 +12,7 @@ from tqbench.engine.cache.evict.ragged import select_ada
 from tqbench.engine.cache.fused.masks import ragged_mask
 from tqbench.engine.policy import parse_policy
 from tqbench.engine.policy.keep import ada_floor_rows, held_rows
+from tqbench.engine.policy.spec import Policy
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
 
@@ -169,10 +170,14 @@ def test_bad_values_say_what_to_use(text, msg):
         parse_policy(text)
 
 
-def test_round_trip():
+def test_round_trip(tmp_path):
     pol = parse_policy("turbo4,keep=0.5,heads=ada,ada_floor=0.3")
     assert (pol.heads, pol.ada_floor) == ("ada", 0.3)
     assert parse_policy(pol.to_string()) == pol
+    assert Policy.from_dict(pol.to_dict()) == pol
+    path = tmp_path / "p.toml"
+    path.write_text('preset = "turbo4"\nkeep = 0.5\nheads = "ada"\nada_floor = 0.3\n')
+    assert parse_policy(str(path)) == pol
     assert "heads" not in parse_policy("turbo4,keep=0.5").to_string()
 
 
