@@ -242,3 +242,17 @@ def test_triton_runs_head_by_head_as_the_reference(tiny_engine, monkeypatch):
 def test_refusals_say_why_and_what_to_use(tiny_engine, policy, mode, msg):
     with pytest.raises(EvictionError, match=msg):
         tiny_engine.generate(tiny_engine.encode_prompt(PROMPT, chat=False), policy, mode, max_new_tokens=2)
+
+
+def test_validate_fused_says_the_native_kernel_ran():
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
+    r = CliRunner().invoke(main, ["--headless", "validate", "--model", "tiny", "--candidate",
+                                  "turbo4,keep=0.5,score=snapkv,heads=ada", "--cache-mode", "fused",
+                                  "--max-new-tokens", "4", "--threads", "1"])
+    assert "native-cpu:" in r.output and "heads=ada" in r.output  # (the random tiny model may fail the gate)
+    bad = CliRunner().invoke(main, ["--headless", "validate", "--model", "tiny", "--candidate",
+                                    "turbo4,keep=0.5,heads=adakv", "--max-new-tokens", "2"])
+    assert bad.exit_code == 2 and "heads='adakv' is invalid: use uniform" in bad.output
