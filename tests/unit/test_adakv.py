@@ -256,3 +256,10 @@ def test_validate_fused_says_the_native_kernel_ran():
     bad = CliRunner().invoke(main, ["--headless", "validate", "--model", "tiny", "--candidate",
                                     "turbo4,keep=0.5,heads=adakv", "--max-new-tokens", "2"])
     assert bad.exit_code == 2 and "heads='adakv' is invalid: use uniform" in bad.output
+
+
+def test_a_batch_at_an_eviction_point_is_refused_with_the_reason(tiny_engine):
+    ids = torch.randint(5, 200, (1, 60), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(EvictionError, match="a batch of 2 sequences cannot share them"):
+        tiny_engine.model.generate(ids, cache=tiny_engine.make_cache("turbo4,keep=0.5,heads=ada", "compressed"),
+                                   max_new_tokens=2, do_sample=True, num_return_sequences=2)
