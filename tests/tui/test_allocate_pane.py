@@ -236,6 +236,7 @@ async def test_min_speed_is_typed_checked_inline_and_passed_to_the_allocation(da
             await pilot.click("#min-speed")
             await pilot.press("end", "shift+home", *typed)
             assert plain(note) == error and field.has_class("-invalid") and note.has_class("-error")
+            await pilot.press("enter")  # enter in the field, in the budget, the button: none starts a job
             await pilot.click("#budget")
             await pilot.press("enter")
             await pilot.click("#allocate")
@@ -253,7 +254,7 @@ async def test_min_speed_is_typed_checked_inline_and_passed_to_the_allocation(da
         panel.query_one("#axes").value = "bits"
         await pilot.pause()
         assert not field.has_class("-invalid")
-        await pilot.click("#budget")
+        await pilot.click("#min-speed")
         await pilot.press("enter")
         await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the allocation")
         assert panel.status == "done", plain(panel.query_one("#alloc-status", Label))

@@ -3,9 +3,10 @@ head), then the per-layer K/V bits as a heatmap and the KL-vs-bits frontier of e
 on the loaded model, on either of two texts the allocator never saw (``FRONTIER_TEXTS``: prose, technical).
 
 The allocation takes its sink, recent window and context from the Policies builder's fields and is verified on both
-texts; a minimum decode speed (the min-speed field, checked as typed: the engine's rules, as the CLI's
-``--min-speed``) makes it keep the predicted speed relative to dense at or above it; the presets' points (ctrl+t) are measured on the text the plot shows. Points are kept per model for the
-workbench session. The allocated policy is kept (listed in Policies, saved with the session).
+texts; a minimum decode speed (the min-speed field, checked as typed by the engine's rules, as the CLI's
+``--min-speed``) makes it keep the predicted speed relative to dense at or above it. The presets' points (ctrl+t)
+are measured on the text the plot shows. Points are kept per model for the workbench session. The allocated policy
+is kept (listed in Policies, saved with the session).
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class AllocatePanel(Vertical):
         self._forget_other_model(engine)
 
     @on(Input.Submitted, "#budget")
+    @on(Input.Submitted, "#min-speed")
     @on(Button.Pressed, "#allocate")
     def action_allocate(self) -> None:
         engine = engine_for_job(self, "allocation")
