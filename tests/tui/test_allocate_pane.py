@@ -202,3 +202,70 @@ async def test_the_frontier_marks_allocations_by_speed_class(data_dir, steady_en
         assert "^" in drawn and "v" in drawn.replace("bits/element", "") and "o" in drawn
         plot.set_points({"turbo4": plot.points["turbo4"]})  # no speed classes: the title says nothing of them
         assert "minimum speed" not in plot.border_title
+
+
+async def test_min_speed_is_typed_checked_inline_and_passed_to_the_allocation(data_dir, steady_engine, monkeypatch):
+    """The min-speed field, as a person uses it: a bad value shows the engine's error beside the field and starts
+    nothing (the typed values stay); a ratio reaches ``allocate_policy`` (the CLI's engine call) and binds: the
+    allocation differs from the one without it and is predicted at or above it; the frontier marks its speed class.
+    The decode costs are a fixed table (no timing): the allocation without a minimum is predicted at 1.32x dense."""
+    import tqbench.engine.allocate as allocate_module
+    import tqbench.engine.allocate.speed as speed
+    from tqbench.engine import allocate_policy
+    from tqbench.engine.allocate.speed import DecodeCosts
+
+    row = {"turbo1": 0.4e-3, "turbo2": 0.6e-3, "turbo3": 0.8e-3, "turbo4": 1.0e-3}
+    costs = DecodeCosts(96, steady_engine.geometry.kv_heads, {"k": dict(row), "v": dict(row)}, 0.0, 10e-3, 11e-3)
+    monkeypatch.setattr(speed, "cached_costs", lambda *args, **kwargs: (costs, False))
+    asked, real = [], allocate_module.allocate_policy
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("min_speed", "not given"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(allocate_module, "allocate_policy", spy)
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=SIZE) as pilot:
+        pane, panel = await open_panel(pilot, app)
+        await pilot.press("4", ".", "5")
+        field, note = panel.query_one("#min-speed"), panel.query_one("#min-speed-note", Label)
+        assert field.value == "none" and plain(note) == "no minimum decode speed"
+        why = "give a ratio of decode tokens/s to a dense cache above 0 (e.g. 0.8), turbo4 or none"
+        for typed, error in (("fast", f"min speed='fast' is invalid: {why}"), ("0", f"min speed=0 is invalid: {why}"),
+                             ("-1", f"min speed=-1 is invalid: {why}")):
+            await pilot.click("#min-speed")
+            await pilot.press("end", "shift+home", *typed)
+            assert plain(note) == error and field.has_class("-invalid") and note.has_class("-error")
+            await pilot.press("enter")  # enter in the field, in the budget, the button: none starts a job
+            await pilot.click("#budget")
+            await pilot.press("enter")
+            await pilot.click("#allocate")
+            await pilot.pause()
+            assert plain(note) == error and panel.status == "idle" and asked == []  # nothing started, nothing lost
+            assert (field.value, panel.query_one("#budget").value) == (typed, "4.5")
+        await pilot.click("#min-speed")
+        await pilot.press("end", "shift+home", "1", ".", "4")
+        assert plain(note) == "at least 1.4x dense decode tokens/s at the context (predicted)"
+        assert not field.has_class("-invalid")
+        panel.query_one("#axes").value = "tokens"  # the cost model has no term for evicted rows: refused there
+        await pilot.pause()
+        assert plain(note) == ("min speed='1.4' is invalid: the decode-cost model has no term for evicted rows: give "
+                               "none with the tokens axis")
+        panel.query_one("#axes").value = "bits"
+        await pilot.pause()
+        assert not field.has_class("-invalid")
+        await pilot.click("#min-speed")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: panel.status in ("done", "failed"), what="the allocation")
+        assert panel.status == "done", plain(panel.query_one("#alloc-status", Label))
+        assert asked == [1.4]
+        same = dict(base="sink=2,recent=4", context=96, name="alloc-4.5bit", verify_text="rivers", verify_prefill=48,
+                    verify_steps=6, decode_costs=costs, **SMALL_CALIBRATION, **SOLVER)
+        expected = allocate_policy(steady_engine, 4.5, min_speed=1.4, **same)
+        free = allocate_policy(steady_engine, 4.5, min_speed=None, **same)
+        rep = panel.result
+        assert rep.allocation.policy == expected.allocation.policy != free.allocation.policy
+        assert rep.speed.min_ratio == 1.4 and rep.speed.predicted_ratio == expected.speed.predicted_ratio >= 1.4
+        assert free.speed.predicted_ratio < 1.4  # the minimum bound the choice
+        assert panel.points["rivers"]["alloc-4.5bit"] == (expected.verified, "layer@fast")
+        assert panel.query_one("#frontier-plot").points["alloc-4.5bit"][2] == "layer@fast"

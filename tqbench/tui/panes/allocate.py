@@ -3,8 +3,10 @@ head), then the per-layer K/V bits as a heatmap and the KL-vs-bits frontier of e
 on the loaded model, on either of two texts the allocator never saw (``FRONTIER_TEXTS``: prose, technical).
 
 The allocation takes its sink, recent window and context from the Policies builder's fields and is verified on both
-texts; the presets' points (ctrl+t) are measured on the text the plot shows. Points are kept per model for the
-workbench session. The allocated policy is kept (listed in Policies, saved with the session).
+texts; a minimum decode speed (the min-speed field, checked as typed by the engine's rules, as the CLI's
+``--min-speed``) makes it keep the predicted speed relative to dense at or above it. The presets' points (ctrl+t)
+are measured on the text the plot shows. Points are kept per model for the workbench session. The allocated policy
+is kept (listed in Policies, saved with the session).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from textual.message import Message
 from textual.widgets import Button, Input, Label, ProgressBar, Select
 
 from tqbench.engine.codecs import is_calibrated_spec, is_head_list, split_head_list
+from tqbench.engine.request import RequestError
 from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
 from tqbench.tui.widgets.frontier_plot import FrontierPlot
 from tqbench.tui.widgets.heatmap import Heatmap
@@ -41,6 +44,12 @@ CALIBRATION = {"calibration": "mix", "calib_prefill": 1024, "calib_steps": 32}
 #: see docs/allocation.md), cells measured at the builder's sink/recent, verified on both frontier texts
 #: (``protections``, ``max_measurements`` and ``k_codecs`` left at those defaults)
 SOLVER = {"unseen_text": FRONTIER_TEXTS[1]}
+
+
+#: what the min-speed field's value means (formatted with the value)
+MIN_SPEED_NOTES = {"none": "no minimum decode speed",
+                   "reference": "no slower than uniform {} fused (predicted)",
+                   "given": "at least {:g}x dense decode tokens/s at the context (predicted)"}
 
 
 def speed_suffix(speed) -> str:
@@ -73,6 +82,9 @@ class AllocatePanel(Vertical):
     AllocatePanel #axes { width: 17; margin-left: 1; }
     AllocatePanel #frontier-text { width: 22; margin-left: 1; }
     AllocatePanel #alloc-bar { width: 30; margin-left: 2; }
+    AllocatePanel #min-speed { width: 10; }
+    AllocatePanel #min-speed-note { width: 1fr; margin-left: 1; color: $text-muted; }
+    AllocatePanel #min-speed-note.-error { color: $error; }
     AllocatePanel #alloc-status { width: 1fr; height: auto; }
     AllocatePanel #alloc-body { height: 18; }
     AllocatePanel #alloc-heatmap { width: 40; height: 18; }
@@ -98,8 +110,6 @@ class AllocatePanel(Vertical):
         self.points: dict[str, dict[str, tuple]] = {t: {} for t in FRONTIER_TEXTS}
         self.frontier = dict(FRONTIER)
         self.calibration = dict(CALIBRATION)
-        #: the allocation's minimum decode speed (``allocate_policy``'s ``min_speed``; None: none, as before)
-        self.min_speed = None
         self._cancel = threading.Event()
         self._points_model: str | None = None
 
@@ -118,6 +128,13 @@ class AllocatePanel(Vertical):
             yield Select([(t, t) for t in FRONTIER_TEXTS], value=FRONTIER_TEXTS[0], id="frontier-text", compact=True,
                          allow_blank=False, tooltip="the text the frontier plot shows (ctrl+t measures the presets on it)")
             yield ProgressBar(total=None, show_eta=False, id="alloc-bar")
+        with Horizontal(classes="row"):
+            yield Label("min speed")
+            yield Input("none", id="min-speed", compact=True,
+                        tooltip="Minimum decode tokens/s relative to a dense cache at the context (fused mode, predicted "
+                                "by a cost model measured on this machine once): a ratio above 0 (e.g. 0.8), turbo4 (no "
+                                "slower than uniform turbo4) or none (the CLI's default is turbo4)")
+            yield Label(MIN_SPEED_NOTES["none"], id="min-speed-note")
         yield Label("enter a budget: the allocation uses the sink, recent window and context above", id="alloc-status")
         with Horizontal(id="alloc-body"):
             yield Heatmap(id="alloc-heatmap")
@@ -149,6 +166,35 @@ class AllocatePanel(Vertical):
                 raise ValueError(f"{field} {val!r} is not a whole number: fix it in the builder") from None
         return budget, ints[0], ints[1], pane.context()
 
+    def _min_speed(self):
+        """The min-speed field as ``allocate_policy``'s ``min_speed``: None (no minimum), the uniform reference's
+        name or a ratio; ``RequestError`` for a value the engine refuses (its rules, which the CLI checks too)."""
+        from tqbench.engine.allocate.budget import REFERENCE, resolve_min_speed
+        from tqbench.engine.allocate.keeps import parse_axes, speed_rule
+
+        text = self.query_one("#min-speed", Input).value.strip()
+        ratio, source = resolve_min_speed(text)
+        speed_rule(parse_axes(self.query_one("#axes", Select).value), text)
+        return {"none": None, "reference": REFERENCE, "given": ratio}[source]
+
+    @on(Input.Changed, "#min-speed")
+    @on(Select.Changed, "#axes")
+    def _check_min_speed(self) -> bool:
+        """The min-speed field's meaning beside it, or (a value the engine refuses) its error; False for an error."""
+        field, note = self.query_one("#min-speed", Input), self.query_one("#min-speed-note", Label)
+        try:
+            value = self._min_speed()
+        except RequestError as exc:
+            field.add_class("-invalid")
+            note.add_class("-error")
+            note.update(exc.spelled("min speed"))
+            return False
+        field.remove_class("-invalid")
+        note.remove_class("-error")
+        note.update(MIN_SPEED_NOTES["none" if value is None else "reference" if isinstance(value, str) else "given"]
+                    .format(value))
+        return True
+
     def _start(self, kind: str, engine) -> None:
         self.running = True
         self.status = "running"
@@ -157,6 +203,7 @@ class AllocatePanel(Vertical):
         self._forget_other_model(engine)
 
     @on(Input.Submitted, "#budget")
+    @on(Input.Submitted, "#min-speed")
     @on(Button.Pressed, "#allocate")
     def action_allocate(self) -> None:
         engine = engine_for_job(self, "allocation")
@@ -167,16 +214,20 @@ class AllocatePanel(Vertical):
         except ValueError as exc:
             self.app.notify(str(exc), title="cannot allocate", severity="error")
             return
+        if not self._check_min_speed():  # the error stays beside the field
+            return
+        min_speed = self._min_speed()
         granularity = self.query_one("#granularity", Select).value
         axes = self.query_one("#axes", Select).value
         self._start("allocate", engine)
         self.query_one("#alloc-status", Label).update(
             f"allocating {budget:g} bits/element at {context} tokens over {axes}, per "
-            f"{'KV head' if granularity == 'head' else 'layer'} ...")
-        self._allocate(engine, budget, sink, recent, context, granularity, axes)
+            f"{'KV head' if granularity == 'head' else 'layer'}"
+            + (f", min speed {min_speed}" if min_speed is not None else "") + " ...")
+        self._allocate(engine, budget, sink, recent, context, granularity, axes, min_speed)
 
     @work(thread=True, exclusive=True, group="allocate", exit_on_error=False)
-    def _allocate(self, engine, budget, sink, recent, context, granularity, axes="bits") -> None:
+    def _allocate(self, engine, budget, sink, recent, context, granularity, axes="bits", min_speed=None) -> None:
         from tqbench.engine import allocate_policy
         from tqbench.sessions.store import data_dir
 
@@ -185,7 +236,7 @@ class AllocatePanel(Vertical):
             name=f"alloc-{budget:g}bit" + ("-head" if granularity == "head" else ""),
             verify_text=FRONTIER_TEXTS[0], verify_prefill=self.frontier["prefill"],
             verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
-            min_speed=self.min_speed,
+            min_speed=min_speed,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         self.post_message(self.Finished(result, error, cancelled, "allocate"))
 

@@ -1,4 +1,7 @@
-"""Run: a prompt, then baseline and candidate generate side by side in lockstep (``Engine.lockstep``)."""
+"""Run: a prompt, then baseline and candidate generate side by side in lockstep (``Engine.lockstep``).
+
+The pane's parts: ``run_controls`` (the form and ``RunParams``), ``run_sides`` (the sides' titles and graph
+names), ``run_kept`` (the kept-token map); the running, the saved-run view and the status strip are here."""
 
 from __future__ import annotations
 
@@ -9,47 +12,18 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.suggester import SuggestFromList
-from textual.widgets import Button, Checkbox, Input, Label, Select, TextArea
+from textual.widgets import Button, Input, Select
 
-from tqbench.constants import (
-    CACHE_MODE_RESIDENT,
-    CACHE_MODES,
-    DEFAULT_PROMPT,
-    DENSE_BASELINES,
-    dense_baseline_kv,
-    fastest_quality_mode,
-)
 from tqbench.tui.panes.jobs import notify_policy_warnings
+from tqbench.tui.panes.run_controls import RunControls, RunParams, run_controls
+from tqbench.tui.panes.run_kept import KeptMapWiring
+from tqbench.tui.panes.run_sides import RunSides
 from tqbench.tui.widgets.graph import ThroughputGraph
 from tqbench.tui.widgets.kept_map import KeptMap
 from tqbench.tui.widgets.model_bar import RunStrip
-from tqbench.tui.widgets.prompt_box import PromptBox
 from tqbench.tui.widgets.token_view import TokenView
 
-
-@dataclass(frozen=True)
-class RunParams:
-    prompt: str
-    chat: bool
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    baseline: str
-    candidate: str
-    cache_mode: str
-
-    @property
-    def sampling(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
-
-    @property
-    def request(self):
-        """The engine's ``GenerationRequest`` (validated: the same rules and messages as the CLI and server)."""
-        from tqbench.engine import GenerationRequest
-
-        return GenerationRequest(self.max_new_tokens, self.temperature, self.top_p, self.seed)
+__all__ = ["RunPane", "RunParams"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +33,7 @@ class Tok:
     step_seconds: float
 
 
-class RunPane(Vertical):
+class RunPane(RunControls, RunSides, KeptMapWiring, Vertical):
     """The Run tab. Long work runs in a thread worker; escape sets the cancel flag the engine checks every step."""
 
     # ctrl+r (run) and escape (cancel) are app bindings: they work from every tab
@@ -121,36 +95,7 @@ class RunPane(Vertical):
 
     # ---- layout ----------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        p = self.initial
-        from tqbench.engine.policy import PRESETS
-
-        presets = list(PRESETS)
-        yield PromptBox(p.prompt if p else DEFAULT_PROMPT, id="prompt")
-        with Horizontal(id="first-controls", classes="controls"):
-            yield Label("baseline")
-            yield Input(p.baseline if p else "fp16", id="baseline", compact=True,
-                        suggester=SuggestFromList([*DENSE_BASELINES, *presets]),
-                        tooltip="Baseline: a policy (preset or compact form) or a dense DynamicCache: dense (K/V in the "
-                                "model's dtype), dense-fp16 or dense-bf16 (K/V rows stored in 16 bits)")
-            yield Label("candidate")
-            yield Input(p.candidate if p else "turbo4", id="candidate", compact=True,
-                        suggester=SuggestFromList(presets), tooltip="Candidate policy: a preset, k=...,v=... or a file")
-            mode = p.cache_mode if p else fastest_quality_mode("cpu")
-            yield Select([(m, m) for m in CACHE_MODES], value=mode, id="mode", compact=True, allow_blank=False,
-                         tooltip="Candidate cache mode (default: the fastest mode whose quality claims hold here)")
-            yield Label(CACHE_MODE_RESIDENT[mode], id="mode-note")
-        with Horizontal(classes="controls"):
-            yield Label("max tokens")
-            yield Input(str(p.max_new_tokens if p else 48), id="max-tokens", compact=True, type="integer")
-            yield Checkbox("chat", p.chat if p else True, id="chat", compact=True, tooltip="Apply the chat template")
-            yield Label("temperature")
-            yield Input(str(p.temperature if p else 0.0), id="temperature", compact=True, type="number",
-                        tooltip="0 = greedy; > 0 samples with the seed")
-            yield Label("top-p")
-            yield Input(str(p.top_p if p else 1.0), id="top-p", compact=True, type="number")
-            yield Label("seed")
-            yield Input(str(p.seed if p else 0), id="seed", compact=True, type="integer")
-            yield Button("Run ^r", id="run-button", compact=True, variant="primary")
+        yield from run_controls(self.initial)
         with Horizontal(id="texts"):
             yield TokenView("baseline", id="baseline-view")
             yield TokenView("candidate", id="candidate-view")
@@ -158,82 +103,11 @@ class RunPane(Vertical):
         yield ThroughputGraph(id="graph")
         yield KeptMap(id="kept-map")
 
-    # ---- reading the form ------------------------------------------------------------------------
-    def params(self) -> RunParams:
-        """The form as ``RunParams``; bad input raises ``ValueError`` with a message naming the field."""
-        from tqbench.engine.policy import parse_policy
-
-        def num(widget_id: str, kind, what: str):
-            raw = self.query_one(f"#{widget_id}", Input).value.strip()
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ValueError(f"{what} {raw!r} is not a number") from None
-
-        prompt = self.query_one("#prompt", TextArea).text
-        if not prompt.strip():
-            raise ValueError("the prompt is empty: type some text in the prompt box")
-        max_new = num("max-tokens", int, "max tokens")
-        base = self.query_one("#baseline", Input).value.strip() or "fp16"
-        cand = self.query_one("#candidate", Input).value.strip()
-        if base not in DENSE_BASELINES:  # dense, dense-fp16, dense-bf16: a DynamicCache, not a policy
-            parse_policy(base)
-        parse_policy(cand)
-        p = RunParams(prompt, self.query_one("#chat", Checkbox).value, max_new, num("temperature", float, "temperature"),
-                      num("top-p", float, "top-p"), num("seed", int, "seed"), base, cand,
-                      str(self.query_one("#mode", Select).value))
-        p.request  # noqa: B018  (validates max tokens, temperature, top-p)
-        return p
-
-    def fill(self, params: dict) -> None:
-        """Put a saved run's parameters into the form."""
-        self.query_one("#prompt", TextArea).text = params["prompt"]
-        self.query_one("#chat", Checkbox).value = bool(params["chat"])
-        self.query_one("#max-tokens", Input).value = str(params["max_new_tokens"])
-        s = params.get("sampling", {})
-        self.query_one("#temperature", Input).value = str(s.get("temperature", 0.0))
-        self.query_one("#top-p", Input).value = str(s.get("top_p", 1.0))
-        self.query_one("#seed", Input).value = str(s.get("seed", 0))
-        if params.get("baseline"):
-            self.query_one("#baseline", Input).value = params["baseline"]
-        self.query_one("#candidate", Input).value = params["candidate"]
-        mode = params.get("candidate_mode") or "compressed"
-        if mode in CACHE_MODES:
-            self.query_one("#mode", Select).value = mode
-
-    def params_or_defaults(self) -> dict:
-        """The form as a ``fill`` dict, without validation."""
-        def val(i: str) -> str:
-            return self.query_one(f"#{i}", Input).value
-        return {"prompt": self.query_one("#prompt", TextArea).text, "chat": self.query_one("#chat", Checkbox).value,
-                "max_new_tokens": val("max-tokens"), "baseline": val("baseline"), "candidate": val("candidate"),
-                "candidate_mode": str(self.query_one("#mode", Select).value),
-                "sampling": {"temperature": val("temperature"), "top_p": val("top-p"), "seed": val("seed")}}
-
-    def engine_ready(self, device_type: str) -> None:
-        """The model is loaded: a mode nobody chose becomes the fastest quality-faithful one on its device."""
-        if self.initial is None and not self._mode_chosen:
-            with self.prevent(Select.Changed):
-                self.query_one("#mode", Select).value = fastest_quality_mode(device_type)
-            self._show_mode_note()
-
+    # ---- the form (run_controls) ------------------------------------------------------------------
     @on(Select.Changed, "#mode")
     def _mode_changed(self) -> None:
         self._mode_chosen = True
         self._show_mode_note()
-
-    def _show_mode_note(self) -> None:
-        mode = str(self.query_one("#mode", Select).value)
-        self.query_one("#mode-note", Label).update(CACHE_MODE_RESIDENT.get(mode, ""))
-
-    def set_candidate(self, policy: str) -> None:
-        """A candidate chosen elsewhere (Policies, Scan, Compare): the texts of another candidate's run leave the
-        screen (a run in progress keeps its own)."""
-        field = self.query_one("#candidate", Input)
-        changed = field.value.strip() != policy
-        field.value = policy
-        if changed and not self.running:
-            self.clear_shown()
 
     def clear_shown(self) -> None:
         """Empty texts, graph and figures, titled with the form's policies: nothing on screen belongs to a run
@@ -275,8 +149,6 @@ class RunPane(Vertical):
         self._start(engine, params)
 
     def _start(self, engine, params: RunParams) -> None:
-        from tqbench.engine.policy import parse_policy
-
         self.running = True
         self._cancel.clear()
         self.steps = 0
@@ -286,34 +158,11 @@ class RunPane(Vertical):
         self._savings = None
         self._diff_note = ""
         self.status = "running"
-        cand = parse_policy(params.candidate)
-        base = self._base_title(params.baseline, str(engine.loaded.dtype).replace("torch.", ""))
-        self.query_one("#baseline-view", TokenView).clear(f"baseline · {base}")
-        self.query_one("#candidate-view", TokenView).clear(self._cand_title(cand.label, params.cache_mode))
-        graph = self.query_one("#graph", ThroughputGraph)
-        graph.clear()
-        graph.set_names(base, f"{cand.label} ({params.cache_mode})")
+        self._name_sides(engine, params)
         self._clear_kept()
         self.params_running = params
         self._update_strip()
         self._generate(engine, params)
-
-    @staticmethod
-    def _base_title(baseline: str, model_dtype: str | None) -> str:
-        """``dense-fp16 (float16 K/V)`` for a dense baseline, ``fp16 (compressed)`` for a policy."""
-        from tqbench.engine.policy import parse_policy
-
-        if baseline in DENSE_BASELINES:
-            kv = dense_baseline_kv(baseline, model_dtype) if model_dtype else DENSE_BASELINES[baseline]
-            return f"{baseline} ({kv or 'model dtype'} K/V)"
-        return f"{parse_policy(baseline).label} (compressed)"
-
-    @staticmethod
-    def _cand_title(label: str, mode: str) -> str:
-        title = f"candidate · {label} ({mode})"
-        if mode == "dense-shadow":
-            title += " · storage-only: reads exact K/V"
-        return title
 
     @work(thread=True, exclusive=True, group="run", exit_on_error=False)
     def _generate(self, engine, params: RunParams) -> None:
@@ -403,28 +252,7 @@ class RunPane(Vertical):
         self._clear_kept()  # a session keeps no kept-token map
         self.fill(rec.params())
         self._mode_chosen = True  # the saved run's mode stays when the model loads
-        views = {"baseline": self.query_one("#baseline-view", TokenView),
-                 "candidate": self.query_one("#candidate-view", TokenView)}
-        graph = self.query_one("#graph", ThroughputGraph)
-        for run in ("baseline", "candidate"):
-            side = getattr(rec, run)
-            if side is None:
-                views[run].clear(f"{run} · (none in this run)")
-                continue
-            texts = side.token_texts if side.has_token_texts else [f"[{i}]" for i in side.token_ids]
-            views[run].set_tokens([(tid, text, rec.baseline is not None and i < rec.steps and not rec.same_token[i])
-                                   for i, (tid, text) in enumerate(zip(side.token_ids, texts))])
-        base = None
-        if rec.baseline is not None:
-            base = self._base_title(rec.baseline.policy, None) if rec.baseline.policy in DENSE_BASELINES \
-                else f"{rec.baseline.policy} ({rec.baseline.cache_mode})"
-        views["baseline"].border_title = f"baseline · {base or 'none'}"
-        views["candidate"].border_title = self._cand_title(rec.candidate.policy, rec.candidate.cache_mode)
-        graph.set_names(base or "", f"{rec.candidate.policy} ({rec.candidate.cache_mode})")
-        graph.set_series(
-            {r: getattr(rec, r).tokens_per_second for r in ("baseline", "candidate") if getattr(rec, r)},
-            {r: getattr(rec, r).resident_bytes for r in ("baseline", "candidate") if getattr(rec, r)},
-        )
+        self._show_saved_sides(rec)
         self.steps = rec.steps
         self._same_token, self._same_top1, self._kl = list(rec.same_token), list(rec.same_top1), list(rec.kl)
         self._cancelled = rec.cancelled_tokens
@@ -432,36 +260,6 @@ class RunPane(Vertical):
         self.status = "saved run"
         self._diff_note = note
         self._update_strip()
-
-    # ---- which tokens each head kept ------------------------------------------------------------
-    def _clear_kept(self) -> None:
-        self.kept = None
-        self.query_one("#kept-map", KeptMap).clear()
-        self.show_kept(False)
-
-    def set_kept(self, event) -> None:
-        """The engine's ``KeptTokens`` of the candidate's run: drawn in the map (f8 shows it)."""
-        self.kept = event
-        self.query_one("#kept-map", KeptMap).show(event)
-        self._update_strip()
-
-    @property
-    def kept_shown(self) -> bool:
-        return self.query_one("#kept-map", KeptMap).display
-
-    def show_kept(self, on: bool | None = None) -> bool:
-        """Show the kept-token map in the graph's place (``on`` None: toggle); False when there is none to show."""
-        on = not self.kept_shown if on is None else on
-        if on and self.kept is None:
-            return False
-        kept_map = self.query_one("#kept-map", KeptMap)
-        kept_map.display = on
-        self.query_one("#graph", ThroughputGraph).display = not on
-        if on:
-            self.screen.set_focus(kept_map.query_one("#kept-strips"))
-        elif self.screen.focused is not None and kept_map in self.screen.focused.ancestors:
-            self.screen.set_focus(self.query_one("#run-button"))
-        return True
 
     def set_diff_note(self, note: str) -> None:
         self._diff_note = note
