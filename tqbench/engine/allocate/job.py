@@ -317,7 +317,7 @@ def allocate_policy(
         keep_kl[(layer, f)] = cells[key]
     t1, c1 = time.perf_counter(), time.process_time()
     speed, costs_cached = None, False
-    if min_speed is not None or verify_speed or decode_costs is not None:
+    if resolve_min_speed(min_speed)[1] != "none" or verify_speed or decode_costs is not None:
         emit(on_event, Progress("speed", 0, 1, f"decode costs at {context} tokens"))
         try:
             speed, costs_cached = speed_constraint(engine, table, base_pol, context, min_speed, decode_costs,
