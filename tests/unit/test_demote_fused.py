@@ -151,3 +151,19 @@ def test_validate_fused_says_the_tier_ran_natively():
     assert r.exit_code in (0, 1), r.output  # (1: the random model fails the gate)
     assert "native-cpu:" in r.output and "torch-reference" not in r.output
     assert "the evicted rows kept at turbo2 (demote)" in r.output
+
+
+def test_per_head_layer_with_a_tier_is_one_native_call(tiny_engine, monkeypatch):
+    from tqbench.engine.cache.evict.compact import EvictionError
+
+    ids = tiny_engine.encode_prompt(PROMPT, chat=False)
+    pol = "k=turbo4|turbo2,v=turbo3|turbo2,keep=0.4,score=tova,window=4,demote=turbo1"
+    want, _ = _logits(tiny_engine, ids, pol, "compressed")
+    got, cache = _logits(tiny_engine, ids, pol, "fused")
+    assert (got - want).abs().max() < 2e-5
+    la = cache.layers[0]
+    assert la.fused_impl == {"native-cpu": 6} and all(g == {"native-cpu": 6} for g in la.fused_groups.values())
+    monkeypatch.setenv("TQBENCH_FUSED_IMPL", "torch")
+    with pytest.raises(EvictionError, match="demote=turbo1 on a layer with per-head codecs runs only in the native "
+                                            "CPU kernel .*here: TQBENCH_FUSED_IMPL=torch: use cache mode compressed"):
+        _logits(tiny_engine, ids, pol, "fused")
