@@ -183,25 +183,30 @@ def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: flo
                            sinks=None, sparse_v: float = 0.0):
     """Attention of ``query`` [B, Hq, L, D] over the stored + new rows (and the demote tier's, in the same call and
     softmax), or ``str`` (why not) when it cannot run."""
-    return native_fused_attention_ragged(query, [kv], None if attention_mask is None else [attention_mask], scaling,
-                                         softcap=softcap, sinks=sinks, sparse_v=sparse_v, padded=True)
+    return _attend(query, [kv], None if attention_mask is None else [attention_mask], scaling, softcap, sinks,
+                   sparse_v, padded=True)
 
 
 def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Sequence | None, scaling: float, *,
-                                  softcap=None, sinks=None, sparse_v: float = 0.0, padded: bool = False):
+                                  softcap=None, sinks=None, sparse_v: float = 0.0):
     """One kernel call for ``len(kvs)`` sequences of different lengths (serving's fused batch).
 
     ``query``: ``[len(kvs), Hq, L, D]``, row ``i`` the query of sequence ``i``; ``kvs[i]``: that sequence's
     ``FusedKV`` (its own store, batch 1, this call's new rows in ``new_k``/``new_v``); ``masks[i]``: the
     sequence's 4-D attention mask ``[1, 1, L, >= rows_i]`` (its last ``rows_i`` columns are read) or None
-    (causal over its last ``L`` rows). Returns ``[len(kvs), Hq, L, Dv]``, or ``str`` (why not). ``padded``: one
-    ``FusedKV`` of a padded batch (``query``'s batch is its store's; ``native_fused_attention``).
+    (causal over its last ``L`` rows). Returns ``[len(kvs), Hq, L, Dv]``, or ``str`` (why not).
 
     A sequence with a demote tier adds the tier's store after every sequence's own (``merge_into``: the kernel
     attends it with that sequence's queries, in the same softmax).
     """
     if masks is not None and len(masks) != len(kvs):
         raise ValueError(f"masks has {len(masks)} entries for {len(kvs)} sequences: give one per sequence or None")
+    return _attend(query, kvs, masks, scaling, softcap, sinks, sparse_v, padded=False)
+
+
+def _attend(query, kvs, masks, scaling, softcap, sinks, sparse_v, padded: bool):
+    """One kernel call over ``kvs`` (each its own store, its tier after them all); ``padded``: one ``FusedKV`` of
+    a padded batch (``query``'s batch is its store's)."""
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
     d = query.shape[-1]
     k_sides, v_sides, bool_masks, extra = [], [], [], 0
