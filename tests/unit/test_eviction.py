@@ -332,7 +332,7 @@ def test_a_sweep_takes_keep_policies(tmp_path, tiny_engine):
 
 
 # -- demote: evicted rows kept at a cheaper codec ----------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["compressed", "simulate"])
+@pytest.mark.parametrize("mode", ["compressed", "simulate", "fused"])
 @pytest.mark.parametrize("policy", ["turbo4,keep=0.5,demote=turbo2", "turbo4,keep=0.3,score=tova,every=4,demote=int4",
                                     "fp16,keep=20,demote=turbo1,window=4"])
 def test_demoted_rows_are_counted_to_the_byte(tiny_engine, policy, mode):
@@ -373,11 +373,6 @@ def test_demote_refusals():
     with pytest.raises(ValueError, match="demote='turbo9' is invalid: unknown V codec"):
         parse_policy("turbo4,keep=0.5,demote=turbo9")
     parse_policy("turbo4,keep@0=0.5,demote=turbo2")  # a per-layer keep is enough
-
-
-def test_demote_in_fused_mode_is_refused_with_the_reason(tiny_engine):
-    with pytest.raises(EvictionError, match="which the fused kernels do not read: use cache mode compressed"):
-        tiny_engine.generate(_ids(tiny_engine), "turbo4,keep=0.5,demote=turbo2", "fused", max_new_tokens=2)
 
 
 def test_export_says_the_engine_setting_cannot_evict(tiny_engine):

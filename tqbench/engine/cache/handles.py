@@ -1,7 +1,8 @@
 """What a compressed layer hands the attention function instead of plain K/V tensors.
 
 - ``FusedKV`` (fused mode): the packed stores themselves, the parts they held before this call, this call's
-  rows, and (in a speculative verification call) the column sets of ``precision.py`` as extra dense rows.
+  rows, (in a speculative verification call) the column sets of ``precision.py`` as extra dense rows, and (token
+  eviction with ``demote=``) the demote tier's stores (``Tier``).
 - ``PrecisionKV`` (compressed and simulate modes, verification calls only): dense K/V with those column
   sets appended; the attention function extends the mask and runs the model's own implementation.
 
@@ -18,7 +19,7 @@ import torch
 from tqbench.engine.cache.precision import Precision
 from tqbench.engine.cache.store import KVStore
 
-__all__ = ["ATTN_NAME", "EvictKV", "FusedKV", "PrecisionKV", "snapshot"]
+__all__ = ["ATTN_NAME", "EvictKV", "FusedKV", "PrecisionKV", "Tier", "snapshot"]
 
 #: the attention implementation name tqbench registers with transformers (``fused.install``)
 ATTN_NAME = "tqbench_fused"
@@ -46,6 +47,21 @@ class _Handle:
         raise self._misuse("an attention function")
 
 
+@dataclass(frozen=True)
+class Tier:
+    """A fused call's demote tier: the K and V stores of the evicted rows (at ``policy.demote``) and their
+    ``snapshot`` parts. Every tier row is older than any query of the call (no causal mask on them)."""
+
+    k_store: KVStore
+    v_store: KVStore
+    k_parts: tuple
+    v_parts: tuple
+
+    @property
+    def rows(self) -> int:
+        return sum(p[1] for p in self.k_parts)
+
+
 @dataclass
 class FusedKV(_Handle):
     """What a fused-mode layer hands to the attention function instead of dense K/V."""
@@ -68,11 +84,18 @@ class FusedKV(_Handle):
     #: heads=ada: one ``FusedKV`` per KV head (its own store, its rows of this call), each its own row count
     #: (``fused.ragged_heads``); the layer's ``k_parts``/``v_parts`` are then empty
     ragged: list | None = None
+    #: the demote tier (``policy.demote``): the evicted rows' K and V stores at the cheaper codec and their parts
+    #: as of this call (``Tier``), attended before the held rows in the same softmax; None when there is none
+    tier: Tier | None = None
 
     @property
-    def shape(self) -> torch.Size:  # what code that inspects key.shape expects
+    def shape(self) -> torch.Size:  # what code that inspects key.shape expects (the tier's rows included)
         b, h, t, d = self.new_k.shape
-        return torch.Size((b, h, self.k_store_tokens + t, d))
+        return torch.Size((b, h, self.tier_rows + self.k_store_tokens + t, d))
+
+    @property
+    def tier_rows(self) -> int:
+        return 0 if self.tier is None else self.tier.rows
 
     @property
     def k_store_tokens(self) -> int:

@@ -19,7 +19,7 @@ from tqbench.constants import CACHE_MODES
 from tqbench.engine.cache.evict.ragged import RaggedStore, check_ragged_codec
 from tqbench.engine.cache.evict.state import EVICT_NO_CROP, Evictor
 from tqbench.engine.cache.geometry import window_rows
-from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, snapshot
+from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, Tier, snapshot
 from tqbench.engine.cache.precision import plan_precision, quantized_rows, rows_in_parts, set_rows
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.spec import LayerPlan, Policy
@@ -179,6 +179,9 @@ class TQLayer(CacheLayerMixin):
         else:  # fused
             handle = FusedKV(self.k_store, self.v_store, key_states, value_states,
                              snapshot(self.k_store), snapshot(self.v_store), self)
+            if evictor is not None and evictor.n_demoted:  # the demote tier, read before the held rows
+                dk, dv = evictor.demoted
+                handle.tier = Tier(dk, dv, snapshot(dk), snapshot(dv))
             first_held = (self.k_store.dropped, self.v_store.dropped)
             ck, cuts_k = self.k_store.append_points(key_states, points)
             cv, cuts_v = self.v_store.append_points(value_states, points)

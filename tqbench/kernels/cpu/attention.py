@@ -133,6 +133,7 @@ def native_attention_batch(
     query: torch.Tensor, k_sides: Sequence, v_sides: Sequence, scale: float, *,
     masks: Sequence[torch.Tensor | None] | None = None, softcap: float | None = None,
     sinks: torch.Tensor | None = None, sparse_v: float = 0.0, extra_bytes: int = 0,
+    merge_into: Sequence[int] = (),
 ) -> tuple[torch.Tensor, NativeCall]:
     """Attention of ``query`` ``[B, Hq, L, D]`` over ``len(k_sides)`` stores; ``(out [B, Hq, L, Dv], call)``.
 
@@ -140,7 +141,10 @@ def native_attention_batch(
     batch) and holds its own number of rows. ``masks[i]``: bool ``[Bs_i | 1, L, rows_i]`` (True = attend) or None
     (causal over the side's last ``L`` rows); ``sinks``: per-query-head sink logits ``[Hq]``; ``softcap``: logit
     soft-cap; ``sparse_v``: skip value rows below this softmax weight. ``extra_bytes``: the caller's transient
-    bytes (converted rows), added to ``call.workspace_bytes``.
+    bytes (converted rows), added to ``call.workspace_bytes``. ``merge_into``: per store, -1, or the index of the
+    store whose queries it serves (a tier: rows those queries attend in the same softmax, before the store's own;
+    same batch; its mask, if any, ``[Bs | 1, L, its rows]``; without one every tier row is visible); the query's
+    batch is then the other stores' sequences.
     """
     if not query.is_floating_point():
         raise ValueError("query must be floating point (float32, float64, or bf16/fp16, computed in fp32), "
@@ -153,7 +157,7 @@ def native_attention_batch(
         extra_bytes += _nbytes(sinks)
     out, skipped, weighted, ws = _mod().attend(
         q, float(scale), k_sides, v_sides, [] if masks is None else list(masks), float(softcap or 0.0), sinks,
-        float(sparse_v))
+        float(sparse_v), list(merge_into))
     if out.dtype != query.dtype:  # the compute-dtype output is transient too
         extra_bytes += _nbytes(out)
         out = out.to(query.dtype)

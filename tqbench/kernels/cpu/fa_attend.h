@@ -19,10 +19,10 @@ template <typename T>
 void split_work(Call<T>& c) {
   c.threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t work = 0;
-  for (const auto& s : c.seqs) work += s.total * c.H;
+  for (const auto& s : c.seqs) work += s.total * c.H;  // (a tier's sequences are split with the rest)
   const int64_t per = BLOCKS_PER_THREAD * c.threads;
   const int64_t blk_len = std::min(MAX_BLOCK, std::max(MIN_BLOCK, (work + per - 1) / per));
-  for (int64_t s = 0; s < c.B; ++s) {
+  for (int64_t s = 0; s < c.NS; ++s) {
     const int64_t tot = c.seqs[s].total, nblk = (tot + blk_len - 1) / blk_len, blk = (tot + nblk - 1) / nblk;
     c.blk_max = std::max(c.blk_max, blk);
     for (int64_t h = 0; h < c.H; ++h)
@@ -30,11 +30,11 @@ void split_work(Call<T>& c) {
   }
 }
 
-// Queries: scaled, [seq, kv head, M, D]; transformed for turbo / pcaq keys (in the decode order, with the
-// head's own transform for pcaq) and q.mu for centred keys.
+// Queries: scaled, [seq, kv head, M, D] (a tier's sequence: its owner's query row); transformed for turbo / pcaq
+// keys (in the decode order, with the head's own transform for pcaq) and q.mu for centred keys.
 template <typename T>
 void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
-  const int64_t B = c.B, H = c.H, M = c.M, D = c.D, L = c.L, G = c.G;
+  const int64_t B = c.NS, H = c.H, M = c.M, D = c.D, L = c.L, G = c.G;
   const T scale = static_cast<T>(qscale);
   c.qs.assign(B * H * M * D, T(0));
   bool any_rot = false, any_mu = false;
@@ -54,7 +54,7 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
       if (k.mu) half_to(k.mu + c.seqs[s].row * k.mu_b + lh * k.mu_h, D, mu.data());
       const T* rot = k.rot + lh * k.rot_h;
       for (int64_t m = 0; m < M; ++m) {
-        const T* src = qp + s * q0 + (h * G + m / L) * q1 + (m % L) * q2;
+        const T* src = qp + c.seqs[s].qrow * q0 + (h * G + m / L) * q1 + (m % L) * q2;
         T* dst = c.qs.data() + (bh * M + m) * D;
         for (int64_t j = 0; j < D; ++j) dst[j] = src[j * q3] * scale;
         if (!transformed(k.kind)) continue;
@@ -106,7 +106,7 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t i = 0; i < n; ++i) w.sbuf[m * blk + i] = c.cap * std::tanh(w.sbuf[m * blk + i] / c.cap);
   }
-  if (S.mask || c.L > 1) {
+  if (S.mask || (c.L > 1 && S.causal)) {
     for (int64_t m = 0; m < M; ++m) {
       const int64_t l = m % c.L;
       T* sc = w.sbuf.data() + m * blk;
@@ -147,7 +147,7 @@ void item_values(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n, cons
   const Seq& S = c.seqs[I.s];
   const Side<T>& Vs = c.vside(I.s, I.h);
   const int64_t b = S.row, h = c.local(I.s, I.h), t0 = I.t0, M = c.M, blk = n, Dv = c.Dv;
-  const bool dense_all = c.thr <= 0 && S.mask == nullptr && c.L == 1;
+  const bool dense_all = c.thr <= 0 && S.mask == nullptr && (c.L == 1 || !S.causal);
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {
     const int64_t nt = std::min(TILE, n - i0);
     if (dense_all && turbo_tile(Vs, false, b, h, t0 + i0, nt, static_cast<const T*>(nullptr),
@@ -194,8 +194,8 @@ void item_values(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n, cons
   }
 }
 
-// Merge the blocks of every (sequence, KV head): log-sum-exp over block partials (+ the sink logit), then the
-// transformed-domain sum back to the row domain (+ p * mu for centred values).
+// Merge the blocks of every (query row, KV head), its tier's too: log-sum-exp over block partials (+ the sink
+// logit), then each V side's transformed-domain sum back to the row domain (+ p * mu for centred values).
 template <typename T>
 torch::Tensor merge_blocks(const Call<T>& c, const torch::Tensor& query, const std::vector<T>& part,
                            int64_t pstride, std::vector<int64_t>& first) {
@@ -204,42 +204,54 @@ torch::Tensor merge_blocks(const Call<T>& c, const torch::Tensor& query, const s
   const T NEG = -std::numeric_limits<T>::infinity();
   torch::Tensor out = torch::zeros({B, c.Hq, L, Dv}, query.options());
   T* op = out.data_ptr<T>();
-  first.assign(B * H + 1, 0);
+  first.assign(c.NS * H + 1, 0);
   for (int64_t it = 0; it < nitems; ++it) first[c.items[it].s * H + c.items[it].h + 1] = it + 1;
-  for (int64_t i = 1; i <= B * H; ++i) first[i] = std::max(first[i], first[i - 1]);
+  for (int64_t i = 1; i <= c.NS * H; ++i) first[i] = std::max(first[i], first[i - 1]);
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> pp(Dv), mu(Dv);
+    std::vector<T> pp(2 * Dv), mu(2 * Dv);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t s = bh / H, h = bh % H, lh = c.local(s, h);
-      const Side<T>& v = c.vside(s, h);
-      const int64_t c0 = bh == 0 ? 0 : first[bh], c1 = first[bh + 1];
-      if (v.mu) half_to(v.mu + c.seqs[s].row * v.mu_b + lh * v.mu_h, Dv, mu.data());
+      const int64_t s = bh / H, h = bh % H, s2 = c.seqs[s].tier;
+      const int64_t nseg = s2 < 0 ? 1 : 2, segs[2] = {s, s2};
+      for (int64_t g = 0; g < nseg; ++g) {
+        const Side<T>& v = c.vside(segs[g], h);
+        if (v.mu) half_to(v.mu + c.seqs[segs[g]].row * v.mu_b + c.local(segs[g], h) * v.mu_h, Dv, mu.data() + g * Dv);
+      }
       for (int64_t m = 0; m < M; ++m) {
         T big = NEG;
-        for (int64_t k = c0; k < c1; ++k) big = std::max(big, part[k * pstride + m]);
+        for (int64_t g = 0; g < nseg; ++g) {
+          const int64_t k0 = first[segs[g] * H + h], k1 = first[segs[g] * H + h + 1];
+          for (int64_t k = k0; k < k1; ++k) big = std::max(big, part[k * pstride + m]);
+        }
         const T sink = c.sinkp ? c.sinkp[h * G + m / L] : NEG;
         big = std::max(big, sink);
         if (big == NEG) continue;  // nothing to attend: zeros, as SDPA gives for fully masked rows
         T denom = c.sinkp ? std::exp(sink - big) : T(0);
         T* d = op + (bh * M + m) * Dv;
         std::fill(pp.begin(), pp.end(), T(0));
-        T pssum = 0;
-        for (int64_t k = c0; k < c1; ++k) {
-          const T* P = part.data() + k * pstride;
-          if (P[m] == NEG) continue;
-          const T w = std::exp(P[m] - big);
-          denom += w * P[M + m];
-          pssum += w * P[2 * M + m];
-          axpy(w, P + 3 * M + m * Dv, d, Dv);
-          axpy(w, P + 3 * M + M * Dv + m * Dv, pp.data(), Dv);
+        T pssum[2] = {0, 0};
+        for (int64_t g = 0; g < nseg; ++g) {
+          const int64_t k0 = first[segs[g] * H + h], k1 = first[segs[g] * H + h + 1];
+          for (int64_t k = k0; k < k1; ++k) {
+            const T* P = part.data() + k * pstride;
+            if (P[m] == NEG) continue;
+            const T w = std::exp(P[m] - big);
+            denom += w * P[M + m];
+            pssum[g] += w * P[2 * M + m];
+            axpy(w, P + 3 * M + m * Dv, d, Dv);
+            axpy(w, P + 3 * M + M * Dv + m * Dv, pp.data() + g * Dv, Dv);
+          }
         }
         const T inv = denom > 0 ? T(1) / denom : T(0);
         for (int64_t j = 0; j < Dv; ++j) d[j] *= inv;
-        if (transformed(v.kind)) {
+        for (int64_t g = 0; g < nseg; ++g) {  // each V side back from its own domain
+          const int64_t sg = segs[g], lh = c.local(sg, h);
+          const Side<T>& v = c.vside(sg, h);
+          if (!transformed(v.kind)) continue;
           const T* rot = v.rot + lh * v.rot_h;
+          const T* pg = pp.data() + g * Dv;
           for (int64_t i = 0; i < Dv; ++i)
-            if (pp[i] != 0) axpy(pp[i] * inv, rot + (v.order.empty() ? i : v.order[i]) * Dv, d, Dv);
-          if (v.mu) axpy(pssum * inv, mu.data(), d, Dv);
+            if (pg[i] != 0) axpy(pg[i] * inv, rot + (v.order.empty() ? i : v.order[i]) * Dv, d, Dv);
+          if (v.mu) axpy(pssum[g] * inv, mu.data() + g * Dv, d, Dv);
         }
       }
     }
@@ -253,16 +265,16 @@ template <typename T>
 int64_t workspace_bytes(const Call<T>& c, int64_t part_size, int64_t counts, int64_t first_size) {
   const int64_t nitems = static_cast<int64_t>(c.items.size());
   const int64_t used = std::min(c.threads, std::max<int64_t>(nitems, 1));
-  const int64_t used_bh = std::min(c.threads, c.B * c.H);  // threads of the query pass and of the merge
+  const int64_t used_bh = std::min(c.threads, c.NS * c.H);  // threads of the query pass and of the merge
   const int64_t tld = std::max(c.D, c.Dv);
   int64_t ws = static_cast<int64_t>(c.qs.size() + c.qr.size() + c.qmu.size() + part_size) * sizeof(T);
   ws += (counts + first_size) * static_cast<int64_t>(sizeof(int64_t));
-  ws += nitems * static_cast<int64_t>(sizeof(Item)) + c.B * static_cast<int64_t>(sizeof(Seq));
+  ws += nitems * static_cast<int64_t>(sizeof(Item)) + c.NS * static_cast<int64_t>(sizeof(Seq));
   for (const auto& st : c.stores)
     ws += static_cast<int64_t>(sizeof(Store) + (st.side_of.size() + st.local.size()) * sizeof(int32_t));
   ws += used * (c.M * c.blk_max + TILE * tld) * static_cast<int64_t>(sizeof(T));  // sbuf + tbuf per thread
   ws += used_bh * c.D * static_cast<int64_t>(sizeof(T));                          // the query pass's mu row
-  ws += used_bh * 2 * c.Dv * static_cast<int64_t>(sizeof(T));                     // the merge's pp and mu rows
+  ws += used_bh * 4 * c.Dv * static_cast<int64_t>(sizeof(T));                     // the merge's pp and mu rows (2 each)
   for (const auto* sides : {&c.K, &c.V})
     for (const auto& s : *sides)
       ws += static_cast<int64_t>(sizeof(Side<T>) + (s.btab.size() + s.plev.size()) * sizeof(T) +
@@ -274,10 +286,11 @@ int64_t workspace_bytes(const Call<T>& c, int64_t part_size, int64_t counts, int
 template <typename T>
 AttendResult attend_impl(const torch::Tensor& query, double qscale, const std::vector<SideDesc>& kd,
                          const std::vector<SideDesc>& vd, const std::vector<std::optional<torch::Tensor>>& masks,
-                         double softcap, const std::optional<torch::Tensor>& sinks, double sparse_v) {
+                         double softcap, const std::optional<torch::Tensor>& sinks, double sparse_v,
+                         const std::vector<int64_t>& merge_into) {
   const at::ScalarType dt = c10::CppTypeToScalarType<T>::value;
   Call<T> c;
-  read_stores(c, query, kd, vd, masks);
+  read_stores(c, query, kd, vd, masks, merge_into);
   if (sinks.has_value()) {
     const auto& s = *sinks;
     TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == dt && s.dim() == 1 && s.size(0) == c.Hq && s.is_contiguous(),
@@ -316,10 +329,10 @@ AttendResult attend_impl(const torch::Tensor& query, double qscale, const std::v
   });
   std::vector<int64_t> first;
   torch::Tensor out = merge_blocks(c, query, part, pstride, first);
-  std::vector<int64_t> sk(c.B, 0), vi(c.B, 0);  // per sequence
+  std::vector<int64_t> sk(c.B, 0), vi(c.B, 0);  // per query row (a tier's rows count with its owner's)
   for (int64_t i = 0; i < nitems; ++i) {
-    sk[c.items[i].s] += skipped[i];
-    vi[c.items[i].s] += visited[i];
+    sk[c.seqs[c.items[i].s].qrow] += skipped[i];
+    vi[c.seqs[c.items[i].s].qrow] += visited[i];
   }
   const int64_t counts = static_cast<int64_t>(skipped.size() + visited.size() + sk.size() + vi.size());
   return {out, sk, vi, workspace_bytes(c, static_cast<int64_t>(part.size()), counts,
@@ -328,17 +341,18 @@ AttendResult attend_impl(const torch::Tensor& query, double qscale, const std::v
 
 AttendResult attend(const torch::Tensor& query, double scale, const std::vector<SideDesc>& k_sides,
                     const std::vector<SideDesc>& v_sides, const std::vector<std::optional<torch::Tensor>>& masks,
-                    double softcap, const std::optional<torch::Tensor>& sinks, double sparse_v) {
+                    double softcap, const std::optional<torch::Tensor>& sinks, double sparse_v,
+                    const std::vector<int64_t>& merge_into) {
   TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got one on ", query.device());
   TORCH_CHECK(query.dim() == 4, "query must be 4-D [batch, q_heads, tokens, head_dim], got shape ", query.sizes());
   TORCH_CHECK(query.numel() > 0, "query is empty: shape ", query.sizes());
   TORCH_CHECK(!k_sides.empty(), "k_sides is empty: give one side per store");
   TORCH_CHECK(k_sides.size() == v_sides.size(), "k_sides has ", k_sides.size(), " sides, v_sides has ", v_sides.size());
   if (query.scalar_type() == torch::kFloat)
-    return attend_impl<float>(query, scale, k_sides, v_sides, masks, softcap, sinks, sparse_v);
+    return attend_impl<float>(query, scale, k_sides, v_sides, masks, softcap, sinks, sparse_v, merge_into);
   TORCH_CHECK(query.scalar_type() == torch::kDouble, "query must be float32 or float64, got ",
               c10::toString(query.scalar_type()));
-  return attend_impl<double>(query, scale, k_sides, v_sides, masks, softcap, sinks, sparse_v);
+  return attend_impl<double>(query, scale, k_sides, v_sides, masks, softcap, sinks, sparse_v, merge_into);
 }
 
 }  // namespace

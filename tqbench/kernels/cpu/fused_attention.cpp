@@ -12,6 +12,11 @@
 // groups or KIVI per-channel blocks). One decoded row serves every query head of its KV head (GQA) and every
 // query token of the call.
 //
+// A store may be another store's tier (`merge_into`, one entry per store): rows at a cheaper codec that the owner's
+// queries attend in the same softmax, before the owner's rows (the demote tier of token eviction): its sequences
+// read the owner's query rows, split into blocks like any other, and their partials merge with the owner's (each
+// V side rotated back from its own domain). No mask: every tier row is visible to every query.
+//
 // Calibrated keys (`pcaq`: a transform per KV head, a width per coordinate, Lloyd-Max levels per coordinate)
 // score like TurboQuant keys: the query is transformed once per step with its head's transform and each packed
 // row is scored from its codes (<T_h q, level[idx]> + <q, mu>), with no norm. A store whose heads use different
@@ -122,7 +127,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kv_heads", &SideDesc::kv_heads);
   m.def("attend", &attend, "fused decode attention of B sequences, each over its own packed + dense store (CPU)",
         py::arg("query"), py::arg("scale"), py::arg("k_sides"), py::arg("v_sides"), py::arg("masks"),
-        py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"));
+        py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"), py::arg("merge_into") = std::vector<int64_t>{});
   m.def("turbo_encode", &turbo_encode, "TurboQuant quantize + pack of centred rows (CPU)", py::arg("x"),
         py::arg("rotation"), py::arg("levels"), py::arg("bounds"), py::arg("bits"), py::arg("normfix"));
   m.def("pcaq_encode", &pcaq_encode, "calibrated (pcaq) quantize + pack of centred rows (CPU)", py::arg("x"),

@@ -114,7 +114,7 @@ class PoliciesPane(Horizontal):
                 yield Select([("dropped", "drop"), *((f"demoted to {c}", c) for c in CODEC_SPECS)], value="drop",
                              id="demote", compact=True, allow_blank=False,
                              tooltip="Drop the evicted rows, or keep them at a cheaper codec that attention still "
-                             "reads (demote=; compressed and simulate modes)")
+                             "reads (demote=; every mode but dense-shadow)")
             with Horizontal(classes="row"):
                 yield Label("sliding layers")
                 yield Select([(c, c) for c in SLIDING_CHOICES], value="auto", id="sliding", compact=True,

@@ -49,10 +49,6 @@ class Evictor:
                 "score=h2o with every= accumulates every decoded query's attention over the held rows, which the "
                 "fused kernel does not return: use score=tova or snapkv (they read the queries at each eviction), "
                 "or cache mode compressed")
-        if mode == "fused" and policy.demote:
-            raise EvictionError(
-                f"demote={policy.demote} keeps evicted rows in a second store, which the fused kernels do not read: "
-                "use cache mode compressed or simulate, or drop the evicted rows (no demote)")
         if mode == "dense-shadow":
             raise EvictionError("token eviction (keep) runs in cache modes compressed, simulate and fused: "
                                 "dense-shadow attends over every exact row by definition")

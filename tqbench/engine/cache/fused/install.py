@@ -155,7 +155,8 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
         return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
     ragged = key.ragged is not None and any(kv.k_parts for kv in key.ragged)  # heads=ada with rows held
-    if not ragged and not key.k_parts and not key.v_parts and key.precision is None:  # no history: exact attention
+    if (not ragged and not key.k_parts and not key.v_parts and key.precision is None
+            and key.tier is None):  # no history: exact attention
         return _previous_forward(module)(module, query, key.new_k, key.new_v, attention_mask, *args, **kwargs)
     scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
     if scaling is None:
@@ -163,7 +164,7 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     key.layer.fused_calls += 1
-    total = key.k_store_tokens + key.new_k.shape[2]
+    total = key.tier_rows + key.k_store_tokens + key.new_k.shape[2]  # (the mask's columns: [tier | held | new])
     mask = window_mask(attention_mask, total)
     if key.precision is not None:  # a verification call: the column sets after the call's rows
         mask = precision_mask(mask, key.precision, total, query.shape[0], query.device)
@@ -208,7 +209,7 @@ def fused_batch_attention(module, query, batch: FusedBatch, attention_mask, *arg
             scaling = query.shape[-1] ** -0.5
         masks = None
         if attention_mask is not None:
-            masks = [window_mask(attention_mask[b : b + 1], kv.k_store_tokens + kv.new_k.shape[2])
+            masks = [window_mask(attention_mask[b : b + 1], kv.tier_rows + kv.k_store_tokens + kv.new_k.shape[2])
                      for b, kv in enumerate(members)]
         out = _ragged(query, members, masks, scaling, kwargs.get("softcap"), kwargs.get("s_aux", kwargs.get("sinks")))
         if not isinstance(out, str):
@@ -285,7 +286,8 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
     (``groups.py``); each group is counted (``TQLayer.fused_groups``)."""
     if not is_per_head(kv):
         return _fused_one(query, kv, attention_mask, scaling, softcap, sinks, None)
-    if choose_impl(query)[0] == NATIVE:
+    impl, why = choose_impl(query)
+    if impl == NATIVE:
         from tqbench.engine.cache.fused.native_glue import native_fused_attention
 
         out = native_fused_attention(query, kv, attention_mask, scaling, softcap=softcap, sinks=sinks,
@@ -293,7 +295,16 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
         if not isinstance(out, str):
             _count_native(kv)
             return out
-        kv.layer.note_fallback(f"native: {out}: the layer's groups of heads ran one call each")
+        why = f"the native kernel: {out}"
+        if kv.tier is None:
+            kv.layer.note_fallback(f"native: {out}: the layer's groups of heads ran one call each")
+    if kv.tier is not None:
+        from tqbench.engine.cache.evict.compact import EvictionError
+
+        raise EvictionError(
+            f"demote={kv.layer.policy.demote} on a layer with per-head codecs runs only in the native CPU kernel "
+            f"(one call over every group and the demote tier); here: {why}: use cache mode "
+            "compressed, or one codec for the layer's heads")
     n_rep = query.shape[1] // kv.new_k.shape[1]
     out = None
     for kv_g in group_views(kv):
@@ -322,6 +333,8 @@ def _fused_one(query, kv, attention_mask, scaling, softcap, sinks, group: str | 
         impl, why = REFERENCE, f"native kernel: {out}"
     if impl == TRITON and (softcap is not None or sinks is not None):  # (the triton kernels have neither)
         impl, why = REFERENCE, "soft-capping or sink logits (the triton kernels have neither)"
+    if impl == TRITON and kv.tier is not None:  # (the triton kernels read one store)
+        impl, why = REFERENCE, "the demote tier (the triton kernels read one store; the native CPU kernel reads both)"
     label = TRITON if impl == TRITON else f"{REFERENCE} ({why})"
     _count(layer, label, group)
     if impl == TRITON:

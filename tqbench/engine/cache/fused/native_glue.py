@@ -6,6 +6,10 @@ full-precision rows ``[sinks | tail | this call's rows]`` where they are (chunks
 sequences, each with its own store (own length, own rows, own mask), in one kernel call. A per-head layer's store
 (``HeadSplitCodec``) is handed as one side per group of heads, each naming its heads: still one kernel call for
 the layer (``store_sides``), its dense rows handed whole (the kernel reads each group's heads at their indices).
+A layer with a demote tier (``FusedKV.tier``: evicted rows kept at ``policy.demote``) adds the tier's store to the
+same kernel call as a store whose sequences read the layer's query rows (``merge_into``): the kernel attends the
+tier's packed codes where they are, and merges its softmax partials with the held rows' (one softmax over
+``[tier | held | new]``, exact; no dense copy of the tier, no second call). The call's mask is split the same way.
 Both return a string saying why when a call cannot run natively (a codec without a packed form, a per-head or
 additive mask); the caller then runs the torch reference and counts the fallback.
 """
@@ -151,21 +155,36 @@ def _keep(kv, d: int, dt: torch.dtype, kc: HeadSplitCodec, vc: HeadSplitCodec, k
     _KEPT[kv.k_store] = (key, k_sides, v_sides, [kp[1::2], vp[1::2]])
 
 
+def tier_sides(kv, d: int, dt: torch.dtype):
+    """``(k_side, v_side, rows, extra_bytes)`` of a ``FusedKV``'s demote tier (a whole store at the demote codec:
+    its packed run where it is, any rows not yet packed as chunks), None without a tier, or ``str`` (why not)."""
+    tier = kv.tier
+    if tier is None:
+        return None
+    ks = store_side(tier.k_store, tier.k_parts, kv.new_k[:, :, :0], d, dt)
+    if isinstance(ks, str):
+        return f"{ks} (the demote tier)"
+    vs = store_side(tier.v_store, tier.v_parts, kv.new_v[:, :, :0], kv.new_v.shape[-1], dt)
+    if isinstance(vs, str):
+        return f"{vs} (the demote tier)"
+    for side in (ks[0], vs[0]):  # (a whole store: the tier is one codec for every head)
+        side.heads, side.kv_heads = [], 0
+    return ks[0], vs[0], tier.rows, ks[1] + vs[1]
+
+
+def _split_mask(mask, tier_rows: int) -> tuple:
+    """A call's mask over ``[tier | held | new]`` -> (the held rows' part, the tier's part): views, no copy."""
+    if mask is None:  # causal over the call's rows; every tier row precedes them
+        return None, None
+    return mask[..., tier_rows:], mask[..., :tier_rows]
+
+
 def native_fused_attention(query: torch.Tensor, kv, attention_mask, scaling: float, *, softcap=None,
                            sinks=None, sparse_v: float = 0.0):
-    """Attention of ``query`` [B, Hq, L, D] over the stored + new rows, or ``str`` (why not) when it cannot run."""
-    dt = torch.float64 if query.dtype == torch.float64 else torch.float32
-    sides = store_sides(kv, query.shape[-1], dt)
-    if isinstance(sides, str):
-        return sides
-    ks, vs, total, extra = sides
-    mask = bool_mask(attention_mask, query.shape[2], total)
-    if isinstance(mask, str):
-        return mask
-    out, call = native_attention_batch(query, ks, vs, scaling, masks=[mask], softcap=softcap, sinks=sinks,
-                                       sparse_v=sparse_v, extra_bytes=extra)
-    _record(kv.layer, call, slice(None))
-    return out
+    """Attention of ``query`` [B, Hq, L, D] over the stored + new rows (and the demote tier's, in the same call and
+    softmax), or ``str`` (why not) when it cannot run."""
+    return _attend(query, [kv], None if attention_mask is None else [attention_mask], scaling, softcap, sinks,
+                   sparse_v, padded=True)
 
 
 def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Sequence | None, scaling: float, *,
@@ -176,25 +195,51 @@ def native_fused_attention_ragged(query: torch.Tensor, kvs: Sequence, masks: Seq
     ``FusedKV`` (its own store, batch 1, this call's new rows in ``new_k``/``new_v``); ``masks[i]``: the
     sequence's 4-D attention mask ``[1, 1, L, >= rows_i]`` (its last ``rows_i`` columns are read) or None
     (causal over its last ``L`` rows). Returns ``[len(kvs), Hq, L, Dv]``, or ``str`` (why not).
+
+    A sequence with a demote tier adds the tier's store after every sequence's own (``merge_into``: the kernel
+    attends it with that sequence's queries, in the same softmax).
     """
     if masks is not None and len(masks) != len(kvs):
         raise ValueError(f"masks has {len(masks)} entries for {len(kvs)} sequences: give one per sequence or None")
+    return _attend(query, kvs, masks, scaling, softcap, sinks, sparse_v, padded=False)
+
+
+def _attend(query, kvs, masks, scaling, softcap, sinks, sparse_v, padded: bool):
+    """One kernel call over ``kvs`` (each its own store, its tier after them all); ``padded``: one ``FusedKV`` of
+    a padded batch (``query``'s batch is its store's)."""
     dt = torch.float64 if query.dtype == torch.float64 else torch.float32
+    d = query.shape[-1]
     k_sides, v_sides, bool_masks, extra = [], [], [], 0
+    tiers, tier_masks, merge = [], [], []
     for i, kv in enumerate(kvs):
-        sides = store_sides(kv, query.shape[-1], dt)
+        sides = store_sides(kv, d, dt)
         if isinstance(sides, str):
             return sides
         ks, vs, total, x = sides
-        m = bool_mask(None if masks is None else masks[i], query.shape[2], total)
+        tier = tier_sides(kv, d, dt)
+        if isinstance(tier, str):
+            return tier
+        n_tier = 0 if tier is None else tier[2]
+        m = bool_mask(None if masks is None else masks[i], query.shape[2], n_tier + total)
         if isinstance(m, str):
             return m
+        if tier is not None:
+            m, tm = _split_mask(m, n_tier)
+            tiers.append(tier)
+            tier_masks.append(tm)
+            merge.append(i)
+            extra += tier[3]
         k_sides += ks
         v_sides += vs
         bool_masks.append(m)
         extra += x
-    out, call = native_attention_batch(query, k_sides, v_sides, scaling, masks=bool_masks, softcap=softcap,
-                                       sinks=sinks, sparse_v=sparse_v, extra_bytes=extra)
+    for tk, tv, _, _ in tiers:
+        k_sides.append(tk)
+        v_sides.append(tv)
+    into = [-1] * len(kvs) + merge if merge else []
+    out, call = native_attention_batch(query, k_sides, v_sides, scaling, masks=bool_masks + tier_masks,
+                                       softcap=softcap, sinks=sinks, sparse_v=sparse_v, extra_bytes=extra,
+                                       merge_into=into)
     for i, kv in enumerate(kvs):
-        _record(kv.layer, call, slice(i, i + 1))
+        _record(kv.layer, call, slice(None) if padded else slice(i, i + 1))
     return out
