@@ -381,3 +381,18 @@ def test_export_says_the_engine_setting_cannot_evict(tiny_engine):
     s = map_policy("turbo4,keep=0.5", "llamacpp", tiny_engine.geometry)
     assert any("token eviction (keep=0.5, score=snapkv): llama.cpp's KV cache type keeps every token" in u
                for u in s.unmapped)
+
+
+@pytest.mark.parametrize("mode", ["compressed", "fused"])
+def test_per_head_codecs_re_evict_while_decoding_to_the_byte(tiny_engine, mode):
+    """A per-head codec list keeps each group's packed codes over its own heads: a decode-time eviction (every=)
+    cuts every group's packed rows with that group's kept rows, and the bytes stay the estimate's."""
+    model = tiny_engine.model
+    tiny_engine.enable_fused()
+    policy = "k=turbo4|turbo2,v=turbo3,sink=2,recent=2,keep=0.5,score=tova,window=2,every=4"
+    cache = TQCache(policy, model.config, mode=mode)
+    prefill_then_steps(model, cache, 60, steps=12)
+    rep = cache.report()
+    est = estimate_kv(policy, KVGeometry.from_config(model.config), 60, prefill=48)
+    assert sum(r.evicted_decode for r in rep.layers) > 0
+    assert rep.compressed_storage_bytes == est.total_bytes

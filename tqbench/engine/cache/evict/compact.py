@@ -57,6 +57,18 @@ def compact_store(store, idx: torch.Tensor) -> int:
     return total - n
 
 
+def _heads_of(codec, name: str, idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` [B, H, ...] limited to the KV heads whose packed field ``name`` is: a per-head codec list keeps
+    each group's fields (``g{g}.``-prefixed) over that group's heads only; any other field covers every head."""
+    groups = getattr(codec, "groups", None)
+    if groups is None or not name.startswith("g"):
+        return idx
+    g = name[1:].split(".", 1)[0]
+    if not g.isdigit() or not name.startswith(codec.field_prefix(int(g))):
+        return idx
+    return codec.take(idx, int(g))
+
+
 def _cut_packed(store, rest: torch.Tensor, q: int, tail: torch.Tensor | None) -> None:
     codec, npk = store.codec, store.n_packed
     if codec.tokens_per_unit != 1:
@@ -74,12 +86,13 @@ def _cut_packed(store, rest: torch.Tensor, q: int, tail: torch.Tensor | None) ->
         return
     first = rest[..., :q]
     from_packed = first < npk
-    gathered = {name: _take(t, first.clamp(max=npk - 1)) for name, t in packed.items()}
+    gathered = {name: _take(t, _heads_of(codec, name, first.clamp(max=npk - 1))) for name, t in packed.items()}
     if not bool(from_packed.all()):
         rows = _take(tail, (first - npk).clamp(min=0))
         fresh = codec.encode(rows, store.state)
         for name, t in gathered.items():
-            mask = from_packed.reshape(*from_packed.shape, *([1] * (t.dim() - 3))).to(t.device)
+            fp = _heads_of(codec, name, from_packed)
+            mask = fp.reshape(*fp.shape, *([1] * (t.dim() - 3))).to(t.device)
             gathered[name] = torch.where(mask, t, fresh[name])
     for name, t in gathered.items():
         _set(store.packed.setdefault(name, GrowBuffer()), t)
