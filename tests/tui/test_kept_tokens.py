@@ -68,6 +68,17 @@ async def test_build_an_evicting_policy_run_it_and_see_the_kept_tokens(data_dir,
         assert pane.estimate.total_bytes == estimate_kv(parse_policy(pane.current), geo, ctx).total_bytes
         await choose(pilot, app, pane.query_one("#demote", Select), "drop")
         assert pane.current == built.to_string()
+        # AdaKV head budgets: the same bytes, the key written; a bad floor names the key
+        await choose(pilot, app, pane.query_one("#heads", Select), "ada")
+        assert pane.current == built.to_string() + ",heads=ada"
+        assert pane.estimate.total_bytes == est.total_bytes
+        await type_into(pilot, app, pane.query_one("#ada-floor", Input), "0.5")
+        assert pane.current == built.to_string() + ",heads=ada,ada_floor=0.5"
+        await type_into(pilot, app, pane.query_one("#ada-floor", Input), "x")
+        assert pane.current == "" and "ada_floor='x' is not a number" in plain(pane.query_one("#estimate"))
+        await type_into(pilot, app, pane.query_one("#ada-floor", Input), "0.2")
+        await choose(pilot, app, pane.query_one("#heads", Select), "uniform")
+        assert pane.current == built.to_string()
 
         await pilot.press("ctrl+u")
         await wait_for(pilot, lambda: app.query_one(TabbedContent).active == "run", what="Run after ctrl+u")

@@ -58,7 +58,7 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.codecs import CODEC_SPECS
         from tqbench.engine.deploy import ENGINE_LABELS
         from tqbench.engine.policy import ROTATION_CHOICES, SLIDING_CHOICES
-        from tqbench.engine.policy.keep import SCORES
+        from tqbench.engine.policy.keep import ADA_FLOOR, SCORES
 
         codecs = [(c, c) for c in CODEC_SPECS]
         yield OptionList(id="policy-list")
@@ -109,6 +109,14 @@ class PoliciesPane(Horizontal):
                 yield Label("re-evict every")
                 yield Input("0", id="every", compact=True, type="integer",
                             tooltip="While decoding, evict again every N decoded tokens (0: only at the prompt)")
+            with Horizontal(classes="row"):
+                yield Label("head budgets")
+                yield Select([("same rows per head", "uniform"), ("AdaKV: shared by score", "ada")], value="uniform",
+                             id="heads", compact=True, allow_blank=False,
+                             tooltip="heads=: every KV head keeps the same rows, or a layer's kept rows go to "
+                             "the heads whose scores are best (AdaKV; same bytes)")
+                yield Input(str(ADA_FLOOR), id="ada-floor", compact=True,
+                            tooltip="ada_floor=: with AdaKV, the fraction of its even share each head keeps at least")
             with Horizontal(classes="row"):
                 yield Label("evicted rows")
                 yield Select([("dropped", "drop"), *((f"demoted to {c}", c) for c in CODEC_SPECS)], value="drop",
@@ -199,6 +207,8 @@ class PoliciesPane(Horizontal):
             self.query_one("#score", Select).value = pol.score
             self.query_one("#window", Input).value = str(pol.window)
             self.query_one("#every", Input).value = str(pol.every)
+            self.query_one("#heads", Select).value = pol.heads
+            self.query_one("#ada-floor", Input).value = f"{pol.ada_floor:g}"
             demote = self.query_one("#demote", Select)
             if (pol.demote or "drop") not in {value for _, value in demote._options}:
                 demote.set_options([*demote._options, (f"demoted to {pol.demote}", pol.demote)])
@@ -257,6 +267,7 @@ class PoliciesPane(Horizontal):
             keep=parse_keep(val("keep") or "1.0"), score=str(self.query_one("#score", Select).value),
             window=whole("window", "observation window"), every=whole("every", "re-evict every"),
             demote=_demote(self.query_one("#demote", Select).value),
+            heads=str(self.query_one("#heads", Select).value), ada_floor=_fraction(val("ada-floor"), "ada_floor"),
         )
 
     def built_string(self) -> str:
@@ -392,6 +403,18 @@ def _eviction_line(pol, geo, seq_len: int) -> str:
     rows = f"{held[0]}" if len(held) == 1 else f"{held[0]}-{held[-1]}"
     return (f"eviction: {len(plans)} of {geo.num_layers} layers keep [b]{rows}[/b] of {seq_len} rows per KV head "
             f"(score {pol.score}, window {pol.window}" + (f", every {pol.every}" if pol.every else "") + ")\n")
+
+
+def _fraction(text: str, key: str) -> float:
+    """A fraction field's text (empty: the engine's default), or ValueError naming the key."""
+    from tqbench.engine.policy.keep import ADA_FLOOR
+
+    if not text:
+        return ADA_FLOOR
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a number: give a fraction between 0 and 1") from None
 
 
 def _demote(value) -> str:
