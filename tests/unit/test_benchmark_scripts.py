@@ -235,3 +235,15 @@ def test_allocate_table_reads_a_committed_allocate_report():
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = proc.stdout.splitlines()[2]
     assert row.startswith("| 2.5 | head | 2.500 | 0.0412 | 0.0889 | 2.16 | 0.0331 | 0.80 | 0.0331 | 6/19 | 4/16 |")
+
+
+def test_attention_dense16_benchmark_times_every_way_a_16_bit_cache_is_read(tmp_path):
+    out = tmp_path / "att.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "attention_dense16.py"), "--contexts", "32", "--calls", "1",
+           "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["way"] for r in data["rows"]] == ["kernel, float16 rows as stored (dense-fp16-kernel)",
+                                                "kernel, float32 rows", "upcast to float32 + SDPA (dense-fp16)"]
+    assert data["rows"][0]["vs_fp16_kernel"] == 1.0 and data["threads"] == 1 and data["load_before"]
