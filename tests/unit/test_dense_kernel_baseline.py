@@ -113,3 +113,11 @@ def test_its_rows_outside_tqbench_attention_say_what_to_do(tiny_engine):
                                         "install_fused_attention"):
         torch.matmul(k, k)
     assert tiny_engine.baseline_kv_dtype("dense-fp16-kernel") == "float16"
+
+
+def test_chunked_prefill_attends_each_chunk_through_the_kernel(tiny_engine):
+    """Prefill chunks after the first have history: many query rows per kernel call, under the causal mask."""
+    ids = torch.randint(4, 200, (1, 50), generator=torch.Generator().manual_seed(5))
+    ref = tiny_engine.generate(ids, "dense-fp16", max_new_tokens=8, stop_at_eos=False, prefill_chunk=16)
+    got = tiny_engine.generate(ids, "dense-fp16-kernel", max_new_tokens=8, stop_at_eos=False, prefill_chunk=16)
+    assert got.token_ids == ref.token_ids and got.kv_policy == "dense-fp16-kernel"
