@@ -176,7 +176,7 @@ class RunPane(Vertical):
         max_new = num("max-tokens", int, "max tokens")
         base = self.query_one("#baseline", Input).value.strip() or "fp16"
         cand = self.query_one("#candidate", Input).value.strip()
-        if base not in DENSE_BASELINES:  # dense, dense-fp16(-kernel), dense-bf16(-kernel): a dense cache, not a policy
+        if base not in DENSE_BASELINES:  # dense, dense-fp16, dense-bf16: a DynamicCache, not a policy
             parse_policy(base)
         parse_policy(cand)
         p = RunParams(prompt, self.query_one("#chat", Checkbox).value, max_new, num("temperature", float, "temperature"),
