@@ -11,14 +11,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from tqbench.constants import DENSE_BASELINES  # noqa: E402  (torch-free)
+from tqbench.constants import DENSE_BASELINE_ATTENTION, DENSE_BASELINES  # noqa: E402  (torch-free)
+
+
+def baselines_help() -> str:
+    """Every dense baseline with its K/V dtype and how its attention reads the rows (``DENSE_BASELINE_ATTENTION``)."""
+    return "; ".join(f"{n}: {DENSE_BASELINES[n] or 'model dtype'} K/V, {DENSE_BASELINE_ATTENTION[n]}"
+                     for n in DENSE_BASELINES)
 
 
 def add_baseline_arg(parser) -> None:
     """``--baseline``: the dense cache a speed benchmark's ratios are against (``DENSE_BASELINES``)."""
     parser.add_argument("--baseline", default="dense", choices=list(DENSE_BASELINES),
-                        help="the dense cache ratios are against: dense (K/V in the model's dtype, float32 on CPU), "
-                             "dense-fp16 or dense-bf16 (K/V rows stored in 16 bits, upcast for the model's attention)")
+                        help="the dense cache ratios are against (float32 on a CPU model for dense): "
+                             + baselines_help().replace("%", "%%"))
+
+
+def check_baselines(names, engine) -> None:
+    """Exit 2 with the reason when a kernel-attended baseline cannot run here (no native kernel, a GPU model)."""
+    from tqbench.constants import KERNEL_BASELINES
+    from tqbench.engine.cache.dense_kernel import check_kernel_baseline
+
+    for name in names:
+        if name in KERNEL_BASELINES:
+            try:
+                check_kernel_baseline(name, engine.loaded.device)
+            except RuntimeError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                raise SystemExit(2) from None
 
 
 def cpu_model() -> str:

@@ -5,7 +5,9 @@
 
 ``--baseline``: the dense cache the ratios are against (``tqbench.constants.DENSE_BASELINES``): ``dense`` (the
 default; K/V in the model's dtype, float32 on CPU), ``dense-fp16`` / ``dense-bf16`` (K/V rows stored in 16 bits,
-as llama.cpp's f16 cache, upcast for the model's attention). The JSON names it and its K/V dtype.
+as llama.cpp's f16 cache, upcast for the model's attention), ``dense-fp16-kernel`` / ``dense-bf16-kernel`` (the
+same rows read as stored by the native CPU kernel, as engines read an f16 cache: exit 2, saying why, where the
+kernel cannot run). The JSON names it, its K/V dtype and how its attention reads the rows.
 
 ``--shape llama3-8b`` (qwen3-8b, mistral-7b, smollm2: ``_shapes.SHAPES``) times a random-weight model of that
 family with the real attention shapes (hidden size, query/KV heads, head size) and ``--layers`` layers (4;
@@ -29,7 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from _common import add_baseline_arg, cpu_model, write_json
+from _common import add_baseline_arg, check_baselines, cpu_model, write_json
 from _shapes import SHAPES, load_shape, random_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,6 +280,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from tqbench.constants import DENSE_BASELINE_ATTENTION, dense_baseline_label
     from tqbench.engine.engine import Engine
 
     console = Console() if sys.stdout.isatty() else Console(width=150)  # no wrapped cells in logs
@@ -294,6 +297,7 @@ def main(argv=None) -> int:
         engine = Engine.load(args.model, dtype=args.dtype, threads=args.threads)
     if engine.max_context and max(args.contexts) + args.new_tokens > engine.max_context:
         raise SystemExit(f"contexts + --new-tokens exceed {engine.name}'s context of {engine.max_context}")
+    check_baselines([args.baseline], engine)  # a kernel-attended baseline where the kernel cannot run: exit 2, why
     per_context = []
     for context in args.contexts:
         baseline, rows = (measure_filled if args.shape else measure)(engine, args, context, console)
@@ -326,8 +330,8 @@ def main(argv=None) -> int:
                       "-" if s["fused_vs_compressed"] is None else f"{s['fused_vs_compressed']:.2f}x")
         console.print(t)
     kv_dtype = engine.baseline_kv_dtype(args.baseline)
-    console.print(f"baseline: {args.baseline} (DynamicCache, {kv_dtype} K/V, model computes in "
-                  f"{str(engine.loaded.dtype).replace('torch.', '')})")
+    model_dtype = str(engine.loaded.dtype).replace("torch.", "")
+    console.print(f"baseline: {dense_baseline_label(args.baseline, model_dtype)}; the model computes in {model_dtype}")
     console.print(f"load average {load_before[0]:.2f} -> {load_after[0]:.2f} (1 min), {cpu_model()}")
 
     out = {
@@ -339,6 +343,7 @@ def main(argv=None) -> int:
         "transformers": transformers.__version__, "python": platform.python_version(), "cpu": cpu_model(),
         "loadavg_before": list(load_before), "loadavg_after": list(load_after),
         "baseline": args.baseline, "baseline_kv_dtype": kv_dtype,
+        "baseline_attention": DENSE_BASELINE_ATTENTION[args.baseline],
         "results": per_context, "summary": summ, "shape": args.shape,
         "layers": args.layers if args.shape else None,
         "intermediate_size": getattr(engine.config, "intermediate_size", None), "num_params": engine.loaded.num_params,

@@ -9,7 +9,13 @@ cache report's ``fused_impl``): otherwise the script stops and says what ran.
     python benchmarks/decode_cpu.py --contexts 1024,4096 --policies turbo4,smollm2-head-2.5bit --threads 1
 
 ``--baseline dense-fp16`` (or ``dense-bf16``) times the dense cache with 16-bit K/V rows (upcast for the model's
-attention) instead of the model's dtype; the JSON names the baseline and its K/V dtype.
+attention) instead of the model's dtype; ``--baseline dense-fp16-kernel`` the same rows read as stored by the native
+kernel (as engines read an f16 cache); ``--compare-baselines dense,dense-fp16`` times other dense baselines in the
+same rounds (rows against ``--baseline`` too). The JSON names the baseline, its K/V dtype and its attention; a
+kernel-attended baseline that did not run the kernel stops the script, saying so.
+
+    python benchmarks/decode_cpu.py --contexts 4096,8192 --policies turbo4 --threads 2 \
+        --baseline dense-fp16-kernel --compare-baselines dense,dense-fp16
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import sys
 import time
 
 import torch
-from _common import add_baseline_arg, cpu_model, write_json
+from _common import DENSE_BASELINES, add_baseline_arg, check_baselines, cpu_model, write_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,8 +40,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     add_baseline_arg(p)
+    p.add_argument("--compare-baselines", default="",
+                   help="comma-separated dense baselines also timed in the same rounds (against --baseline too): "
+                        + ", ".join(DENSE_BASELINES))
     p.add_argument("--json", default="benchmarks/results/decode-cpu.json")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.compare_baselines = [b.strip() for b in a.compare_baselines.split(",") if b.strip()]
+    bad = [b for b in a.compare_baselines if b not in DENSE_BASELINES]
+    if bad:
+        p.error(f"--compare-baselines: unknown dense baseline {bad[0]!r}: valid dense baselines are "
+                f"{', '.join(DENSE_BASELINES)}")
+    a.compare_baselines = [b for b in dict.fromkeys(a.compare_baselines) if b != a.baseline]
+    return a
 
 
 def _run(model, ids, cache, steps: int) -> tuple[float, float]:
@@ -51,6 +67,8 @@ def _run(model, ids, cache, steps: int) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from tqbench.constants import dense_baseline_label
+    from tqbench.engine.cache.dense_kernel import kernel_calls
     from tqbench.engine.engine import Engine
     from tqbench.engine.policy.grammar import split_policies
 
@@ -60,15 +78,20 @@ def main(argv=None) -> int:
         sys.exit("error: --steps, --rounds and every context must be at least 1")
     load0 = os.getloadavg()
     eng = Engine.load(a.model, threads=a.threads)
+    baselines = [a.baseline, *a.compare_baselines]
+    check_baselines(baselines, eng)  # a kernel-attended baseline where the kernel cannot run: exit 2, saying why
     rows = []
     for ctx in contexts:
         ids = torch.randint(100, min(20000, eng.config.vocab_size), (1, ctx), generator=torch.Generator().manual_seed(0))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(a.rounds):
-            for pol in [a.baseline, *policies]:
-                cache = eng.make_cache(pol, "fused")  # the baseline name: its DynamicCache
+            for pol in [*baselines, *policies]:
+                cache = eng.make_cache(pol, "fused")  # a baseline name: its dense cache
                 cpu, wall = _run(eng.model, ids, cache, a.steps)
-                if pol != a.baseline:
+                if pol in baselines:
+                    if kernel_calls(cache) == 0:
+                        sys.exit(f"error: the {pol} baseline at {ctx} tokens ran no native kernel call")
+                else:
                     ran = cache.report().fused_impl
                     if set(ran) != {"native-cpu"}:
                         sys.exit(f"error: {pol} at {ctx} tokens did not run only the native kernel: {ran}")
@@ -80,19 +103,26 @@ def main(argv=None) -> int:
                          "wall_ms_per_step": round(wall, 2), "cpu_ratio_vs_dense": round(dense_cpu / cpu, 3),
                          "wall_ratio_vs_dense": round(dense_wall / wall, 3)})
     load1 = os.getloadavg()
-    print(f"{'context':>7}  {'policy':<24} {'cpu ms/step':>11} {'x dense (cpu)':>13} {'wall ms/step':>12} "
-          f"{'x dense (wall)':>14}")
+    vs = f"x {a.baseline}"  # (the JSON's *_ratio_vs_dense: against --baseline, whichever dense baseline it is)
+    print(f"{'context':>7}  {'policy':<24} {'cpu ms/step':>11} {vs + ' (cpu)':>24} {'wall ms/step':>12} "
+          f"{vs + ' (wall)':>25}")
     for r in rows:
-        print(f"{r['context']:>7}  {r['policy']:<24} {r['cpu_ms_per_step']:>11.1f} {r['cpu_ratio_vs_dense']:>13.2f} "
-              f"{r['wall_ms_per_step']:>12.1f} {r['wall_ratio_vs_dense']:>14.2f}")
+        print(f"{r['context']:>7}  {r['policy']:<24} {r['cpu_ms_per_step']:>11.1f} {r['cpu_ratio_vs_dense']:>24.2f} "
+              f"{r['wall_ms_per_step']:>12.1f} {r['wall_ratio_vs_dense']:>25.2f}")
+    model_dtype = str(eng.loaded.dtype).replace("torch.", "")
     kv_dtype = eng.baseline_kv_dtype(a.baseline)
-    baseline = f"{a.baseline} DynamicCache, {kv_dtype} K/V"
-    print(f"threads {a.threads}, load {load0[0]:.2f} -> {load1[0]:.2f}; baseline: {baseline}, steps {a.steps}, "
-          f"best of {a.rounds} rounds")
+    labels = {b: dense_baseline_label(b, model_dtype) for b in baselines}
+    print(f"threads {a.threads}, load {load0[0]:.2f} -> {load1[0]:.2f}; steps {a.steps}, best of {a.rounds} rounds; "
+          f"ratios against {a.baseline}")
+    for b in baselines:
+        print(f"  {labels[b]}")
     write_json(a.json, {"benchmark": "decode_cpu", "date": datetime.datetime.now().isoformat(timespec="seconds"),
                         "model": eng.name, "cpu": cpu_model(), "threads": a.threads, "load_before": load0,
                         "load_after": load1, "steps": a.steps, "rounds": a.rounds,
-                        "baseline": baseline, "baseline_kv_dtype": kv_dtype, "rows": rows})
+                        "baseline": a.baseline, "baseline_label": labels[a.baseline], "baseline_kv_dtype": kv_dtype,
+                        "baselines": {b: {"kv_dtype": eng.baseline_kv_dtype(b), "label": labels[b]}
+                                      for b in baselines},
+                        "rows": rows})
     return 0
 
 

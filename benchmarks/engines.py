@@ -9,7 +9,9 @@ takes minutes, once; ``--no-build`` skips llama.cpp instead, saying why). It run
 (the default model's is Q4_1 weights), so only the ratios within each system compare across systems.
 
 tqbench: corpus text of the longest context is prefilled once into a dense cache; at each context, every cache
-under test (``dense``: float32 K/V; ``dense-fp16``: K/V rows stored in 16 bits, upcast for attention; each
+under test (``dense``: float32 K/V; ``dense-fp16``: K/V rows stored in 16 bits, upcast for attention;
+``dense-fp16-kernel``: the same rows read as stored by the native kernel, as llama.cpp reads its f16 cache, and
+tqbench's own 16-bit cache in the ratios (where the kernel cannot run: dense-fp16, and the report says why); each
 ``--policies`` entry in the fused mode) is filled with the first ``CONTEXT`` rows through its own ``update`` (the
 rows a prefill of that length gives: attention is causal); then ``STEPS`` greedy decode
 steps are timed per cache (2 warm-up steps first). Each round runs every tqbench cache, then every llama.cpp type,
@@ -31,9 +33,12 @@ import time
 
 from _common import ROOT, cpu_model, write_json
 
+from tqbench.constants import DENSE_BASELINE_ATTENTION, dense_baseline_label
+
 LLAMA_BITS = {"f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5,
               "iq4_nl": 4.5}  # bits per element of each GGML KV type (block scales included)
-DENSE = ("dense", "dense-fp16")  # tqbench's dense baselines, 32- and 16-bit K/V on a float32 model
+DENSE = ("dense", "dense-fp16", "dense-fp16-kernel")  # tqbench's dense baselines: 32- and 16-bit K/V, float32 model
+OWN_16BIT = "dense-fp16-kernel"  # tqbench's 16-bit cache in the ratios: read as stored, as llama.cpp reads its f16
 TARGETS = {8192: 1.5, 16384: 2.0}  # issue 31: fused turbo4 decode vs tqbench's fp16-K/V dense baseline
 #: llama-bench options beyond the measured ones: llama.cpp 11434 built -march=native on an AMX/AVX512-FP16 Xeon
 #: crashes (SIGSEGV) in batched prompt processing (the -d depth fill) with the Q4_1 weights repacked for the CPU;
@@ -163,7 +168,7 @@ def kv_bits(engine, name: str, cache) -> float:
 def measure_context(engine, a, context: int, prompt, tool: str | None, gguf: str, say) -> list[dict]:
     from tqbench.engine.cache.tqcache import TQCache
 
-    names = [*DENSE, *a.policies]
+    names = [*a.dense, *a.policies]
     kv, ids = prompt
     t = time.perf_counter()
     caches = filled_caches(engine, kv, context, names)
@@ -204,24 +209,27 @@ def measure_context(engine, a, context: int, prompt, tool: str | None, gguf: str
                      "llama_build": best["build"], "command": " ".join(best["command"])})
     caches.clear()
     for row in rows:  # each system's cache against its own 16-bit cache
-        base = next(x for x in rows if x["system"] == row["system"] and x["cache"] in ("dense-fp16", "f16"))
+        base = next(x for x in rows if x["system"] == row["system"] and x["cache"] in (a.own16, "f16"))
         row["vs_own_16bit"] = round(row["decode_tok_s"] / base["decode_tok_s"], 4)
     return rows
 
 
 # ---- report -----------------------------------------------------------------------------------------------
-def summary(rows: list[dict], max_trained: int) -> dict:
-    """Per context: turbo4 fused vs tqbench's 16-bit dense (with issue 31's targets), and the quantized/16-bit
-    comparison: llama.cpp's best type against tqbench's best cache at most as many bits per element."""
+def summary(rows: list[dict], max_trained: int, own16: str = OWN_16BIT) -> dict:
+    """Per context: turbo4 fused vs tqbench's 16-bit dense ``own16`` (with issue 31's targets) and every other dense
+    baseline timed, and the quantized/16-bit comparison: llama.cpp's best type against tqbench's best cache at most
+    as many bits per element."""
     out = {}
     for ctx in sorted({r["context"] for r in rows}):
         at = [r for r in rows if r["context"] == ctx]
-        s: dict = {"past_trained_context": bool(max_trained and ctx > max_trained)}
+        s: dict = {"past_trained_context": bool(max_trained and ctx > max_trained), "own_16bit": own16}
         turbo = next((r for r in at if r["cache"] == "turbo4 fused"), None)
         if turbo is not None:
-            s["turbo4_vs_dense_fp16"] = turbo["vs_own_16bit"]
-            s["turbo4_vs_dense_fp32"] = round(turbo["decode_tok_s"]
-                                              / next(r for r in at if r["cache"] == "dense")["decode_tok_s"], 4)
+            s["turbo4_vs_own_16bit"] = turbo["vs_own_16bit"]
+            for r in at:
+                if r["system"] == "tqbench" and r["cache"] in DENSE:
+                    key = {"dense": "dense_fp32"}.get(r["cache"], r["cache"].replace("-", "_"))
+                    s[f"turbo4_vs_{key}"] = round(turbo["decode_tok_s"] / r["decode_tok_s"], 4)
             if ctx in TARGETS:
                 s["turbo4_target"] = TARGETS[ctx]
                 s["turbo4_target_met"] = turbo["vs_own_16bit"] >= TARGETS[ctx]
@@ -253,15 +261,19 @@ def print_report(rows: list[dict], summ: dict, skipped: str | None, a, model: st
         t.add_row(str(r["context"]), r["system"], r["cache"], f"{r['bits_per_element']:.2f}",
                   f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.2f}", f"{r['vs_own_16bit']:.2f}x")
     console.print(t)
-    console.print("own 16-bit: tqbench dense-fp16 (DynamicCache, float16 K/V rows upcast to the model's float32 for "
-                  "attention); llama.cpp f16 (-fa 1). dense = float32 K/V.")
+    console.print(f"own 16-bit: tqbench {a.own16} ({DENSE_BASELINE_ATTENTION[a.own16]}); llama.cpp f16 (-fa 1). "
+                  "dense = float32 K/V; dense-fp16 = float16 K/V upcast to float32 for the model's attention.")
+    if a.own16_note:
+        console.print(a.own16_note)
     for ctx, s in summ.items():
         parts = []
-        if "turbo4_vs_dense_fp16" in s:
+        if "turbo4_vs_own_16bit" in s:
             target = (f" (target {s['turbo4_target']}x: {'met' if s['turbo4_target_met'] else 'MISSED'})"
                       if "turbo4_target" in s else "")
-            parts.append(f"turbo4 fused {s['turbo4_vs_dense_fp16']:.2f}x dense-fp16{target}, "
-                         f"{s['turbo4_vs_dense_fp32']:.2f}x dense fp32")
+            parts.append(f"turbo4 fused {s['turbo4_vs_own_16bit']:.2f}x {a.own16}{target}")
+            parts += [f"{v:.2f}x {k[len('turbo4_vs_'):]}" for k, v in s.items()
+                      if k.startswith("turbo4_vs_") and k != "turbo4_vs_own_16bit"
+                      and k != f"turbo4_vs_{a.own16.replace('-', '_')}"]
         if "llamacpp_best" in s:
             b = s["llamacpp_best"]
             parts.append(f"llama.cpp best {b['cache']} {b['vs_f16']:.2f}x f16")
@@ -295,10 +307,11 @@ def payload(a, argv, engine, gguf: str, skipped: str | None, rows: list[dict], l
         "contexts_done": sorted({r["context"] for r in rows}), "cpu": cpu_model(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()), "loadavg_per_context": loads,
-        "baselines": {"tqbench": {"dense": f"DynamicCache, {engine.baseline_kv_dtype('dense')} K/V",
-                                  "dense-fp16": "DynamicCache, float16 K/V (upcast for attention)"},
+        "baselines": {"tqbench": {n: dense_baseline_label(n, str(engine.loaded.dtype).replace("torch.", ""))
+                                  for n in a.dense},
+                      "own_16bit": a.own16, "own_16bit_note": a.own16_note,
                       "llama.cpp": "f16 cache, flash attention (-fa 1)"},
-        "llamacpp_skipped": skipped, "rows": rows, "summary": summary(rows, engine.max_context),
+        "llamacpp_skipped": skipped, "rows": rows, "summary": summary(rows, engine.max_context, a.own16),
     }
 
 
@@ -308,6 +321,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     import torch
 
+    from tqbench.engine.cache.dense_kernel import check_kernel_baseline
     from tqbench.engine.engine import Engine
 
     def say(msg: str) -> None:
@@ -315,6 +329,13 @@ def main(argv=None) -> int:
 
     engine = Engine.load(a.model, threads=a.threads)
     torch.set_num_threads(a.threads)
+    a.dense, a.own16, a.own16_note = list(DENSE), OWN_16BIT, None
+    try:
+        check_kernel_baseline(OWN_16BIT, engine.loaded.device)
+    except RuntimeError as exc:  # said in the report: tqbench's own 16-bit cache is then the upcast one
+        a.dense.remove(OWN_16BIT)
+        a.own16, a.own16_note = "dense-fp16", f"{OWN_16BIT} skipped: {exc}"
+        say(a.own16_note)
     tool, gguf, skipped = find_llama_bench(engine, a.no_build)
     if skipped:
         say(f"llama.cpp skipped: {skipped}")
@@ -334,7 +355,7 @@ def main(argv=None) -> int:
             rows += measure_context(engine, a, ctx, prompt, None, gguf, say)
         loads[str(ctx)] = {"before": list(before), "after": list(os.getloadavg())}
         write_json(a.json, payload(a, argv, engine, gguf, skipped, rows, loads, load0), console=_Quiet())
-    summ = summary(rows, engine.max_context)
+    summ = summary(rows, engine.max_context, a.own16)
     print_report(rows, summ, skipped, a, engine.name)
     load1 = os.getloadavg()
     print(f"load average {load0[0]:.2f} -> {load1[0]:.2f} (1 min), {os.cpu_count()} CPUs, {cpu_model()}")

@@ -19,8 +19,19 @@ CACHE_MODES = ("dense-shadow", "simulate", "compressed", "fused")
 
 #: the dense baselines speed is measured against (``engine.cache.dense_baseline``): name -> the dtype its K/V rows
 #: are stored in (None: the model's own dtype, a plain ``DynamicCache``; float32 for a CPU model). The 16-bit ones
-#: hold the bytes of llama.cpp's f16 or vLLM's fp16/bf16 cache; attention reads their rows upcast to the model's dtype
-DENSE_BASELINES = {"dense": None, "dense-fp16": "float16", "dense-bf16": "bfloat16"}
+#: hold the bytes of llama.cpp's f16 or vLLM's fp16/bf16 cache; ``DENSE_BASELINE_ATTENTION`` says how each is read
+DENSE_BASELINES = {"dense": None, "dense-fp16": "float16", "dense-bf16": "bfloat16",
+                   "dense-fp16-kernel": "float16", "dense-bf16-kernel": "bfloat16"}
+#: how each dense baseline's attention reads its rows
+DENSE_BASELINE_ATTENTION = {
+    "dense": "the model's attention",
+    "dense-fp16": "the model's attention on the rows upcast to its dtype",
+    "dense-bf16": "the model's attention on the rows upcast to its dtype",
+    "dense-fp16-kernel": "tqbench's native CPU kernel reading the 16-bit rows as stored (as engines read an f16 cache)",
+    "dense-bf16-kernel": "tqbench's native CPU kernel reading the 16-bit rows as stored",
+}
+#: the baselines whose attention is the native CPU kernel (``engine.cache.dense_kernel``)
+KERNEL_BASELINES = ("dense-fp16-kernel", "dense-bf16-kernel")
 
 
 def dense_baseline_kv(name: str, model_dtype: str) -> str:
@@ -28,6 +39,12 @@ def dense_baseline_kv(name: str, model_dtype: str) -> str:
     if name not in DENSE_BASELINES:
         raise ValueError(f"unknown dense baseline {name!r}: valid dense baselines are {', '.join(DENSE_BASELINES)}")
     return DENSE_BASELINES[name] or model_dtype
+
+
+def dense_baseline_label(name: str, model_dtype: str) -> str:
+    """``dense-fp16-kernel (float16 K/V; attention: tqbench's native CPU kernel reading ...)``: a baseline named
+    with its K/V dtype and how its attention reads the rows (every benchmark's header and JSON say it this way)."""
+    return f"{name} ({dense_baseline_kv(name, model_dtype)} K/V; attention: {DENSE_BASELINE_ATTENTION[name]})"
 
 #: the modes whose validation verdicts say something about quality (dense-shadow reads exact K/V)
 QUALITY_MODES = ("simulate", "compressed", "fused")

@@ -22,7 +22,8 @@ def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["baseline"] == "dense DynamicCache, float32 K/V" and data["threads"] == 1
+    assert data["baseline"] == "dense" and data["threads"] == 1
+    assert data["baseline_label"] == "dense (float32 K/V; attention: the model's attention)"
     assert data["baseline_kv_dtype"] == "float32"
     assert [r["policy"] for r in data["rows"]] == ["dense", "turbo4", "k=turbo4|turbo2,v=turbo3"]
     assert all(r["cpu_ms_per_step"] > 0 for r in data["rows"]) and data["rows"][0]["cpu_ratio_vs_dense"] == 1.0
@@ -78,8 +79,29 @@ def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tm
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["baseline"] == "dense-bf16 DynamicCache, bfloat16 K/V" and data["baseline_kv_dtype"] == "bfloat16"
+    assert data["baseline"] == "dense-bf16" and data["baseline_kv_dtype"] == "bfloat16"
+    assert data["baseline_label"].startswith("dense-bf16 (bfloat16 K/V; attention: the model's attention on the rows")
     assert [r["policy"] for r in data["rows"]] == ["dense-bf16", "turbo4"]
+
+
+def test_decode_cpu_times_the_kernel_baseline_beside_the_others_in_one_process(tmp_path):
+    out = tmp_path / "dc.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--model", "tiny", "--contexts", "48",
+           "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--baseline", "dense-fp16-kernel",
+           "--compare-baselines", "dense,dense-fp16,dense-fp16-kernel", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["policy"] for r in data["rows"]] == ["dense-fp16-kernel", "dense", "dense-fp16", "turbo4"]
+    assert data["baselines"]["dense-fp16-kernel"]["kv_dtype"] == "float16"
+    assert "native CPU kernel reading the 16-bit rows as stored" in data["baseline_label"]
+    assert "x dense-fp16-kernel (wall)" in proc.stdout
+    # where the kernel cannot run, the kernel baseline is refused with the reason (no silent fallback)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ,
+                          "TQBENCH_NATIVE": "0"})
+    assert proc.returncode == 2
+    assert "the dense-fp16-kernel baseline needs tqbench's native CPU kernel, which cannot run here: " \
+           "TQBENCH_NATIVE=0" in proc.stderr
 
 
 def test_engines_benchmark_on_tiny_times_tqbench_and_skips_llamacpp_with_its_reason(tmp_path):
@@ -92,12 +114,16 @@ def test_engines_benchmark_on_tiny_times_tqbench_and_skips_llamacpp_with_its_rea
     reason = "tiny-random is not a GGUF model: llama-bench runs GGUF files (pass the default model or a .gguf)"
     assert data["llamacpp_skipped"] == reason and f"llama.cpp skipped: {reason}" in proc.stdout
     rows = {r["cache"]: r for r in data["rows"]}
-    assert list(rows) == ["dense", "dense-fp16", "turbo4 fused"] and {r["system"] for r in data["rows"]} == {"tqbench"}
+    assert list(rows) == ["dense", "dense-fp16", "dense-fp16-kernel", "turbo4 fused"]
+    assert {r["system"] for r in data["rows"]} == {"tqbench"}
     assert (rows["dense"]["kv_dtype"], rows["dense-fp16"]["kv_dtype"]) == ("float32", "float16")
-    assert (rows["dense"]["bits_per_element"], rows["dense-fp16"]["bits_per_element"]) == (32.0, 16.0)
-    assert rows["dense-fp16"]["vs_own_16bit"] == 1.0 and 0 < rows["turbo4 fused"]["bits_per_element"] < 16
+    assert (rows["dense"]["bits_per_element"], rows["dense-fp16-kernel"]["bits_per_element"]) == (32.0, 16.0)
+    assert rows["dense-fp16-kernel"]["vs_own_16bit"] == 1.0 and 0 < rows["turbo4 fused"]["bits_per_element"] < 16
     assert list(rows["turbo4 fused"]["fused_impl"]) == ["native-cpu"]
-    assert data["summary"]["64"]["turbo4_vs_dense_fp16"] == rows["turbo4 fused"]["vs_own_16bit"]
+    summ = data["summary"]["64"]
+    assert summ["own_16bit"] == data["baselines"]["own_16bit"] == "dense-fp16-kernel"
+    assert summ["turbo4_vs_own_16bit"] == rows["turbo4 fused"]["vs_own_16bit"]
+    assert {"turbo4_vs_dense_fp16", "turbo4_vs_dense_fp32"} <= set(summ)
     assert data["threads"] == 1 and data["loadavg_per_context"]["64"]["before"]
     assert "vs own 16-bit" in proc.stdout and "turbo4 fused" in proc.stdout
 
@@ -209,3 +235,15 @@ def test_allocate_table_reads_a_committed_allocate_report():
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = proc.stdout.splitlines()[2]
     assert row.startswith("| 2.5 | head | 2.500 | 0.0412 | 0.0889 | 2.16 | 0.0331 | 0.80 | 0.0331 | 6/19 | 4/16 |")
+
+
+def test_attention_dense16_benchmark_times_every_way_a_16_bit_cache_is_read(tmp_path):
+    out = tmp_path / "att.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "attention_dense16.py"), "--contexts", "32", "--calls", "1",
+           "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["way"] for r in data["rows"]] == ["kernel, float16 rows as stored (dense-fp16-kernel)",
+                                                "kernel, float32 rows", "upcast to float32 + SDPA (dense-fp16)"]
+    assert data["rows"][0]["vs_fp16_kernel"] == 1.0 and data["threads"] == 1 and data["load_before"]

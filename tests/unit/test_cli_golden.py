@@ -54,7 +54,7 @@ def test_bench_baseline_runs_the_same_tokens_with_a_16_bit_dense_cache_and_names
     r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--max-new-tokens", "4",
                                   "--prompt", "hello there", "--threads", "1", "--baseline", "dense"])
     assert r.exit_code == 0, r.output
-    assert "baseline" in r.stdout and "dense (DynamicCache, float32 K/V)" in r.stdout
+    assert "baseline" in r.stdout and "dense (float32 K/V; attention: the model's attention)" in r.stdout
     r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--baseline", "fp16"])
     assert r.exit_code == 2 and "'fp16' is not one of 'dense', 'dense-fp16', 'dense-bf16'" in r.output
 

@@ -84,3 +84,40 @@ def test_cli_status_exit_codes(empty_cache):
 
     r = CliRunner().invoke(main, ["--headless", "llamacpp", "status", "--json"])
     assert r.exit_code == 1 and json.loads(r.output)["ready"] is False
+
+
+def test_a_cached_build_without_a_tool_is_completed_incrementally(empty_cache, monkeypatch):
+    """A cache built before llama-server was a target: status lists it as not built, and a build compiles only
+    that target in the cached build folder (saying so), keeping the tools already built."""
+    from tqbench.cli.group import main
+
+    root = lc.llamacpp_dir()
+    old = {t: _fake_tool(root / "build" / "bin", t) for t in ("llama-perplexity", "llama-bench")}
+    (root / lc.STAMP).write_text(json.dumps({"version": lc.LLAMACPP_VERSION,
+                                             "tools": {t: str(p) for t, p in old.items()}}))
+    st = lc.llamacpp_status()
+    assert st["ready"] and st["missing"] == ["llama-server"]
+    assert st["missing_note"].startswith("llama-server not built: a build adds it to cached build in")
+    r = CliRunner().invoke(main, ["--headless", "llamacpp", "status"])
+    assert r.exit_code == 0 and "  llama-server: not built" in r.output
+    assert "tqbench --headless llamacpp build --tool llama-server" in r.output
+    src = lc._source_dir(root)
+    src.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("")
+    monkeypatch.setattr(lc, "_missing_build_tools", lambda: None)
+    ran = []
+
+    def fake_run(cmd, log, say, what):
+        ran.append(cmd)
+        if what == "compile":
+            for t in cmd[cmd.index("--target") + 1:]:
+                _fake_tool(root / "build" / "bin", t)
+
+    monkeypatch.setattr(lc, "_run", fake_run)
+    said = []
+    b = lc.build_llamacpp(said.append)
+    assert ran[-1][-2:] == ["--target", "llama-server"]  # only the missing target
+    assert any(m.startswith("completing the cached build: compiling llama-server only (llama-perplexity, "
+                            "llama-bench already built; an incremental build in") for m in said)
+    assert set(b.tools) == set(lc.TOOLS) and b.tools["llama-bench"] == old["llama-bench"]
+    assert lc.llamacpp_status()["missing"] == []

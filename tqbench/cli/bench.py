@@ -18,7 +18,7 @@ from tqbench.cli.options import (
     torch_threads,
 )
 from tqbench.cli.workbench import check_session_path, open_workbench
-from tqbench.constants import CACHE_MODES, DENSE_BASELINES
+from tqbench.constants import CACHE_MODES, DENSE_BASELINES, KERNEL_BASELINES
 
 
 @click.command()
@@ -36,7 +36,8 @@ from tqbench.constants import CACHE_MODES, DENSE_BASELINES
 @click.option("--baseline", type=click.Choice(list(DENSE_BASELINES)), default=None,
               help="Also generate the same tokens with this dense cache and report the policy's decode speed "
                    "against it: dense (K/V in the model's dtype, float32 on CPU), dense-fp16 or dense-bf16 (K/V rows "
-                   "stored in 16 bits, upcast for attention).")
+                   "stored in 16 bits, upcast for attention), dense-fp16-kernel or dense-bf16-kernel (the same rows "
+                   "read as stored by the native CPU kernel, as engines read an f16 cache).")
 @click.option("--per-layer", is_flag=True, help="Print the per-layer byte table.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--save-session", "save_session", default=None, metavar="FILE",
@@ -60,6 +61,13 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
     text = read_prompt(prompt, prompt_file)
     check_session_path(save_session)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    if baseline in KERNEL_BASELINES:  # refused before the policy's run, with the reason
+        from tqbench.engine.cache.dense_kernel import check_kernel_baseline
+
+        try:
+            check_kernel_baseline(baseline, engine.loaded.device)
+        except RuntimeError as exc:
+            raise click.BadParameter(str(exc), param_hint="--baseline") from None
     warn_policies(engine, policy)
     recorder = None
     if save_session:

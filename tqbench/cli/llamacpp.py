@@ -31,8 +31,11 @@ def llamacpp(action, tools, jobs, force, as_json):
             click.echo(json.dumps(st, indent=1))
         elif st["ready"]:
             click.echo(f"llama.cpp {st['version']} ready ({st['origin']})")
-            for name, path in st["tools"].items():
-                click.echo(f"  {name}: {path}")
+            for name in TOOL_NAMES:
+                click.echo(f"  {name}: {st['tools'].get(name, 'not built')}")
+            if st.get("missing_note"):
+                click.echo(f"  {st['missing_note']}: tqbench --headless llamacpp build"
+                           + "".join(f" --tool {t}" for t in st["missing"]))
         else:
             click.echo(f"llama.cpp not ready: {st['reason']}")
         sys.exit(0 if st["ready"] else 1)

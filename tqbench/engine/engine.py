@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from tqbench.constants import KERNEL_BASELINES
 from tqbench.engine.cache.dense_baseline import (
     baseline_kv_dtype,
     bytes_policy,
@@ -98,12 +99,16 @@ class Engine:
     # -- caches -------------------------------------------------------------------------------------
     def make_cache(self, policy: Policy | str | CheckedPolicy | None, cache_mode: str = "compressed"):
         """A plain ``DynamicCache`` for ``None``; a dense baseline for a ``DENSE_BASELINES`` name (``dense-fp16``:
-        16-bit K/V rows, upcast for attention; ``cache.dense_baseline``); a ``TQCache`` otherwise (fused mode wires
+        16-bit K/V rows, upcast for attention; ``cache.dense_baseline``; ``dense-fp16-kernel``: the same rows read by
+        the native kernel, which this wires, ``cache.dense_kernel``); a ``TQCache`` otherwise (fused mode wires
         the attention).
 
         A policy fitted on another model warns here (``policy_warning``; the cache's ``policy_warning`` holds it)."""
         if policy is None or is_dense_baseline(policy):
-            return dense_cache(self.config, policy)
+            cache = dense_cache(self.config, policy, self.loaded.device)
+            if policy in KERNEL_BASELINES:  # its attention is tqbench's (the native kernel over the 16-bit rows)
+                self.enable_fused()
+            return cache
         check_mode(cache_mode)
         checked = self.check_policy(policy)
         if cache_mode == "fused" or checked.policy.evicts:  # eviction scores read the queries in that function

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from tqbench.cli.render.console import out
 from tqbench.cli.render.formats import mib
+from tqbench.constants import DENSE_BASELINE_ATTENTION, dense_baseline_label
 
 #: SmolLM2-135M-Instruct's KV geometry (30 layers, 3 KV heads, head_dim 64), for policy listings
 
@@ -24,7 +25,8 @@ class BaselineRun:
 
     def to_dict(self, policy_tps: float) -> dict:
         base = self.decode_tokens_per_second
-        return {"name": self.name, "kv_dtype": self.kv_dtype, "decode_tokens_per_second": round(base, 3),
+        return {"name": self.name, "kv_dtype": self.kv_dtype, "attention": DENSE_BASELINE_ATTENTION[self.name],
+                "decode_tokens_per_second": round(base, 3),
                 "decode_ratio": round(policy_tps / base, 4) if base else None}
 
 
@@ -75,7 +77,7 @@ def print_bench(run: BenchRun, per_layer: bool = False) -> None:
     if run.baseline is not None:
         b = run.baseline.to_dict(res.decode_tokens_per_second)
         ratio = "-" if b["decode_ratio"] is None else f"{b['decode_ratio']:.2f}x"
-        t.add_row("baseline", f"{b['name']} (DynamicCache, {b['kv_dtype']} K/V): {b['decode_tokens_per_second']:.1f} "
+        t.add_row("baseline", f"{dense_baseline_label(b['name'], run.dtype)}: {b['decode_tokens_per_second']:.1f} "
                               f"tok/s decode; policy {ratio} of it")
     t.add_row("total", f"{res.elapsed_seconds:.2f} s, {res.tokens_per_second:.1f} tok/s")
     if rep is not None:

@@ -7,6 +7,9 @@ function on float32 rows), only the storage is 16-bit, as in llama.cpp's f16 cac
 float32 model. The upcast is part of every step's cost (it is what reading a 16-bit cache costs a float32 model),
 so on a CPU this baseline is not faster than ``dense``; it is the baseline with the bytes the engines' 16-bit caches
 hold. Sliding-window layers keep their window exactly as ``DynamicCache`` does.
+
+``dense-fp16-kernel`` / ``dense-bf16-kernel`` (``dense_kernel.py``) store the same rows and attend over them as
+stored, in the native CPU kernel, as engines read their 16-bit caches: the fair baseline for speed on a CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from tqbench.constants import DENSE_BASELINES, dense_baseline_kv
+from tqbench.constants import DENSE_BASELINES, KERNEL_BASELINES, dense_baseline_kv
 
 __all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "bytes_policy", "check_dense_baseline",
            "dense_cache", "is_dense_baseline"]
@@ -98,7 +101,14 @@ def bytes_policy(name: str | None, model_dtype: torch.dtype) -> str:
     return "fp16" if width == "fp16" else f"k={width},v={width}"
 
 
-def dense_cache(config, name: str | None = None) -> DynamicCache:
-    """The dense baseline ``name`` (``DENSE_BASELINES``; None: ``dense``) for a model with ``config``."""
+def dense_cache(config, name: str | None = None, device: torch.device | str | None = None) -> DynamicCache:
+    """The dense baseline ``name`` (``DENSE_BASELINES``; None: ``dense``) for a model with ``config`` on ``device``
+    (a kernel-attended one, ``KERNEL_BASELINES``, is refused where the native CPU kernel cannot run, saying why; its
+    attention needs tqbench's attention function installed: ``Engine.make_cache`` does it)."""
     dtype = _dtype(name)
+    if name in KERNEL_BASELINES:
+        from tqbench.engine.cache.dense_kernel import DenseKernelCache, check_kernel_baseline
+
+        check_kernel_baseline(name, device)
+        return DenseKernelCache(config, dtype)
     return DynamicCache(config=config) if dtype is None else Dense16Cache(config, dtype)

@@ -5,6 +5,8 @@
   eviction with ``demote=``) the demote tier's stores (``Tier``).
 - ``PrecisionKV`` (compressed and simulate modes, verification calls only): dense K/V with those column
   sets appended; the attention function extends the mask and runs the model's own implementation.
+- ``DenseKV`` (the ``dense-fp16-kernel`` / ``dense-bf16-kernel`` baselines): the layer's 16-bit K/V rows as
+  stored; the native kernel attends over them (``fused.native_glue.native_dense_attention``).
 
 Both need tqbench's attention function (``fused.install_fused_attention``, registered as ``ATTN_NAME``):
 reaching any other attention code they raise a ``TypeError`` that says so.
@@ -19,7 +21,7 @@ import torch
 from tqbench.engine.cache.precision import Precision
 from tqbench.engine.cache.store import KVStore
 
-__all__ = ["ATTN_NAME", "EvictKV", "FusedKV", "PrecisionKV", "Tier", "snapshot"]
+__all__ = ["ATTN_NAME", "DenseKV", "EvictKV", "FusedKV", "PrecisionKV", "Tier", "snapshot"]
 
 #: the attention implementation name tqbench registers with transformers (``fused.install``)
 ATTN_NAME = "tqbench_fused"
@@ -145,6 +147,27 @@ class EvictKV(_Handle):
     _whose = "tqbench's"
     _what = "a call of a layer that evicts tokens (its scores read the call's queries)"
     _hint = ""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.keys.shape
+
+
+@dataclass
+class DenseKV(_Handle):
+    """A kernel-attended dense baseline's call: every row the call attends (history + this call's rows), stored in
+    16 bits (``[B, H, rows, D]``, unit last stride); the attention function hands them to the native kernel."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    layer: object
+
+    @classmethod
+    def _misuse(cls, name: str) -> TypeError:
+        return TypeError(f"a kernel-attended dense baseline handed its 16-bit rows to {name}, which needs dense "
+                         "K/V: the model's attention is not tqbench's; call "
+                         "tqbench.engine.cache.fused.install_fused_attention(model) (Engine.make_cache does) before "
+                         "generating, or use the dense-fp16 baseline (attention on the upcast rows)")
 
     @property
     def shape(self) -> torch.Size:

@@ -139,7 +139,14 @@ def llamacpp_status() -> dict:
     except LlamaCppUnavailable as exc:
         return {"ready": False, "reason": str(exc), "version": LLAMACPP_VERSION, "folder": str(llamacpp_dir())}
     if found is not None:
-        return {"ready": True, **found.to_dict(), "folder": str(llamacpp_dir())}
+        missing = [t for t in TOOLS if t not in found.tools]
+        out = {"ready": True, **found.to_dict(), "folder": str(llamacpp_dir()), "missing": missing}
+        if missing:
+            out["missing_note"] = (f"{', '.join(missing)} not built: a build adds "
+                                   f"{'it' if len(missing) == 1 else 'them'} to {found.origin}"
+                                   + (" (an incremental build of the missing targets only, in its build folder)"
+                                      if found.source is not None else ""))
+        return out
     missing = _missing_build_tools()
     reason = (f"llama.cpp {LLAMACPP_VERSION} is not built yet (a build takes several minutes, once)" if not missing
               else f"llama.cpp is not built and cannot be built here: {missing}")
@@ -250,9 +257,14 @@ def build_llamacpp(progress: Progress | None = None, *, tools: tuple[str, ...] =
         say(f"configuring llama.cpp {LLAMACPP_VERSION} (CPU only, -march=native) in {build}; log {log}")
         _run(["cmake", "-S", str(src), "-B", str(build), *gen, *CMAKE_FLAGS], log, say, "cmake configure")
         n = jobs or os.cpu_count() or 1
-        say(f"compiling {', '.join(tools)} with {n} jobs (several minutes on 2 cores, once)")
-        _run(["cmake", "--build", str(build), "-j", str(n), "--target", *tools], log, say, "compile")
-        built = {t: build / "bin" / t for t in tools}
+        targets = [t for t in tools if t not in done]  # a cached build is completed, not rebuilt
+        if done and targets:
+            say(f"completing the cached build: compiling {', '.join(targets)} only ({', '.join(done)} already "
+                f"built; an incremental build in {build}, the library objects reused)")
+        else:
+            say(f"compiling {', '.join(targets)} with {n} jobs (several minutes on 2 cores, once)")
+        _run(["cmake", "--build", str(build), "-j", str(n), "--target", *targets], log, say, "compile")
+        built = {t: build / "bin" / t for t in targets}
         absent = [t for t, p in built.items() if not p.is_file()]
         if absent:
             raise LlamaCppUnavailable(f"the build finished without {', '.join(absent)}; the log is {log}")

@@ -23,7 +23,7 @@ import torch
 from tqbench.kernels.cpu import native_module
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
+__all__ = ["NativeCall", "dense_chunks", "dense_side", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
            "refresh_side", "simd_order"]
 
 #: per packed kind: the Side's fields that come from the packed payload (Side field, payload field)
@@ -83,6 +83,12 @@ def dense_chunks(rows: Sequence[torch.Tensor], dt: torch.dtype) -> tuple[list[to
             extra += _nbytes(r)
         out.append(r)
     return out, extra
+
+
+def dense_side(rows: Sequence[torch.Tensor], head_dim: int):
+    """A dense side over row chunks ``[Bs, H, n_i, head_dim]`` as they are stored: in the query's dtype, or float16 /
+    bfloat16 (the kernel converts each row exactly as it reads it; nothing is widened here)."""
+    return _mod().Side(head_dim=head_dim, dense=list(rows))
 
 
 def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_before: int, head_dim: int,

@@ -237,7 +237,11 @@ TQ_INLINE const T* fetch_row(const Side<T>& s, int64_t b, int64_t h, int64_t t, 
     int k = 0;
     while (r >= s.dend[k]) ++k;
     const int64_t r0 = k ? s.dend[k - 1] : 0;
-    return s.dptr[k] + b * s.db[k] + (s.dglobal[k] ? s.gheads[h] : h) * s.dh[k] + (r - r0) * s.dr[k];
+    const int64_t off = b * s.db[k] + (s.dglobal[k] ? s.gheads[h] : h) * s.dh[k] + (r - r0) * s.dr[k];
+    if (s.dtype16[k] == ROWS_T) return static_cast<const T*>(s.dptr[k]) + off;
+    if (s.dtype16[k] == ROWS_F16) half_to(static_cast<const at::Half*>(s.dptr[k]) + off, s.D, buf);
+    else bf16_to(static_cast<const at::BFloat16*>(s.dptr[k]) + off, s.D, buf);
+    return buf;
   }
   const int64_t n = t - s.nb;
   const int64_t D = s.D;

@@ -58,6 +58,8 @@ const char* isa_name() {
 #endif
 }
 
+enum RowType : int8_t { ROWS_T = 0, ROWS_F16 = 1, ROWS_BF16 = 2 };  // a dense chunk's element type
+
 enum Kind : int64_t { DENSE = 0, TURBO = 1, AFFINE_TOKEN = 2, AFFINE_CHANNEL = 3, PCAQ = 4 };
 
 // Kinds whose packed rows live in a transformed domain: keys score against the transformed query (R q), values
@@ -137,7 +139,10 @@ struct Side {
   std::vector<T> plev;
   int64_t row_bytes = 0;
   int nchunks = 0;
-  const T* dptr[MAX_DENSE_CHUNKS];
+  // a dense chunk's rows: in T (the query's dtype, read in place) or 16 bits (ROWS_F16 / ROWS_BF16: each row
+  // converted as it is read, exactly, into the tile's scratch row; the store is never widened)
+  const void* dptr[MAX_DENSE_CHUNKS];
+  int8_t dtype16[MAX_DENSE_CHUNKS] = {0};
   int64_t dend[MAX_DENSE_CHUNKS], db[MAX_DENSE_CHUNKS], dh[MAX_DENSE_CHUNKS], dr[MAX_DENSE_CHUNKS];
   // a group side's chunk that holds every KV head of its store (the layer's rows as the cache holds them): head
   // h of the side is head gheads[h] of that chunk (dglobal); its other chunks hold only the group's heads
@@ -157,6 +162,28 @@ inline void half_to(const at::Half* src, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = static_cast<float>(src[i]);
 }
 inline void half_to(const at::Half* src, int64_t n, double* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(src[i]));
+}
+
+// bf16 -> fp32 is exact: the 16 bits are the float's top half (a shift, vectorized where the ISA has it)
+inline void bf16_to(const at::BFloat16* src, int64_t n, float* out) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#if TQ_AVX512
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))), 16)));
+#elif TQ_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))), 16)));
+#endif
+  for (; i < n; ++i) {
+    const uint32_t w = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(out + i, &w, 4);
+  }
+}
+inline void bf16_to(const at::BFloat16* src, int64_t n, double* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(src[i]));
 }
 

@@ -19,6 +19,19 @@ int64_t kind_code(const std::string& k, const std::string& nm) {
   return DENSE;
 }
 
+// torch's Python name of a dtype (float32, float16, int8), as a Python caller writes it
+std::string dtype_name(at::ScalarType t) {
+  std::string n = c10::toString(t);
+  if (t == torch::kFloat) return "float32";
+  if (t == torch::kDouble) return "float64";
+  if (t == torch::kHalf) return "float16";
+  if (t == torch::kBFloat16) return "bfloat16";
+  if (t == torch::kChar) return "int8";
+  if (t == torch::kByte) return "uint8";
+  for (auto& ch : n) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return n;
+}
+
 // A 4-D [Bs, H, rows, cols] CPU tensor of dtype dt with unit last stride (or a checked broadcast batch).
 void check_rows(const torch::Tensor& t, const std::string& nm, at::ScalarType dt, int64_t Bs, int64_t H,
                 int64_t rows, int64_t cols, const char* rows_what, bool batch_may_broadcast = false) {
@@ -141,11 +154,15 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
     const std::string cn = nm + ".dense[" + std::to_string(i) + "]";
     // a group of heads may hand a chunk of all its store's kv heads (read at its heads' indices, no copy)
     const bool global = !d.heads.empty() && d.kv_heads != H && t.dim() == 4 && t.size(1) == d.kv_heads;
-    check_rows(t, cn, dt, Bs, global ? d.kv_heads : H, t.dim() == 4 ? t.size(2) : -1, D, "its own", false);
+    const at::ScalarType st = t.scalar_type();  // the query's dtype, or 16-bit rows read as stored
+    TORCH_CHECK(st == dt || st == torch::kHalf || st == torch::kBFloat16, cn, " must be ", dtype_name(dt),
+                " (the query's dtype), float16 or bfloat16 (16-bit rows are read as stored), got ", dtype_name(st));
+    check_rows(t, cn, st, Bs, global ? d.kv_heads : H, t.dim() == 4 ? t.size(2) : -1, D, "its own", false);
     if (t.size(2) == 0) continue;
     if (global && s.gheads.empty()) s.gheads = d.heads;
     s.dglobal[s.nchunks] = global;
-    s.dptr[s.nchunks] = t.data_ptr<T>();
+    s.dtype16[s.nchunks] = st == dt ? ROWS_T : st == torch::kHalf ? ROWS_F16 : ROWS_BF16;
+    s.dptr[s.nchunks] = t.data_ptr();
     s.db[s.nchunks] = t.stride(0);
     s.dh[s.nchunks] = t.stride(1);
     s.dr[s.nchunks] = t.stride(2);

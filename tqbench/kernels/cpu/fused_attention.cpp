@@ -17,6 +17,11 @@
 // read the owner's query rows, split into blocks like any other, and their partials merge with the owner's (each
 // V side rotated back from its own domain). No mask: every tier row is visible to every query.
 //
+// Dense row chunks are in the query's dtype (read in place) or 16 bits (float16 / bfloat16, as an engine's f16
+// cache holds them): a 16-bit row is converted exactly to the compute dtype as it is read (F16C / AVX-512
+// conversions, scalar where the ISA has none) into the tile's scratch row; scores and sums stay in the query's
+// dtype. A dense side over 16-bit chunks is the `dense-fp16-kernel` baseline's attention.
+//
 // Calibrated keys (`pcaq`: a transform per KV head, a width per coordinate, Lloyd-Max levels per coordinate)
 // score like TurboQuant keys: the query is transformed once per step with its head's transform and each packed
 // row is scored from its codes (<T_h q, level[idx]> + <q, mu>), with no norm. A store whose heads use different

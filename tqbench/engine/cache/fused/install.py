@@ -47,7 +47,7 @@ from tqbench.engine.cache.fused.support import (
     remember_previous,
 )
 from tqbench.engine.cache.fused.torch_ref import reference_fused_attention
-from tqbench.engine.cache.handles import ATTN_NAME, EvictKV, FusedKV, PrecisionKV
+from tqbench.engine.cache.handles import ATTN_NAME, DenseKV, EvictKV, FusedKV, PrecisionKV
 from tqbench.engine.cache.precision import precision_mask
 
 _registered = False
@@ -152,6 +152,8 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~mask, torch.finfo(query.dtype).min)
         return _previous_forward(module)(module, query, key.keys, key.values, mask, *args, **kwargs)
+    if isinstance(key, DenseKV):  # a kernel-attended dense baseline (``cache.dense_kernel``)
+        return dense_kernel_forward(module, query, key, attention_mask, *args, **kwargs)
     if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
         return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
     ragged = key.ragged is not None and any(kv.k_parts for kv in key.ragged)  # heads=ada with rows held
@@ -174,6 +176,22 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
         out = ragged_fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     else:
         out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def dense_kernel_forward(module, query, key: DenseKV, attention_mask, *args, **kwargs):
+    """A kernel-attended dense baseline's call: a prefill with no history runs the model's own attention on the
+    upcast rows (exactly the upcast baseline's); every other call is one native kernel call over the 16-bit rows as
+    stored, counted on the layer (``native_calls``)."""
+    if key.keys.shape[2] == query.shape[2]:
+        dt = query.dtype
+        return _previous_forward(module)(module, query, key.keys.to(dt), key.values.to(dt), attention_mask, *args,
+                                         **kwargs)
+    from tqbench.engine.cache.fused.native_glue import native_dense_attention
+
+    out = native_dense_attention(query, key.keys, key.values, attention_mask, _scaling(query, args, kwargs),
+                                 softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux", kwargs.get("sinks")))
+    key.layer.native_calls += 1
     return out.transpose(1, 2).contiguous(), None
 
 

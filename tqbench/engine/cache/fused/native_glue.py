@@ -11,7 +11,9 @@ same kernel call as a store whose sequences read the layer's query rows (``merge
 tier's packed codes where they are, and merges its softmax partials with the held rows' (one softmax over
 ``[tier | held | new]``, exact; no dense copy of the tier, no second call). The call's mask is split the same way.
 Both return a string saying why when a call cannot run natively (a codec without a packed form, a per-head or
-additive mask); the caller then runs the torch reference and counts the fallback.
+additive mask); the caller then runs the torch reference and counts the fallback. ``native_dense_attention`` is
+the kernel-attended dense baselines' call (``cache.dense_kernel``): one dense side per K and V, their 16-bit rows
+as stored.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tqbench.engine.cache.fused.groups import group_label_of, group_stores, is_p
 from tqbench.engine.cache.fused.layout import kernel_sides, store_side
 from tqbench.engine.cache.fused.masks import bool_mask
 from tqbench.engine.codecs.heads import HeadSplitCodec
-from tqbench.kernels.cpu.attention import dense_chunks, native_attention_batch, refresh_side
+from tqbench.kernels.cpu.attention import dense_chunks, dense_side, native_attention_batch, refresh_side
 
 
 def _record(layer, call, seq: slice) -> None:
@@ -242,4 +244,19 @@ def _attend(query, kvs, masks, scaling, softcap, sinks, sparse_v, padded: bool):
                                        merge_into=into)
     for i, kv in enumerate(kvs):
         _record(kv.layer, call, slice(None) if padded else slice(i, i + 1))
+    return out
+
+
+def native_dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attention_mask,
+                           scaling: float, *, softcap=None, sinks=None) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, L, D] over a dense baseline's rows ``keys`` / ``values`` [B, Hkv, rows, D] as
+    stored (16-bit: read by the kernel, never upcast here): one kernel call. A mask the kernel cannot take is
+    refused (``RuntimeError`` saying why): the baseline has no other attention to fall back to silently."""
+    mask = bool_mask(attention_mask, query.shape[2], keys.shape[2])
+    if isinstance(mask, str):
+        raise RuntimeError(f"the kernel-attended dense baseline cannot take {mask}: use dense-fp16 or dense-bf16 "
+                           "(the model's attention on the upcast rows)")
+    out, _ = native_attention_batch(query, [dense_side([keys], keys.shape[-1])],
+                                    [dense_side([values], values.shape[-1])], scaling, masks=[mask],
+                                    softcap=softcap, sinks=sinks)
     return out
