@@ -130,9 +130,9 @@ class CompareTasks(Vertical):
 
     @on(_Event)
     def _event(self, msg: _Event) -> None:
-        from tqbench.engine.events import Progress
-
         from textual.widgets import ProgressBar
+
+        from tqbench.engine.events import Progress
 
         pol, ev = msg.event
         if isinstance(ev, Progress):
