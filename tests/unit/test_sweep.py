@@ -70,7 +70,7 @@ BASE = {"models": ["tiny"], "policies": ["turbo4"], "texts": [{"name": "a", "pro
     ({"policies": ["fp16"]}, "policies[0] ('fp16') is the baseline"),
     ({"policies": [{"allocate": {"bits": 3.0}}]}, "policies[0]: an `allocate` budget needs the `tqbench allocate`"),
     ({"policies": [{"file": "nope.toml"}]}, "policies[0].file:"),
-    ({"texts": [{"name": "a"}]}, "texts[0] must have exactly one of prompt, prompt_file, corpus, niah (it has none)"),
+    ({"texts": [{"name": "a"}]}, "texts[0] must have exactly one of prompt, prompt_file, corpus, niah, tasks (it has none)"),
     ({"texts": [{"name": "a", "corpus": "moon"}]}, "texts[0].corpus = 'moon' is unknown: shipped texts are"),
     ({"texts": [{"name": "a", "niah": {"length": 256, "depth": 1.5}}]}, "texts[0].niah.depth = 1.5 is invalid"),
     ({"texts": [{"name": "a", "prompt": "x"}, {"name": "a", "prompt": "y"}]}, "texts[1].name = 'a' is used twice"),

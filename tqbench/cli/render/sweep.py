@@ -16,6 +16,8 @@ COLUMNS = (
     ("saved", "memory_saved_pct", "pct"), ("verdict", "verdict", None), ("token match", "token_match_ratio", ".3f"),
     ("KL (greedy)", "kl_mean", ".5f"), ("TF KL", "tf_kl_mean", ".5f"), ("TF top-1", "tf_top1_agreement", ".3f"),
     ("TF ppl ratio", "tf_ppl_ratio", ".4f"), ("NIAH recall", "niah_recall", ".2f"),
+    ("tasks score", "tasks_score", ".1f"), ("tasks delta", "tasks_delta", "+.1f"),
+    ("tasks compression", "tasks_compression_ratio", ".3f"),
     ("speed ratio", "throughput_ratio", ".2f"), ("frontier", "frontier", None), ("failed", "failed_cells", "d"),
 )
 
@@ -101,6 +103,12 @@ def sweep_md(report, where: str) -> str:
         for r in m["rows"]:
             lines.append("| " + " | ".join(_cell(r, key, fmt, False) for _, key, fmt in cols) + " |")
         lines += ["", f"- {rec_line(m, report.baseline)}", ""]
+    overall = [r for r in report.leaderboard if r["task"] == "overall"]
+    if overall:
+        lines += ["## Task suite (overall, in points)", "", "| dataset | model | method | compression_ratio | score |",
+                  "| --- | --- | --- | ---: | ---: |"]
+        lines += [f"| {r['dataset']} | {r['model']} | {r['method']} | {r['compression_ratio']:.3f} | "
+                  f"{r['score']:.1f} |" for r in overall] + [""]
     if report.failed:
         lines += ["## Failed cells", ""] + [f"- `{c['cell_id']}`: {c['error']['type']}: {c['error']['message']}"
                                             for c in report.failed] + [""]

@@ -38,6 +38,10 @@ class Cell:
             settings["teacher_forced"] = asdict(spec.teacher_forced)
         if "niah" in self.measure:
             settings["niah"] = asdict(spec.niah)
+        if "tasks" in self.measure:
+            from tqbench.engine.tasks import SUITE_VERSION
+
+            settings["tasks"] = {**asdict(spec.tasks), "suite_version": SUITE_VERSION}
         if "bytes" in self.measure:
             settings["bytes_tokens"] = list(spec.bytes_tokens)
         return {

@@ -6,11 +6,14 @@
 - ``teacher_forced`` (prompt and corpus texts): ``validate.quality.teacher_forced`` against the dense
   baseline's log-probabilities: KL, top-1 agreement, both perplexities, report bytes.
 - ``niah``: ``validate.niah``'s haystack, answer and score, for the candidate and the baseline.
+- ``tasks``: the long-context task suite (``engine.tasks``): ``prepare_suite`` once per text (the samples and the
+  baseline's answers, from the suite's on-disk cache where it holds them), ``score_candidate`` per cell; the result
+  is the suite's own (per task and overall, and its (dataset, model, method, compression_ratio, score) rows).
 - ``bytes``: the cache report's packed bytes where a run measured them, plus ``estimate_kv`` (exact bytes
   from the model's geometry, all metadata included) at each ``[bytes] tokens`` length.
 
-A ``CellRunner`` keeps each text's baseline (greedy run, teacher-forced log-probs, NIAH answer) for the
-cells after it, so a shard computes each baseline once. Every step checks ``cancel``.
+A ``CellRunner`` keeps each text's baseline (greedy run, teacher-forced log-probs, NIAH answer, the suite's
+answers) for the cells after it, and nothing per cell, so a shard computes each baseline once. Every step checks ``cancel``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class CellRunner:
         self._greedy: dict[str, tuple] = {}
         self._tf: dict[str, tuple] = {}
         self._niah: dict[str, tuple] = {}
+        self._tasks: dict[str, object] = {}  # text name -> engine.tasks.SuiteBaseline
 
     # ---- baselines, once per text -------------------------------------------------------------------
     def _kw(self) -> dict:
@@ -88,6 +92,17 @@ class CellRunner:
                                  s.max_new_tokens, self.cancel)
             self._niah[t.name] = (ids, phrase, answer)
         return self._niah[t.name]
+
+    def tasks_baseline(self, cell: Cell):
+        from tqbench.engine.tasks import prepare_suite
+
+        t = cell.text
+        if t.name not in self._tasks:
+            self._tasks[t.name] = prepare_suite(
+                self.engine, t.tasks_context, tasks=list(t.tasks_names) if t.tasks_names else None,
+                samples=t.tasks_samples, baseline=self.spec.baseline.policy, cache_mode=self.spec.cache_mode,
+                seed=self.spec.tasks.seed, cache=self.spec.tasks.cache, cancel=self.cancel)
+        return self._tasks[t.name]
 
     # ---- one cell ---------------------------------------------------------------------------------
     def run(self, cell: Cell) -> CellOutput:
@@ -155,6 +170,11 @@ class CellRunner:
                                    "recalled": recalled, "score": score, "baseline_answer": base_answer,
                                    "baseline_recalled": b_recalled, "baseline_score": b_score}
             measured_tokens = measured_tokens or int(ids.shape[1])
+        if "tasks" in cell.measure:
+            from tqbench.engine.tasks import score_candidate
+
+            res = score_candidate(self.engine, self.tasks_baseline(cell), pol, cancel=self.cancel)
+            out.results["tasks"] = res.to_dict()
         if "bytes" in cell.measure:
             geo = self.engine.geometry
             est = [estimate_kv(pol, geo, n).to_dict() for n in self.spec.bytes_tokens]

@@ -51,17 +51,19 @@ class SweepReport:
     models: list[dict] = field(default_factory=list)  # {model, rows, recommendation, failed_policies}
     cells: list[dict] = field(default_factory=list)  # every cell document of the current spec
     missing: list[str] = field(default_factory=list)  # cell ids with no result (a cancelled or partial sweep)
+    leaderboard: list[dict] = field(default_factory=list)  # the task suite's rows, every cell's (``leaderboard``)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "baseline": self.baseline, "cache_mode": self.cache_mode,
                 "measure": self.measure, "max_new_tokens": self.max_new_tokens, "models": self.models, "cells": self.cells, "missing": self.missing,
+                "leaderboard": self.leaderboard,
                 "ranking": "rows by bits per element (estimate at the first [bytes] length, else measured); frontier = no policy with <= bits and <= quality "
                            "loss (teacher-forced KL, else greedy KL), one strictly"}
 
     @classmethod
     def from_dict(cls, d: dict) -> SweepReport:
         return cls(d["name"], d["baseline"], d["cache_mode"], list(d["measure"]), d.get("max_new_tokens", 32),
-                   list(d["models"]), list(d["cells"]), list(d.get("missing", [])))
+                   list(d["models"]), list(d["cells"]), list(d.get("missing", [])), list(d.get("leaderboard", [])))
 
     @property
     def failed(self) -> list[dict]:
@@ -115,6 +117,9 @@ def _row(policy: str, policy_string: str, cells: list[dict]) -> dict:
     v = [x for x in v if x]
     tf = [x for x in (_get(c, "results", "teacher_forced") for c in ok) if x]
     nh = [x for x in (_get(c, "results", "niah") for c in ok) if x]
+    ts = [x["overall"] for x in (_get(c, "results", "tasks") for c in ok) if x]
+    tcr = [r["compression_ratio"] for x in (_get(c, "results", "tasks") for c in ok) if x
+           for r in x["leaderboard"] if r["task"] == "overall" and r["method"] == x["candidate"]]
     measured = [x for x in (_get(c, "results", "bytes", "measured") for c in ok) if x]
     est = [x for x in (_get(c, "results", "bytes", "estimates") for c in ok) if x]
     row = {
@@ -130,6 +135,10 @@ def _row(policy: str, policy_string: str, cells: list[dict]) -> dict:
         "tf_ppl_ratio": _mean([x["ppl_candidate"] / x["ppl_baseline"] for x in tf if x["ppl_baseline"]]),
         "niah_recall": _mean([float(x["recalled"]) for x in nh]),
         "niah_baseline_recall": _mean([float(x["baseline_recalled"]) for x in nh]),
+        "tasks_score": _mean([x["candidate_score"] for x in ts]),  # points, the mean over the policy's suites
+        "tasks_baseline_score": _mean([x["baseline_score"] for x in ts]),
+        "tasks_delta": _mean([x["delta"] for x in ts]),
+        "tasks_compression_ratio": _mean(tcr),
         "bits_per_element": _mean([x["bits_per_element"] for x in measured]),
         "memory_saved_pct": _mean([x["memory_saved_pct"] for x in measured]),
         "throughput_ratio": _mean([_get(c, "results", "speed", "throughput_ratio") for c in ok]),
@@ -157,12 +166,30 @@ def _frontier(rows: list[dict]) -> None:
             for o in rows)
 
 
+def leaderboard(cells: list[dict]) -> list[dict]:
+    """The task suite's (dataset, task, model, method, compression_ratio, score, samples) rows of every cell
+    (``engine.tasks.TasksResult.leaderboard``): each candidate's, and the baseline's once per (model, dataset)."""
+    rows, seen = [], set()
+    for c in cells:
+        t = _get(c, "results", "tasks")
+        if c["status"] != "ok" or not t:
+            continue
+        for r in t["leaderboard"]:
+            key = (r["model"], r["dataset"], r["task"], r["method"])
+            if r["method"] == t["baseline"] and key in seen:
+                continue
+            seen.add(key)
+            rows.append({**r, "cell_id": c["cell_id"]} if r["method"] == t["candidate"] else r)
+    return rows
+
+
 def build_report(spec, cells: list, docs: dict[str, dict]) -> SweepReport:
     """``cells``: the spec's expansion; ``docs``: cell id -> stored cell document (missing ids are reported)."""
     rep = SweepReport(spec.name, spec.baseline.label, spec.cache_mode, list(spec.measure),
                       spec.validate.max_new_tokens)
     rep.cells = [docs[c.cell_id] for c in cells if c.cell_id in docs]
     rep.missing = [c.cell_id for c in cells if c.cell_id not in docs]
+    rep.leaderboard = leaderboard(rep.cells)
     for model in spec.models:
         mine = [c for c in cells if c.model == model]
         rows = []

@@ -1,7 +1,9 @@
 """A sweep spec (TOML): models x policies x texts and the measurements to take on each cell.
 
 Parsed into frozen dataclasses, validated before any model loads; every error names the bad key (as
-``models[1].dtype``, ``policies[2]``, ``texts[0].niah.depth``) and says what to write instead. Torch-free apart
+``models[1].dtype``, ``policies[2]``, ``texts[0].niah.depth``, ``texts[1].tasks.context``) and says what to write
+instead. A ``tasks`` text is the long-context task suite (``engine.tasks``) at one context, scored by the
+``tasks`` measurement. Torch-free apart
 from policy parsing (which the engine does anyway). See the README's "Sweeps" section for the format.
 
 Policies are presets, compact strings or ``{file = "policy.toml"}`` tables (relative to the spec's folder).
@@ -23,11 +25,12 @@ MEASUREMENTS = {
     "teacher_forced": ("prompt", "corpus"),  # KL, perplexity, top-1 with both caches fed the same tokens
     "niah": ("niah",),  # needle-in-a-haystack recall, candidate and baseline
     "speed": ("prompt",),  # decode tokens/s of candidate and baseline (same process), their ratio
-    "bytes": ("prompt", "corpus", "niah"),  # cache-report bytes of the run + exact estimates at given lengths
+    "bytes": ("prompt", "corpus", "niah", "tasks"),  # cache-report bytes of the run + exact estimates at given lengths
+    "tasks": ("tasks",),  # the long-context task suite (engine.tasks): candidate and baseline scores per task
 }
-TEXT_KINDS = ("prompt", "corpus", "niah")
+TEXT_KINDS = ("prompt", "corpus", "niah", "tasks")
 _TOP_KEYS = {"name", "models", "policies", "texts", "measure", "baseline", "cache_mode", "chat", "threads",
-             "device", "dtype", "validate", "teacher_forced", "niah", "bytes", "ray"}
+             "device", "dtype", "validate", "teacher_forced", "niah", "tasks", "bytes", "ray"}
 
 
 class SpecError(ValueError):
@@ -72,14 +75,17 @@ class PolicyEntry:
 @dataclass(frozen=True)
 class TextEntry:
     name: str
-    kind: str  # prompt | corpus | niah
+    kind: str  # prompt | corpus | niah | tasks
     prompt: str | None = None
     corpus: str | None = None
     niah_length: int | None = None
     niah_depth: float | None = None
+    tasks_context: int | None = None  # the suite's context in tokens
+    tasks_samples: int | None = None  # samples per task
+    tasks_names: tuple[str, ...] | None = None  # None: the suite's default set
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,12 @@ class NiahSettings:
 
 
 @dataclass(frozen=True)
+class TasksSettings:
+    seed: int = 0
+    cache: bool = True  # reuse (and write) the baseline's answers in the on-disk cache of ``engine.tasks``
+
+
+@dataclass(frozen=True)
 class SweepSpec:
     name: str
     models: tuple[ModelEntry, ...]
@@ -115,6 +127,7 @@ class SweepSpec:
     validate: ValidateSettings = ValidateSettings()
     teacher_forced: TeacherForcedSettings = TeacherForcedSettings()
     niah: NiahSettings = NiahSettings()
+    tasks: TasksSettings = TasksSettings()
     bytes_tokens: tuple[int, ...] = (1024, 8192)
     shards_per_model: int = 0  # Ray: 0 = as many as the cluster has task slots
     source: str = ""  # the spec file (for the report)
@@ -129,7 +142,7 @@ class SweepSpec:
             "baseline": self.baseline.label, "cache_mode": self.cache_mode, "chat": self.chat,
             "threads": self.threads, "validate": asdict(self.validate),
             "teacher_forced": asdict(self.teacher_forced), "niah": asdict(self.niah),
-            "bytes": {"tokens": list(self.bytes_tokens)}, "ray": {"shards_per_model": self.shards_per_model},
+            "tasks": asdict(self.tasks), "bytes": {"tokens": list(self.bytes_tokens)}, "ray": {"shards_per_model": self.shards_per_model},
         }
 
 
@@ -241,11 +254,11 @@ def _texts(raw, base_dir: Path) -> tuple[TextEntry, ...]:
     out = []
     for i, t in enumerate(raw):
         key = f"texts[{i}]"
-        _want(t, dict, key, "a table with name and one of prompt, prompt_file, corpus, niah")
-        _unknown(t, {"name", "prompt", "prompt_file", "corpus", "niah"}, key)
-        kinds = [k for k in ("prompt", "prompt_file", "corpus", "niah") if k in t]
+        _want(t, dict, key, "a table with name and one of prompt, prompt_file, corpus, niah, tasks")
+        _unknown(t, {"name", "prompt", "prompt_file", "corpus", "niah", "tasks"}, key)
+        kinds = [k for k in ("prompt", "prompt_file", "corpus", "niah", "tasks") if k in t]
         if len(kinds) != 1:
-            raise SpecError(f"{key} must have exactly one of prompt, prompt_file, corpus, niah (it has "
+            raise SpecError(f"{key} must have exactly one of prompt, prompt_file, corpus, niah, tasks (it has "
                             f"{', '.join(kinds) or 'none'})")
         name = _want(t.get("name", f"text{i}"), str, f"{key}.name", "a string")
         kind = kinds[0]
@@ -268,6 +281,8 @@ def _texts(raw, base_dir: Path) -> tuple[TextEntry, ...]:
                 names = ", ".join(sorted(p.stem for p in CORPUS_DIR.glob("*.txt")))
                 raise SpecError(f"{key}.corpus = {c!r} is unknown: shipped texts are {names}")
             out.append(TextEntry(name, "corpus", corpus=c))
+        elif kind == "tasks":
+            out.append(_tasks_text(name, t["tasks"], f"{key}.tasks"))
         else:
             n = _want(t["niah"], dict, f"{key}.niah", "{length = 512, depth = 0.5}")
             _unknown(n, {"length", "depth"}, f"{key}.niah")
@@ -283,6 +298,32 @@ def _texts(raw, base_dir: Path) -> tuple[TextEntry, ...]:
         if names.index(n) != i:
             raise SpecError(f"texts[{i}].name = {out[i].name!r} is used twice: give each text its own name")
     return tuple(out)
+
+
+def _tasks_text(name: str, raw, key: str) -> TextEntry:
+    """``tasks = {context = 4096, samples = 3, names = ["niah_single"]}``: the suite's own rules
+    (``engine.tasks.check_tasks``; the model's context limit is checked once it has loaded)."""
+    from tqbench.engine.request import RequestError
+    from tqbench.engine.tasks import CONTEXTS, DEFAULT_SAMPLES, check_tasks
+
+    t = _want(raw, dict, key, f"{{context = {CONTEXTS[1]}, samples = {DEFAULT_SAMPLES}}} (names: optional)")
+    _unknown(t, {"context", "samples", "names"}, key)
+    if "context" not in t:
+        raise SpecError(f"{key} has no `context`: give the suite's context in tokens, e.g. "
+                        f"{{context = {CONTEXTS[1]}}}")
+    context = _want(t["context"], int, f"{key}.context", "a whole number of tokens, e.g. 4096")
+    samples = _want(t.get("samples", DEFAULT_SAMPLES), int, f"{key}.samples", "a whole number of samples per task")
+    names = t.get("names")
+    if names is not None:
+        _want(names, list, f"{key}.names", "a list of task names")
+        for i, n in enumerate(names):
+            _want(n, str, f"{key}.names[{i}]", "a task name")
+    try:
+        check_tasks(names, context, samples)
+    except RequestError as exc:
+        raise SpecError(exc.spelled(f"{key}.{'names' if exc.field == 'tasks' else exc.field}")) from None
+    return TextEntry(name, "tasks", tasks_context=context, tasks_samples=samples,
+                     tasks_names=tuple(names) if names is not None else None)
 
 
 def parse_spec(data: dict, base_dir: str | Path = ".", source: str = "") -> SweepSpec:
@@ -341,6 +382,10 @@ def parse_spec(data: dict, base_dir: str | Path = ".", source: str = "") -> Swee
     _unknown(nh, {"max_new_tokens", "seed"}, "niah")
     seed = _want(nh.get("seed", 0), int, "niah.seed", "a whole number")
     nhs = NiahSettings(_positive(nh, "max_new_tokens", "niah", 24), seed)
+    ts = _want(data.get("tasks", {}), dict, "tasks", "a [tasks] table")
+    _unknown(ts, {"seed", "cache"}, "tasks")
+    tss = TasksSettings(_want(ts.get("seed", 0), int, "tasks.seed", "a whole number"),
+                        _want(ts.get("cache", True), bool, "tasks.cache", "true or false"))
     by = _want(data.get("bytes", {}), dict, "bytes", "a [bytes] table")
     _unknown(by, {"tokens"}, "bytes")
     toks = _want(by.get("tokens", [1024, 8192]), list, "bytes.tokens", "a list of context lengths")
@@ -353,4 +398,4 @@ def parse_spec(data: dict, base_dir: str | Path = ".", source: str = "") -> Swee
     if shards < 0:
         raise SpecError(f"ray.shards_per_model = {shards} is invalid: give 0 (auto) or more")
     return SweepSpec(name, models, policies, texts, tuple(measure), baseline, cache_mode, chat, threads, val, tfs,
-                     nhs, tuple(toks), shards, source)
+                     nhs, tss, tuple(toks), shards, source)

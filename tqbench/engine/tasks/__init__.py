@@ -5,7 +5,9 @@ Torch-free to import (``suite`` loads on first use), so front ends check input b
 - ``spec``: the tasks (``TASKS``: niah_single, niah_multikey, niah_multivalue, variable_tracking, common_words,
   qa), RULER's string-match metrics, ``check_tasks`` (the input rules; torch-free)
 - ``generate``: the samples, each one chat-template prompt filled to the target context
-- ``suite``: ``run_tasks`` (baseline vs candidate, the baseline's answers cached), ``TasksResult``
+- ``suite``: ``run_tasks`` (baseline vs candidate, the baseline's answers cached), ``TasksResult``; its two halves
+  ``prepare_suite`` (samples + the baseline's answers: ``SuiteBaseline``) and ``score_candidate`` (one candidate
+  on a prepared suite), which a sweep uses to answer the baseline once for all its cells
 """
 
 from tqbench.engine.tasks.spec import (
@@ -20,7 +22,8 @@ from tqbench.engine.tasks.spec import (
     string_match_part,
 )
 
-_SUITE = ("TasksResult", "baseline_cache_dir", "build_samples", "run_tasks")  # torch: loaded on first use
+_SUITE = ("SuiteBaseline", "TasksResult", "baseline_cache_dir", "build_samples", "prepare_suite", "run_tasks",
+          "score_candidate")  # torch: loaded on first use
 
 
 def __getattr__(name: str):
@@ -36,12 +39,15 @@ __all__ = [
     "SUITE",
     "SUITE_VERSION",
     "TASKS",
+    "SuiteBaseline",
     "TaskSpec",
     "TasksResult",
     "baseline_cache_dir",
     "build_samples",
     "check_tasks",
+    "prepare_suite",
     "run_tasks",
+    "score_candidate",
     "string_match_all",
     "string_match_part",
 ]

@@ -3,7 +3,8 @@ answers (RULER's metrics, ``spec``) and the candidate against the baseline's own
 
 The baseline's answers are cached per (model fingerprint, dtype, device, baseline policy, cache mode, prompt ids,
 new tokens) in ``<tqbench cache>/tasks/`` (``models.resolve.cache_dir``): a second candidate on the same suite does
-not run the baseline again. The result carries rows of (dataset, model, method, compression_ratio, score) per
+not run the baseline again. ``run_tasks`` is ``prepare_suite`` (the samples and the baseline's answers) then
+``score_candidate`` (one candidate); a sweep prepares once per text and scores every cell on it. The result carries rows of (dataset, model, method, compression_ratio, score) per
 task and overall, as kvpress's leaderboard does; compression_ratio is kvpress's: the fraction of fp16 KV bytes
 the method does not store (0 = none, 0.75 = a quarter kept), from the cache report of each run.
 """
@@ -132,7 +133,7 @@ class BaselineCache:
         atomic_write(self.path, json.dumps(self.data).encode("utf-8"))
 
 
-# ---- running -------------------------------------------------------------------------------------------------
+# ---- running ------------------------------------------------------------------------------------------------
 def build_samples(engine, tasks: list[TaskSpec], context: int, samples: int, seed: int) -> list[Sample]:
     return [make_sample(engine, t, context, i, samples, seed) for t in tasks for i in range(samples)]
 
@@ -147,6 +148,88 @@ def _answer(engine, sample: Sample, task: TaskSpec, pol, cache_mode: str, cancel
     stored = int(rep.compressed_storage_bytes) if rep is not None else 0
     dense = int(rep.dense_fp16_bytes) if rep is not None else 0
     return Answer(res.text, task.score(res.text, sample.references), stored, dense)
+
+
+@dataclass
+class SuiteBaseline:
+    """The suite's samples at one context and the baseline's answer to each (``prepare_suite``): what every
+    candidate on this suite is scored beside. A sweep keeps one per text and scores each cell against it."""
+
+    context: int
+    seed: int
+    baseline: str  # the baseline policy's label
+    cache_mode: str
+    samples_per_task: int
+    tasks: list[str]
+    samples: list[Sample]
+    answers: list[Answer]
+    cached: int  # answers that came from the on-disk cache
+
+
+def prepare_suite(
+    engine,
+    context: int,
+    *,
+    tasks: list[str] | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    baseline="fp16",
+    cache_mode: str = "compressed",
+    seed: int = 0,
+    cache: bool = True,
+    cache_folder: Path | None = None,
+    on_event: OnEvent | None = None,
+    cancel: CancelFlag | None = None,
+    total: int | None = None,
+) -> SuiteBaseline:
+    """Build the samples and answer each with ``baseline`` (from the on-disk cache where it holds the answer,
+    unless ``cache`` is False). ``total``: the progress total to report against (default: these answers)."""
+    specs = check_tasks(tasks, context, samples, engine.max_context, engine.name)
+    base_pol = engine.check_policy(baseline)
+    store = BaselineCache((cache_folder or baseline_cache_dir()) if cache else None, engine.loaded.fingerprint)
+    emit(on_event, Progress("tasks", 0, None, f"building {len(specs) * samples} samples at {context} tokens"))
+    built = build_samples(engine, specs, context, samples, seed)
+    total = len(built) if total is None else total
+    answers, cached = [], 0
+    for done, s in enumerate(built):
+        task = TASKS[s.task]
+        key = _sample_key(engine, base_pol.label, cache_mode, s, task.max_new_tokens)
+        hit = store.get(key)
+        if hit is not None:
+            answers.append(Answer(hit["text"], task.score(hit["text"], s.references), hit["stored_bytes"],
+                                  hit["fp16_bytes"]))
+            cached += 1
+            continue
+        raise_if_cancelled(cancel, "tasks")
+        emit(on_event, Progress("tasks", done, total, f"{base_pol.label}: {s.task} #{s.index}"))
+        base = _answer(engine, s, task, base_pol, cache_mode, cancel)
+        store.put(key, {"text": base.text, "stored_bytes": base.stored_bytes, "fp16_bytes": base.fp16_bytes})
+        answers.append(base)
+    return SuiteBaseline(context, seed, base_pol.label, cache_mode, samples, [t.name for t in specs], built,
+                         answers, cached)
+
+
+def score_candidate(engine, suite: SuiteBaseline, candidate, *, on_event: OnEvent | None = None,
+                    cancel: CancelFlag | None = None, done: int = 0, total: int | None = None) -> TasksResult:
+    """``candidate``'s answers on ``suite``'s samples, scored beside the baseline's. ``done``/``total``: where the
+    progress count starts and what it counts to (default: these answers)."""
+    cand_pol = engine.check_policy(candidate)
+    total = done + len(suite.samples) if total is None else total
+    result = TasksResult(engine.name, suite.context, suite.seed, suite.baseline, cand_pol.label, suite.cache_mode,
+                         suite.samples_per_task, list(suite.tasks), baseline_cached=suite.cached)
+    for s, base in zip(suite.samples, suite.answers):
+        task = TASKS[s.task]
+        raise_if_cancelled(cancel, "tasks")
+        emit(on_event, Progress("tasks", done, total, f"{cand_pol.label}: {s.task} #{s.index}"))
+        cand = _answer(engine, s, task, cand_pol, suite.cache_mode, cancel)
+        done += 1
+        result.samples.append({
+            "task": s.task, "index": s.index, "prompt_tokens": s.prompt_tokens, "references": list(s.references),
+            "baseline_answer": base.text, "candidate_answer": cand.text, "baseline_score": base.score,
+            "candidate_score": cand.score, "agree": cand.text.strip() == base.text.strip(),
+            "baseline_compression_ratio": base.compression_ratio,
+            "candidate_compression_ratio": cand.compression_ratio})
+    emit(on_event, Progress("tasks", done, total, "done"))
+    return result
 
 
 def run_tasks(
@@ -164,38 +247,11 @@ def run_tasks(
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
 ) -> TasksResult:
-    """The suite at ``context`` tokens: baseline (cached unless ``cache`` is False) and ``candidate`` on every sample.
-    Raises ``Cancelled`` when ``cancel()`` turns true."""
-    specs = check_tasks(tasks, context, samples, engine.max_context, engine.name)
-    base_pol, cand_pol = engine.check_policy(baseline), engine.check_policy(candidate)
-    store = BaselineCache((cache_folder or baseline_cache_dir()) if cache else None, engine.loaded.fingerprint)
-    emit(on_event, Progress("tasks", 0, None, f"building {len(specs) * samples} samples at {context} tokens"))
-    built = build_samples(engine, specs, context, samples, seed)
-    result = TasksResult(engine.name, context, seed, base_pol.label, cand_pol.label, cache_mode, samples,
-                         [t.name for t in specs])
-    total, done = 2 * len(built), 0
-    for s in built:
-        task = TASKS[s.task]
-        key = _sample_key(engine, base_pol.label, cache_mode, s, task.max_new_tokens)
-        hit = store.get(key)
-        if hit is not None:
-            base = Answer(hit["text"], task.score(hit["text"], s.references), hit["stored_bytes"], hit["fp16_bytes"])
-            result.baseline_cached += 1
-        else:
-            raise_if_cancelled(cancel, "tasks")
-            emit(on_event, Progress("tasks", done, total, f"{base_pol.label}: {s.task} #{s.index}"))
-            base = _answer(engine, s, task, base_pol, cache_mode, cancel)
-            store.put(key, {"text": base.text, "stored_bytes": base.stored_bytes, "fp16_bytes": base.fp16_bytes})
-        done += 1
-        raise_if_cancelled(cancel, "tasks")
-        emit(on_event, Progress("tasks", done, total, f"{cand_pol.label}: {s.task} #{s.index}"))
-        cand = _answer(engine, s, task, cand_pol, cache_mode, cancel)
-        done += 1
-        result.samples.append({
-            "task": s.task, "index": s.index, "prompt_tokens": s.prompt_tokens, "references": list(s.references),
-            "baseline_answer": base.text, "candidate_answer": cand.text, "baseline_score": base.score,
-            "candidate_score": cand.score, "agree": cand.text.strip() == base.text.strip(),
-            "baseline_compression_ratio": base.compression_ratio,
-            "candidate_compression_ratio": cand.compression_ratio})
-    emit(on_event, Progress("tasks", done, total, "done"))
-    return result
+    """The suite at ``context`` tokens: baseline (cached unless ``cache`` is False) and ``candidate`` on every sample
+    (``prepare_suite``, then ``score_candidate``). Raises ``Cancelled`` when ``cancel()`` turns true."""
+    engine.check_policy(candidate)  # a bad candidate is refused before the baseline runs
+    n = len(check_tasks(tasks, context, samples, engine.max_context, engine.name)) * samples
+    suite = prepare_suite(engine, context, tasks=tasks, samples=samples, baseline=baseline, cache_mode=cache_mode,
+                          seed=seed, cache=cache, cache_folder=cache_folder, on_event=on_event, cancel=cancel,
+                          total=2 * n)
+    return score_candidate(engine, suite, candidate, on_event=on_event, cancel=cancel, done=n, total=2 * n)

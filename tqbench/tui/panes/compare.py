@@ -14,6 +14,7 @@ from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
 from tqbench.constants import COMPARE_PROMPTS
+from tqbench.tui.panes.compare_tasks import CompareTasks
 from tqbench.tui.panes.jobs import (
     cancel_job,
     engine_for_job,
@@ -78,6 +79,12 @@ class CompareTable(DataTable):
 
 
 class ComparePane(Vertical):
+    HELP_SCOPE = "Compare"
+    BINDINGS = [
+        Binding("ctrl+t", "tasks", "Task suite", tooltip="Run the long-context task suite on every listed policy "
+                "against the baseline (context, samples and tasks on the tasks row)", id="compare.tasks",
+                priority=True),
+    ]
     DEFAULT_CSS = """
     ComparePane { height: 1fr; }
     ComparePane .controls { height: 1; }
@@ -142,6 +149,7 @@ class ComparePane(Vertical):
             yield Select([(m, m) for m in ("compressed", "simulate", "dense-shadow", "fused")],
                          value=p.get("cache_mode", "compressed"), id="cmp-mode", compact=True, allow_blank=False)
             yield Button("Compare ^r", id="cmp-button", compact=True, variant="primary")
+        yield CompareTasks(id="cmp-tasks")
         yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")
         with Horizontal(id="cmp-progress"):
             yield ProgressBar(total=None, show_eta=False, id="cmp-bar")
@@ -194,6 +202,30 @@ class ComparePane(Vertical):
         self.query_one("#recommendation", Static).update("")
         self.query_one("#cmp-bar", ProgressBar).update(total=len(prompts) * (len(policies) + 1), progress=0)
         self._compare(engine, policies, prompts, baseline, mode, tokens)
+
+    def action_tasks(self) -> None:
+        """The long-context task suite on every listed policy (``compare_tasks``), against the baseline, in the
+        chosen cache mode."""
+        engine = engine_for_job(self, "comparison or task suite")
+        if engine is None:
+            return
+        try:
+            policies = _policy_list(self.query_one("#cmp-policies", Input).value)
+            if not policies:
+                raise ValueError("no policies to run the tasks on: list them in the policies field, ';' between them")
+            baseline = self.query_one("#cmp-baseline", Input).value.strip() or "fp16"
+            for pol in (baseline, *policies):
+                engine.check_policy(pol)
+        except ValueError as exc:
+            self.app.notify(str(exc).splitlines()[0], title="cannot run the tasks", severity="error")
+            return
+        mode = str(self.query_one("#cmp-mode", Select).value)
+        self._cancel.clear()
+        if self.query_one(CompareTasks).start(engine, policies, baseline, mode, self._cancel.is_set):
+            notify_policy_warnings(self.app, engine, baseline, *policies)
+            self.running = True
+            self.status = "tasks"
+            self.query_one("#cmp-bar", ProgressBar).update(total=None)
 
     @work(thread=True, exclusive=True, group="compare", exit_on_error=False)
     def _compare(self, engine, policies, prompts, baseline, mode, tokens) -> None:
