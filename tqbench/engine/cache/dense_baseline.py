@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from tqbench.constants import DENSE_BASELINES, KERNEL_BASELINES, dense_baseline_kv
+from tqbench.engine.cache.rows16 import Rows16
 
 __all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "bytes_policy", "check_dense_baseline",
            "dense_cache", "is_dense_baseline"]
@@ -48,31 +49,13 @@ def baseline_kv_dtype(name: str | None, model_dtype: torch.dtype) -> str:
     return dense_baseline_kv(name or "dense", _name(model_dtype))
 
 
-class _Rows16:
-    """Mixin for a ``DynamicLayer`` (or its sliding-window subclass): rows stored in ``kv_dtype``, returned upcast
-    to the dtype the model handed them in."""
-
-    kv_dtype: torch.dtype
-    compute_dtype: torch.dtype | None = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.compute_dtype = key_states.dtype
-        super().lazy_initialization(key_states.to(self.kv_dtype), value_states.to(self.kv_dtype))
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        keys, values = super().update(key_states.to(self.kv_dtype), value_states.to(self.kv_dtype), *args, **kwargs)
-        return keys.to(self.compute_dtype), values.to(self.compute_dtype)
-
-
-class Dense16Layer(_Rows16, DynamicLayer):
+class Dense16Layer(Rows16, DynamicLayer):
     def __init__(self, kv_dtype: torch.dtype, **kwargs) -> None:
         super().__init__(**kwargs)
         self.kv_dtype = kv_dtype
 
 
-class Dense16SlidingLayer(_Rows16, DynamicSlidingWindowLayer):
+class Dense16SlidingLayer(Rows16, DynamicSlidingWindowLayer):
     def __init__(self, kv_dtype: torch.dtype, sliding_window: int, **kwargs) -> None:
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.kv_dtype = kv_dtype

@@ -20,16 +20,16 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from tqbench.engine.cache.dense_baseline import _Rows16
 from tqbench.engine.cache.handles import DenseKV
+from tqbench.engine.cache.rows16 import Rows16
 
 __all__ = ["KV_BLOCK_ROWS", "DenseKernelCache", "check_kernel_baseline", "kernel_calls"]
 
 KV_BLOCK_ROWS = 1024  # a full-attention layer's row buffer grows by whole blocks of this many rows
 
 
-class _KernelRows(_Rows16):
-    """Rows stored in ``kv_dtype`` (``_Rows16``), handed to attention as stored (``DenseKV``), never upcast."""
+class _KernelRows(Rows16):
+    """Rows stored in ``kv_dtype`` (``Rows16``), handed to attention as stored (``DenseKV``), never upcast."""
 
     native_calls: int = 0
 
@@ -41,7 +41,7 @@ class _KernelRows(_Rows16):
         return kv, kv  # (the model unpacks a key and a value: both are the handle)
 
     def _store(self, k, v, *args, **kwargs):
-        return super(_Rows16, self).update(k, v, *args, **kwargs)
+        return super(Rows16, self).update(k, v, *args, **kwargs)
 
 
 def _append(view: torch.Tensor, buf: torch.Tensor | None, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ SUITE = "tqbench-ruler"
 #: bump when a prompt, a task's size or a metric changes: cached baseline answers of another version are not used
 SUITE_VERSION = 1
 CONTEXTS = (2048, 4096, 8192)
+CONTEXT_CHOICES = (1024, *CONTEXTS)  # what a front end offers (1024: a quick look, below the sized lengths)
 DEFAULT_SAMPLES = 3
 MAX_SAMPLES = 64
 

@@ -149,7 +149,7 @@ class ComparePane(Vertical):
             yield Select([(m, m) for m in ("compressed", "simulate", "dense-shadow", "fused")],
                          value=p.get("cache_mode", "compressed"), id="cmp-mode", compact=True, allow_blank=False)
             yield Button("Compare ^r", id="cmp-button", compact=True, variant="primary")
-        yield CompareTasks(id="cmp-tasks")
+        yield CompareTasks(self, id="cmp-tasks")
         yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")
         with Horizontal(id="cmp-progress"):
             yield ProgressBar(total=None, show_eta=False, id="cmp-bar")

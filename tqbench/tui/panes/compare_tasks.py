@@ -10,8 +10,8 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, Select
 
+from tqbench.engine.tasks.spec import CONTEXT_CHOICES
 from tqbench.tui.panes.jobs import run_engine_job
-from tqbench.tui.screens.tasks import CONTEXTS
 
 
 def task_columns(tasks: list[str]) -> list[tuple[str, str]]:
@@ -63,8 +63,9 @@ class CompareTasks(Vertical):
             super().__init__()
             self.error, self.cancelled = error, cancelled
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, pane, **kwargs) -> None:
         super().__init__(**kwargs)
+        self._pane = pane  # the ComparePane that composed this row (its policies, baseline and status)
         self.running = False
         self.results: list = []
 
@@ -73,7 +74,7 @@ class CompareTasks(Vertical):
 
         with Horizontal(classes="controls"):
             yield Label("tasks at")
-            yield Select([(str(c), c) for c in CONTEXTS], value=2048, id="cmp-tasks-context", compact=True,
+            yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=2048, id="cmp-tasks-context", compact=True,
                          allow_blank=False, tooltip="the long-context task suite's context in tokens")
             yield Label("samples")
             yield Input(str(DEFAULT_SAMPLES), id="cmp-tasks-samples", compact=True, type="integer")
@@ -88,9 +89,7 @@ class CompareTasks(Vertical):
         self.parent_pane().action_tasks()
 
     def parent_pane(self):
-        from tqbench.tui.panes.compare import ComparePane
-
-        return next(a for a in self.ancestors if isinstance(a, ComparePane))
+        return self._pane
 
     def start(self, engine, policies: list[str], baseline: str, mode: str, cancel) -> bool:
         """Check the fields (a toast says what is wrong) and run the suite on ``policies``; False if it did not start."""

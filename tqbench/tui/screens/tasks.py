@@ -13,9 +13,9 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Select
 
+from tqbench.engine.tasks.spec import CONTEXT_CHOICES
 from tqbench.tui.panes.jobs import run_engine_job
 
-CONTEXTS = (1024, 2048, 4096, 8192)
 COLUMNS = ("task", "samples", "chance", "baseline", "candidate", "agreement", "delta")
 
 
@@ -67,7 +67,7 @@ class TasksScreen(ModalScreen):
                 yield Label("candidate")
                 yield Input(self.candidate, id="tasks-candidate", compact=True)
                 yield Label("context")
-                yield Select([(str(c), c) for c in CONTEXTS], value=2048, id="tasks-context", compact=True,
+                yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=2048, id="tasks-context", compact=True,
                              allow_blank=False)
                 yield Label("samples")
                 yield Input("2", id="tasks-samples", compact=True, type="integer")

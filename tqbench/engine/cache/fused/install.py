@@ -173,7 +173,8 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     if ragged:
         from tqbench.engine.cache.fused.ragged_heads import ragged_fused_attention
 
-        out = ragged_fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
+        out = ragged_fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks, one=_fused_one,
+                                     count=_count)
     else:
         out = fused_attention(query, key, mask, scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None

@@ -68,17 +68,19 @@ def _native(query, kv, attention_mask, scaling, softcap):
     return out.reshape(len(heads), b, n_rep, seq, dv).transpose(0, 1).reshape(b, hq, seq, dv)
 
 
-def ragged_fused_attention(query, kv, attention_mask, scaling: float, *, softcap=None, sinks=None) -> torch.Tensor:
-    """Attention of ``query`` ``[B, Hq, L, D]`` over each KV head's own rows plus the call's (``kv.ragged``)."""
+def ragged_fused_attention(query, kv, attention_mask, scaling: float, *, softcap=None, sinks=None, one, count
+                           ) -> torch.Tensor:
+    """Attention of ``query`` ``[B, Hq, L, D]`` over each KV head's own rows plus the call's (``kv.ragged``).
+    ``one`` attends one store (``install._fused_one``: a KV head, off the native call) and ``count`` records
+    which implementation ran (``install._count``); the caller hands both, so this module needs no import of it."""
     from tqbench.engine.cache.fused.choose import NATIVE, choose_impl
-    from tqbench.engine.cache.fused.install import _count, _fused_one
 
     layer = kv.layer
     if choose_impl(query)[0] == NATIVE:
         why = "sink logits differ per query head (one call hands each KV head's query heads as one sequence)" \
             if sinks is not None else _native(query, kv, attention_mask, scaling, softcap)
         if not isinstance(why, str):
-            _count(layer, NATIVE, None)
+            count(layer, NATIVE, None)
             return why
         layer.note_fallback(f"native: {why}: the layer's KV heads (heads=ada) ran one call each")
     heads = kv.ragged
@@ -87,7 +89,7 @@ def ragged_fused_attention(query, kv, attention_mask, scaling: float, *, softcap
     out = None
     for h, kv_h in enumerate(heads):
         qi = slice(h * n_rep, (h + 1) * n_rep)
-        o = _fused_one(query[:, qi], kv_h, head_mask(attention_mask, kv_h.k_store_tokens, span), scaling, softcap,
+        o = one(query[:, qi], kv_h, head_mask(attention_mask, kv_h.k_store_tokens, span), scaling, softcap,
                        None if sinks is None else sinks[qi], f"kv head {h} (heads=ada)")
         if out is None:
             out = o.new_empty(query.shape[0], query.shape[1], *o.shape[2:])
