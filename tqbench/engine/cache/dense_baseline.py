@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from tqbench.constants import DENSE_BASELINES, KERNEL_BASELINES, dense_baseline_kv
-from tqbench.engine.cache.rows16 import Rows16
+from tqbench.engine.cache.rows16 import Rows16, swap_layers
 
 __all__ = ["DENSE_BASELINES", "Dense16Cache", "baseline_kv_dtype", "bytes_policy", "check_dense_baseline",
            "dense_cache", "is_dense_baseline"]
@@ -67,14 +67,7 @@ class Dense16Cache(DynamicCache):
     def __init__(self, config, kv_dtype: torch.dtype) -> None:
         super().__init__(config=config)
         self.kv_dtype = kv_dtype
-        for i, layer in enumerate(self.layers):
-            if type(layer) is DynamicLayer:
-                self.layers[i] = Dense16Layer(kv_dtype)
-            elif type(layer) is DynamicSlidingWindowLayer:
-                self.layers[i] = Dense16SlidingLayer(kv_dtype, layer.sliding_window)
-            else:
-                raise ValueError(f"a {kv_dtype} dense baseline cannot hold a {type(layer).__name__} layer "
-                                 "(only full and sliding-window attention layers); use the dense baseline")
+        swap_layers(self, kv_dtype, Dense16Layer, Dense16SlidingLayer, f"a {kv_dtype} dense baseline")
 
 
 def bytes_policy(name: str | None, model_dtype: torch.dtype) -> str:

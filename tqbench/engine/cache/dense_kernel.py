@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from tqbench.engine.cache.handles import DenseKV
-from tqbench.engine.cache.rows16 import Rows16
+from tqbench.engine.cache.rows16 import Rows16, swap_layers
 
 __all__ = ["KV_BLOCK_ROWS", "DenseKernelCache", "check_kernel_baseline", "kernel_calls"]
 
@@ -93,14 +93,8 @@ class DenseKernelCache(DynamicCache):
     def __init__(self, config, kv_dtype: torch.dtype) -> None:
         super().__init__(config=config)
         self.kv_dtype = kv_dtype
-        for i, layer in enumerate(self.layers):
-            if type(layer) is DynamicLayer:
-                self.layers[i] = DenseKernelLayer(kv_dtype)
-            elif type(layer) is DynamicSlidingWindowLayer:
-                self.layers[i] = DenseKernelSlidingLayer(kv_dtype, layer.sliding_window)
-            else:
-                raise ValueError(f"a kernel-attended {kv_dtype} dense baseline cannot hold a {type(layer).__name__} "
-                                 "layer (only full and sliding-window attention layers); use the dense baseline")
+        swap_layers(self, kv_dtype, DenseKernelLayer, DenseKernelSlidingLayer,
+                    f"a kernel-attended {kv_dtype} dense baseline")
 
 
 def kernel_calls(cache) -> int | None:
