@@ -79,4 +79,5 @@ def test_fused_package_imports_one_way_and_loads_no_triton_glue():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(sorted(f"tqbench.engine.cache.fused{m}" for m in
-                                            ("", ".batch_kv", ".choose", ".groups", ".install", ".layout", ".support", ".torch_ref")))
+                                            ("", ".batch_kv", ".choose", ".groups", ".install", ".layout", ".masks", ".support",
+                                             ".torch_ref")))

@@ -150,7 +150,7 @@ def _mutations():
         ("mu", "dtype", dtype("mu", torch.float32), "must be Half"),
         ("dense", "D", lambda s: setattr(s, "dense", [torch.zeros(*s.dense[0].shape[:-1], 63, dtype=torch.float64)]),
          "values per row"),
-        ("dense", "dtype", lambda s: setattr(s, "dense", [s.dense[0].float()]), "must be Double"),
+        ("dense", "dtype", lambda s: setattr(s, "dense", [s.dense[0].float()]), "must be float64 \\(the query.s dtype\\), float16 or bfloat16"),
         ("dense", "batch", lambda s: setattr(s, "dense", [s.dense[0].expand(2, -1, -1, -1)]), "batch"),
         ("dense", "stride", lambda s: setattr(s, "dense", [s.dense[0].transpose(2, 3)]), "values per row"),
         ("n_packed", "+1", lambda s: setattr(s, "n_packed", s.n_packed + 1), "expected 73"),

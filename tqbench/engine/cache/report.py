@@ -157,5 +157,7 @@ class CacheReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["layers"] = [asdict(r) | {"total_bytes": r.total_bytes} for r in self.layers]
+        # as JSON reads it back (a tuple is a list there), so a saved and reloaded report compares equal
+        d["layers"] = [asdict(r) | {"total_bytes": r.total_bytes, "head_tokens": list(r.head_tokens)}
+                       for r in self.layers]
         return d
