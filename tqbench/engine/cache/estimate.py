@@ -20,7 +20,7 @@ from tqbench.engine.cache.geometry import KVGeometry, ModelGeometry, fp16_row_by
 from tqbench.engine.cache.report import bits_vs_fp16
 from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
-from tqbench.engine.policy.keep import held_rows
+from tqbench.engine.policy.keep import head_keeps, held_rows
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
@@ -105,15 +105,18 @@ def store_parts(codec, sink: int, recent: int, tokens: int, batch: int, heads: i
                       _state_bytes(codec, batch, heads, head_dim), packed)
 
 
-def ragged_store_parts(codec, sink: int, recent: int, held: int, batch: int, heads: int, head_dim: int) -> StoreBytes:
-    """``StoreBytes`` of a ``heads=ada`` layer's K or V (``evict.ragged.RaggedStore``: one store per KV head, each
-    its own rows, ``heads * held`` in all): ``heads`` one-head stores of ``held`` rows. Exact for any split of the
-    rows between the heads: each head holds its sinks and at least its protected tail, so its full-precision rows
-    are the same in every head and its packed rows are its rows less those (codecs of one token per unit,
+def ragged_store_parts(codecs: list, sink: int, recent: int, held: list[int], batch: int, head_dim: int) -> StoreBytes:
+    """``StoreBytes`` of a ragged layer's K or V (``evict.ragged.RaggedStore``: one store per KV head, head ``h``'s
+    at its own codec ``codecs[h]`` holding its ``held[h]`` rows): the heads' one-head stores summed. Under
+    ``heads=ada`` ``held`` is the uniform share for every head, exact for any split of the rows between the heads:
+    each head holds its sinks and at least its protected tail, so its full-precision rows are the same in every
+    head and its packed rows are its rows less those (codecs of one token per unit,
     ``ragged.check_ragged_codec``); every head keeps a packed row whenever the uniform share does
-    (``keep.ada_floor_rows``), so each head's store holds its own codec state exactly when a uniform head would."""
-    one = store_parts(codec, sink, recent, held, batch, 1, head_dim)
-    return StoreBytes(one.full_precision * heads, one.packed * heads, one.state * heads, one.packed_tokens)
+    (``keep.ada_floor_rows``), so each head's store holds its own codec state exactly when a uniform head would.
+    ``packed_tokens``: the most any head packed."""
+    parts = [store_parts(c, sink, recent, n, batch, 1, head_dim) for c, n in zip(codecs, held)]
+    return StoreBytes(sum(p.full_precision for p in parts), sum(p.packed for p in parts),
+                      sum(p.state for p in parts), max((p.packed_tokens for p in parts), default=0))
 
 
 def store_bytes(codec, sink: int, recent: int, tokens: int, batch: int, heads: int, head_dim: int) -> tuple[int, int]:
@@ -152,30 +155,45 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             held = seq_len - window_start(seq_len, g.window_rows, align)
             fp16_held = g.window_held(seq_len)
         elif plan.evicts:  # token eviction (policy.keep): the rows each KV head still holds
-            held = held_rows(seq_len, prefill, plan.keep, plan.sink, pol.window, plan.recent, pol.every)
-        for (codec, _), dim in zip(codecs, (g.head_dim, g.v_dim)):
-            if plan.evicts and pol.heads == "ada":
-                parts = ragged_store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
+            keeps = head_keeps(plan.keep, g.kv_heads, plan.layer)
+            heads_held = [held_rows(seq_len, prefill, k, plan.sink, pol.window, plan.recent, pol.every) for k in keeps]
+            held = sum(heads_held) // g.kv_heads  # (ragged: the mean; heads=ada: every head's share)
+        ragged = pol.ragged(plan)
+        for (codec, _), role, dim in zip(codecs, ("k", "v"), (g.head_dim, g.v_dim)):
+            if ragged:  # one store per KV head, each at its head's own codec
+                heads = [pol.head_codec(plan, role, h) for h in range(g.kv_heads)]
+                parts = ragged_store_parts(heads, plan.sink, plan.recent, heads_held, batch, dim)
+                for c, n in zip(heads, heads_held):
+                    if store_parts(c, plan.sink, plan.recent, n, batch, 1, dim).packed_tokens:
+                        shared.update(c.shared_items(dim))
             else:
                 parts = store_parts(codec, plan.sink, plan.recent, held, batch, g.kv_heads, dim)
+                if parts.packed_tokens:
+                    shared.update(codec.shared_items(dim))
             total += parts.total
             state_total += parts.state
             fp_total += parts.full_precision
-            if parts.packed_tokens:
-                shared.update(codec.shared_items(dim))
         if plan.evicts:  # the held rows' positions (and h2o's mass)
-            extra = bookkeeping_bytes(pol.score, batch, g.kv_heads, held)
+            extra = sum(bookkeeping_bytes(pol.score, batch, 1, n) for n in heads_held)
             total += extra
             state_total += extra
         if plan.evicts and pol.demote:  # the evicted rows at the demote codec (no sinks, no recent rows)
             for role, dim in (("k", g.head_dim), ("v", g.v_dim)):
-                codec = pol.build_codec(pol.demote, role, layer=plan.layer)
-                parts = store_parts(codec, 0, 0, seq_len - held, batch, g.kv_heads, dim)
+                if ragged:  # each head's evicted rows in its own store, at the codec built for that head
+                    heads = [pol.build_codec(pol.demote, role, layer=plan.layer, heads=(h,)) for h in range(g.kv_heads)]
+                    gone = [seq_len - n for n in heads_held]
+                    parts = ragged_store_parts(heads, 0, 0, gone, batch, dim)
+                    for c, n in zip(heads, gone):
+                        if n:
+                            shared.update(c.shared_items(dim))
+                else:
+                    codec = pol.build_codec(pol.demote, role, layer=plan.layer)
+                    parts = store_parts(codec, 0, 0, seq_len - held, batch, g.kv_heads, dim)
+                    if parts.packed_tokens:
+                        shared.update(codec.shared_items(dim))
                 total += parts.total
                 state_total += parts.state
                 fp_total += parts.full_precision
-                if parts.packed_tokens:
-                    shared.update(codec.shared_items(dim))
         per_layer.append(total)
         dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())

@@ -83,8 +83,9 @@ class FusedKV(_Handle):
     #: token eviction: None, or whether this call ends at an eviction point (the attention function then hands
     #: the layer its queries: ``TQLayer.after_attention``)
     evict_point: bool | None = None
-    #: heads=ada: one ``FusedKV`` per KV head (its own store, its rows of this call), each its own row count
-    #: (``fused.ragged_heads``); the layer's ``k_parts``/``v_parts`` are then empty
+    #: a ragged layer (heads=ada, per-head keeps): one ``FusedKV`` per KV head (its own store, its rows of this
+    #: call, its own demote tier), each its own row count (``fused.ragged_heads``); the layer's
+    #: ``k_parts``/``v_parts`` are then empty
     ragged: list | None = None
     #: the demote tier (``policy.demote``): the evicted rows' K and V stores at the cheaper codec and their parts
     #: as of this call (``Tier``), attended before the held rows in the same softmax; None when there is none
@@ -101,8 +102,8 @@ class FusedKV(_Handle):
 
     @property
     def k_store_tokens(self) -> int:
-        if self.ragged is not None:  # the most rows a head holds
-            return max((kv.k_store_tokens for kv in self.ragged), default=0)
+        if self.ragged is not None:  # the most rows a head reads before the call's (its demote tier's, then held)
+            return max((kv.tier_rows + kv.k_store_tokens for kv in self.ragged), default=0)
         return sum(p[1] for p in self.k_parts)
 
     @property

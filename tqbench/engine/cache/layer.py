@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from tqbench.constants import CACHE_MODES
-from tqbench.engine.cache.evict.ragged import RaggedStore, check_ragged_codec
+from tqbench.engine.cache.evict.ragged import RaggedStore, check_ragged_codec, pad_rows
 from tqbench.engine.cache.evict.state import EVICT_NO_CROP, Evictor
 from tqbench.engine.cache.geometry import window_rows
 from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, Tier, snapshot
@@ -69,6 +69,7 @@ class TQLayer(CacheLayerMixin):
         self.record_past = False
         self.prefill_end: int | None = None
         self.verify_calls = 0  # calls in which a query read rows packed during the call quantized (``precision``)
+        self.kv_heads = kv_heads
         self._new_stores()
         self.fused_calls = 0
         self.fallbacks: dict[str, int] = {}
@@ -79,12 +80,16 @@ class TQLayer(CacheLayerMixin):
 
     def _new_stores(self) -> None:
         #: token eviction (``policy.keep``) on this layer, else None
-        self.evictor = Evictor(self.plan, self.policy, self.mode) if self.plan.evicts else None
-        if self.evictor is not None and self.evictor.ragged:  # heads=ada: one store per KV head, ragged rows
-            check_ragged_codec(self.k_codec, "k")
-            check_ragged_codec(self.v_codec, "v")
-            self.k_store = RaggedStore(self.k_codec, self.plan.sink, self.plan.recent)
-            self.v_store = RaggedStore(self.v_codec, self.plan.sink, self.plan.recent)
+        self.evictor = Evictor(self.plan, self.policy, self.mode, self.kv_heads) if self.plan.evicts else None
+        if self.evictor is not None and self.evictor.ragged:  # one store per KV head (its own codec), ragged rows
+            pol, plan = self.policy, self.plan
+            for h in range(self.kv_heads or 0):  # (checked here when the heads are known; else at the first rows)
+                for role in ("k", "v"):
+                    check_ragged_codec(pol.head_codec(plan, role, h), role)
+            self.k_store, self.v_store = (
+                RaggedStore(codec, plan.sink, plan.recent, role=role,
+                            head_codec=lambda h, role=role: pol.head_codec(plan, role, h))
+                for codec, role in ((self.k_codec, "k"), (self.v_codec, "v")))
         else:
             self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
             self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
@@ -94,7 +99,7 @@ class TQLayer(CacheLayerMixin):
 
     @property
     def ragged(self) -> bool:
-        """heads=ada: each KV head holds its own rows (``evict.ragged``)."""
+        """heads=ada or a per-head keep list: each KV head holds its own rows (``evict.ragged``)."""
         return self.evictor is not None and self.evictor.ragged
 
     @property
@@ -104,6 +109,7 @@ class TQLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
+        self.v_dim = value_states.shape[-1]
         self.keys = key_states.new_empty((0,))
         self.values = value_states.new_empty((0,))
         self.is_initialized = True
@@ -130,13 +136,14 @@ class TQLayer(CacheLayerMixin):
         mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
         if self.ragged and mode == "simulate":  # the same rows as compressed: a ragged layer keeps no dense buffer
             mode = "compressed"
-        lengths = (self.k_store.rows or None) if self.ragged else None  # (none before the first rows)
+        # (a ragged layer: the rows each head reads before the call's, demoted then held; none before the first rows)
+        lengths = (self.evictor.head_spans(self.k_store) or None) if self.ragged else None
         n0, t = self.cumulative_length, key_states.shape[2]
         # rows attention reads: the stored history (the last window - 1 on a sliding layer) + this call's
         visible = t + (n0 if self.window is None else min(n0, self.window))
         evictor, point = self.evictor, False
         if evictor is not None:  # the rows each head still holds; at an eviction point the stores pack after scoring
-            visible = t + self.k_store.n_tokens + evictor.n_demoted
+            visible = t + evictor.span(self.k_store)
             point = evictor.begin(n0, t, key_states.shape[0], key_states.shape[1], key_states.device)
             self.k_store.defer = self.v_store.defer = point
         points, first = self._points(t)
@@ -168,10 +175,14 @@ class TQLayer(CacheLayerMixin):
                 handle = PrecisionKV(torch.cat([base_k, ek], dim=2), torch.cat([base_v, ev], dim=2), visible,
                                      plan, self)
                 out = (handle, handle)
-        elif self.ragged:  # fused, heads=ada: each KV head its own store (one kernel call: fused.ragged_heads)
+        elif self.ragged:  # fused, ragged heads: each KV head its own store (one kernel call: fused.ragged_heads)
             views = [FusedKV(ks, vs, key_states[:, h : h + 1], value_states[:, h : h + 1], snapshot(ks),
                              snapshot(vs), self) for h, (ks, vs) in enumerate(zip(self.k_store.stores,
                                                                                   self.v_store.stores))]
+            if evictor.demoted:  # each head's demote tier, read before its held rows
+                for view, dk, dv in zip(views, *(d.stores for d in evictor.demoted)):
+                    if dk.n_tokens:
+                        view.tier = Tier(dk, dv, snapshot(dk), snapshot(dv))
             handle = FusedKV(self.k_store, self.v_store, key_states, value_states, (), (), self, ragged=views)
             self.k_store.append_points(key_states, points)
             self.v_store.append_points(value_states, points)
@@ -252,6 +263,12 @@ class TQLayer(CacheLayerMixin):
         return out
 
     def _with_history(self, store: KVStore, new: torch.Tensor, role: str) -> torch.Tensor:
+        if self.ragged:  # each head's demoted then held rows, first; padding up to the most any head reads
+            held = store.head_dense(new.dtype)
+            tier = self.evictor.demoted_heads(role, new.dtype, len(held))
+            rows = pad_rows([torch.cat([d, x], dim=2) if d is not None and x is not None else (x if d is None else d)
+                             for d, x in zip(tier, held)])
+            return new if rows is None else torch.cat([rows, new], dim=2)
         parts = [store.dense(new.dtype), new]
         if self.evictor is not None:  # demoted rows (policy.demote) first
             parts.insert(0, self.evictor.demoted_dense(role, new.dtype))
@@ -298,7 +315,7 @@ class TQLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.evictor is not None:  # the held rows, all before the call's (their own positions: any order)
-            held = self.k_store.n_tokens + self.evictor.n_demoted
+            held = self.evictor.span(self.k_store)
             return held + query_length, self.cumulative_length - held
         if self.window is not None:  # as transformers' DynamicSlidingWindowLayer: the last window - 1 rows
             return min(self.cumulative_length, self.window) + query_length, max(self.cumulative_length - self.window, 0)

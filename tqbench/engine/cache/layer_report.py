@@ -10,6 +10,7 @@ from tqbench.engine.cache.geometry import dense_fp16_bytes, fp16_row_bytes, wind
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, HeadSplitCodec, TurboCodec
+from tqbench.engine.policy.keep import fmt_keep
 from tqbench.engine.policy.spec import Policy
 
 __all__ = ["build_report", "fused_reference_peak_bytes"]
@@ -31,13 +32,12 @@ def build_report(cache) -> CacheReport:
                 for side, store, dim in ((kb, demoted[0], head_dim), (vb, demoted[1], v_head_dim)):
                     for key, n in store.bytes_breakdown().items():
                         side[key] += n
-                    if store.n_packed:
-                        shared.update(store.codec.shared_items(dim))
+                    shared.update(_shared_of(store, dim))
             if layer.evictor is not None:  # the held rows' positions (and h2o's mass): row metadata, K side
                 kb["state"] += layer.evictor.bookkeeping_bytes()
             tokens = layer.k_store.n_tokens  # rows held (a window-bounded store holds its window)
             head_tokens = tuple(layer.k_store.rows) if layer.ragged else ()
-            if head_tokens:  # heads=ada: each head its own rows; the mean is the layer's budget per head
+            if head_tokens:  # a ragged layer: each head its own rows; the mean is the layer's budget per head
                 tokens = sum(head_tokens) // len(head_tokens)
             # the fp16 basis holds what transformers' cache would: a sliding layer's last window - 1 rows
             fp16_tokens = tokens if layer.window is None else min(layer.cumulative_length, layer.window)
@@ -46,8 +46,7 @@ def build_report(cache) -> CacheReport:
                 fp16_tokens = layer.cumulative_length
             batch = batch or _batch_of(layer)
             for store, dim in ((layer.k_store, head_dim), (layer.v_store, v_head_dim)):
-                if store.n_packed:
-                    shared.update(store.codec.shared_items(dim))
+                shared.update(_shared_of(store, dim))
             rows.append(LayerBytes(
                 layer=plan.layer, k_codec=plan.k, v_codec=plan.v, tokens=tokens,
                 k_bytes=sum(kb.values()), v_bytes=sum(vb.values()),
@@ -119,11 +118,16 @@ def build_report(cache) -> CacheReport:
         dec = sum(la.evictor.evicted_decode for la in evicting)
         pol = cache.policy
         rep.notes.append(
-            f"token eviction (keep={pol.keep}, score={pol.score}, window={pol.window}"
+            f"token eviction (keep={fmt_keep(pol.keep)}, score={pol.score}, window={pol.window}"
             + (f", every={pol.every}" if pol.every else "") + f"): {len(evicting)} layers hold {held} of {seen} "
             f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding"
             + (f"; the evicted rows kept at {pol.demote} (demote)" if pol.demote else "") + "); sinks and the "
             "last max(window, recent) rows are never evicted")
+        if any(la.ragged and la.policy.heads != "ada" for la in evicting):
+            rep.notes.append(
+                "per-head keep lists: each KV head of those layers keeps its own fraction, in its own store "
+                "(head_tokens per layer; tokens is their mean); compressed and simulate read the same rows (no "
+                "dense simulate buffer for a ragged layer)")
         if pol.heads == "ada":
             rep.notes.append(
                 f"heads=ada (AdaKV, ada_floor={pol.ada_floor}): each layer's KV heads share its kept rows by their "
@@ -141,6 +145,13 @@ def build_report(cache) -> CacheReport:
             "their own precision (extra key columns, transient; nothing extra is stored)"
         )
     return rep
+
+
+def _shared_of(store, dim: int) -> dict[str, int]:
+    """The shared objects (rotations, codebooks) a store that packed rows uses (a ragged store: its heads')."""
+    if getattr(store, "ragged", False):
+        return store.shared_items(dim)
+    return store.codec.shared_items(dim) if store.n_packed else {}
 
 
 def _sparse_v_summary(policy: Policy, rows: list[int]) -> dict | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from tqbench.engine.codecs import codec_from_spec
 from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, canonical_engine
 from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.keep import fmt_keep
 from tqbench.engine.policy.spec import DENSE_SPECS, Policy
 
 __all__ = ["ENGINE_LABELS", "EngineSetting", "map_policy"]
@@ -191,7 +192,7 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
         unmapped.append(f"sink={pol.sink} / recent={pol.recent} full-precision tokens: {label} stores every "
                         "token in its cache type")
     if pol.evicts:
-        unmapped.append(f"token eviction (keep={pol.keep}, score={pol.score}"
+        unmapped.append(f"token eviction (keep={fmt_keep(pol.keep)}, score={pol.score}"
                         + (f", demote={pol.demote}" if pol.demote else "") + f"): {label}'s KV cache type keeps every "
                         "token; the mapped setting evicts nothing (its cache holds every row)")
     if any(p.dense_window for p in plan):

@@ -1,5 +1,5 @@
 """Token eviction's policy values: ``keep`` (a fraction of the evictable rows, or a whole number of rows per KV
-head), ``score`` (how rows are ranked), ``window`` (the observation window of last queries) and ``every``
+head, or one fraction per KV head ``F0|F1|...``: a per-head keep list), ``score`` (how rows are ranked), ``window`` (the observation window of last queries) and ``every``
 (decode-time re-eviction period). The one rule for how many rows a layer holds is ``kept_rows``; the store
 (``cache.evict``) and the byte estimate both call it."""
 
@@ -16,11 +16,19 @@ NO_EVICTION = 1.0
 HEAD_BUDGETS = ("uniform", "ada")
 ADA_FLOOR = 0.2  # kvpress AdaKVPress's alpha_safeguard default
 
-_KEEP_HELP = "use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5) or a whole number of rows per KV head (e.g. 1024)"
+_KEEP_HELP = ("use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5), a whole number of rows per KV head "
+              "(e.g. 1024), or one fraction per KV head (e.g. 0.5|1|0.25)")
+#: separates a per-head keep list's entries (as a per-KV-head codec list's: ``codecs.HEAD_SEP``)
+KEEP_SEP = "|"
+_LIST_HELP = "a per-head keep list is one fraction 0 < f <= 1 per KV head, in head order (e.g. 0.5|1|0.25)"
 
 
-def parse_keep(value) -> float | int:
-    """A keep value from text (``"0.5"``, ``"1024"``) or a file (float or int); checked."""
+def parse_keep(value) -> float | int | tuple[float, ...]:
+    """A keep value from text (``"0.5"``, ``"1024"``, ``"0.5|1|0.25"``) or a file (float, int, or a list of
+    fractions); checked. A per-head list comes back as a tuple of floats, or as its one fraction when every
+    entry is the same (so a layer whose heads all keep the same fraction is a uniform layer)."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, str) and KEEP_SEP in value):
+        return _parse_head_keeps(value)
     if isinstance(value, bool):
         raise ValueError(f"keep={value!r} is invalid: {_KEEP_HELP}")
     if isinstance(value, str):
@@ -32,7 +40,27 @@ def parse_keep(value) -> float | int:
     return check_keep(value)
 
 
-def check_keep(value) -> float | int:
+def _parse_head_keeps(value) -> float | tuple[float, ...]:
+    text = value if isinstance(value, str) else KEEP_SEP.join(str(v) for v in value)
+    entries = value.split(KEEP_SEP) if isinstance(value, str) else list(value)
+    out = []
+    for e in entries:
+        f = e.strip() if isinstance(e, str) else e
+        try:
+            f = float(f) if not isinstance(f, bool) and f != "" else None
+        except (TypeError, ValueError):
+            f = None
+        if f is None or not math.isfinite(f) or not 0 < f <= 1:
+            raise ValueError(f"keep={text!r} is invalid: entry {e!r} is not a fraction: {_LIST_HELP}")
+        out.append(f)
+    if len(out) < 2:
+        raise ValueError(f"keep={text!r} is invalid: {_LIST_HELP}")
+    return out[0] if len(set(out)) == 1 else tuple(out)
+
+
+def check_keep(value) -> float | int | tuple[float, ...]:
+    if isinstance(value, (list, tuple)):
+        return _parse_head_keeps(value)
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 1:
             raise ValueError(f"keep={value!r} is invalid: {_KEEP_HELP}")
@@ -43,8 +71,27 @@ def check_keep(value) -> float | int:
 
 
 def evicts(keep) -> bool:
-    """Whether a keep value can evict anything (a fraction below 1, or a row count)."""
+    """Whether a keep value can evict anything (a fraction below 1, or a row count; a per-head list: in any head)."""
+    if isinstance(keep, tuple):
+        return any(evicts(k) for k in keep)
     return keep is not None and not (isinstance(keep, float) and keep >= 1.0)
+
+
+def is_head_keeps(keep) -> bool:
+    """True for a per-head keep list (each KV head of the layer its own fraction: ragged per-head stores)."""
+    return isinstance(keep, tuple)
+
+
+def head_keeps(keep, kv_heads: int, layer: int | None = None) -> tuple:
+    """The keep value of each of a layer's ``kv_heads`` KV heads; a per-head list checked against that count
+    (the error names the layer and its KV heads)."""
+    if not is_head_keeps(keep):
+        return (keep,) * kv_heads
+    if len(keep) != kv_heads:
+        where = f"layer {layer} has" if layer is not None else "the model has"
+        raise ValueError(f"keep={fmt_keep(keep)} lists {len(keep)} fractions but {where} {kv_heads} KV heads: give "
+                         f"one fraction per KV head, in head order (F0|...|F{kv_heads - 1})")
+    return keep
 
 
 def protected_rows(seen: int, sink: int, window: int, recent: int) -> tuple[int, int]:
@@ -100,5 +147,12 @@ def ada_floor_rows(target: int, head: int, tail: int, ada_floor: float) -> int:
     return max(math.floor(ada_floor * share), min(share, 1))
 
 
+def _fmt_fraction(f: float) -> str:
+    return "1" if f == 1 else repr(f)
+
+
 def fmt_keep(keep) -> str:
+    """A keep value as the policy text writes it (a per-head list: ``0.5|1|0.25``)."""
+    if is_head_keeps(keep):
+        return KEEP_SEP.join(_fmt_fraction(f) for f in keep)
     return str(keep)

@@ -21,7 +21,16 @@ from tqbench.engine.codecs import (
     is_valid_spec,
 )
 from tqbench.engine.codecs.heads import split_head_list
-from tqbench.engine.policy.keep import ADA_FLOOR, SCORES, check_heads, check_keep, evicts, parse_keep
+from tqbench.engine.policy.keep import (
+    ADA_FLOOR,
+    SCORES,
+    check_heads,
+    check_keep,
+    evicts,
+    fmt_keep,
+    is_head_keeps,
+    parse_keep,
+)
 from tqbench.engine.policy.layers import select_layers, validate_selector
 
 FULL_PRECISION = "fp16"
@@ -47,12 +56,18 @@ class LayerPlan:
     reason: str | None = None  # why this layer differs from the policy's default codecs
     dense_window: bool = False  # sliding-window layer kept as transformers' own bounded dense window
     sliding: bool = False  # sliding-window layer in a window-bounded tqbench store (sliding=compress/dense)
-    #: token eviction: the layer's keep value (``policy.keep``), None when it evicts nothing
-    keep: float | int | None = None
+    #: token eviction: the layer's keep value (``policy.keep``; a tuple: one fraction per KV head), None when it
+    #: evicts nothing
+    keep: float | int | tuple[float, ...] | None = None
 
     @property
     def evicts(self) -> bool:
         return evicts(self.keep)
+
+    @property
+    def head_keeps(self) -> bool:
+        """True when the layer's KV heads keep different fractions (ragged per-head stores)."""
+        return is_head_keeps(self.keep)
 
     @property
     def compressed(self) -> bool:
@@ -118,8 +133,9 @@ class Policy:
     sparsev: float = 0.0  # fused mode: skip value rows whose softmax weight is below this (0 = off)
     seed: int = 0
     calib: str = ""  # calibrated (pcaq) key codecs: the transforms file ("" = the shipped default-model fit)
-    #: token eviction (``policy.keep``): rows kept per KV head, a fraction of the evictable ones or a count
-    keep: float | int = 1.0
+    #: token eviction (``policy.keep``): rows kept per KV head, a fraction of the evictable ones or a count, or a
+    #: tuple of fractions, one per KV head (``0.5|1|0.25``)
+    keep: float | int | tuple[float, ...] = 1.0
     score: str = "snapkv"  # how rows are ranked: see keep.SCORES
     window: int = 32  # observation window: the last queries a score reads (never evicted themselves)
     every: int = 0  # decode: evict again every this many decoded tokens (0: only at prefill)
@@ -176,16 +192,18 @@ class Policy:
             if role not in _ROLES:
                 raise ValueError(f"override role {role!r} is invalid: use k@, v@, kv@ or keep@")
             if role == "keep":
-                fixed.append((role, validate_selector(sel), str(parse_keep(spec))))
+                fixed.append((role, validate_selector(sel), fmt_keep(parse_keep(spec))))
                 continue
             fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
         if self.heads == "ada" and not self.evicts:
             raise ValueError("heads=ada shares a layer's kept rows between its KV heads, but this policy evicts "
                              "nothing: set keep below 1 (e.g. keep=0.5)")
-        if self.heads == "ada" and self.demote:
-            raise ValueError(f"heads=ada with demote={self.demote} is not supported: the demoted rows would be "
-                             "ragged per head too; drop the evicted rows (no demote) or use heads=uniform")
+        if self.heads == "ada" and (is_head_keeps(self.keep) or any(
+                r == "keep" and is_head_keeps(parse_keep(s)) for r, _, s in self.overrides)):
+            raise ValueError("heads=ada shares a layer's kept rows between its KV heads by their scores, so it takes "
+                             "one keep value per layer, not a per-head keep list: drop heads=ada (each head then "
+                             "keeps its own fraction) or give one keep value")
         if self.demote and not self.evicts:
             raise ValueError(f"demote={self.demote} keeps the evicted rows at a cheaper codec, but this policy evicts "
                              "nothing: set keep below 1 (e.g. keep=0.5)")
@@ -198,7 +216,7 @@ class Policy:
                     "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every", "demote", "heads", "ada_floor"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
-                parts.append(f"{key}={_fmt(val)}")
+                parts.append(f"{key}={fmt_keep(val) if key == 'keep' else _fmt(val)}")
         parts += [f"{role}@{sel}={spec}" for role, sel, spec in self.overrides]
         return ",".join(parts)
 
@@ -316,6 +334,19 @@ class Policy:
         out = head_codecs({"k": plan.k, "v": plan.v}, plan.layer, kv_heads,
                           opts={role: self.codec_options(role) for role in ("k", "v")})
         return out["k"], out["v"]
+
+    def head_codec(self, plan: LayerPlan, role: str, head: int):
+        """The codec of KV head ``head`` of a layer for ``role``, alone (a ragged layer's per-head store,
+        ``evict.ragged``): its own entry of a per-head list, a calibrated codec with that head's table."""
+        spec = plan.k if role == "k" else plan.v
+        if is_head_list(spec):
+            spec = canonical_spec(split_head_list(spec)[head])
+        return self.build_codec(spec, role, layer=plan.layer, heads=(head,))
+
+    def ragged(self, plan: LayerPlan) -> bool:
+        """True when ``plan``'s layer keeps one store per KV head, each its own rows: it evicts and its heads
+        keep different counts (``heads=ada``, or a per-head keep list)."""
+        return plan.evicts and (self.heads == "ada" or plan.head_keeps)
 
     @property
     def per_head(self) -> bool:

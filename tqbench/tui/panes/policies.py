@@ -10,6 +10,7 @@ from textual.message import Message
 from textual.widgets import Button, Checkbox, Input, Label, OptionList, Select, Static
 from textual.widgets.option_list import Option
 
+from tqbench.engine.policy.keep import fmt_keep
 from tqbench.tui.panes.allocate import AllocatePanel
 
 
@@ -203,7 +204,7 @@ class PoliciesPane(Horizontal):
             self.query_one("#sliding", Select).value = pol.sliding
             self.query_one("#sink", Input).value = str(pol.sink)
             self.query_one("#recent", Input).value = str(pol.recent)
-            self.query_one("#keep", Input).value = str(pol.keep)
+            self.query_one("#keep", Input).value = fmt_keep(pol.keep)
             self.query_one("#score", Select).value = pol.score
             self.query_one("#window", Input).value = str(pol.window)
             self.query_one("#every", Input).value = str(pol.every)
@@ -392,14 +393,15 @@ class PoliciesPane(Horizontal):
 def _eviction_line(pol, geo, seq_len: int) -> str:
     """What the policy's eviction keeps at ``seq_len`` prompt tokens (``policy.keep.held_rows``, the estimate's
     rule), or nothing when it evicts nothing."""
-    from tqbench.engine.policy.keep import held_rows
+    from tqbench.engine.policy.keep import head_keeps, held_rows
 
     plans = [p for p in pol.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None) if p.evicts]
     if not pol.evicts:
         return ""
     if not plans:
         return "[b yellow]keep evicts nothing here[/]: no full-attention layer to evict from (sliding layers hold their window)\n"
-    held = sorted({held_rows(seq_len, seq_len, p.keep, p.sink, pol.window, p.recent, pol.every) for p in plans})
+    held = sorted({held_rows(seq_len, seq_len, k, p.sink, pol.window, p.recent, pol.every) for p in plans
+                   for k in head_keeps(p.keep, geo.kv_heads, p.layer)})
     rows = f"{held[0]}" if len(held) == 1 else f"{held[0]}-{held[-1]}"
     return (f"eviction: {len(plans)} of {geo.num_layers} layers keep [b]{rows}[/b] of {seq_len} rows per KV head "
             f"(score {pol.score}, window {pol.window}" + (f", every {pol.every}" if pol.every else "") + ")\n")

@@ -1,8 +1,12 @@
-"""Ragged rows per KV head (``heads=ada``): each KV head of a layer holds its own number of rows, none padded.
+"""Ragged rows per KV head (``heads=ada``, or a per-head keep list ``keep=0.5|1|0.25``): each KV head of a layer
+holds its own number of rows, none padded.
 
 - ``RaggedStore``: a layer's K (or V) rows as one ``KVStore`` per KV head (each ``[B, 1, rows_h, ...]``: its
-  own sinks, packed rows and exact tail), behind what the layer and the evictor read from a store. Bytes are
-  the heads' stores' bytes, so a head's rows cost exactly what they would in a layer-wide store.
+  own sinks, packed rows and exact tail, at its own head's codec: ``Policy.head_codec``, so a per-head codec
+  list or a calibrated key codec gives each head's store that head's codec or table), behind what the layer and
+  the evictor read from a store. Bytes are the heads' stores' bytes, so a head's rows cost exactly what they
+  would alone. A demote tier (``policy.demote``) of a ragged layer is a ``RaggedStore`` too, each head's evicted
+  rows in its own store.
 - ``HeadRows``: per-head ``[B, 1, rows_h]`` bookkeeping (the held rows' positions, h2o's mass).
 - ``select_ada``: AdaKV's choice of rows (Feng et al. 2024, kvpress ``AdaKVPress``): the scores of all the heads
   of a layer ranked together, the layer keeping ``heads * target`` rows, each head at least its floor.
@@ -22,29 +26,22 @@ from tqbench.engine.cache.evict.scores import PAD
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.keep import ada_floor_rows
 
-__all__ = ["HeadRows", "RaggedStore", "check_ragged_codec", "pad_rows", "select_ada"]
+__all__ = ["RAGGED", "HeadRows", "RaggedStore", "check_ragged_codec", "pad_rows", "select_ada"]
+
+#: how messages name a layer whose KV heads hold different row counts
+RAGGED = "a ragged layer (heads=ada, or a per-head keep list)"
 
 #: a padded row's position: after every query, so a score that masks keys after a query masks it
 PAD_POSITION = PAD
 
 
 def check_ragged_codec(codec, role: str) -> None:
-    """``heads=ada`` needs codecs that pack each row on its own (a head's rows cost a whole number of rows)."""
-    from tqbench.engine.codecs.heads import HeadSplitCodec
-
-    if isinstance(codec, HeadSplitCodec):
-        raise EvictionError(f"heads=ada with the per-head codec list {codec.spec} ({role}) is not supported yet: use "
-                            "one codec for every head (e.g. turbo4), or heads=uniform")
-    from tqbench.engine.codecs.calibrated import PcaKeyCodec
-
-    if isinstance(codec, PcaKeyCodec):
-        raise EvictionError(f"heads=ada with calibrated keys ({codec.spec}) is not supported yet: their tables are "
-                            "fitted per KV head of the layer and each head's store would need its own; use a turbo "
-                            "key codec, or heads=uniform")
+    """A ragged layer's per-head codec packs each row on its own (a head's rows cost a whole number of rows)."""
     if codec.tokens_per_unit != 1:
-        raise EvictionError(f"heads=ada needs a codec that packs each row on its own: {codec.spec} ({role}) packs "
+        raise EvictionError(f"{RAGGED} needs a codec that packs each row on its own: {codec.spec} ({role}) packs "
                             f"{codec.tokens_per_unit} tokens per unit, so a head's rows would not fill whole units; "
-                            "use a per-row codec such as turbo4, or heads=uniform")
+                            "use a per-row codec such as turbo4, or one keep value for every head with "
+                            "heads=uniform")
 
 
 def pad_rows(parts: list[torch.Tensor | None], fill=0) -> torch.Tensor | None:
@@ -65,8 +62,11 @@ class RaggedStore:
 
     ragged = True
 
-    def __init__(self, codec, sink: int, recent: int) -> None:
-        self.codec = codec
+    def __init__(self, codec, sink: int, recent: int, head_codec=None, role: str = "k") -> None:
+        self.codec = codec  # the layer's codec (a per-head list: its ``HeadSplitCodec``); each store has its head's
+        #: ``head_codec(h)``: the codec of KV head ``h``'s store (``Policy.head_codec``; default: ``codec``)
+        self.head_codec = head_codec or (lambda h: codec)
+        self.role = role
         self.sink, self.recent = sink, recent
         self.stores: list[KVStore] = []  # one per KV head, made on the first rows (their head count)
         self.window = None
@@ -120,13 +120,35 @@ class RaggedStore:
     def append_points(self, x: torch.Tensor, points: list[int] | None = None) -> tuple[list, list[int]]:
         """Every head's rows of this call to its store; returns (each head's packed chunks, [tail_start])."""
         if points is not None and len(points) > 1:
-            raise EvictionError("heads=ada keeps one store per KV head and packs once per call: a call with "
+            raise EvictionError(f"{RAGGED} keeps one store per KV head and packs once per call: a call with "
                                 "several store points (speculative verification) is not supported")
-        if not self.stores:
-            self.stores = [KVStore(self.codec, self.sink, self.recent) for _ in range(x.shape[1])]
-            self.defer = self._defer
+        self._make(x.shape[1])
         chunks = [s.append(x[:, h : h + 1]) for h, s in enumerate(self.stores)]
         return chunks, [self.tail_start]
+
+    def _make(self, heads: int) -> None:
+        if self.stores:
+            return
+        codecs = [self.head_codec(h) for h in range(heads)]
+        for c in codecs:
+            check_ragged_codec(c, self.role)
+        self.stores = [KVStore(c, self.sink, self.recent) for c in codecs]
+        self.defer = self._defer
+
+    def append_heads(self, rows: list[torch.Tensor]) -> None:
+        """Head ``h``'s rows ``rows[h]`` ``[B, 1, n_h, D]`` to its store (a demote tier: each head its own count)."""
+        self._make(len(rows))
+        for s, x in zip(self.stores, rows):
+            if x.shape[2]:
+                s.append(x)
+
+    def shared_items(self, head_dim: int) -> dict[str, int]:
+        """The shared objects (rotations, codebooks) of the heads' stores that packed rows, by name."""
+        out: dict[str, int] = {}
+        for s in self.stores:
+            if s.n_packed:
+                out.update(s.codec.shared_items(head_dim))
+        return out
 
     def release(self) -> None:
         self._defer = False
@@ -134,7 +156,7 @@ class RaggedStore:
             s.release()
 
     def mark(self) -> None:
-        raise EvictionError("heads=ada cannot be cropped or verified speculatively: decode without speculation")
+        raise EvictionError(f"{RAGGED} cannot be cropped or verified speculatively: decode without speculation")
 
     def unmark(self) -> None:
         for s in self.stores:
@@ -209,13 +231,36 @@ class HeadRows:
                 b.data = fn(b.data)
 
 
+def cost_groups(k_store, v_store, k_dim: int, v_dim: int) -> list[tuple[int, ...]]:
+    """A ragged layer's KV heads grouped by what a packed row costs them (K and V unit bytes of each head's own
+    codec): rows can move between the heads of a group without changing the layer's bytes."""
+    groups: dict[tuple, list[int]] = {}
+    for h, (ks, vs) in enumerate(zip(k_store.stores, v_store.stores)):
+        key = (ks.codec.units_bytes(k_dim, 1), ks.codec.tokens_per_unit, vs.codec.units_bytes(v_dim, 1),
+               vs.codec.tokens_per_unit)
+        groups.setdefault(key, []).append(h)
+    return [tuple(g) for g in groups.values()]
+
+
 def select_ada(score: torch.Tensor, held: list[int], target: int, head: int, tail: int,
-               floor_frac: float) -> list[torch.Tensor]:
+               floor_frac: float, drop_one: bool = False, groups: list | None = None) -> list[torch.Tensor]:
     """AdaKV: the sorted ordinals ``[B, 1, n_h]`` each KV head keeps of its ``held[h]`` rows (``score``
     ``[B, H, max held]``, higher: keep; padding ignored). Every head keeps its first ``head`` and last ``tail``
     rows; of the rows between them the layer keeps ``H * (target - head - tail)``, every head at least
     ``ada_floor_rows`` (or all it has), the rest the best-scored over all heads together. One sequence
-    (``B == 1``): the heads' counts are that sequence's."""
+    (``B == 1``): the heads' counts are that sequence's. ``drop_one`` (a demote tier): every head that has
+    middle rows drops at least its worst-scored one (so every head's demote store holds rows, and its codec
+    state, whenever the layer demotes: ``estimate`` counts them so; the budget always leaves a row per head,
+    since the heads hold a multiple of ``H`` rows and more than ``H * target`` when this runs). ``groups``: the
+    heads whose rows cost the same (``cost_groups``; a per-head codec list): rows are shared within each group
+    only, each group keeping ``len(group) * target`` (so the layer's bytes do not depend on the split)."""
+    if groups is not None and len(groups) > 1:
+        out: list = [None] * len(held)
+        for g in groups:
+            sub = select_ada(score[:, list(g)], [held[h] for h in g], target, head, tail, floor_frac, drop_one)
+            for h, i in zip(g, sub):
+                out[h] = i
+        return out
     b, h, span = score.shape
     if b != 1:
         raise EvictionError(f"heads=ada chooses each sequence's per-head row counts from its own scores: a batch of "
@@ -225,6 +270,9 @@ def select_ada(score: torch.Tensor, held: list[int], target: int, head: int, tai
     col = torch.arange(span, device=dev)
     held_t = torch.tensor(held, device=dev).view(h, 1)
     middle = (col >= head) & (col < held_t - tail)  # [H, span]
+    if drop_one:
+        worst = score[0].float().masked_fill(~middle, float("inf")).argmin(-1, keepdim=True)  # [H, 1]
+        middle = middle & ~((col == worst) & middle.any(-1, keepdim=True))
     s = score[0].float().masked_fill(~middle, float("-inf"))
     share = target - head - tail
     floor = ada_floor_rows(target, head, tail, floor_frac)

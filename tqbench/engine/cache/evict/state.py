@@ -16,9 +16,9 @@ from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.evict import scores
 from tqbench.engine.cache.evict.bookkeeping import MASS_DTYPE, POSITION_DTYPE
 from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
-from tqbench.engine.cache.evict.ragged import PAD_POSITION, HeadRows, select_ada
+from tqbench.engine.cache.evict.ragged import PAD_POSITION, HeadRows, RaggedStore, cost_groups, select_ada
 from tqbench.engine.cache.store import KVStore
-from tqbench.engine.policy.keep import kept_rows, protected_rows
+from tqbench.engine.policy.keep import head_keeps, kept_rows, protected_rows
 
 __all__ = ["EVICT_NO_CROP", "EvictionError", "Evictor"]
 
@@ -40,8 +40,16 @@ def select_kept(score: torch.Tensor, held: int, target: int, head: int, tail: in
                       torch.arange(held - tail, held, device=dev).expand(b, h, tail)], dim=2)
 
 
+def _gone(idx: torch.Tensor, held: int) -> torch.Tensor:
+    """The sorted ordinals ``[B, 1, held - n]`` of the rows ``idx`` ``[B, 1, n]`` does not keep."""
+    b = idx.shape[0]
+    gone = torch.ones(b, 1, held, dtype=torch.bool, device=idx.device)
+    gone.scatter_(2, idx, False)
+    return gone.nonzero()[:, 2].view(b, 1, held - idx.shape[2])
+
+
 class Evictor:
-    def __init__(self, plan, policy, mode: str) -> None:
+    def __init__(self, plan, policy, mode: str, kv_heads: int | None = None) -> None:
         self.keep, self.sink, self.recent = plan.keep, plan.sink, plan.recent
         self.score, self.window, self.every = policy.score, policy.window, policy.every
         if mode == "fused" and self.score == "h2o" and self.every:
@@ -52,8 +60,13 @@ class Evictor:
         if mode == "dense-shadow":
             raise EvictionError("token eviction (keep) runs in cache modes compressed, simulate and fused: "
                                 "dense-shadow attends over every exact row by definition")
-        #: heads=ada: each KV head holds its own rows (``ragged.RaggedStore``), chosen by ``select_ada``
-        self.ragged = policy.heads == "ada"
+        #: a ragged layer: each KV head holds its own rows (``ragged.RaggedStore``), chosen by ``select_ada``
+        #: (heads=ada) or each head by its own keep fraction (``head_keep``: a per-head keep list, else None)
+        self.ragged = policy.ragged(plan)
+        self.head_keep = plan.keep if plan.head_keeps else None
+        if self.head_keep is not None and kv_heads is not None:
+            head_keeps(self.head_keep, kv_heads, plan.layer)
+        self.layer_index = plan.layer
         self.ada_floor = policy.ada_floor
         self.positions = GrowBuffer()  # [B, H, held]: each held row's token position (ragged: ``HeadRows``)
         self.mass = GrowBuffer()  # h2o: [B, H, held] attention mass received
@@ -64,7 +77,12 @@ class Evictor:
         self.points = 0
         #: demote: the evicted rows of K and V, kept at the cheaper codec (``policy.demote``), else None
         self.demoted: tuple[KVStore, KVStore] | None = None
-        if policy.demote:
+        if policy.demote and self.ragged:  # each head's evicted rows in its own store (its codec state its own)
+            self.demoted = tuple(RaggedStore(
+                policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0, role=role,
+                head_codec=lambda h, role=role: policy.build_codec(policy.demote, role, layer=plan.layer, heads=(h,)))
+                for role in ("k", "v"))
+        elif policy.demote:
             self.demoted = tuple(KVStore(policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0)
                                  for role in ("k", "v"))
 
@@ -83,15 +101,43 @@ class Evictor:
 
     @property
     def n_demoted(self) -> int:
-        return self.demoted[0].n_tokens if self.demoted else 0
+        """Demoted rows per KV head (a ragged layer: the mean over its heads)."""
+        if not self.demoted:
+            return 0
+        if self.ragged:
+            rows = self.demoted[0].rows
+            return sum(rows) // len(rows) if rows else 0
+        return self.demoted[0].n_tokens
+
+    def head_spans(self, k_store) -> list[int]:
+        """A ragged layer: the rows each KV head's attention reads before the call's (demoted, then held)."""
+        held = k_store.rows
+        tier = self.demoted[0].rows if self.demoted else []
+        return [n + (tier[h] if h < len(tier) else 0) for h, n in enumerate(held)]
+
+    def span(self, k_store) -> int:
+        """The history columns attention reads: demoted then held rows (a ragged layer: the most any head reads,
+        each head's padding masked)."""
+        if self.ragged:
+            return max(self.head_spans(k_store), default=0)
+        return k_store.n_tokens + self.n_demoted
 
     def demoted_dense(self, role: str, dtype) -> torch.Tensor | None:
         """The demoted rows of K (``role`` "k") or V, dequantized (attention reads them before the held rows)."""
         return self.demoted[0 if role == "k" else 1].dense(dtype) if self.demoted else None
 
+    def demoted_heads(self, role: str, dtype, heads: int) -> list:
+        """A ragged layer's demoted rows per KV head (``[B, 1, n_h, D]`` or None), dequantized."""
+        store = self.demoted[0 if role == "k" else 1] if self.demoted else None
+        if store is None or not store.stores:
+            return [None] * heads
+        return [s.dense(dtype) for s in store.stores]
+
     def begin(self, n0: int, t: int, batch: int, heads: int, device) -> bool:
         """A call of ``t`` rows after ``n0`` tokens: record the positions; True when it ends at an eviction point."""
         pos = torch.arange(n0, n0 + t, dtype=POSITION_DTYPE, device=device).view(1, 1, t).expand(batch, heads, t)
+        if self.head_keep is not None:
+            head_keeps(self.head_keep, heads, self.layer_index)
         if self.ragged and not isinstance(self.positions, HeadRows):
             self.positions = HeadRows(heads)
             if self.score == "h2o":
@@ -130,7 +176,8 @@ class Evictor:
     def _evict(self, layer, query, scaling, seen: int, t: int, keys) -> None:
         ks, vs = layer.k_store, layer.v_store
         held = ks.n_tokens
-        target = kept_rows(seen, self.keep, self.sink, self.window, self.recent)
+        target = None if self.head_keep is not None else kept_rows(seen, self.keep, self.sink, self.window,
+                                                                     self.recent)
         self.points += 1
         if self.ragged:
             self._evict_ragged(layer, query, scaling, seen, t, keys, target)
@@ -163,18 +210,37 @@ class Evictor:
         ks.release()
         vs.release()
 
-    def _evict_ragged(self, layer, query, scaling, seen: int, t: int, keys, target: int) -> None:
-        """heads=ada: the layer keeps ``heads * target`` rows, shared between its heads by ``select_ada``."""
+    def _evict_ragged(self, layer, query, scaling, seen: int, t: int, keys, target: int | None) -> None:
+        """A ragged layer: with heads=ada the layer keeps ``heads * target`` rows, shared between its heads by
+        ``select_ada``; with a per-head keep list each head keeps its own ``kept_rows``, its best-scored."""
         ks, vs = layer.k_store, layer.v_store
         held = ks.rows
-        if sum(held) <= len(held) * target:
-            return
+        if self.head_keep is None:
+            if sum(held) <= len(held) * target:
+                return
+        else:
+            targets = [kept_rows(seen, k, self.sink, self.window, self.recent) for k in self.head_keep]
+            if all(n <= m for n, m in zip(held, targets)):
+                return
         head, tail = protected_rows(seen, self.sink, self.window, self.recent)
         if keys is None:
             keys = ks.dense(query.dtype)
         score = self._score(query, keys, vs, scaling, seen)
-        idx = select_ada(score, held, target, head, tail, self.ada_floor)
-        dropped = ks.compact(idx) // len(held)  # the mean over the heads (the layer drops whole rows per head)
+        if self.head_keep is None:
+            # (with demote every head demotes a row: each head's demote store holds its codec state, as counted)
+            # (rows move only between heads whose codecs cost the same per row: the bytes stay the estimate's)
+            groups = cost_groups(ks, vs, keys.shape[-1], layer.v_dim)
+            idx = select_ada(score, held, target, head, tail, self.ada_floor, drop_one=self.demoted is not None,
+                             groups=groups)
+        else:
+            b, dev = score.shape[0], score.device
+            idx = [select_kept(score[:, h : h + 1, :n], n, m, head, tail) if m < n
+                   else torch.arange(n, device=dev).expand(b, 1, n) for h, (n, m) in enumerate(zip(held, targets))]
+        if self.demoted:  # each head's evicted rows, as attention read them, to its own demote store
+            for store, rows in zip(self.demoted, (keys, vs.dense(query.dtype))):
+                store.append_heads([_take(rows[:, h : h + 1, :n], _gone(i, n).to(rows.device))
+                                    for h, (i, n) in enumerate(zip(idx, held))])
+        dropped = ks.compact(idx) // len(held)  # the mean over the heads
         vs.compact(idx)
         for buf in (self.positions, self.mass):
             if isinstance(buf, HeadRows):
