@@ -96,8 +96,9 @@ def test_each_head_holds_its_own_rule_and_bytes_are_the_estimate(tiny_engine, po
         want = [held_rows(100, 90, k, plan.sink, pol.window, plan.recent, pol.every) for k in head_keeps(plan.keep, 2)]
         if pol.heads == "ada":  # the layer's budget, shared by the heads' scores
             assert sum(row.head_tokens) == sum(want)
-        else:  # each head its own keep fraction, the same rule as a uniform layer's
-            assert list(row.head_tokens) == want
+            assert est.head_rows[plan.layer] == ()
+        else:  # each head its own keep fraction, the same rule as a uniform layer's; the estimate says so too
+            assert list(row.head_tokens) == want == list(est.head_rows[plan.layer])
         assert row.tokens == sum(want) // 2
         if pol.demote:
             assert row.demoted_tokens == 100 - row.tokens
@@ -118,6 +119,26 @@ def test_a_head_list_keeps_what_each_uniform_keep_would(tiny_engine64):
         assert a.heads[0] == tuple(range(80))
         assert a.heads[1] == b.heads[1] and len(a.heads[1]) < 80
         assert a.evicted_prefill == (80 - len(a.heads[1])) // 2  # the mean over the heads
+
+
+def test_a_batch_evicts_each_sequence_to_the_same_per_head_counts(tiny_engine64):
+    """Per-head keeps fix each head's count by the policy (not by the scores): a batch evicts at once."""
+    ids = torch.randint(5, 200, (1, 60), generator=torch.Generator().manual_seed(1))
+    pol = "turbo4,keep=0.5|0.25,every=3,score=tova"
+    for mode in ("compressed", "fused"):
+        tiny_engine64.enable_fused()
+        one = tiny_engine64.make_cache(pol, mode)
+        two = tiny_engine64.make_cache(pol, mode)
+        with torch.inference_mode():
+            a = tiny_engine64.model.generate(ids, cache=one, max_new_tokens=6, do_sample=False)
+            b = tiny_engine64.model.generate(ids.repeat(2, 1), cache=two, max_new_tokens=6, do_sample=False)
+        assert b[0].tolist() == b[1].tolist() == a[0].tolist()
+        rep = two.report()
+        assert rep.compressed_storage_bytes == estimate_kv(pol, KVGeometry.from_config(tiny_engine64.model.config), 65,
+                                                           batch=2, prefill=60).total_bytes
+        assert [r.head_tokens for r in rep.layers] == [r.head_tokens for r in one.report().layers]
+        if mode == "fused":
+            assert rep.fused_impl == {"native-cpu": rep.fused_calls} and not rep.fallbacks
 
 
 # -- fused: one native call per layer, every head a side, its tier merged in ------------------------------------------

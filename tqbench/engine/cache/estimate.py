@@ -51,6 +51,9 @@ class KVEstimate:
     state_bytes: int = 0
     #: of ``total_bytes``: rows kept at 16 bits (sinks, the recent window, unfilled units, dense/bypassed layers)
     full_precision_bytes: int = 0
+    #: per layer, the rows each KV head holds where the policy fixes different counts (a per-head keep list:
+    #: the report's ``head_tokens``), else () (every head the same; heads=ada: chosen by the scores at run time)
+    head_rows: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def bits_per_element(self) -> float:
@@ -66,7 +69,7 @@ class KVEstimate:
             "total_bytes": self.total_bytes, "dense_fp16_bytes": self.dense_fp16_bytes,
             "shared_bytes": self.shared_bytes, "bits_per_element": round(self.bits_per_element, 4),
             "saved_pct": round(self.saved_pct, 2), "layer_bytes": list(self.layer_bytes),
-        }
+        } | ({"head_rows": [list(h) for h in self.head_rows]} if any(self.head_rows) else {})
 
 
 def _state_bytes(codec, batch: int, heads: int, head_dim: int) -> int:
@@ -138,8 +141,10 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
     plans = pol.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
     shared: dict[str, int] = {}
     per_layer = []
+    head_rows: list[tuple[int, ...]] = []
     dense_total = state_total = fp_total = 0
     for plan in plans:
+        head_rows.append(())
         if plan.dense_window:
             held = g.window_held(seq_len)  # transformers' DynamicSlidingWindowLayer
             dense = g.dense_fp16_bytes(held, batch)
@@ -158,6 +163,8 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             keeps = head_keeps(plan.keep, g.kv_heads, plan.layer)
             heads_held = [held_rows(seq_len, prefill, k, plan.sink, pol.window, plan.recent, pol.every) for k in keeps]
             held = sum(heads_held) // g.kv_heads  # (ragged: the mean; heads=ada: every head's share)
+            if plan.head_keeps:
+                head_rows[-1] = tuple(heads_held)
         ragged = pol.ragged(plan)
         for (codec, _), role, dim in zip(codecs, ("k", "v"), (g.head_dim, g.v_dim)):
             if ragged:  # one store per KV head, each at its head's own codec
@@ -198,7 +205,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         dense_total += g.dense_fp16_bytes(fp16_held, batch)
     sb = sum(shared.values())
     return KVEstimate(pol.label, seq_len, batch, sum(per_layer) + sb, dense_total, sb, per_layer, state_total,
-                      fp_total)
+                      fp_total, head_rows)
 
 
 def longest_context(policy, geometry: KVGeometry, budget_bytes: int, batch: int = 1,
