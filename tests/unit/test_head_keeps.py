@@ -263,3 +263,44 @@ def test_one_kv_head_head_dim_256_past_the_window():
     assert rep.layers[5].demoted_tokens + rep.layers[5].tokens == 52
     with pytest.raises(ValueError, match=r"keep=0.5\|1 lists 2 fractions but layer 5 has 1 KV heads"):
         eng.generate(ids, "turbo4,keep=0.5|1", "compressed", max_new_tokens=1)
+
+
+# -- the family matrix: every family's tiny model, per-head keeps + per-head codecs + demote --------------------
+_FRACTIONS = ("0.5", "1", "0.25", "0.75")
+_CODECS = ("turbo4", "turbo3", "turbo2", "turbo4")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
+                                    "granite", "cohere", "starcoder2", "gpt_neox", "olmo2", "falcon", "deepseek_v3"])
+def test_family_matrix(family):
+    from tests.unit.families.short_windows import short_window_model
+    from tests.unit.families.test_family_matrix import NO_FUSED
+
+    eng = Engine(short_window_model(family, dtype=torch.float64))
+    heads = eng.geometry.kv_heads
+    pol = (f"k={'|'.join(_CODECS[h % 4] for h in range(heads))},v=turbo4,sink=2,recent=4,window=4,score=snapkv,"
+           f"keep={'|'.join(_FRACTIONS[h % 4] for h in range(heads))},demote=turbo2")
+    ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(6))
+    if family in NO_FUSED:  # eviction reads the queries in tqbench's attention function, which these cannot run
+        from tqbench.engine.cache.fused.support import FusedUnsupportedError
+
+        with pytest.raises(FusedUnsupportedError, match="cannot run the fused cache mode"):
+            eng.generate(ids, pol, "compressed", max_new_tokens=1)
+        return
+    modes = ("compressed", "simulate", "fused")
+    runs = {m: eng.generate(ids, pol, m, max_new_tokens=4, stop_at_eos=False, prefill_chunk=0) for m in modes}
+    assert len({tuple(r.token_ids) for r in runs.values()}) == 1  # float64: every mode the same tokens
+    est = estimate_kv(pol, eng.geometry, 43, prefill=40)
+    for r in runs.values():
+        assert r.cache_report.compressed_storage_bytes == est.total_bytes
+        assert [row.head_tokens for row in r.cache_report.layers] == [tuple(h) for h in est.head_rows]
+    full = [p.layer for p in parse_policy(pol).plan(eng.geometry.num_layers, list(eng.geometry.layer_types or []) or
+                                                     None) if p.evicts]
+    assert [i for i, h in enumerate(est.head_rows) if h] == full  # every full-attention layer evicts per head
+    assert full or family in ("mistral", "phi3")  # (these two slide on every layer: they hold their window)
+    if "fused" in runs:
+        rep = runs["fused"].cache_report
+        if family == "gpt_oss":  # sink logits per query head: head by head, and the report says why
+            assert any("sink logits differ per query head" in case for case in rep.fallbacks)
+        else:
+            assert rep.fused_impl == {"native-cpu": rep.fused_calls} and not rep.fallbacks

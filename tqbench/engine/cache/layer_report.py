@@ -173,13 +173,13 @@ def fused_reference_peak_bytes(layer: TQLayer, kv_heads: int, head_dim: int, v_h
     elem = torch.promote_types(layer.dtype, torch.float32).itemsize
     b = _batch_of(layer)
     v_head_dim = v_head_dim or head_dim
+    if layer.ragged:  # a ragged layer: head by head, each its own store (its own codec): the largest one
+        return max((max(_side_peak(ks, head_dim, b, elem), _side_peak(vs, v_head_dim, b, elem))
+                    for ks, vs in zip(layer.k_store.stores, layer.v_store.stores)), default=0)
     if isinstance(layer.k_codec, HeadSplitCodec):  # groups of heads run one after another: the largest one
         return max(max(_side_peak(GroupStore(layer.k_store, g), head_dim, b * len(heads), elem),
                        _side_peak(GroupStore(layer.v_store, g), v_head_dim, b * len(heads), elem))
                    for g, heads in enumerate(layer.k_codec.groups))
-    if layer.ragged:  # heads=ada: head by head, each its own store: the largest one
-        return max((max(_side_peak(ks, head_dim, b, elem), _side_peak(vs, v_head_dim, b, elem))
-                    for ks, vs in zip(layer.k_store.stores, layer.v_store.stores)), default=0)
     return max(_side_peak(layer.k_store, head_dim, b * kv_heads, elem),
                _side_peak(layer.v_store, v_head_dim, b * kv_heads, elem))
 
@@ -205,7 +205,7 @@ def _side_peak(store, dim: int, bh: int, elem: int) -> int:
 
 def _batch_of(layer: TQLayer) -> int:
     store = layer.k_store
-    if layer.ragged:  # heads=ada: every head's store holds the same sequences
+    if layer.ragged:  # a ragged layer: every head's store holds the same sequences
         if not store.stores:
             return 0
         store = store.stores[0]
