@@ -114,6 +114,11 @@ def test_a_head_list_keeps_what_each_uniform_keep_would(tiny_engine64):
         with torch.inference_mode():
             tiny_engine64.model(ids, cache=cache)
         kept[pol] = kept_positions(cache)
+    same = TQCache("turbo4,keep=0.5|0.5,score=snapkv", tiny_engine64.model.config, mode="compressed")
+    with torch.inference_mode():
+        tiny_engine64.model(ids, cache=same)
+    assert not any(la.ragged for la in same.layers)  # every head the same fraction: the uniform path
+    assert kept_positions(same) == kept["turbo4,keep=0.5,score=snapkv"]
     per_head, uniform = kept.values()
     for a, b in zip(per_head.layers, uniform.layers):
         assert a.heads[0] == tuple(range(80))

@@ -40,8 +40,8 @@ class LayerBytes:
     evicted_prefill: int = 0
     evicted_decode: int = 0
     demoted_tokens: int = 0  # of the evicted rows, those kept at the policy's demote codec (in this layer's bytes)
-    #: heads=ada: the rows each KV head holds (they differ; ``tokens`` is their mean, the layer's budget per
-    #: head); empty when every head holds ``tokens``
+    #: a ragged layer (heads=ada, a per-head keep list): the rows each KV head holds (they differ; ``tokens`` is
+    #: their mean, the layer's budget per head); empty when every head holds ``tokens``
     head_tokens: tuple[int, ...] = ()
 
     @property

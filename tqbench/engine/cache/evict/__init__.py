@@ -5,6 +5,9 @@
 - ``scores.py``: the scores (SnapKV, key norm, expected attention, H2O, TOVA) from the call's queries.
 - ``state.py``: ``Evictor``, one layer's eviction state (positions held, query window, accumulated mass,
   counts) and the eviction points.
+- ``ragged.py``: a ragged layer (``heads=ada``, or a per-head keep list ``keep=0.5|1|0.25``): one store per KV
+  head at that head's own codec, each its own rows (and its own demote store).
 
-How many rows a head keeps is ``policy.keep.kept_rows`` (the byte estimate's rule too).
+How many rows a head keeps is ``policy.keep.kept_rows`` (per head with a per-head keep list; the byte
+estimate's rule too).
 """

@@ -25,7 +25,8 @@ def bool_mask(attention_mask: torch.Tensor | None, seq: int, total: int) -> torc
 
 def ragged_mask(attention_mask: torch.Tensor | None, lengths: list[int], query: torch.Tensor, total: int,
                 additive: bool) -> torch.Tensor | None:
-    """The mask of a ``heads=ada`` layer's call: its keys hold each KV head's ``lengths[h]`` rows first, padding
+    """The mask of a ragged layer's call (heads=ada, per-head keeps): its keys hold each KV head's ``lengths[h]``
+    rows first (its demoted rows, then its held rows), padding
     up to ``max(lengths)``, then the call's rows (``total`` columns in all); each head's padding is masked for
     the query heads it serves (``[B, Hq, L, total]``), on top of ``attention_mask`` (bool, or additive
     0/min; None: causal over the call's rows). ``additive``: return a float mask (eager attention)."""
