@@ -59,6 +59,12 @@ async def test_build_an_evicting_policy_run_it_and_see_the_kept_tokens(data_dir,
         # a bad keep names the field and what to use; nothing is kept as current
         await type_into(pilot, app, pane.query_one("#keep", Input), "1.5")
         assert pane.current == "" and "keep=1.5 is invalid: use a fraction 0 < f <= 1" in plain(pane.query_one("#estimate"))
+        # one fraction per KV head (the tiny model has 2): each head its own rows; a wrong count names the heads
+        await type_into(pilot, app, pane.query_one("#keep", Input), "0.5|1")
+        assert "keep=0.5|1" in pane.current
+        assert "eviction: 4 of 4 layers keep 522-1024 of 1024 rows per KV head" in plain(pane.query_one("#estimate"))
+        await type_into(pilot, app, pane.query_one("#keep", Input), "0.5|1|1")
+        assert "lists 3 fractions but layer 0 has 2 KV heads" in plain(pane.query_one("#estimate"))
         await type_into(pilot, app, pane.query_one("#keep", Input), "0.5")
         assert pane.current == built.to_string()
         # evicted rows demoted to a cheaper codec instead of dropped: more bytes than dropping, fewer than keeping
