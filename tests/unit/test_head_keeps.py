@@ -68,6 +68,11 @@ def test_kv_estimate_cli_exits_2_on_a_wrong_count():
     ok = CliRunner().invoke(main, ["--headless", "kv-estimate", "--model", "SmolLM2-135M", "--seq-len", "1024",
                                    "--kv-policy", "turbo4,keep=0.5|1|0.25", "--json"])
     assert ok.exit_code == 0, ok.output
+    import json
+
+    row = json.loads(ok.output)["rows"][0]
+    # 4 sinks + 32 protected (window) + floor(f * 988) per head, every layer of 30; the report gives the same
+    assert row["head_rows"] == [[530, 1024, 283]] * 30
 
 
 # -- the cache: rows per head, bytes, modes ----------------------------------------------------------------------

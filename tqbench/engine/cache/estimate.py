@@ -249,12 +249,15 @@ class KVEstimateRow:
     note: str | None = None  # e.g. seq_len beyond the model's context
     max_seq_len_in_budget: int | None = None  # with a memory budget only
     capped_by_model_context: bool | None = None
+    #: per layer, the rows each KV head holds (a per-head keep list: ``KVEstimate.head_rows``), else None
+    head_rows: list[list[int]] | None = None
 
     @classmethod
     def of(cls, est: KVEstimate, policy_string: str, **extra) -> KVEstimateRow:
         d = est.to_dict()
         return cls(d["kv_policy"], d["seq_len"], d["batch"], d["total_bytes"], d["dense_fp16_bytes"],
-                   d["shared_bytes"], d["bits_per_element"], d["saved_pct"], policy_string, **extra)
+                   d["shared_bytes"], d["bits_per_element"], d["saved_pct"], policy_string,
+                   head_rows=d.get("head_rows"), **extra)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -262,6 +265,8 @@ class KVEstimateRow:
             del d["note"]
         if self.max_seq_len_in_budget is None:
             del d["max_seq_len_in_budget"], d["capped_by_model_context"]
+        if self.head_rows is None:
+            del d["head_rows"]
         return d
 
 
