@@ -30,6 +30,8 @@ def test_head_lists_parse_round_trip_and_collapse(tmp_path):
     path = tmp_path / "p.toml"
     path.write_text('preset = "turbo4"\nkeep = [0.5, 1, 0.25]\n')
     assert parse_policy(str(path)).keep == (0.5, 1.0, 0.25)
+    path.write_text('preset = "turbo4"\noverrides = [{role = "keep", layers = "3-5", codec = [0.75, 0.5, 1]}]\n')
+    assert parse_policy(str(path)).overrides == (("keep", "3-5", "0.75|0.5|1"),)
     # every head the same fraction: that fraction, a uniform (non-ragged) layer
     same = parse_policy("turbo4,keep=0.5|0.5|0.5,keep@0=1|1|1")
     assert same.keep == 0.5 and same.to_string() == "k=turbo4,v=turbo4,sink=4,recent=16,keep=0.5,keep@0=1.0"

@@ -246,8 +246,8 @@ class Policy:
                 kw[role] = _list_spec(kw[role], role)
         if "overrides" in kw:
             kw["overrides"] = tuple(
-                (o["role"], str(o["layers"]), _list_spec(o["codec"], o["role"])) if isinstance(o, dict) else tuple(o)
-                for o in kw["overrides"]
+                (o["role"], str(o["layers"]), _override_value(o["codec"], o["role"])) if isinstance(o, dict)
+                else tuple(o) for o in kw["overrides"]
             )
         return replace(base, **kw)
 
@@ -358,6 +358,13 @@ def _fmt(val) -> str:
     if isinstance(val, bool):
         return "on" if val else "off"
     return str(val)
+
+
+def _override_value(value, role: str):
+    """A policy file's override value: a keep value (a list: one fraction per KV head), or a codec field."""
+    if role == "keep":
+        return fmt_keep(parse_keep(value))
+    return _list_spec(value, role)
 
 
 def _list_spec(spec, role: str):
