@@ -314,3 +314,36 @@ def head_axis_split(alloc: HeadKeepAllocation, geometry: KVGeometry, context: in
     return {"per_head": rows, "layer_rest": rest, "saved_by_codecs": sum(r["saved_by_codecs"] for r in rows),
             "saved_by_eviction": sum(r["saved_by_eviction"] for r in rows),
             "total_bytes": alloc.estimate.total_bytes, "shared_bytes": alloc.estimate.shared_bytes}
+
+
+def measure_head_keeps(cells, choice: dict, plain: Policy, head_keeps: dict[int, tuple[float, ...]]) -> float:
+    """The joint chunk KL of a per-head-keep allocation (``JointMeasure``'s measurement with the keeps per KV
+    head): every unit ``(layer, role, head)`` quantized as ``choice`` says, each head's kept rows as a one-head
+    store holding only them would (``KeepCells.quantized``), and every layer attending over each head's kept rows
+    (``KeepCells.head_mask``). ``cells``: a ``keeps.KeepCells``; ``plain``: the policy without the ragged keeps
+    (its codec options and protection)."""
+    runner = cells.runner
+    ks, vs = list(runner.keys), list(runner.values)
+    for (layer, role, h), spec in sorted(choice.items()):
+        f = head_keeps.get(layer, (1.0,) * (h + 1))[h]
+        target = ks if role == "k" else vs
+        if target[layer] is (runner.keys if role == "k" else runner.values)[layer]:
+            target[layer] = target[layer].clone()
+        if evicts(f):
+            rows = cells.quantized(plain, spec, role, layer, h, cells.index(layer, f, plain.sink, plain.recent))
+        else:
+            rows = runner.quantized(plain, spec, role, layer, h)
+        target[layer][:, h:h + 1] = rows
+    masks = {layer: cells.head_mask(layer, fs, plain.sink, plain.recent)
+             for layer, fs in head_keeps.items() if any(evicts(f) for f in fs)}
+    start = min([u[0] for u in choice] + list(masks), default=0)
+    return cells.kl(ks, vs, masks, start=start)
+
+
+def keeps_text(axes: dict) -> str:
+    """The keeps of an allocation report's ``axes`` as one line: ``layer:keep`` per layer, or per KV head
+    ``layer:f0|f1|f2`` where a layer's heads differ (``head_keeps``)."""
+    if "head_keeps" in axes:
+        return " ".join(f"{layer}:" + (KEEP_SEP.join(map(fmt_head_keep, fs)) if len(set(fs)) > 1 else f"{fs[0]:g}")
+                        for layer, fs in axes["head_keeps"].items())
+    return " ".join(f"{r['layer']}:{r['keep']:g}" for r in axes["per_layer"])
