@@ -131,7 +131,7 @@ class AllocationReport:
             alloc["speed"] = self.speed.artifact_fields()
         if self.axes:
             alloc["axes"] = {k: self.axes[k] for k in ("axes", "keeps", "score", "window", "saved_by_codecs",
-                                                        "saved_by_eviction")}
+                                                        "saved_by_eviction", "keep_granularity") if k in self.axes}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
