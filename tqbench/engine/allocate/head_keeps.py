@@ -7,7 +7,7 @@ Pareto front (fewest bytes for each summed KL) of two kinds:
 
 - *uniform*: every head keeps the same ``f`` (written ``keep@L=f``, as ``solve_joint`` writes it; any codec);
 - *ragged*: the heads' keeps chosen independently (written ``keep@L=f0|f1|f2``, one value per KV head, ``|`` as in
-  codec head lists; a head keeping everything is ``1.0``, never ``1``, which would be a row count). A ragged layer
+  codec head lists; a head keeping everything is ``1``: a list's entries are fractions). A ragged layer
   is one store per KV head (as ``heads=ada``'s ``RaggedStore``): head ``h`` holds ``held_rows`` at its own keep, its
   own one-head store of its codec (sinks and the recent window fp16, the rest packed, its codec state), and the
   position of every row it holds (``bookkeeping_bytes``). So only codecs that pack each row on their own and are
@@ -57,8 +57,10 @@ KEEP_SEP = "|"
 
 
 def fmt_head_keep(f: float) -> str:
-    """One head's keep in ``keep@L=f0|f1``: ``1.0`` for a head keeping every row (``1`` would be one row)."""
-    return "1.0" if f >= 1 else f"{f:g}"
+    """One head's keep in ``keep@L=f0|f1``, as the policy language writes a per-head keep list's entries
+    (``policy.keep.fmt_keep`` on the ragged-heads branch: ``1`` for a head keeping every row, an entry of a list
+    being always a fraction; ``repr`` otherwise)."""
+    return "1" if f >= 1 else repr(float(f))
 
 
 def head_keep_text(plain: Policy, ragged: dict[int, tuple[float, ...]]) -> str:
