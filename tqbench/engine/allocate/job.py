@@ -396,13 +396,13 @@ def allocate_policy(
     if "tokens" in axes:
         report.seconds["keep_cells"] = round(t1 - tk, 2)  # of the sensitivity phase: recording + keep cells
         report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
-                       "window": base_pol.window, "keep_cells": {f"{layer}/{f:g}": kl for (layer, f), kl in
-                                                                   keep_kl.items()},
+                       "window": base_pol.window,  # keep cells: "L/f" per layer, "L.h/f" per KV head
+                       "keep_cells": {".".join(map(str, key[:-1])) + f"/{key[-1]:g}": kl
+                                      for key, kl in keep_kl.items()},
                        **(head_axis_split(hk, engine.geometry, context) if per_head else
                           axis_split(alloc.policy, engine.geometry, context))}
         if per_head:
             report.axes["keep_granularity"] = "head"
-            report.axes["keep_cells"] = {f"{layer}.{h}/{f:g}": kl for (layer, h, f), kl in keep_kl.items()}
             report.axes["head_keeps"] = {str(layer): list(fs) for layer, fs in sorted(hk.head_keeps.items())}
     if speed_rep is not None:
         report.speed = speed_rep
