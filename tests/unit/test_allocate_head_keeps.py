@@ -96,6 +96,12 @@ def test_never_over_budget_and_the_claimed_bytes_are_the_per_head_count(budget):
     assert parse_policy(plain_text).to_string() == plain_text
 
 
+def test_tokens_alone_per_head_keeps_fp16_rows():
+    alloc = solve_joint_heads(_table(("fp16",)), _head_kl(0), KEEPS, G, 10.0, CONTEXT, BASE)
+    assert alloc.text.startswith("k=fp16,v=fp16,") and alloc.ragged
+    assert alloc.estimate.total_bytes == _recount(alloc) <= budget_bytes(G, 10.0, CONTEXT, BASE)
+
+
 def test_a_ragged_layer_of_equal_keeps_is_estimate_kv():
     """The per-head rule (one-head stores + positions) equals estimate_kv's where both apply: a layer whose heads
     keep the same fraction, counted both ways, per-head codec lists included."""
