@@ -247,3 +247,26 @@ def test_keep_granularity_is_checked(tiny_engine):
                         ({"granularity": "layer"}, "use granularity head")):
         with pytest.raises(RequestError, match=msg):
             allocate_policy(tiny_engine, 3.5, **(SMALL | change))
+
+
+def test_calibrated_keys_only_in_layers_whose_heads_keep_alike(tiny_engine, tmp_path):
+    """pcaq keys are offered where a layer's heads keep the same fraction, never in a ragged layer; the bytes
+    are still the per-head count, never over."""
+    from tqbench.engine.calibrate import fit_transforms
+    from tqbench.engine.codecs.transforms_file import save_transforms
+
+    fit = save_transforms(fit_transforms(tiny_engine, ["prose", "code"], max_tokens=96), tmp_path / "fit.safetensors")
+    base = parse_policy(f"sink=4,recent=16,window=8,calib={fit}")
+    g = KVGeometry.from_config(tiny_engine.model.config)
+    kl = {(layer, role, h): ({"turbo2": 0.02, "pcaq2": 0.001} if role == "k" else {"turbo2": 0.02})
+          for layer in range(4) for role in "kv" for h in range(2)}
+    table = SensitivityTable(list(range(4)), ["turbo2", "pcaq2"], kl, heads=[0, 1],
+                             role_codecs={"k": ["turbo2", "pcaq2"], "v": ["turbo2"]})
+    seen = set()
+    for budget in (2.6, 3.0, 3.5, 4.5):
+        alloc = solve_joint_heads(table, _head_kl(0), KEEPS, g, budget, CONTEXT, base)
+        assert _recount(alloc) == alloc.estimate.total_bytes <= budget_bytes(g, budget, CONTEXT, base)
+        for layer, fs in alloc.head_keeps.items():
+            seen.add((len(set(fs)) > 1, "pcaq2" in alloc.k[layer]))
+            assert not (len(set(fs)) > 1 and "pcaq2" in alloc.k[layer])
+    assert (False, True) in seen and (True, False) in seen  # both kinds chosen somewhere

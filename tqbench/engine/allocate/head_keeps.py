@@ -242,7 +242,8 @@ def solve_joint_heads(table: SensitivityTable, head_keep_kl: dict[tuple[int, int
     fixed = fixed_bytes(table, base, g, context)
     quantum = max(1, -(-total_budget // DP_STEPS))
     per_row = {(role, s): per_row_codec(base, s, role) for role in ROLES for s in table.choices(role)}
-    lossless = {(role, s): base.build_codec(s, role).lossless for role in ROLES for s in table.choices(role)}
+    lossless = {(role, s): not is_calibrated_spec(s) and base.build_codec(s, role).lossless for role in ROLES
+                for s in table.choices(role)}  # (a calibrated codec is built per layer, and is never lossless)
     stores = {f: _unit_stores(table, with_keeps(base, dict.fromkeys(table.layers, f)), g, context) for f in keeps}
     bk = {f: bookkeeping_bytes(base.score, 1, 1, held_rows(context, context, f, base.sink, base.window, base.recent,
                                                            base.every)) for f in keeps}
