@@ -69,11 +69,15 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
                    "eviction by the base's score, fp16 rows) or bits,tokens (both, jointly).")
 @click.option("--keeps", default="1.0,0.75,0.5,0.25", show_default=True,
               help="Keep fractions offered per layer with the tokens axis.")
+@click.option("--keep-granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
+              help="One keep fraction per layer, or per KV head (keep@L=f0|f1|f2 where a layer's heads differ; "
+                   "with --granularity head and the tokens axis).")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
-             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, as_json):
+             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity,
+             as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
     import json
@@ -87,6 +91,9 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
 
     axes = parse_axes(axes)  # the engine's rules, before the model loads
     parse_keeps(keeps)
+    from tqbench.engine.allocate.head_job import check_keep_granularity
+
+    check_keep_granularity(keep_granularity, axes, granularity)
     check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)
@@ -124,7 +131,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                 max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
-                verify_speed=verify_speed, axes=axes, keeps=keeps)
+                verify_speed=verify_speed, axes=axes, keeps=keeps,
+                keep_granularity=keep_granularity)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)

@@ -34,11 +34,12 @@ def print_allocation(rep) -> None:
               f"{rep.setup['calibration']} ({rep.seconds['sensitivity']:.0f} s after a {rep.seconds.get('setup', 0):.0f} s "
               f"calibration prefill, {rep.seconds['threads']} threads)")
     if rep.axes:
-        keep = {r["layer"]: r["keep"] for r in rep.axes["per_layer"]}
+        from tqbench.engine.allocate.head_keeps import keeps_text
+
+        per = "KV head" if "head_keeps" in rep.axes else "layer"
         out.print(f"axes {','.join(rep.axes['axes'])} (score {rep.axes['score']}, window {rep.axes['window']}): bytes "
                   f"saved against fp16 by codecs {rep.axes['saved_by_codecs']}, by eviction "
-                  f"{rep.axes['saved_by_eviction']}; keep per layer: "
-                  + " ".join(f"{layer}:{keep[layer]:g}" for layer in rep.table.layers))
+                  f"{rep.axes['saved_by_eviction']}; keep per {per}: {keeps_text(rep.axes)}")
     for note in rep.notes:
         out.print(f"note: {note}")
     if rep.speed is not None:

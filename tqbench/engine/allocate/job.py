@@ -28,6 +28,9 @@ import torch
 from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
+from tqbench.engine.allocate.head_job import NOTE as HEAD_NOTE
+from tqbench.engine.allocate.head_job import check_keep_granularity, head_keep_cells, needed_keys, solve_heads
+from tqbench.engine.allocate.head_keeps import head_axis_split
 from tqbench.engine.allocate.joint import axis_split, solve_joint
 from tqbench.engine.allocate.keeps import (
     DEFAULT_AXES,
@@ -128,7 +131,7 @@ class AllocationReport:
             alloc["speed"] = self.speed.artifact_fields()
         if self.axes:
             alloc["axes"] = {k: self.axes[k] for k in ("axes", "keeps", "score", "window", "saved_by_codecs",
-                                                        "saved_by_eviction")}
+                                                        "saved_by_eviction", "keep_granularity") if k in self.axes}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
@@ -210,6 +213,7 @@ def allocate_policy(
     decode_costs: DecodeCosts | None = None,
     axes: str | tuple[str, ...] = DEFAULT_AXES,
     keeps: str | tuple[float, ...] = KEEP_CHOICES,
+    keep_granularity: str = "layer",
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
@@ -225,6 +229,8 @@ def allocate_policy(
     ``decode_costs``: the cost table to predict with (default: measured on this machine, cached).
     ``axes``: ``bits`` (codec widths), ``tokens`` (a keep fraction per layer among ``keeps``, evicted by
     ``base``'s score and window: ``keeps.py``, ``joint.py``) or both; ``tokens`` alone keeps every row fp16.
+    ``keep_granularity``: ``layer`` (one keep per layer) or ``head`` (one per KV head, with ``granularity`` head:
+    ``head_job.py``, ``head_keeps.py``).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
@@ -236,6 +242,8 @@ def allocate_policy(
     notes: list[str] = []
     axes = parse_axes(axes)
     keep_choices = parse_keeps(keeps) if "tokens" in axes else (1.0,)
+    check_keep_granularity(keep_granularity, axes, granularity)
+    per_head = keep_granularity == "head"
     if base_pol.evicts:
         raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
                            "from the base and search the tokens axis")
@@ -291,7 +299,10 @@ def allocate_policy(
     t0, c0 = time.perf_counter(), time.process_time()
     runner = None
     need_keep = [(layer, f) for layer in _table_layers(engine, base_pol) for f in keep_choices if f < 1
-                 and keep_key(layer, base_pol.score, base_pol.window, f) not in known]
+                 and keep_key(layer, base_pol.score, base_pol.window, f) not in known and not per_head]
+    if per_head:
+        need_keep = [k for k in needed_keys(_table_layers(engine, base_pol), engine.geometry.kv_heads, keep_choices,
+                                            base_pol) if k not in known]
     if max_measurements or not known or need_keep:
         emit(on_event, Progress("setup", 0, 1, f"exact prefill of {calib.ids.shape[0]} x {calib_prefill} "
                                                "calibration tokens"))
@@ -307,8 +318,14 @@ def allocate_policy(
     keep_cells = KeepCells(runner, base_pol.score, base_pol.window) if runner is not None and "tokens" in axes else None
     keep_kl = {}
     keep_resumed = sum(1 for layer in table.layers for f in keep_choices
-                       if f < 1 and keep_key(layer, base_pol.score, base_pol.window, f) in known)
-    for i, (layer, f) in enumerate((layer, f) for layer in table.layers for f in keep_choices if f < 1):
+                       if f < 1 and keep_key(layer, base_pol.score, base_pol.window, f) in known and not per_head)
+    if per_head:
+        heads = engine.geometry.kv_heads
+        keep_kl = head_keep_cells(keep_cells, table.layers, heads, keep_choices, base_pol, known, cells, persist,
+                                  on_event, cancel)
+        keep_resumed = sum(1 for k in needed_keys(table.layers, heads, keep_choices, base_pol) if k in known)
+    for i, (layer, f) in enumerate((layer, f) for layer in table.layers for f in keep_choices
+                                   if f < 1 and not per_head):
         key = keep_key(layer, base_pol.score, base_pol.window, f)
         emit(on_event, Progress("keep", i, len(table.layers) * (len(keep_choices) - 1), f"layer {layer} keep={f:g}"))
         if key not in known:
@@ -334,7 +351,12 @@ def allocate_policy(
     if "tokens" in axes:
         def joint(tab, geo, bud, ctx, pol, nm):
             return solve_joint(tab, keep_kl, keep_choices, geo, bud, ctx, pol, nm)
-    if max_measurements and measure is not None:
+    if per_head:
+        hk, alloc, measured, steps = solve_heads(table, keep_kl, keep_choices, engine.geometry, budget, context,
+                                                 base_pol, name or f"alloc-{budget:g}bit", keep_cells,
+                                                 bool(max_measurements and keep_cells is not None))
+        notes.append(HEAD_NOTE)
+    elif max_measurements and measure is not None:
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
                                          name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel,
@@ -374,9 +396,14 @@ def allocate_policy(
     if "tokens" in axes:
         report.seconds["keep_cells"] = round(t1 - tk, 2)  # of the sensitivity phase: recording + keep cells
         report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
-                       "window": base_pol.window, "keep_cells": {f"{layer}/{f:g}": kl for (layer, f), kl in
-                                                                   keep_kl.items()},
-                       **axis_split(alloc.policy, engine.geometry, context)}
+                       "window": base_pol.window,  # keep cells: "L/f" per layer, "L.h/f" per KV head
+                       "keep_cells": {".".join(map(str, key[:-1])) + f"/{key[-1]:g}": kl
+                                      for key, kl in keep_kl.items()},
+                       **(head_axis_split(hk, engine.geometry, context) if per_head else
+                          axis_split(alloc.policy, engine.geometry, context))}
+        if per_head:
+            report.axes["keep_granularity"] = "head"
+            report.axes["head_keeps"] = {str(layer): list(fs) for layer, fs in sorted(hk.head_keeps.items())}
     if speed_rep is not None:
         report.speed = speed_rep
         report.seconds.update(speed=round(t_speed - t1, 2), speed_costs_cached=costs_cached,

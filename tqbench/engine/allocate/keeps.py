@@ -11,8 +11,10 @@
   is the same softmax as attending over the gathered kept rows. The kept rows are quantized as a store holding
   only them would (``quantized_rows`` on the gathered rows, scattered back).
 
-Keep choices are per layer: a store holds the same row count for every KV head of a layer (each head chooses its
-own rows), so a per-head keep would need ragged stores.
+Keep choices are per layer (``cell``) or per (layer, KV head) (``head_cell``: only that head evicts, the layer's
+other heads keep every row; its kept rows are the same ones the layer cell keeps for that head, since each head
+chooses its own). A layer whose heads keep different fractions is a ragged store (``keep@L=f0|f1|f2``); the
+per-head solve is ``head_keeps.solve_joint_heads``.
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def parse_keeps(value) -> tuple[float, ...]:
 def keep_key(layer: int, score: str, window: int, keep: float) -> str:
     """A keep cell's key in the partial results file: ``L/keep/<score>.w<window>.<keep>``."""
     return f"{layer}/keep/{score}.w{window}.{keep:g}"
+
+
+def head_keep_key(layer: int, head: int, score: str, window: int, keep: float) -> str:
+    """A per-head keep cell's key in the partial results file: ``L.h/keep/<score>.w<window>.<keep>``."""
+    return f"{layer}.{head}/keep/{score}.w{window}.{keep:g}"
 
 
 def _register() -> None:
@@ -232,6 +239,23 @@ class KeepCells:
         """The chunk KL of ``layer`` alone evicting to ``keep`` (its kept rows exact)."""
         idx = self.index(layer, keep, sink, recent)
         return self.kl(list(self.runner.keys), list(self.runner.values), {layer: self.mask(idx)}, start=layer)
+
+    def head_mask(self, layer: int, keeps, sink: int, recent: int) -> torch.Tensor:
+        """Kept rows [B, H, P] of ``layer`` with KV head ``h`` keeping ``keeps[h]`` (1.0: every row)."""
+        k = self.runner.keys[layer]
+        out = torch.ones(k.shape[0], len(keeps), self.runner.prefill, dtype=torch.bool, device=k.device)
+        for h, f in enumerate(keeps):
+            if evicts(f):
+                out[:, h] = self.mask(self.index(layer, f, sink, recent))[:, h]
+        return out
+
+    def head_cell(self, layer: int, head: int, keep, sink: int, recent: int) -> float:
+        """The chunk KL of KV head ``head`` of ``layer`` alone evicting to ``keep`` (the layer's other heads and
+        every other layer keep all their rows; the kept rows exact): one chunk forward, as ``cell``."""
+        keeps = [1.0] * self.runner.keys[layer].shape[1]
+        keeps[head] = keep
+        return self.kl(list(self.runner.keys), list(self.runner.values),
+                       {layer: self.head_mask(layer, keeps, sink, recent)}, start=layer)
 
 
 def layer_keeps(policy, geometry) -> dict[int, float | int]:

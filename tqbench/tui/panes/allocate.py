@@ -21,6 +21,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, Label, ProgressBar, Select
 
+from tqbench.engine.allocate.head_keeps import keeps_text
 from tqbench.engine.codecs import is_calibrated_spec, is_head_list, split_head_list
 from tqbench.engine.request import RequestError
 from tqbench.tui.panes.jobs import cancel_job, engine_for_job, finish_job, run_engine_job
@@ -335,7 +336,7 @@ class AllocatePanel(Vertical):
             + (f" · {rep.unseen.kl_mean:.4f} on {rep.unseen.text}" if rep.unseen else "")
             + f" · {rep.measured_cells} cells measured, {rep.resumed_cells} reused · kept as {a.policy.label}"
             + (f" · bytes saved by codecs {rep.axes['saved_by_codecs']}, by eviction {rep.axes['saved_by_eviction']};"
-               " keep per layer " + " ".join(f"{r['layer']}:{r['keep']:g}" for r in rep.axes["per_layer"])
+               " keep per layer " + keeps_text(rep.axes)
                if rep.axes else ""))
         self._builder().keep_policy(a.policy.label, a.policy.to_string())
         self.redraw_plot()
