@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from tests.unit.families.refused_falcon import WHY, refused_falcon
 from tests.unit.families.short_windows import short_window_model
 from tqbench.engine.cache import TQCache, UnsupportedModelError, model_geometry
 from tqbench.engine.cache.fused import FusedUnsupportedError, reference_fused_attention
-from tqbench.engine.cache.geometry import falcon_attention_interface
 from tqbench.engine.cache.tqcache import TQLayer
 from tqbench.engine.engine import Engine
 from tqbench.engine.models.families import family_config, family_model
@@ -151,21 +151,13 @@ def test_sliding_option_in_plans_and_strings():
 
 
 # ---- refusals -------------------------------------------------------------------------------------
-def _refused_falcon() -> Engine:
-    """A Falcon the fused mode refuses: any Falcon before transformers 5.25 (no AttentionInterface), an ALiBi one
-    from 5.25 (its position bias rides in the mask)."""
-    return Engine(family_model("falcon", alibi=True) if falcon_attention_interface() else family_model("falcon"))
-
-
 def test_falcon_fused_is_refused_before_generation_and_the_engine_stays_usable():
-    eng = _refused_falcon()
+    eng = Engine(refused_falcon())
     before = _gen(eng, None, "compressed").token_ids
     with pytest.raises(FusedUnsupportedError) as err:
         _gen(eng, "turbo4", "fused")
     msg = str(err.value)
-    why = ("its ALiBi position bias reaches attention inside the attention mask" if falcon_attention_interface()
-           else "its attention does not go through transformers' AttentionInterface")
-    assert msg.startswith(f"FalconForCausalLM cannot run the fused cache mode: {why}")
+    assert msg.startswith(f"FalconForCausalLM cannot run the fused cache mode: {WHY}")
     assert "use cache mode compressed / simulate / dense-shadow" in msg
     assert eng.model.config._attn_implementation == "sdpa"
     assert _gen(eng, None, "compressed").token_ids == before
@@ -233,7 +225,7 @@ def test_serving_falcon_fused_is_refused_at_startup():
     from tqbench.server import create_app
 
     with pytest.raises(FusedUnsupportedError, match="^FalconForCausalLM cannot run the fused cache mode"):
-        create_app(_refused_falcon(), cache_mode="fused")
+        create_app(Engine(refused_falcon()), cache_mode="fused")
 
 
 def test_a_changed_preset_is_labelled_by_its_string():
