@@ -1,4 +1,5 @@
-"""The workbench on a family that cannot run fused (Falcon): the refusal is shown, the app stays usable."""
+"""The workbench on a family that cannot run fused (Falcon before transformers 5.25, ALiBi Falcon from it): the
+refusal is shown, the app stays usable."""
 
 import dataclasses
 
@@ -6,8 +7,8 @@ import pytest
 from textual.widgets import Input
 from tui_helpers import notes, plain, wait_for
 
+from tests.unit.families.refused_falcon import WHY, refused_falcon
 from tqbench.engine.engine import Engine
-from tqbench.engine.models.families import family_model
 from tqbench.tui.app import WorkbenchApp, WorkbenchOptions
 
 pytestmark = pytest.mark.anyio
@@ -23,15 +24,14 @@ async def _run(app, pilot, mode: str) -> None:
 
 
 async def test_falcon_fused_is_refused_in_the_workbench_and_compressed_still_runs(data_dir):
-    loaded = family_model("falcon")
+    loaded = refused_falcon()
     engine = Engine(dataclasses.replace(loaded, load_seconds=1.0, threads=1))
     app = WorkbenchApp(WorkbenchOptions(model="tiny-falcon"), engine=engine)
     async with app.run_test(size=(120, 40)) as pilot:
         await _run(app, pilot, "fused")
         assert app.run_pane.status == "failed"
         shown = [m for m in notes(app) if "cannot run the fused cache mode" in m]
-        assert shown and shown[0].startswith("FalconForCausalLM cannot run the fused cache mode: its attention "
-                                             "does not go through transformers' AttentionInterface")
+        assert shown and shown[0].startswith(f"FalconForCausalLM cannot run the fused cache mode: {WHY}")
         assert "use cache mode compressed / simulate / dense-shadow" in shown[0]
         await _run(app, pilot, "compressed")
         assert app.run_pane.status == "done" and app.is_running

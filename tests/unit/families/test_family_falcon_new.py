@@ -1,8 +1,10 @@
 """Falcon with the new decoder layout (``new_decoder_architecture``, as Falcon-40B/180B): its attention computes
-``num_kv_heads`` K/V groups but hands the cache one row per query head (broadcast before the cache), so the
-geometry counts ``num_attention_heads`` rows. A random-weight one (4 query heads, 2 KV groups, float64) runs
-every mode but fused (Falcon has no AttentionInterface) with exact tokens where the mode promises them, and bytes
-equal to the config-only estimate; a cache handed other rows than the geometry's is still refused."""
+``num_kv_heads`` K/V groups. Before transformers 5.25 it hands the cache one row per query head (broadcast before
+the cache) and has no AttentionInterface (fused refused); from 5.25 it caches the groups and repeats them after
+the cache, through the AttentionInterface (fused runs). The geometry counts what the installed version hands over.
+A random-weight one (4 query heads, 2 KV groups, float64) runs every mode with exact tokens where the mode
+promises them, and bytes equal to the config-only estimate; a cache handed other rows than the geometry's is
+still refused."""
 
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from transformers import DynamicCache
 from tqbench.engine.cache import KVGeometry, TQCache, UnsupportedModelError
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.cache.fused import FusedUnsupportedError
+from tqbench.engine.cache.geometry import falcon_attention_interface
 from tqbench.engine.engine import Engine
 from tqbench.engine.models.families import family_config, family_model
 from tqbench.engine.validate.quality import corpus_ids
 
 NEW_LAYOUT = {"new_decoder_architecture": True, "num_kv_heads": 2}
 NEW = 8
+#: the rows per token the cache holds: the 2 groups (5.25+) or one per query head (before)
+ROWS = 2 if falcon_attention_interface() else 4
 
 
 @functools.cache
@@ -46,7 +51,7 @@ def plain_generate() -> list[int]:
 def test_the_geometry_is_the_rows_the_attention_hands_the_cache():
     cfg = family_config("falcon", **NEW_LAYOUT)
     assert (cfg.new_decoder_architecture, cfg.num_kv_heads, cfg.num_attention_heads) == (True, 2, 4)
-    assert KVGeometry.from_config(cfg) == KVGeometry(num_layers=4, kv_heads=4, head_dim=32)
+    assert KVGeometry.from_config(cfg) == KVGeometry(num_layers=4, kv_heads=ROWS, head_dim=32)
     seen = []
 
     class Recording(DynamicCache):
@@ -56,7 +61,7 @@ def test_the_geometry_is_the_rows_the_attention_hands_the_cache():
 
     with torch.inference_mode():
         engine().model(prompt()[:, :5], cache=Recording(config=engine().config))
-    assert set(seen) == {(1, 4, 5, 32)}  # 4 rows per token: one per query head, not the 2 groups
+    assert set(seen) == {(1, ROWS, 5, 32)}
 
 
 @pytest.mark.parametrize("policy,mode", [("fp16", "dense-shadow"), ("fp16", "compressed"), ("turbo4", "dense-shadow"),
@@ -73,14 +78,24 @@ def test_new_layout_falcon_runs_with_exact_tokens_and_counted_bytes(policy, mode
     rep = r.cache_report
     est = estimate_kv(policy, engine().geometry, rep.tokens)
     assert rep.compressed_storage_bytes == est.total_bytes
-    assert rep.dense_fp16_bytes == est.dense_fp16_bytes == 4 * 4 * rep.tokens * (32 + 32) * 2
+    assert rep.dense_fp16_bytes == est.dense_fp16_bytes == 4 * ROWS * rep.tokens * (32 + 32) * 2
 
 
-def test_new_layout_falcon_still_refuses_fused_and_true_mismatches():
-    with pytest.raises(FusedUnsupportedError, match="^FalconForCausalLM cannot run the fused cache mode"):
-        engine().generate(prompt(), "turbo4", "fused", max_new_tokens=2, stop_at_eos=False)
+def test_new_layout_falcon_fused_runs_from_5_25_and_is_refused_before():
+    if falcon_attention_interface():
+        r = engine().generate(prompt(), "turbo4", "fused", max_new_tokens=NEW, stop_at_eos=False)
+        ref = engine().generate(prompt(), "turbo4", "compressed", max_new_tokens=NEW, stop_at_eos=False)
+        assert r.token_ids == ref.token_ids  # float64: the same dequantized rows
+        assert r.cache_report.compressed_storage_bytes == ref.cache_report.compressed_storage_bytes
+    else:
+        with pytest.raises(FusedUnsupportedError, match="^FalconForCausalLM cannot run the fused cache mode"):
+            engine().generate(prompt(), "turbo4", "fused", max_new_tokens=2, stop_at_eos=False)
+
+
+def test_a_cache_handed_other_rows_than_the_geometry_is_refused():
     cache = TQCache("turbo4", family_config("falcon", **NEW_LAYOUT), "compressed")
-    k = torch.zeros(1, 2, 3, 32)  # the 2 groups, not broadcast: not what this config's attention hands over
-    with pytest.raises(UnsupportedModelError, match="hands the cache K/V with 2 heads, K head dim 32 and V head dim "
-                                                    "32, but its config reads as 4 KV heads"):
+    other = 6 - ROWS  # 4 when the geometry counts the 2 groups, 2 when it counts one row per query head
+    k = torch.zeros(1, other, 3, 32)
+    with pytest.raises(UnsupportedModelError, match=f"hands the cache K/V with {other} heads, K head dim 32 and V "
+                                                    f"head dim 32, but its config reads as {ROWS} KV heads"):
         cache.update(k, k, 0)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from tests.unit.families.refused_falcon import WHY, refused_falcon
 from tests.unit.families.short_windows import short_window_model
 from tqbench.engine.cache import TQCache, UnsupportedModelError, model_geometry
 from tqbench.engine.cache.fused import FusedUnsupportedError, reference_fused_attention
@@ -151,13 +152,12 @@ def test_sliding_option_in_plans_and_strings():
 
 # ---- refusals -------------------------------------------------------------------------------------
 def test_falcon_fused_is_refused_before_generation_and_the_engine_stays_usable():
-    eng = Engine(family_model("falcon"))
+    eng = Engine(refused_falcon())
     before = _gen(eng, None, "compressed").token_ids
     with pytest.raises(FusedUnsupportedError) as err:
         _gen(eng, "turbo4", "fused")
     msg = str(err.value)
-    assert msg.startswith("FalconForCausalLM cannot run the fused cache mode: its attention does not go through "
-                          "transformers' AttentionInterface")
+    assert msg.startswith(f"FalconForCausalLM cannot run the fused cache mode: {WHY}")
     assert "use cache mode compressed / simulate / dense-shadow" in msg
     assert eng.model.config._attn_implementation == "sdpa"
     assert _gen(eng, None, "compressed").token_ids == before
@@ -225,7 +225,7 @@ def test_serving_falcon_fused_is_refused_at_startup():
     from tqbench.server import create_app
 
     with pytest.raises(FusedUnsupportedError, match="^FalconForCausalLM cannot run the fused cache mode"):
-        create_app(Engine(family_model("falcon")), cache_mode="fused")
+        create_app(Engine(refused_falcon()), cache_mode="fused")
 
 
 def test_a_changed_preset_is_labelled_by_its_string():

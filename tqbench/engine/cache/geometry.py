@@ -68,13 +68,23 @@ def check_supported(config) -> None:
 
 
 def falcon_cache_heads(cfg) -> int:
-    """The K/V rows per token a Falcon layer hands the cache. Falcon-7B style (``multi_query``): one; without it:
-    one per head. The new decoder layout (Falcon-40B/180B, ``new_decoder_architecture``) computes
-    ``num_kv_heads`` groups but broadcasts them to one row per query head before the cache (transformers'
-    ``FalconAttention._split_heads``), so its cache, the fp16 one included, holds ``num_attention_heads`` rows."""
-    if cfg.new_decoder_architecture or not cfg.multi_query:
+    """The K/V rows per token a Falcon layer hands the cache. Falcon-7B style (``multi_query``): one; the new
+    decoder layout (Falcon-40B/180B, ``new_decoder_architecture``): its ``num_kv_heads`` groups from transformers
+    5.25 on (an ``AttentionInterface`` layer that repeats the groups after the cache), one row per query head
+    before (``FalconAttention._split_heads`` broadcast the groups before the cache); otherwise one per head."""
+    if cfg.new_decoder_architecture:
+        return cfg.num_kv_heads if falcon_attention_interface() else cfg.num_attention_heads
+    if not cfg.multi_query:
         return cfg.num_attention_heads
     return 1
+
+
+def falcon_attention_interface() -> bool:
+    """True when transformers' Falcon caches its KV groups as they are (5.25+: ``FalconAttention`` goes through
+    ``AttentionInterface`` and repeats the groups after the cache)."""
+    from transformers.models.falcon import modeling_falcon
+
+    return hasattr(modeling_falcon, "eager_attention_forward")
 
 
 #: full-precision rows (sinks, recent window, partial blocks, the fp16 baseline) are counted as fp16, the deployment

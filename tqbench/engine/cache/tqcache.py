@@ -84,7 +84,7 @@ class TQCache(Cache):
             self._shape_checked = True
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def activate_past_recording(self, prompt_tokens: int | None = None) -> None:
+    def activate_past_recording(self, prompt_tokens: int | None = None, **kwargs) -> None:
         """Speculative decoding from here on (transformers' assisted generation calls this before its first
         forward call): every call can be cropped back exactly, and a call's rows after the prompt are verified
         as draft tokens, each reading keys at the precision of one-at-a-time decoding.
@@ -92,7 +92,8 @@ class TQCache(Cache):
         ``prompt_tokens``: how many of the next call's rows are prompt (a prefill: they attend exactly among
         themselves). transformers' first assisted call feeds the prompt and the first draft together, so when
         called from its ``_assisted_decoding`` the prompt length is read from that function's ``input_ids``;
-        otherwise it defaults to 0 (every row from now on is a decode row)."""
+        otherwise it defaults to 0 (every row from now on is a decode row). Other keywords (transformers 5.25's
+        ``recurrent_states_to_keep``, for linear-attention layers) go to the layers that are not tqbench's."""
         if any(isinstance(la, TQLayer) and la.evictor is not None for la in self.layers):
             raise ValueError(EVICT_NO_CROP)
         lossy = any(isinstance(la, TQLayer) and not la.lossless for la in self.layers)
@@ -112,7 +113,7 @@ class TQCache(Cache):
             if isinstance(layer, TQLayer):
                 layer.activate_past_recording(held + prompt_tokens)
             elif hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+                layer.activate_past_recording(**kwargs)
 
     @property
     def evicts(self) -> bool:

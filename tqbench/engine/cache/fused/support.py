@@ -1,7 +1,8 @@
 """Which models can run the ``fused`` cache mode, and the error for those that cannot.
 
 The fused mode swaps the model's attention function through transformers' ``AttentionInterface``, so a
-model must (1) route its attention through that interface (Falcon, for one, calls SDPA directly), (2) have
+model must (1) route its attention through that interface (Falcon before transformers 5.25 calls SDPA directly)
+and take its positions from rotary keys, not an ALiBi bias carried in the mask (ALiBi Falcon), (2) have
 had an implementation whose masks are tensors (eager, sdpa; flex attention's block masks and flash
 attention's varlen metadata are not), (3) be a plain attention decoder (no state-space / linear-attention
 layers, whose state the compressed cache does not hold) and (4) hand the cache the K/V rows attention reads
@@ -64,6 +65,11 @@ def check_fused_support(model, current: str | None) -> None:
         raise FusedUnsupportedError(
             name, "its attention does not go through transformers' AttentionInterface (it calls its kernels "
             "directly), so the fused attention cannot be installed",
+        )
+    if getattr(model.config, "alibi", False):
+        raise FusedUnsupportedError(
+            name, "its ALiBi position bias reaches attention inside the attention mask, which the fused attention "
+            "does not read (it builds its own causal masks)",
         )
     if current not in ROUTABLE:
         raise FusedUnsupportedError(
