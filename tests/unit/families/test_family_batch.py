@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from tests.unit.families.short_windows import short_window_model
+from tests.unit.families.test_family_matrix import NO_FUSED
 from tqbench.engine.batch import decode_step, why_not_batched
 from tqbench.engine.engine import Engine
 from tqbench.engine.models.families import FAMILIES
 from tqbench.engine.validate.quality import corpus_ids
 
-NO_FUSED = ("falcon", "deepseek_v3")  # refuse the fused mode (test_family_refusals.py)
 LENGTHS = (40, 27, 33)
 BUDGETS = (8, 11, 5)
 POLICY = "turbo4,recent=4,sink=2"

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from tests.unit.families.short_windows import short_window_model
+from tests.unit.families.test_family_matrix import NO_FUSED
 from tqbench.constants import CACHE_MODES
 from tqbench.engine.cache.fused import FusedUnsupportedError
-from tqbench.engine.cache.geometry import falcon_attention_interface
 from tqbench.engine.engine import Engine
 from tqbench.engine.models.families import FAMILIES
 from tqbench.engine.validate.quality import corpus_ids
 
 #: packs rows on the families' 8-token sliding windows too, and inside a 4-token verification call
 POLICY = "turbo4,recent=4"
-NO_FUSED = ("deepseek_v3",) if falcon_attention_interface() else ("falcon", "deepseek_v3")  # Falcon: 5.25+ fused
 NEW = 16
 
 
