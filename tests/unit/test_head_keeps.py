@@ -308,7 +308,8 @@ def test_family_matrix(family):
         assert [row.head_tokens for row in r.cache_report.layers] == [tuple(h) for h in est.head_rows]
     full = [p.layer for p in parse_policy(pol).plan(eng.geometry.num_layers, list(eng.geometry.layer_types or []) or
                                                      None) if p.evicts]
-    assert [i for i, h in enumerate(est.head_rows) if h] == full  # every full-attention layer evicts per head
+    # every full-attention layer evicts per head (one KV head, as multi-query Falcon: a one-entry list is uniform)
+    assert [i for i, h in enumerate(est.head_rows) if h] == (full if heads > 1 else [])
     assert full or family in ("mistral", "phi3")  # (these two slide on every layer: they hold their window)
     if "fused" in runs:
         rep = runs["fused"].cache_report
