@@ -111,8 +111,16 @@ class Engine:
             return cache
         check_mode(cache_mode)
         checked = self.check_policy(policy)
-        if cache_mode == "fused" or checked.policy.evicts:  # eviction scores read the queries in that function
+        if cache_mode == "fused":
             self.enable_fused()
+        elif checked.policy.evicts:  # eviction scores read the queries in that function
+            from tqbench.engine.cache.fused import FusedUnsupportedError
+            from tqbench.engine.cache.fused.support import EvictionUnsupportedError
+
+            try:
+                self.enable_fused()
+            except FusedUnsupportedError as exc:
+                raise EvictionUnsupportedError(exc) from None
         if checked.warning:
             warnings.warn(checked.warning, stacklevel=2)
         self.check_transforms(checked.policy)

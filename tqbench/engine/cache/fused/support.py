@@ -42,6 +42,17 @@ def remember_previous(config, implementation: str) -> None:
     _PREVIOUS[key] = (weakref.ref(config, lambda _ref: _PREVIOUS.pop(key, None)), implementation)
 
 
+class EvictionUnsupportedError(FusedUnsupportedError):
+    """A policy that evicts tokens cannot run on this model in any mode: eviction ranks rows by the queries that
+    tqbench's attention function records, and the model cannot take that function (same reasons as fused)."""
+
+    def __init__(self, refused: FusedUnsupportedError) -> None:
+        ValueError.__init__(self, f"{refused.model_class} cannot evict tokens (keep=) in any cache mode: eviction "
+                            "ranks rows by the queries tqbench's attention function records, and "
+                            f"{refused.reason}; run this model with a policy that keeps every token (no keep=)")
+        self.model_class, self.reason, self.modes = refused.model_class, refused.reason, ()
+
+
 def forget_previous(config) -> None:
     _PREVIOUS.pop(id(config), None)
 
