@@ -44,7 +44,7 @@ def head_keep_cells(keep_cells, layers, heads: int, keeps, base, known: dict, ce
     todo = [(layer, h, f) for layer in layers for h in range(heads) for f in keeps if f < 1]
     out = {}
     for i, (layer, h, f) in enumerate(todo):
-        key = head_keep_key(layer, h, base.score, base.window, f)
+        key = head_keep_key(layer, h, base.score, base.window, f, base.chunk)
         emit(on_event, Progress("keep", i, len(todo), f"layer {layer} head {h} keep={f:g}"))
         if key not in known:
             raise_if_cancelled(cancel, "allocate")
@@ -54,7 +54,7 @@ def head_keep_cells(keep_cells, layers, heads: int, keeps, base, known: dict, ce
 
 
 def needed_keys(layers, heads: int, keeps, base) -> list[str]:
-    return [head_keep_key(layer, h, base.score, base.window, f) for layer in layers for h in range(heads)
+    return [head_keep_key(layer, h, base.score, base.window, f, base.chunk) for layer in layers for h in range(heads)
             for f in keeps if f < 1]
 
 

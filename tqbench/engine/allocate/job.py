@@ -299,7 +299,7 @@ def allocate_policy(
     t0, c0 = time.perf_counter(), time.process_time()
     runner = None
     need_keep = [(layer, f) for layer in _table_layers(engine, base_pol) for f in keep_choices if f < 1
-                 and keep_key(layer, base_pol.score, base_pol.window, f) not in known and not per_head]
+                 and keep_key(layer, base_pol.score, base_pol.window, f, base_pol.chunk) not in known and not per_head]
     if per_head:
         need_keep = [k for k in needed_keys(_table_layers(engine, base_pol), engine.geometry.kv_heads, keep_choices,
                                             base_pol) if k not in known]
@@ -315,10 +315,10 @@ def allocate_policy(
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
     tk = time.perf_counter()
-    keep_cells = KeepCells(runner, base_pol.score, base_pol.window) if runner is not None and "tokens" in axes else None
+    keep_cells = KeepCells(runner, base_pol.score, base_pol.window, base_pol.chunk) if runner is not None and "tokens" in axes else None
     keep_kl = {}
     keep_resumed = sum(1 for layer in table.layers for f in keep_choices
-                       if f < 1 and keep_key(layer, base_pol.score, base_pol.window, f) in known and not per_head)
+                       if f < 1 and keep_key(layer, base_pol.score, base_pol.window, f, base_pol.chunk) in known and not per_head)
     if per_head:
         heads = engine.geometry.kv_heads
         keep_kl = head_keep_cells(keep_cells, table.layers, heads, keep_choices, base_pol, known, cells, persist,
@@ -326,7 +326,7 @@ def allocate_policy(
         keep_resumed = sum(1 for k in needed_keys(table.layers, heads, keep_choices, base_pol) if k in known)
     for i, (layer, f) in enumerate((layer, f) for layer in table.layers for f in keep_choices
                                    if f < 1 and not per_head):
-        key = keep_key(layer, base_pol.score, base_pol.window, f)
+        key = keep_key(layer, base_pol.score, base_pol.window, f, base_pol.chunk)
         emit(on_event, Progress("keep", i, len(table.layers) * (len(keep_choices) - 1), f"layer {layer} keep={f:g}"))
         if key not in known:
             raise_if_cancelled(cancel, "allocate")

@@ -82,14 +82,18 @@ def parse_keeps(value) -> tuple[float, ...]:
     return tuple(sorted(set(out) | {1.0}, reverse=True))
 
 
-def keep_key(layer: int, score: str, window: int, keep: float) -> str:
-    """A keep cell's key in the partial results file: ``L/keep/<score>.w<window>.<keep>``."""
-    return f"{layer}/keep/{score}.w{window}.{keep:g}"
+def _ranking(score: str, window: int, chunk: int) -> str:
+    return f"{score}.w{window}" + (f".c{chunk}" if chunk > 1 else "")
 
 
-def head_keep_key(layer: int, head: int, score: str, window: int, keep: float) -> str:
-    """A per-head keep cell's key in the partial results file: ``L.h/keep/<score>.w<window>.<keep>``."""
-    return f"{layer}.{head}/keep/{score}.w{window}.{keep:g}"
+def keep_key(layer: int, score: str, window: int, keep: float, chunk: int = 1) -> str:
+    """A keep cell's key in the partial results file: ``L/keep/<score>.w<window>[.c<chunk>].<keep>``."""
+    return f"{layer}/keep/{_ranking(score, window, chunk)}.{keep:g}"
+
+
+def head_keep_key(layer: int, head: int, score: str, window: int, keep: float, chunk: int = 1) -> str:
+    """A per-head keep cell's key in the partial results file: ``L.h/keep/<score>.w<window>[.c<chunk>].<keep>``."""
+    return f"{layer}.{head}/keep/{_ranking(score, window, chunk)}.{keep:g}"
 
 
 def _register() -> None:
@@ -168,16 +172,16 @@ def _through(model, **state):
 
 class KeepCells:
     """Kept rows per (layer, keep) for a ``ChunkRunner``'s calibration prefill under a policy's eviction
-    options (score, window) and protection (sink, recent); the chunk KL with layers evicting."""
+    options (score, window, chunk) and protection (sink, recent); the chunk KL with layers evicting."""
 
-    def __init__(self, runner, score: str = "snapkv", window: int = 32) -> None:
+    def __init__(self, runner, score: str = "snapkv", window: int = 32, chunk: int = 1) -> None:
         if score not in CELL_SCORES:
             raise RequestError("score", score, f"a keep cell is measured at prefill: use one of "
                                                f"{', '.join(CELL_SCORES)} (h2o accumulates decode-time attention)")
         if any(w is not None for w in runner.windows):
             raise ValueError("the tokens axis evicts full-attention layers only, and this model has sliding-window "
                              "layers the chunk runner reads through their own stores: allocate with bits alone")
-        self.runner, self.score, self.window = runner, score, window
+        self.runner, self.score, self.window, self.chunk = runner, score, window, chunk
         self._idx: dict[tuple, torch.Tensor] = {}
         rec = {"q": {}, "scaling": {}, "window": window}
         with _through(runner.model, record=rec), torch.inference_mode():
@@ -197,6 +201,9 @@ class KeepCells:
             head, tail = protected_rows(p, sink, self.window, recent)
             with torch.inference_mode():
                 s = self._score(layer, k, v)
+                if self.chunk > 1:
+                    pos = torch.arange(p, device=k.device).view(1, 1, p).expand(k.shape[0], k.shape[1], p)
+                    s = scores.chunked(s, pos, self.chunk)
                 self._idx[key] = select_kept(s, p, target, head, tail)
         return self._idx[key]
 

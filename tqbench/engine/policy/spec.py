@@ -138,6 +138,7 @@ class Policy:
     keep: float | int | tuple[float, ...] = 1.0
     score: str = "snapkv"  # how rows are ranked: see keep.SCORES
     window: int = 32  # observation window: the last queries a score reads (never evicted themselves)
+    chunk: int = 1  # rank rows in chunks of this many positions (ChunkKV; 1: each row on its own)
     every: int = 0  # decode: evict again every this many decoded tokens (0: only at prefill)
     demote: str = ""  # evicted rows kept at this (cheaper) codec instead of dropped ("" = dropped)
     heads: str = "uniform"  # kept rows shared between a layer's KV heads: uniform, or ada (see keep.HEAD_BUDGETS)
@@ -165,6 +166,9 @@ class Policy:
         object.__setattr__(self, "ada_floor", float(self.ada_floor))
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r} is invalid: valid scores are {', '.join(SCORES)}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise ValueError(f"chunk={self.chunk!r} is invalid: use a whole number of tokens >= 1 (e.g. 8: rows are "
+                             "kept or evicted in chunks of 8 positions; 1: each row on its own)")
         for what, val in (("window", self.window), ("every", self.every)):
             if isinstance(val, bool) or not isinstance(val, int) or val < (1 if what == "window" else 0):
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= "
@@ -204,6 +208,9 @@ class Policy:
             raise ValueError("heads=ada shares a layer's kept rows between its KV heads by their scores, so it takes "
                              "one keep value per layer, not a per-head keep list: drop heads=ada (each head then "
                              "keeps its own fraction) or give one keep value")
+        if self.chunk > 1 and not self.evicts:
+            raise ValueError(f"chunk={self.chunk} ranks the rows eviction chooses in chunks, but this policy evicts "
+                             "nothing: set keep below 1 (e.g. keep=0.5)")
         if self.demote and not self.evicts:
             raise ValueError(f"demote={self.demote} keeps the evicted rows at a cheaper codec, but this policy evicts "
                              "nothing: set keep below 1 (e.g. keep=0.5)")
@@ -213,7 +220,8 @@ class Policy:
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
         for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
-                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "every", "demote", "heads", "ada_floor"):
+                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "chunk", "every", "demote", "heads",
+                    "ada_floor"):
             val = getattr(self, key)
             if val != getattr(defaults, key):
                 parts.append(f"{key}={fmt_keep(val) if key == 'keep' else _fmt(val)}")

@@ -12,6 +12,12 @@ mean over the query heads that read it.
   the Gaussian fitted to the last ``window`` queries (mean mu, covariance S) expects, softmax over rows of
   ``s mu.k + s^2 k'Sk / 2``, times the value's norm. Unlike kvpress, the queries' statistics are not rotated
   to future positions (the mean over the next positions' rotary phases is not applied).
+
+``chunked`` (the policy's ``chunk=N``; ChunkKV, Liu et al. 2025): any of these scores averaged over the held rows
+of each aligned chunk of N positions, so rows are kept or evicted a chunk at a time (a multi-token value, such as
+a number's digits, stays whole). Unlike ChunkKV the chunk's mean, not its sum, ranks (the same order for full
+chunks; a chunk that lost rows to an earlier eviction is not penalized for it), and the kept indices are not
+shared between layers.
 """
 
 from __future__ import annotations
@@ -85,3 +91,19 @@ def h2o_mass(q, k, scaling, q_pos, k_pos) -> torch.Tensor:
         p = attention_probs(q[:, :, s : s + _CHUNK], k, scaling, q_pos[s : s + _CHUNK], k_pos).sum(dim=(2, 3))
         out = p if out is None else out + p
     return out
+
+
+def chunked(score: torch.Tensor, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``score`` [B, H, T] with each row's value replaced by the mean over the rows of its chunk (the held rows
+    whose positions [B, H, T], ascending along T, fall in the same ``position // chunk``)."""
+    if chunk <= 1 or score.shape[-1] == 0:
+        return score
+    ids = torch.div(positions.long(), chunk, rounding_mode="floor")
+    seg = torch.zeros_like(ids)
+    seg[..., 1:] = (ids[..., 1:] != ids[..., :-1]).long().cumsum(-1)  # 0, 0, 1, 1, 1, 2, ... per (B, H)
+    s = score.float()
+    finite = torch.isfinite(s)
+    total = torch.zeros_like(s).scatter_add_(-1, seg, torch.where(finite, s, torch.zeros_like(s)))
+    count = torch.zeros_like(s).scatter_add_(-1, seg, finite.float())
+    mean = total.gather(-1, seg) / count.gather(-1, seg).clamp(min=1)
+    return torch.where(finite, mean, s)

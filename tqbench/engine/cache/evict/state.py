@@ -52,6 +52,7 @@ class Evictor:
     def __init__(self, plan, policy, mode: str, kv_heads: int | None = None) -> None:
         self.keep, self.sink, self.recent = plan.keep, plan.sink, plan.recent
         self.score, self.window, self.every = policy.score, policy.window, policy.every
+        self.chunk = policy.chunk
         if mode == "fused" and self.score == "h2o" and self.every:
             raise EvictionError(
                 "score=h2o with every= accumulates every decoded query's attention over the held rows, which the "
@@ -253,6 +254,8 @@ class Evictor:
     def _score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
         """[B, H, held] scores (ragged: padding scored -inf, and masked out of every softmax by its position)."""
         s = self._raw_score(query, keys, v_store, scaling, seen)
+        if self.chunk > 1:
+            s = scores.chunked(s, self.held_positions(), self.chunk)
         if self.ragged:
             s = s.float().masked_fill(self.held_positions() == PAD_POSITION, float("-inf"))
         return s
