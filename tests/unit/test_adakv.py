@@ -52,6 +52,28 @@ def test_select_ada_floor_one_is_uniform_and_ragged_input_is_read_as_held():
     assert ada_floor_rows(14, 1, 2, 0.0) == 1  # at least one row per head (each head's store packs)
 
 
+def test_select_ada_is_kvpress_adakv_on_the_rows_between_sinks_and_tail():
+    """kvpress ``AdaKVPress``, written out on its own over the rows between the sinks and the protected tail:
+    each head's best ``n_safe`` rows are forced in, then the ``heads * (middle - share)`` lowest scores over
+    all heads together are pruned. select_ada keeps exactly the rows it keeps."""
+    g = torch.Generator().manual_seed(5)
+    h, held, head, tail, target, alpha = 3, 40, 2, 4, 16, 0.2
+    score = torch.rand(1, h, held, generator=g) ** 4  # skewed, as attention mass is
+    score[0, 1] *= 0.1  # a head whose rows score low everywhere: only its floor protects it
+    idx = select_ada(score, [held] * h, target, head, tail, alpha)
+    share, mid = target - head - tail, score[0, :, head : held - tail].clone()
+    n_safe = ada_floor_rows(target, head, tail, alpha)
+    mid.scatter_(1, mid.topk(n_safe, dim=1).indices, torch.finfo(mid.dtype).max)
+    pruned = (-mid).reshape(-1).topk(h * (mid.shape[1] - share)).indices
+    keep = torch.ones(h * mid.shape[1], dtype=torch.bool)
+    keep[pruned] = False
+    keep = keep.view(h, -1)
+    for i in range(h):
+        want = list(range(head)) + [int(j) + head for j in keep[i].nonzero()] + list(range(held - tail, held))
+        assert idx[i][0, 0].tolist() == want
+    assert idx[1].shape[2] == head + tail + n_safe  # the low head kept its floor, no more
+
+
 def test_select_ada_refuses_a_batch():
     with pytest.raises(EvictionError, match="heads=ada chooses each sequence's per-head row counts"):
         select_ada(torch.rand(2, 2, 10), [10, 10], 6, 0, 2, 0.2)

@@ -156,6 +156,28 @@ def test_snapkv_keeps_the_pooled_cluster_the_window_reads():
     assert pos[1].tolist() == [18, 19, 20, 21, 22, 28, 29]
 
 
+def test_snapkv_is_the_published_score_on_the_rows_it_ranks():
+    """SnapKV as published (Li et al. 2024; kvpress ``SnapKVPress``), written out here on its own: the last
+    ``window`` queries (causal among themselves) attend over every key, the softmax rows are averaged over the
+    window, average-pooled over 5 rows, then averaged over the query heads that share a KV head (GQA). Ours
+    equals it on every row it ranks away from the pooling edges (kvpress pools the rows before the window with
+    zero padding, ours over the protected sinks and window: only the 2 rows beside each edge differ)."""
+    from tqbench.engine.cache.evict import scores
+
+    g = torch.Generator().manual_seed(3)
+    t, w, d, n_rep, kv = 40, 6, 8, 3, 2
+    q = torch.randn(1, kv * n_rep, w, d, generator=g) * 2
+    k = torch.randn(1, kv, t, d, generator=g)
+    got = scores.snapkv(q, k, 0.125, torch.arange(t - w, t), torch.arange(t).expand(1, kv, t))
+    logits = q @ k.repeat_interleave(n_rep, 1).transpose(2, 3) * 0.125  # [1, Hq, w, t]
+    future = torch.ones(w, w, dtype=torch.bool).triu(1)  # window query i does not read window key j > i
+    logits[..., t - w :] = logits[..., t - w :].masked_fill(future, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)[..., : t - w].mean(dim=2)  # [1, Hq, t - w]
+    pooled = torch.nn.functional.avg_pool1d(probs, 5, stride=1, padding=2)
+    want = pooled.view(1, kv, n_rep, t - w).mean(dim=2)
+    assert torch.allclose(got[..., 2 : t - w - 2], want[..., 2:-2], atol=1e-6)
+
+
 def test_expected_attention_score_by_hand():
     from tqbench.engine.cache.evict import scores
 
