@@ -106,6 +106,9 @@ class PoliciesPane(Horizontal):
                 yield Label("obs. window")
                 yield Input("32", id="window", compact=True, type="integer",
                             tooltip="The last queries a score reads (never evicted themselves)")
+                yield Input("1", id="chunk", compact=True, type="integer",
+                            tooltip="chunk=: keep or evict rows in aligned chunks of this many positions, ranked by "
+                            "the chunk's mean score (ChunkKV; keeps a number's digits together); 1: row by row")
             with Horizontal(classes="row"):
                 yield Label("re-evict every")
                 yield Input("0", id="every", compact=True, type="integer",
@@ -207,6 +210,7 @@ class PoliciesPane(Horizontal):
             self.query_one("#keep", Input).value = fmt_keep(pol.keep)
             self.query_one("#score", Select).value = pol.score
             self.query_one("#window", Input).value = str(pol.window)
+            self.query_one("#chunk", Input).value = str(pol.chunk)
             self.query_one("#every", Input).value = str(pol.every)
             self.query_one("#heads", Select).value = pol.heads
             self.query_one("#ada-floor", Input).value = f"{pol.ada_floor:g}"
@@ -266,7 +270,8 @@ class PoliciesPane(Horizontal):
             rotation=str(self.query_one("#rotation", Select).value), center=self.query_one("#center", Checkbox).value,
             sliding=str(self.query_one("#sliding", Select).value), overrides=parsed,
             keep=parse_keep(val("keep") or "1.0"), score=str(self.query_one("#score", Select).value),
-            window=whole("window", "observation window"), every=whole("every", "re-evict every"),
+            window=whole("window", "observation window"), chunk=whole("chunk", "chunk"),
+            every=whole("every", "re-evict every"),
             demote=_demote(self.query_one("#demote", Select).value),
             heads=str(self.query_one("#heads", Select).value), ada_floor=_fraction(val("ada-floor"), "ada_floor"),
         )
