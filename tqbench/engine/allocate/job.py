@@ -27,6 +27,7 @@ import torch
 
 from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
+from tqbench.engine.allocate.demote import DemoteTier, demote_key, parse_demote_codecs, shared_specs, tier_options
 from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
 from tqbench.engine.allocate.joint import axis_split, solve_joint
 from tqbench.engine.allocate.keeps import (
@@ -128,7 +129,8 @@ class AllocationReport:
             alloc["speed"] = self.speed.artifact_fields()
         if self.axes:
             alloc["axes"] = {k: self.axes[k] for k in ("axes", "keeps", "score", "window", "saved_by_codecs",
-                                                        "saved_by_eviction")}
+                                                        "saved_by_eviction", "demotes", "demoted_bytes")
+                             if k in self.axes}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
@@ -210,6 +212,7 @@ def allocate_policy(
     decode_costs: DecodeCosts | None = None,
     axes: str | tuple[str, ...] = DEFAULT_AXES,
     keeps: str | tuple[float, ...] = KEEP_CHOICES,
+    demote_codecs: str | tuple[str, ...] = (),
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
@@ -225,6 +228,8 @@ def allocate_policy(
     ``decode_costs``: the cost table to predict with (default: measured on this machine, cached).
     ``axes``: ``bits`` (codec widths), ``tokens`` (a keep fraction per layer among ``keeps``, evicted by
     ``base``'s score and window: ``keeps.py``, ``joint.py``) or both; ``tokens`` alone keeps every row fp16.
+    ``demote_codecs``: with the tokens axis, the codecs a layer's evicted rows may be kept at instead of dropped
+    (the demote tier, ``demote.py``; none by default), chosen per layer (``demote@layers=codec``).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
@@ -236,6 +241,10 @@ def allocate_policy(
     notes: list[str] = []
     axes = parse_axes(axes)
     keep_choices = parse_keeps(keeps) if "tokens" in axes else (1.0,)
+    demotes = parse_demote_codecs(demote_codecs)
+    if demotes and "tokens" not in axes:
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
+                           "search the tokens axis too (bits,tokens or tokens), or give none")
     if base_pol.evicts:
         raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
                            "from the base and search the tokens axis")
@@ -291,7 +300,8 @@ def allocate_policy(
     t0, c0 = time.perf_counter(), time.process_time()
     runner = None
     need_keep = [(layer, f) for layer in _table_layers(engine, base_pol) for f in keep_choices if f < 1
-                 and keep_key(layer, base_pol.score, base_pol.window, f) not in known]
+                 and (keep_key(layer, base_pol.score, base_pol.window, f) not in known
+                      or any(demote_key(layer, base_pol.score, base_pol.window, f, d) not in known for d in demotes))]
     if max_measurements or not known or need_keep:
         emit(on_event, Progress("setup", 0, 1, f"exact prefill of {calib.ids.shape[0]} x {calib_prefill} "
                                                "calibration tokens"))
@@ -315,6 +325,18 @@ def allocate_policy(
             raise_if_cancelled(cancel, "allocate")
             persist(key, keep_cells.cell(layer, f, base_pol.sink, base_pol.recent))
         keep_kl[(layer, f)] = cells[key]
+    tier = DemoteTier(keep_cells) if keep_cells is not None and demotes else None
+    demote_kl, demote_resumed = {}, 0
+    tier_cells = [(layer, f, d) for layer in table.layers for f in keep_choices if f < 1 for d in demotes]
+    for i, (layer, f, d) in enumerate(tier_cells):
+        key = demote_key(layer, base_pol.score, base_pol.window, f, d)
+        emit(on_event, Progress("demote", i, len(tier_cells), f"layer {layer} keep={f:g} demote={d}"))
+        if key not in known:
+            raise_if_cancelled(cancel, "allocate")
+            persist(key, tier.cell(base_pol, layer, f, d))
+        else:
+            demote_resumed += 1
+        demote_kl[(layer, f, d)] = cells[key]
     t1, c1 = time.perf_counter(), time.process_time()
     speed, costs_cached = None, False
     if resolve_min_speed(min_speed)[1] != "none" or verify_speed or decode_costs is not None:
@@ -329,11 +351,14 @@ def allocate_policy(
         emit(on_event, Progress("speed", 1, 1, f"decode costs at {context} tokens"))
     t_speed = time.perf_counter()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))
-    measure = JointMeasure(runner, keeps=keep_cells) if runner is not None else None
+    measure = JointMeasure(runner, keeps=keep_cells, tier=tier) if runner is not None else None
     joint = None
     if "tokens" in axes:
+        tiers = tier_options(keep_kl, demote_kl, demotes, engine.geometry, context) if demotes else None
+
         def joint(tab, geo, bud, ctx, pol, nm):
-            return solve_joint(tab, keep_kl, keep_choices, geo, bud, ctx, pol, nm)
+            return solve_joint(tab, keep_kl, keep_choices, geo, bud, ctx, pol, nm, tiers=tiers,
+                               tier_specs=shared_specs(demotes))
     if max_measurements and measure is not None:
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
@@ -361,8 +386,9 @@ def allocate_policy(
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     report = AllocationReport(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
-        points.get(verify_text) if verify_text else None, n_cells - resumed + len(keep_kl) - keep_resumed,
-        resumed + keep_resumed,
+        points.get(verify_text) if verify_text else None,
+        n_cells - resumed + len(keep_kl) - keep_resumed + len(demote_kl) - demote_resumed,
+        resumed + keep_resumed + demote_resumed,
         {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
          # CPU seconds of this process per phase (all threads): less sensitive to other processes than wall time
          "cpu": {"setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2), "solve_and_measure": round(c2 - c1, 2),
@@ -376,6 +402,8 @@ def allocate_policy(
         report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
                        "window": base_pol.window, "keep_cells": {f"{layer}/{f:g}": kl for (layer, f), kl in
                                                                    keep_kl.items()},
+                       "demotes": list(demotes),
+                       "demote_cells": {f"{layer}/{f:g}/{d}": kl for (layer, f, d), kl in demote_kl.items()},
                        **axis_split(alloc.policy, engine.geometry, context)}
     if speed_rep is not None:
         report.speed = speed_rep

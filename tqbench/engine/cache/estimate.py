@@ -167,9 +167,9 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             extra = bookkeeping_bytes(pol.score, batch, g.kv_heads, held)
             total += extra
             state_total += extra
-        if plan.evicts and pol.demote:  # the evicted rows at the demote codec (no sinks, no recent rows)
+        if plan.evicts and plan.demote:  # the evicted rows at the layer's demote codec (no sinks, no recent rows)
             for role, dim in (("k", g.head_dim), ("v", g.v_dim)):
-                codec = pol.build_codec(pol.demote, role, layer=plan.layer)
+                codec = pol.build_codec(plan.demote, role, layer=plan.layer)
                 parts = store_parts(codec, 0, 0, seq_len - held, batch, g.kv_heads, dim)
                 total += parts.total
                 state_total += parts.state
