@@ -69,11 +69,15 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
                    "eviction by the base's score, fp16 rows) or bits,tokens (both, jointly).")
 @click.option("--keeps", default="1.0,0.75,0.5,0.25", show_default=True,
               help="Keep fractions offered per layer with the tokens axis.")
+@click.option("--demote-codecs", default="none", show_default=True,
+              help="With the tokens axis, codecs a layer's evicted rows may be kept at instead of dropped (the demote "
+                   "tier, chosen per layer: demote@LAYERS=codec), e.g. turbo2,turbo1; none: always dropped.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
-             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, as_json):
+             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, demote_codecs,
+             as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
     import json
@@ -82,11 +86,17 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
+    from tqbench.engine.allocate.demote import parse_demote_codecs
     from tqbench.engine.allocate.keeps import parse_axes, parse_keeps, speed_rule
     from tqbench.engine.allocate.texts import check_text_names
 
     axes = parse_axes(axes)  # the engine's rules, before the model loads
     parse_keeps(keeps)
+    if parse_demote_codecs(demote_codecs) and "tokens" not in axes:
+        from tqbench.engine.request import RequestError
+
+        raise RequestError("demote_codecs", demote_codecs, "the demote tier keeps a layer's evicted rows: search the "
+                           "tokens axis too (--axes bits,tokens), or give none")
     check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)
@@ -124,7 +134,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                 max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
-                verify_speed=verify_speed, axes=axes, keeps=keeps)
+                verify_speed=verify_speed, axes=axes, keeps=keeps, demote_codecs=demote_codecs)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)

@@ -35,10 +35,14 @@ def print_allocation(rep) -> None:
               f"calibration prefill, {rep.seconds['threads']} threads)")
     if rep.axes:
         keep = {r["layer"]: r["keep"] for r in rep.axes["per_layer"]}
+        tier = {r["layer"]: r.get("demote") for r in rep.axes["per_layer"]}
         out.print(f"axes {','.join(rep.axes['axes'])} (score {rep.axes['score']}, window {rep.axes['window']}): bytes "
                   f"saved against fp16 by codecs {rep.axes['saved_by_codecs']}, by eviction "
-                  f"{rep.axes['saved_by_eviction']}; keep per layer: "
-                  + " ".join(f"{layer}:{keep[layer]:g}" for layer in rep.table.layers))
+                  f"{rep.axes['saved_by_eviction']}"
+                  + (f" (net of {rep.axes['demoted_bytes']} in the demote tier)" if rep.axes.get("demotes") else "")
+                  + "; keep per layer: "
+                  + " ".join(f"{layer}:{keep[layer]:g}" + (f">{tier[layer]}" if tier[layer] else "")
+                             for layer in rep.table.layers))
     for note in rep.notes:
         out.print(f"note: {note}")
     if rep.speed is not None:

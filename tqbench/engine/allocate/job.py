@@ -27,7 +27,13 @@ import torch
 
 from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
-from tqbench.engine.allocate.demote import DemoteTier, demote_key, parse_demote_codecs, shared_specs, tier_options
+from tqbench.engine.allocate.demote import (
+    DemoteTier,
+    demote_key,
+    parse_demote_codecs,
+    shared_specs,
+    tier_options,
+)
 from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
 from tqbench.engine.allocate.joint import axis_split, solve_joint
 from tqbench.engine.allocate.keeps import (
