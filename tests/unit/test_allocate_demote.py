@@ -11,6 +11,7 @@ from tests.unit.cache_helpers import prefill_then_steps
 from tqbench.engine.allocate import allocate_policy
 from tqbench.engine.allocate.chunk import ChunkRunner
 from tqbench.engine.allocate.demote import DemoteTier, parse_demote_codecs, tier_options
+from tqbench.engine.allocate.exchange import JointMeasure
 from tqbench.engine.allocate.joint import axis_split, solve_joint
 from tqbench.engine.allocate.keeps import KeepCells
 from tqbench.engine.cache import TQCache
@@ -78,6 +79,10 @@ def test_demote_cell_is_what_the_demoting_cache_reads(tiny_engine64):
     assert (demoted - real).abs().max().item() < 1e-9
     cell, dropped = tier.cell(base, 1, 0.5, "turbo2"), cells.cell(1, 0.5, 2, 4)
     assert cell > 1e-9 and abs(cell - dropped) > 1e-6  # measured, not the dropped cell's KL nor zero
+    # a joint measurement of the same policy reads the same tier (the kept rows at fp16: exact)
+    joint = JointMeasure(runner, keeps=cells, tier=tier)
+    pol = parse_policy("fp16,sink=2,recent=4,window=4,keep@1=0.5,demote@1=turbo2")
+    assert joint({(1, "k"): "fp16", (1, "v"): "fp16"}, pol) == pytest.approx(cell, rel=1e-9)
 
 
 @pytest.fixture(scope="module")
