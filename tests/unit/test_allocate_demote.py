@@ -40,6 +40,12 @@ def test_demote_override_per_layer_plans_and_counts_to_the_byte(tiny_engine):
     assert [r.total_bytes for r in rep.layers] == est.layer_bytes and rep.compressed_storage_bytes == est.total_bytes
     assert [r.demoted_tokens > 0 for r in rep.layers] == [True, False, True, True]
     assert "the evicted rows kept at turbo1 (demote, 2 layers)" in " ".join(rep.notes)
+    g = KVGeometry.from_config(model.config)
+    split = axis_split(pol, g, 100)  # the tier's bytes: the estimate with it less without, per layer
+    dropped = estimate_kv(parse_policy("turbo4,keep=0.5"), g, 100)
+    assert [r["demoted_bytes"] for r in split["per_layer"]] == [
+        a - b for a, b in zip(estimate_kv(pol, g, 100).layer_bytes, dropped.layer_bytes)]
+    assert [r["demote"] for r in split["per_layer"]] == ["turbo2", None, "turbo1", "turbo1"]
 
 
 @pytest.mark.parametrize("text, msg", [

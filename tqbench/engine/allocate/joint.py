@@ -140,7 +140,7 @@ def axis_split(policy: Policy, geometry: KVGeometry, context: int) -> dict:
     full = estimate_kv(kept, g, context)
     dropped = estimate_kv(replace(policy, demote="", overrides=tuple(o for o in policy.overrides if o[0] != "demote")),
                           g, context)
-    fp16 = estimate_kv(replace(policy, k="fp16", v="fp16", keep=1.0, protect="", overrides=()), g, context)
+    fp16 = estimate_kv(replace(policy, k="fp16", v="fp16", keep=1.0, demote="", protect="", overrides=()), g, context)
     now = estimate_kv(policy, g, context)
     rows = [{"layer": i, "keep": plans[i].keep if plans[i].evicts else 1.0, "fp16_bytes": fp16.layer_bytes[i],
              "saved_by_codecs": fp16.layer_bytes[i] - full.layer_bytes[i],
