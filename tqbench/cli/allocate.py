@@ -72,11 +72,14 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--keep-granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
               help="One keep fraction per layer, or per KV head (keep@L=f0|f1|f2 where a layer's heads differ; "
                    "with --granularity head and the tokens axis).")
+@click.option("--demote-codecs", default="none", show_default=True,
+              help="With the tokens axis, codecs a layer's evicted rows may be kept at instead of dropped (the demote "
+                   "tier, chosen per layer: demote@LAYERS=codec), e.g. turbo2,turbo1; none: always dropped.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
-             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity,
+             verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity, demote_codecs,
              as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save."""
@@ -86,6 +89,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
+    from tqbench.engine.allocate.demote import parse_demote_codecs
     from tqbench.engine.allocate.keeps import parse_axes, parse_keeps, speed_rule
     from tqbench.engine.allocate.texts import check_text_names
 
@@ -94,6 +98,11 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.engine.allocate.head_job import check_keep_granularity
 
     check_keep_granularity(keep_granularity, axes, granularity)
+    if parse_demote_codecs(demote_codecs) and "tokens" not in axes:
+        from tqbench.engine.request import RequestError
+
+        raise RequestError("demote_codecs", demote_codecs, "the demote tier keeps a layer's evicted rows: search the "
+                           "tokens axis too (--axes bits,tokens), or give none")
     check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)
@@ -132,7 +141,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
                 verify_speed=verify_speed, axes=axes, keeps=keeps,
-                keep_granularity=keep_granularity)
+                keep_granularity=keep_granularity, demote_codecs=demote_codecs)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)

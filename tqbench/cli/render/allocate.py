@@ -39,7 +39,9 @@ def print_allocation(rep) -> None:
         per = "KV head" if "head_keeps" in rep.axes else "layer"
         out.print(f"axes {','.join(rep.axes['axes'])} (score {rep.axes['score']}, window {rep.axes['window']}): bytes "
                   f"saved against fp16 by codecs {rep.axes['saved_by_codecs']}, by eviction "
-                  f"{rep.axes['saved_by_eviction']}; keep per {per}: {keeps_text(rep.axes)}")
+                  f"{rep.axes['saved_by_eviction']}"
+                  + (f" (net of {rep.axes['demoted_bytes']} in the demote tier)" if rep.axes.get("demotes") else "")
+                  + f"; keep per {per}: {keeps_text(rep.axes)}")
     for note in rep.notes:
         out.print(f"note: {note}")
     if rep.speed is not None:

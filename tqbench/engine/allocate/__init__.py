@@ -5,7 +5,8 @@ layer skipping), ``sensitivity.py`` (one-unit chunk KL per layer or KV head, rol
 (exact-bytes multiple-choice knapsack), ``speed.py`` (the decode-cost model and the minimum-speed constraint),
 ``exchange.py`` (protection options and exchange steps scored by the joint
 measured KL), ``keeps.py`` and ``joint.py`` (the tokens axis: keep cells measured as the cache evicts, and the
-solve over keep fractions and codecs within exact bytes), ``verify.py`` (teacher-forced frontier points on held-out text) and ``job.py`` (``allocate_policy``:
+solve over keep fractions and codecs within exact bytes; ``demote.py``: the demote tier, a layer's evicted rows
+dropped or kept at a cheaper codec, measured as the cache attends them), ``verify.py`` (teacher-forced frontier points on held-out text) and ``job.py`` (``allocate_policy``:
 the steps as one cancellable, resumable job). The saved policy it writes lives with
 the policy: ``tqbench.engine.policy`` (``save_policy_artifact``, ``load_policy_artifact``). ``budget.py`` holds the
 bounds of a budget (``check_budget``), which front ends check before a model loads: names load lazily, so that

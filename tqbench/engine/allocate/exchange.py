@@ -79,9 +79,10 @@ class JointMeasure:
     token protection and codec options (quantized rows are kept between calls: a move re-quantizes only what it
     changes)."""
 
-    def __init__(self, runner: ChunkRunner, max_cached: int = 600, keeps=None) -> None:
+    def __init__(self, runner: ChunkRunner, max_cached: int = 600, keeps=None, tier=None) -> None:
         self.runner = runner
         self.keeps = keeps  # keeps.KeepCells: a policy that evicts (keep@) is measured with its layers evicting
+        self.tier = tier  # demote.DemoteTier: a layer that demotes (demote@) attends its evicted rows at that codec
         self.count = 0
         self._rows: dict[tuple, torch.Tensor] = {}
         self._max = max_cached
@@ -129,8 +130,20 @@ class JointMeasure:
         if evict:
             masks = {layer: self.keeps.mask(self.keeps.index(layer, f, policy.sink, policy.recent))
                      for layer, f in evict.items()}
+            self._demote(policy, evict, ks, vs, masks)
             return self.keeps.kl(ks, vs, masks, start=start)
         return self.runner.kl(ks, vs, start=start)
+
+
+    def _demote(self, policy: Policy, evict: dict, ks: list, vs: list, masks: dict) -> None:
+        from tqbench.engine.allocate.demote import layer_demotes
+
+        demotes = layer_demotes(policy, self.runner.engine.geometry)
+        if demotes and self.tier is None:
+            raise ValueError(f"{policy.to_string()!r} demotes evicted rows: measure it with the demote tier "
+                             "(DemoteTier)")
+        if demotes:
+            self.tier.apply(policy, evict, demotes, ks, vs, masks)
 
 
 def _moves(choice: dict, table: SensitivityTable, ub: dict, room: int) -> list[tuple[float, dict, str]]:
@@ -218,7 +231,8 @@ def improve(
                                       None, 0, sink, recent, False))
             continue
         # the exchange steps keep the layers' keep values (the tokens axis) and move codecs
-        pol = replace(pol, keep=alloc.policy.keep, overrides=tuple(o for o in alloc.policy.overrides if o[0] == "keep"))
+        pol = replace(pol, keep=alloc.policy.keep, demote=alloc.policy.demote,
+                      overrides=tuple(o for o in alloc.policy.overrides if o[0] in ("keep", "demote")))
         emit(on_event, Progress("measure", count, total, f"sink={sink} recent={recent}"))
         m = measure(alloc.choice, pol)
         count += 1

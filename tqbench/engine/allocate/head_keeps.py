@@ -334,9 +334,11 @@ def measure_head_keeps(cells, choice: dict, plain: Policy, head_keeps: dict[int,
 
 
 def keeps_text(axes: dict) -> str:
-    """The keeps of an allocation report's ``axes`` as one line: ``layer:keep`` per layer, or per KV head
-    ``layer:f0|f1|f2`` where a layer's heads differ (``head_keeps``)."""
+    """The keeps of an allocation report's ``axes`` as one line: ``layer:keep`` per layer (``>codec`` where the
+    layer keeps its evicted rows in the demote tier), or per KV head ``layer:f0|f1|f2`` where a layer's heads
+    differ (``head_keeps``)."""
     if "head_keeps" in axes:
         return " ".join(f"{layer}:" + (fmt_keep(tuple(map(float, fs))) if len(set(fs)) > 1 else f"{fs[0]:g}")
                         for layer, fs in axes["head_keeps"].items())
-    return " ".join(f"{r['layer']}:{r['keep']:g}" for r in axes["per_layer"])
+    return " ".join(f"{r['layer']}:{r['keep']:g}" + (f">{r['demote']}" if r.get("demote") else "")
+                    for r in axes["per_layer"])

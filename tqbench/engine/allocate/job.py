@@ -27,6 +27,13 @@ import torch
 
 from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
+from tqbench.engine.allocate.demote import (
+    DemoteTier,
+    demote_key,
+    parse_demote_codecs,
+    shared_specs,
+    tier_options,
+)
 from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
 from tqbench.engine.allocate.head_job import NOTE as HEAD_NOTE
 from tqbench.engine.allocate.head_job import check_keep_granularity, head_keep_cells, needed_keys, solve_heads
@@ -131,7 +138,8 @@ class AllocationReport:
             alloc["speed"] = self.speed.artifact_fields()
         if self.axes:
             alloc["axes"] = {k: self.axes[k] for k in ("axes", "keeps", "score", "window", "saved_by_codecs",
-                                                        "saved_by_eviction", "keep_granularity") if k in self.axes}
+                                                        "saved_by_eviction", "keep_granularity", "demotes",
+                                                        "demoted_bytes") if k in self.axes}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
@@ -214,6 +222,7 @@ def allocate_policy(
     axes: str | tuple[str, ...] = DEFAULT_AXES,
     keeps: str | tuple[float, ...] = KEEP_CHOICES,
     keep_granularity: str = "layer",
+    demote_codecs: str | tuple[str, ...] = (),
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
@@ -231,6 +240,8 @@ def allocate_policy(
     ``base``'s score and window: ``keeps.py``, ``joint.py``) or both; ``tokens`` alone keeps every row fp16.
     ``keep_granularity``: ``layer`` (one keep per layer) or ``head`` (one per KV head, with ``granularity`` head:
     ``head_job.py``, ``head_keeps.py``).
+    ``demote_codecs``: with the tokens axis, the codecs a layer's evicted rows may be kept at instead of dropped
+    (the demote tier, ``demote.py``; none by default), chosen per layer (``demote@layers=codec``).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
@@ -244,6 +255,13 @@ def allocate_policy(
     keep_choices = parse_keeps(keeps) if "tokens" in axes else (1.0,)
     check_keep_granularity(keep_granularity, axes, granularity)
     per_head = keep_granularity == "head"
+    demotes = parse_demote_codecs(demote_codecs)
+    if demotes and "tokens" not in axes:
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
+                           "search the tokens axis too (bits,tokens or tokens), or give none")
+    if demotes and per_head:
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier is searched per layer: with per-head "
+                           "keeps (keep granularity head) give none")
     if base_pol.evicts:
         raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
                            "from the base and search the tokens axis")
@@ -299,7 +317,10 @@ def allocate_policy(
     t0, c0 = time.perf_counter(), time.process_time()
     runner = None
     need_keep = [(layer, f) for layer in _table_layers(engine, base_pol) for f in keep_choices if f < 1
-                 and keep_key(layer, base_pol.score, base_pol.window, f, base_pol.chunk) not in known and not per_head]
+                 and (keep_key(layer, base_pol.score, base_pol.window, f, base_pol.chunk) not in known
+                      or any(demote_key(layer, base_pol.score, base_pol.window, f, d, base_pol.chunk) not in known
+                             for d in demotes))
+                 and not per_head]
     if per_head:
         need_keep = [k for k in needed_keys(_table_layers(engine, base_pol), engine.geometry.kv_heads, keep_choices,
                                             base_pol) if k not in known]
@@ -332,6 +353,18 @@ def allocate_policy(
             raise_if_cancelled(cancel, "allocate")
             persist(key, keep_cells.cell(layer, f, base_pol.sink, base_pol.recent))
         keep_kl[(layer, f)] = cells[key]
+    tier = DemoteTier(keep_cells) if keep_cells is not None and demotes else None
+    demote_kl, demote_resumed = {}, 0
+    tier_cells = [(layer, f, d) for layer in table.layers for f in keep_choices if f < 1 for d in demotes]
+    for i, (layer, f, d) in enumerate(tier_cells):
+        key = demote_key(layer, base_pol.score, base_pol.window, f, d, base_pol.chunk)
+        emit(on_event, Progress("demote", i, len(tier_cells), f"layer {layer} keep={f:g} demote={d}"))
+        if key not in known:
+            raise_if_cancelled(cancel, "allocate")
+            persist(key, tier.cell(base_pol, layer, f, d))
+        else:
+            demote_resumed += 1
+        demote_kl[(layer, f, d)] = cells[key]
     t1, c1 = time.perf_counter(), time.process_time()
     speed, costs_cached = None, False
     if resolve_min_speed(min_speed)[1] != "none" or verify_speed or decode_costs is not None:
@@ -346,11 +379,14 @@ def allocate_policy(
         emit(on_event, Progress("speed", 1, 1, f"decode costs at {context} tokens"))
     t_speed = time.perf_counter()
     emit(on_event, Progress("solve", 0, 1, f"{budget:g} bits at {context} tokens"))
-    measure = JointMeasure(runner, keeps=keep_cells) if runner is not None else None
+    measure = JointMeasure(runner, keeps=keep_cells, tier=tier) if runner is not None else None
     joint = None
     if "tokens" in axes:
+        tiers = tier_options(keep_kl, demote_kl, demotes, engine.geometry, context) if demotes else None
+
         def joint(tab, geo, bud, ctx, pol, nm):
-            return solve_joint(tab, keep_kl, keep_choices, geo, bud, ctx, pol, nm)
+            return solve_joint(tab, keep_kl, keep_choices, geo, bud, ctx, pol, nm, tiers=tiers,
+                               tier_specs=shared_specs(demotes))
     if per_head:
         hk, alloc, measured, steps = solve_heads(table, keep_kl, keep_choices, engine.geometry, budget, context,
                                                  base_pol, name or f"alloc-{budget:g}bit", keep_cells,
@@ -383,8 +419,9 @@ def allocate_policy(
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     report = AllocationReport(
         engine.name, engine.loaded.fingerprint, setup | {"config": _geometry_summary(engine)}, alloc, table,
-        points.get(verify_text) if verify_text else None, n_cells - resumed + len(keep_kl) - keep_resumed,
-        resumed + keep_resumed,
+        points.get(verify_text) if verify_text else None,
+        n_cells - resumed + len(keep_kl) - keep_resumed + len(demote_kl) - demote_resumed,
+        resumed + keep_resumed + demote_resumed,
         {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
          # CPU seconds of this process per phase (all threads): less sensitive to other processes than wall time
          "cpu": {"setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2), "solve_and_measure": round(c2 - c1, 2),
@@ -399,6 +436,8 @@ def allocate_policy(
                        "window": base_pol.window,  # keep cells: "L/f" per layer, "L.h/f" per KV head
                        "keep_cells": {".".join(map(str, key[:-1])) + f"/{key[-1]:g}": kl
                                       for key, kl in keep_kl.items()},
+                       "demotes": list(demotes),
+                       "demote_cells": {f"{layer}/{f:g}/{d}": kl for (layer, f, d), kl in demote_kl.items()},
                        **(head_axis_split(hk, engine.geometry, context) if per_head else
                           axis_split(alloc.policy, engine.geometry, context))}
         if per_head:

@@ -8,7 +8,7 @@ layer's options are the Pareto front (fewest bytes for each KL) over its keeps x
 multiple-choice knapsack over the layers picks one option each (``solver._solve_dp``, costs rounded up).
 
 ``axis_split`` says where the bytes went: per layer, the fp16 bytes, what the chosen codecs saved at full keep
-and what eviction saved on top.
+and what eviction saved on top (net of the demote tier, whose bytes it gives as ``demoted_bytes``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from tqbench.engine.allocate.solver import (
     layer_specs,
 )
 from tqbench.engine.cache.estimate import estimate_kv
+from tqbench.engine.cache.evict.bookkeeping import bookkeeping_bytes
 from tqbench.engine.cache.geometry import KVGeometry
+from tqbench.engine.policy.keep import held_rows
 from tqbench.engine.policy.spec import Policy
 
 _MAX_FRONT = 4000  # options kept per layer (the cheapest ones of a longer Pareto front are kept)
@@ -58,11 +60,14 @@ def _front(points: list[tuple[int, float, tuple]]) -> list[tuple[int, float, tup
 
 def solve_joint(table: SensitivityTable, keep_kl: dict[tuple[int, float], float], keeps: tuple[float, ...],
                 geometry: KVGeometry, budget_bits: float, context: int, base: Policy,
-                name: str | None = None) -> Allocation:
+                name: str | None = None, tiers=None, tier_specs: set = frozenset()) -> Allocation:
     """The least-KL choice of a keep per layer (``keep_kl[(layer, f)]``: its measured KL, 0 at 1.0) and a codec
     per unit within ``budget_bits`` per element at ``context`` tokens (exact, never over); the keeps are in the
-    policy (``keep@layers=f``), ``choice`` holds the codec units. ``ValueError`` when nothing fits (the message
-    gives the floor)."""
+    policy (``keep@layers=f``), ``choice`` holds the codec units. ``tiers``: the demote tier's options per
+    (layer, keep) (``demote.tier_options``; its shared objects ``tier_specs``), the choice in the policy
+    (``demote@layers=codec``). ``ValueError`` when nothing fits (the message gives the floor)."""
+    from tqbench.engine.allocate.demote import split_choice, with_demotes
+
     check_budget(budget_bits)
     g = geometry
     total_budget = budget_bytes(g, budget_bits, context, base)
@@ -70,13 +75,15 @@ def solve_joint(table: SensitivityTable, keep_kl: dict[tuple[int, float], float]
     quantum = max(1, -(-total_budget // DP_STEPS))
     units = table.units()
     by_layer = {layer: [u for u in units if u[0] == layer] for layer in table.layers}
-    packing: set = set()
+    packing: set = set(tier_specs)
     fronts: dict[int, list] = {layer: [] for layer in table.layers}
     for f in keeps:
         stores = _unit_stores(table, with_keeps(base, dict.fromkeys(table.layers, f)), g, context)
         packing |= {(u[1], c) for u, row in stores.items() for c, (_, packed) in row.items() if packed}
         for layer, lunits in by_layer.items():
-            pts = [(0, keep_kl.get((layer, f), 0.0), ())]
+            pts = tiers(layer, f, quantum, base) if tiers else [(0, keep_kl.get((layer, f), 0.0), ())]
+            book = -(-_bookkeeping(base, g, context, f) // quantum)  # the held rows' positions: the layer's bytes
+            pts = [(c + book, k, cfg) for c, k, cfg in pts]
             for u in lunits:
                 pts = _front([(c + -(-stores[u][spec][0] // quantum), k + table.kl[u][spec], cfg + ((u, spec),))
                               for c, k, cfg in pts for spec in table.choices(u[1])])
@@ -96,7 +103,8 @@ def solve_joint(table: SensitivityTable, keep_kl: dict[tuple[int, float], float]
             f, cfg = fronts[layer][j][2]
             keep_of[layer] = f
             choice.update(dict(cfg))
-        pol = choice_policy(choice, with_keeps(base, keep_of), g, name)
+        choice, demote_of = split_choice(choice)
+        pol = choice_policy(choice, with_demotes(with_keeps(base, keep_of), demote_of), g, name)
         est = estimate_kv(pol, g, context)
         if est.total_bytes <= total_budget and est.bits_per_element <= budget_bits + 1e-12:
             k, v = layer_specs(choice, g.num_layers, g.kv_heads)
@@ -112,19 +120,34 @@ def solve_joint(table: SensitivityTable, keep_kl: dict[tuple[int, float], float]
                      f"needs about {floor:.3f} bits/element; raise the budget, offer a smaller keep or a cheaper codec")
 
 
+def _bookkeeping(base: Policy, g: KVGeometry, context: int, keep) -> int:
+    """Bytes an evicting layer keeps beside its rows at ``keep`` (each held row's position, h2o's mass:
+    ``evict.bookkeeping``, as ``estimate_kv`` counts them); 0 at keep 1."""
+    if keep >= 1:
+        return 0
+    held = held_rows(context, context, keep, base.sink, base.window, base.recent, base.every)
+    return bookkeeping_bytes(base.score, 1, g.kv_heads, held)
+
+
 def axis_split(policy: Policy, geometry: KVGeometry, context: int) -> dict:
     """Where ``policy``'s bytes went at ``context`` tokens: per layer its keep, the fp16 bytes, the bytes the codecs
-    saved at full keep, and the bytes eviction saved on top (exact, ``estimate_kv``; shared objects apart)."""
+    saved at full keep, the bytes eviction saved on top, and its demote codec and the tier's bytes (part of
+    ``bytes``; eviction's saving is net of them) (exact, ``estimate_kv``; shared objects apart)."""
     g = geometry
     plans = policy.plan(g.num_layers, list(g.layer_types) if g.layer_types else None)
-    full = estimate_kv(replace(policy, keep=1.0, overrides=tuple(o for o in policy.overrides if o[0] != "keep")),
-                       g, context)
-    fp16 = estimate_kv(replace(policy, k="fp16", v="fp16", keep=1.0, protect="", overrides=()), g, context)
+    kept = replace(policy, keep=1.0, demote="", overrides=tuple(o for o in policy.overrides
+                                                              if o[0] not in ("keep", "demote")))
+    full = estimate_kv(kept, g, context)
+    dropped = estimate_kv(replace(policy, demote="", overrides=tuple(o for o in policy.overrides if o[0] != "demote")),
+                          g, context)
+    fp16 = estimate_kv(replace(policy, k="fp16", v="fp16", keep=1.0, demote="", protect="", overrides=()), g, context)
     now = estimate_kv(policy, g, context)
     rows = [{"layer": i, "keep": plans[i].keep if plans[i].evicts else 1.0, "fp16_bytes": fp16.layer_bytes[i],
              "saved_by_codecs": fp16.layer_bytes[i] - full.layer_bytes[i],
-             "saved_by_eviction": full.layer_bytes[i] - now.layer_bytes[i], "bytes": now.layer_bytes[i]}
+             "saved_by_eviction": full.layer_bytes[i] - now.layer_bytes[i], "bytes": now.layer_bytes[i],
+             "demote": plans[i].demote or None, "demoted_bytes": now.layer_bytes[i] - dropped.layer_bytes[i]}
             for i in range(g.num_layers)]
     return {"per_layer": rows, "saved_by_codecs": sum(r["saved_by_codecs"] for r in rows),
-            "saved_by_eviction": sum(r["saved_by_eviction"] for r in rows), "total_bytes": now.total_bytes,
+            "saved_by_eviction": sum(r["saved_by_eviction"] for r in rows),
+            "demoted_bytes": sum(r["demoted_bytes"] for r in rows), "total_bytes": now.total_bytes,
             "shared_bytes": now.shared_bytes}

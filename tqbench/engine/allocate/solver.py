@@ -86,7 +86,7 @@ def policy_from_choices(k: list[str], v: list[str], base: Policy, name: str | No
             if spec != common:
                 groups[spec].append(layer)
         overrides += [(role, "+".join(map(str, layers)), spec) for spec, layers in sorted(groups.items())]
-    keeps = tuple(o for o in base.overrides if o[0] == "keep")  # the layers' keep values (the tokens axis) stay
+    keeps = tuple(o for o in base.overrides if o[0] in ("keep", "demote"))  # the tokens axis's choices stay
     return replace(base, k=heads["k"], v=heads["v"], protect="", overrides=keeps + tuple(overrides), name=name)
 
 

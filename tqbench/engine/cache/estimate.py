@@ -184,17 +184,17 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
             extra = sum(bookkeeping_bytes(pol.score, batch, 1, n) for n in heads_held)
             total += extra
             state_total += extra
-        if plan.evicts and pol.demote:  # the evicted rows at the demote codec (no sinks, no recent rows)
+        if plan.evicts and plan.demote:  # the evicted rows at the layer's demote codec (no sinks, no recent rows)
             for role, dim in (("k", g.head_dim), ("v", g.v_dim)):
                 if ragged:  # each head's evicted rows in its own store, at the codec built for that head
-                    heads = [pol.build_codec(pol.demote, role, layer=plan.layer, heads=(h,)) for h in range(g.kv_heads)]
+                    heads = [pol.build_codec(plan.demote, role, layer=plan.layer, heads=(h,)) for h in range(g.kv_heads)]
                     gone = [seq_len - n for n in heads_held]
                     parts = ragged_store_parts(heads, 0, 0, gone, batch, dim)
                     for c, n in zip(heads, gone):
                         if n:
                             shared.update(c.shared_items(dim))
                 else:
-                    codec = pol.build_codec(pol.demote, role, layer=plan.layer)
+                    codec = pol.build_codec(plan.demote, role, layer=plan.layer)
                     parts = store_parts(codec, 0, 0, seq_len - held, batch, g.kv_heads, dim)
                     if parts.packed_tokens:
                         shared.update(codec.shared_items(dim))

@@ -117,11 +117,18 @@ def build_report(cache) -> CacheReport:
         pre = sum(la.evictor.evicted_prefill for la in evicting)
         dec = sum(la.evictor.evicted_decode for la in evicting)
         pol = cache.policy
+        tiers: dict[str, list[int]] = {}  # demote codec -> the evicting layers that keep their evicted rows at it
+        for la in evicting:
+            if la.plan.demote:
+                tiers.setdefault(la.plan.demote, []).append(la.plan.layer)
+        tier = "; ".join(f"the evicted rows kept at {c} (demote" + ("" if len(ls) == len(evicting) else
+                                                                   f", {len(ls)} layers") + ")"
+                         for c, ls in tiers.items())
         rep.notes.append(
             f"token eviction (keep={fmt_keep(pol.keep)}, score={pol.score}, window={pol.window}"
             + (f", every={pol.every}" if pol.every else "") + f"): {len(evicting)} layers hold {held} of {seen} "
             f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding"
-            + (f"; the evicted rows kept at {pol.demote} (demote)" if pol.demote else "") + "); sinks and the "
+            + (f"; {tier}" if tier else "") + "); sinks and the "
             "last max(window, recent) rows are never evicted")
         if any(la.ragged and la.policy.heads != "ada" for la in evicting):
             rep.notes.append(

@@ -193,7 +193,8 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
                         "token in its cache type")
     if pol.evicts:
         unmapped.append(f"token eviction (keep={fmt_keep(pol.keep)}, score={pol.score}"
-                        + (f", demote={pol.demote}" if pol.demote else "") + f"): {label}'s KV cache type keeps every "
+                        + (f", demote={pol.demote}" if pol.demote else "")
+                        + (", demote per layer" if any(o[0] == "demote" for o in pol.overrides) else "") + f"): {label}'s KV cache type keeps every "
                         "token; the mapped setting evicts nothing (its cache holds every row)")
     if any(p.dense_window for p in plan):
         unmapped.append("sliding-window layers kept as a bounded dense window here: the engine applies its "

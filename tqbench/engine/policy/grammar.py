@@ -17,7 +17,8 @@ _STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score
 _BOOL_KEYS = ("center", "vcenter", "normfix")
 _FLOAT_KEYS = ("sparsev", "ada_floor")
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "keep", "k@<layers>", "v@<layers>",
-               "kv@<layers>", "keep@<layers>")
+               "kv@<layers>", "keep@<layers>",
+               "demote@<layers>")
 
 
 def split_policies(text: str) -> list[str]:
@@ -54,7 +55,8 @@ def parse_compact(text: str) -> Policy:
         if "@" in key:
             role, sel = key.split("@", 1)
             if role not in _ROLES:
-                raise ValueError(f"policy part {item!r}: override must start with k@, v@, kv@ or keep@")
+                raise ValueError(f"policy part {item!r}: override must start with k@, v@, kv@, keep@ or "
+                                 "demote@")
             overrides.append((role, sel, val))
         elif key in ("k", "v"):
             kw[key] = val
@@ -78,7 +80,7 @@ def parse_compact(text: str) -> Policy:
                 raise ValueError(f"policy part {item!r}: {key} must be on or off")
             kw[key] = _BOOL[val.lower()]
         elif key in _STR_KEYS:
-            kw[key] = "" if (key == "protect" and val.lower() == "none") else val
+            kw[key] = "" if (key in ("protect", "demote") and val.lower() == "none") else val
         else:
             raise ValueError(f"unknown policy key {key!r} in {item!r}: valid keys are {', '.join(_VALID_KEYS)}")
     name = kw.pop("name", None)

@@ -41,7 +41,10 @@ BYPASS_CHOICES = ("none", "global")
 #: every length -- Gemma-2-9B at 8192 tokens saved 49.6% instead of 74.4%, a 5:1 Gemma-3 far less)
 SLIDING_CHOICES = ("auto", "compress", "dense", "bypass")
 ROTATION_CHOICES = ("qr", "hadamard")
-_ROLES = ("k", "v", "kv", "keep")  # "keep": a per-layer keep override (keep@0-3=1.0)
+_ROLES = ("k", "v", "kv", "keep", "demote")  # "keep": a per-layer keep (keep@0-3=1.0); "demote": a per-layer
+#: demote tier (demote@3-5=turbo2; ``NO_DEMOTE`` drops the evicted rows of those layers)
+_VALUE_ROLES = ("keep", "demote")  # override roles whose value is not a K/V codec
+NO_DEMOTE = "none"
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class LayerPlan:
     #: token eviction: the layer's keep value (``policy.keep``; a tuple: one fraction per KV head), None when it
     #: evicts nothing
     keep: float | int | tuple[float, ...] | None = None
+    #: the codec the layer's evicted rows are kept at (``policy.demote``, ``demote@``), "" when they are dropped
+    #: or the layer evicts nothing
+    demote: str = ""
 
     @property
     def evicts(self) -> bool:
@@ -156,12 +162,7 @@ class Policy:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
         object.__setattr__(self, "keep", check_keep(self.keep))
         if self.demote:
-            if is_head_list(self.demote) or is_calibrated_spec(self.demote):
-                raise ValueError(f"demote={self.demote!r} is invalid: use one codec for K and V, e.g. turbo2")
-            try:
-                _check_codec(self.demote, "v")
-            except ValueError as exc:
-                raise ValueError(f"demote={self.demote!r} is invalid: {exc}") from None
+            _check_demote(self.demote, "demote")
         check_heads(self.heads, self.ada_floor)
         object.__setattr__(self, "ada_floor", float(self.ada_floor))
         if self.score not in SCORES:
@@ -194,9 +195,16 @@ class Policy:
         fixed = []
         for role, sel, spec in self.overrides:
             if role not in _ROLES:
-                raise ValueError(f"override role {role!r} is invalid: use k@, v@, kv@ or keep@")
+                raise ValueError(f"override role {role!r} is invalid: use k@, v@, kv@, keep@ or demote@")
             if role == "keep":
                 fixed.append((role, validate_selector(sel), fmt_keep(parse_keep(spec))))
+                continue
+            if role == "demote":
+                if str(spec).strip().lower() == NO_DEMOTE:
+                    spec = NO_DEMOTE
+                else:
+                    _check_demote(spec, f"demote@{sel}")
+                fixed.append((role, validate_selector(sel), spec))
                 continue
             fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
@@ -211,9 +219,11 @@ class Policy:
         if self.chunk > 1 and not self.evicts:
             raise ValueError(f"chunk={self.chunk} ranks the rows eviction chooses in chunks, but this policy evicts "
                              "nothing: set keep below 1 (e.g. keep=0.5)")
-        if self.demote and not self.evicts:
-            raise ValueError(f"demote={self.demote} keeps the evicted rows at a cheaper codec, but this policy evicts "
-                             "nothing: set keep below 1 (e.g. keep=0.5)")
+        demotes = (f"demote={self.demote}" if self.demote else
+                   next((f"demote@{s}={c}" for r, s, c in self.overrides if r == "demote" and c != NO_DEMOTE), ""))
+        if demotes and not self.evicts:
+            raise ValueError(f"{demotes} keeps the evicted rows at a cheaper codec, but this policy evicts nothing: "
+                             "set keep below 1 (e.g. keep=0.5)")
 
     # ---- forms ------------------------------------------------------------------------------
     def to_string(self) -> str:
@@ -272,11 +282,15 @@ class Policy:
         k = [self.k] * num_layers
         v = [self.v] * num_layers
         keep = [self.keep] * num_layers
+        demote = [self.demote] * num_layers
         reason: list[str | None] = [None] * num_layers
         for role, sel, spec in self.overrides:
             for i in sorted(select_layers(sel, num_layers)):
                 if role == "keep":
                     keep[i] = parse_keep(spec)
+                    continue
+                if role == "demote":
+                    demote[i] = "" if spec == NO_DEMOTE else spec
                     continue
                 if role in ("k", "kv"):
                     k[i] = spec
@@ -307,9 +321,10 @@ class Policy:
                     k[i] = v[i] = FULL_PRECISION
                     reason[i] = "bypassed: global (full-attention) layer in a mixed model (bypass=global)"
         # eviction on full-attention layers only: a sliding-window layer already holds a bounded window
+        keeps = [None if (window[i] or sliding[i] or not evicts(keep[i])) else keep[i] for i in range(num_layers)]
         return [
             LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.recent, reason[i], window[i], sliding[i],
-                      None if (window[i] or sliding[i] or not evicts(keep[i])) else keep[i])
+                      keeps[i], demote[i] if keeps[i] is not None else "")
             for i in range(num_layers)
         ]
 
@@ -359,7 +374,7 @@ class Policy:
     @property
     def per_head(self) -> bool:
         """True when any codec of the policy is a per-KV-head list."""
-        return any(is_head_list(s) for s in (self.k, self.v, *(o[2] for o in self.overrides if o[0] != "keep")))
+        return any(is_head_list(s) for s in (self.k, self.v, *(o[2] for o in self.overrides if o[0] not in _VALUE_ROLES)))
 
 
 def _fmt(val) -> str:
@@ -386,6 +401,17 @@ def _list_spec(spec, role: str):
         raise ValueError(f"{role.upper()} codec {spec!r}: an entry of a per-KV-head list is one codec (lists cannot "
                          "nest)")
     return HEAD_SEP.join(spec)
+
+
+def _check_demote(spec, what: str) -> None:
+    """A demote codec (``demote=`` or a ``demote@`` override's value): one codec for K and V, not calibrated."""
+    if not isinstance(spec, str) or is_head_list(spec) or is_calibrated_spec(spec):
+        raise ValueError(f"{what}={spec!r} is invalid: use one codec for K and V, e.g. turbo2"
+                         + (" (none: drop the evicted rows of those layers)" if "@" in what else ""))
+    try:
+        _check_codec(spec, "v")
+    except ValueError as exc:
+        raise ValueError(f"{what}={spec!r} is invalid: {exc}") from None
 
 
 def _check_codec(spec: str, role: str) -> str:

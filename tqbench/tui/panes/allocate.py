@@ -36,6 +36,9 @@ FRONTIER = {"text": FRONTIER_TEXTS[0], "prefill": 1024, "steps": 256}
 GRANULARITY_CHOICES = (("per layer", "layer"), ("per KV head", "head"))
 #: what the budget is spent on (``allocate_policy``'s ``axes``): codec widths, + a keep fraction per layer, eviction
 AXES_CHOICES = (("bits", "bits"), ("bits + tokens", "bits,tokens"), ("tokens", "tokens"))
+#: with the tokens axis, what a layer's evicted rows may become (``allocate_policy``'s ``demote_codecs``)
+DEMOTE_CHOICES = (("evicted: dropped", "none"), ("or demoted: turbo2", "turbo2"),
+                  ("or demoted: turbo1/2", "turbo2,turbo1"))
 #: a FrontierPoint's text label -> the frontier text it belongs to
 _TEXT_LABELS = {f"corpus:{t}" if ":" not in t else t: t for t in FRONTIER_TEXTS}
 #: the allocation's calibration (``allocate_policy`` arguments): the shipped mix of four kinds, as the CLI's default
@@ -85,6 +88,7 @@ class AllocatePanel(Vertical):
     AllocatePanel #alloc-bar { width: 30; margin-left: 2; }
     AllocatePanel #min-speed { width: 10; }
     AllocatePanel #min-speed-note { width: 1fr; margin-left: 1; color: $text-muted; }
+    AllocatePanel #demote-codecs { width: 24; margin-left: 1; }
     AllocatePanel #min-speed-note.-error { color: $error; }
     AllocatePanel #alloc-status { width: 1fr; height: auto; }
     AllocatePanel #alloc-body { height: 18; }
@@ -135,6 +139,9 @@ class AllocatePanel(Vertical):
                         tooltip="Minimum decode tokens/s relative to a dense cache at the context (fused mode, predicted "
                                 "by a cost model measured on this machine once): a ratio above 0 (e.g. 0.8), turbo4 (no "
                                 "slower than uniform turbo4) or none (the CLI's default is turbo4)")
+            yield Select(DEMOTE_CHOICES, value="none", id="demote-codecs", compact=True, allow_blank=False,
+                         tooltip="with the tokens axis: a layer's evicted rows dropped, or kept at a cheaper codec "
+                                 "where that costs less KL for the bytes (demote@LAYERS=codec, chosen per layer)")
             yield Label(MIN_SPEED_NOTES["none"], id="min-speed-note")
         yield Label("enter a budget: the allocation uses the sink, recent window and context above", id="alloc-status")
         with Horizontal(id="alloc-body"):
@@ -220,15 +227,18 @@ class AllocatePanel(Vertical):
         min_speed = self._min_speed()
         granularity = self.query_one("#granularity", Select).value
         axes = self.query_one("#axes", Select).value
+        demote = self.query_one("#demote-codecs", Select).value if "tokens" in axes else "none"
         self._start("allocate", engine)
         self.query_one("#alloc-status", Label).update(
             f"allocating {budget:g} bits/element at {context} tokens over {axes}, per "
             f"{'KV head' if granularity == 'head' else 'layer'}"
-            + (f", min speed {min_speed}" if min_speed is not None else "") + " ...")
-        self._allocate(engine, budget, sink, recent, context, granularity, axes, min_speed)
+            + (f", min speed {min_speed}" if min_speed is not None else "")
+            + (f", evicted rows dropped or demoted to {demote}" if demote != "none" else "") + " ...")
+        self._allocate(engine, budget, sink, recent, context, granularity, axes, min_speed, demote)
 
     @work(thread=True, exclusive=True, group="allocate", exit_on_error=False)
-    def _allocate(self, engine, budget, sink, recent, context, granularity, axes="bits", min_speed=None) -> None:
+    def _allocate(self, engine, budget, sink, recent, context, granularity, axes="bits", min_speed=None,
+                  demote_codecs="none") -> None:
         from tqbench.engine import allocate_policy
         from tqbench.sessions.store import data_dir
 
@@ -237,7 +247,7 @@ class AllocatePanel(Vertical):
             name=f"alloc-{budget:g}bit" + ("-head" if granularity == "head" else ""),
             verify_text=FRONTIER_TEXTS[0], verify_prefill=self.frontier["prefill"],
             verify_steps=self.frontier["steps"], partial_dir=str(data_dir() / "allocate"), **self.calibration, **SOLVER,
-            min_speed=min_speed,
+            min_speed=min_speed, demote_codecs=demote_codecs,
             on_event=lambda ev: self.post_message(self._Event(ev)), cancel=self._cancel.is_set))
         self.post_message(self.Finished(result, error, cancelled, "allocate"))
 

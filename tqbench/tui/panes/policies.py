@@ -263,7 +263,8 @@ class PoliciesPane(Horizontal):
                 raise ValueError(f"{what} {text!r} is not a whole number") from None
 
         overrides = " ".join(o for o in val("overrides").replace(",", " ").split() if o)
-        parsed = parse_policy(",".join(["k=fp16", *overrides.split()])).overrides if overrides else ()
+        # (parsed over an evicting scratch policy: a demote@ override needs one; only the overrides are kept)
+        parsed = parse_policy(",".join(["k=fp16,keep=0.5", *overrides.split()])).overrides if overrides else ()
         return Policy(
             k=str(self.query_one("#k-codec", Select).value), v=str(self.query_one("#v-codec", Select).value),
             sink=whole("sink", "sink tokens"), recent=whole("recent", "recent window"), protect=val("protect"),

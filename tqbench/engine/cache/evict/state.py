@@ -76,15 +76,16 @@ class Evictor:
         self.evicted_prefill = 0  # rows each KV head dropped at prefill points
         self.evicted_decode = 0  # ... at decode points (every)
         self.points = 0
-        #: demote: the evicted rows of K and V, kept at the cheaper codec (``policy.demote``), else None
+        #: demote: the evicted rows of K and V, kept at the layer's cheaper codec (``plan.demote``: ``policy.demote``
+        #: or a ``demote@`` override), else None
         self.demoted: tuple[KVStore, KVStore] | None = None
-        if policy.demote and self.ragged:  # each head's evicted rows in its own store (its codec state its own)
+        if plan.demote and self.ragged:  # each head's evicted rows in its own store (its codec state its own)
             self.demoted = tuple(RaggedStore(
-                policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0, role=role,
-                head_codec=lambda h, role=role: policy.build_codec(policy.demote, role, layer=plan.layer, heads=(h,)))
+                policy.build_codec(plan.demote, role, layer=plan.layer), 0, 0, role=role,
+                head_codec=lambda h, role=role: policy.build_codec(plan.demote, role, layer=plan.layer, heads=(h,)))
                 for role in ("k", "v"))
-        elif policy.demote:
-            self.demoted = tuple(KVStore(policy.build_codec(policy.demote, role, layer=plan.layer), 0, 0)
+        elif plan.demote:
+            self.demoted = tuple(KVStore(policy.build_codec(plan.demote, role, layer=plan.layer), 0, 0)
                                  for role in ("k", "v"))
 
     def bookkeeping_bytes(self) -> int:

@@ -321,7 +321,7 @@ def fused_attention(query: torch.Tensor, kv: FusedKV, attention_mask, scaling: f
         from tqbench.engine.cache.evict.compact import EvictionError
 
         raise EvictionError(
-            f"demote={kv.layer.policy.demote} on a layer with per-head codecs runs only in the native CPU kernel "
+            f"demote={kv.layer.plan.demote} on a layer with per-head codecs runs only in the native CPU kernel "
             f"(one call over every group and the demote tier); here: {why}: use cache mode "
             "compressed, or one codec for the layer's heads")
     n_rep = query.shape[1] // kv.new_k.shape[1]
