@@ -51,7 +51,6 @@ def test_demote_override_per_layer_plans_and_counts_to_the_byte(tiny_engine):
 @pytest.mark.parametrize("text, msg", [
     ("turbo4,demote@1=turbo2", "demote@1=turbo2 keeps the evicted rows at a cheaper codec, but this policy evicts"),
     ("turbo4,keep=0.5,demote@1=pcaq2", "demote@1='pcaq2' is invalid: use one codec for K and V"),
-    ("turbo4,keep=0.5,heads=ada,demote@0=turbo2", "heads=ada with demote@0=turbo2 is not supported"),
 ])
 def test_bad_demote_overrides_are_refused(text, msg):
     with pytest.raises(ValueError, match=msg):

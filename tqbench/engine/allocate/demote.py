@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from tqbench.engine.allocate.keeps import keep_key
+from tqbench.engine.allocate.keeps import keep_key, with_keeps
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.cache.evict.compact import _take
 from tqbench.engine.cache.store import KVStore
@@ -130,8 +130,6 @@ class DemoteTier:
 def tier_bytes(base: Policy, geometry, context: int, keep, codec: str) -> list[int]:
     """Per layer, the bytes of the demote tier at ``codec`` when every layer keeps ``keep`` at ``context`` tokens
     (exact: ``estimate_kv``'s layer bytes with the tier less without; shared objects apart)."""
-    from tqbench.engine.allocate.joint import with_keeps
-
     dropped = with_keeps(replace(base, demote="", overrides=tuple(o for o in base.overrides if o[0] != DEMOTE)),
                          dict.fromkeys(range(geometry.num_layers), keep))
     a = estimate_kv(replace(dropped, demote=codec), geometry, context).layer_bytes

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tqbench.engine.allocate.budget import check_budget
+from tqbench.engine.allocate.keeps import with_keeps
 from tqbench.engine.allocate.sensitivity import SensitivityTable
 from tqbench.engine.allocate.solver import (
     DP_STEPS,
@@ -35,18 +36,6 @@ from tqbench.engine.policy.keep import held_rows
 from tqbench.engine.policy.spec import Policy
 
 _MAX_FRONT = 4000  # options kept per layer (the cheapest ones of a longer Pareto front are kept)
-
-
-def with_keeps(base: Policy, keeps: dict[int, float]) -> Policy:
-    """``base`` with ``keep@layers=f`` for every layer whose keep differs from ``base.keep`` (codec overrides
-    kept; earlier keep overrides replaced)."""
-    groups: dict[float, list[int]] = {}
-    for layer, f in sorted(keeps.items()):
-        if f != base.keep:
-            groups.setdefault(f, []).append(layer)
-    rest = tuple(o for o in base.overrides if o[0] != "keep")
-    new = tuple(("keep", "+".join(map(str, layers)), f"{f:g}") for f, layers in sorted(groups.items()))
-    return replace(base, overrides=new + rest)
 
 
 def _front(points: list[tuple[int, float, tuple]]) -> list[tuple[int, float, tuple]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,7 @@ from tqbench.engine.cache.evict import scores
 from tqbench.engine.cache.evict.compact import _take
 from tqbench.engine.cache.evict.state import select_kept
 from tqbench.engine.policy.keep import check_keep, evicts, kept_rows, protected_rows
+from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
 AXES = ("bits", "tokens")
@@ -269,3 +271,15 @@ def layer_keeps(policy, geometry) -> dict[int, float | int]:
     """Layer -> keep for the layers of ``policy`` that evict."""
     plans = policy.plan(geometry.num_layers, list(geometry.layer_types) if geometry.layer_types else None)
     return {p.layer: p.keep for p in plans if p.evicts and evicts(p.keep)}
+
+
+def with_keeps(base: Policy, keeps: dict[int, float]) -> Policy:
+    """``base`` with ``keep@layers=f`` for every layer whose keep differs from ``base.keep`` (codec overrides
+    kept; earlier keep overrides replaced)."""
+    groups: dict[float, list[int]] = {}
+    for layer, f in sorted(keeps.items()):
+        if f != base.keep:
+            groups.setdefault(f, []).append(layer)
+    rest = tuple(o for o in base.overrides if o[0] != "keep")
+    new = tuple(("keep", "+".join(map(str, layers)), f"{f:g}") for f, layers in sorted(groups.items()))
+    return replace(base, overrides=new + rest)
