@@ -85,6 +85,15 @@ async def test_build_an_evicting_policy_run_it_and_see_the_kept_tokens(data_dir,
         await type_into(pilot, app, pane.query_one("#ada-floor", Input), "0.2")
         await choose(pilot, app, pane.query_one("#heads", Select), "uniform")
         assert pane.current == built.to_string()
+        # chunked ranking (ChunkKV): the key written, the same bytes; 0 is refused with the key's own message
+        await type_into(pilot, app, pane.query_one("#chunk", Input), "8")
+        assert pane.current == built.to_string().replace(",every=4", ",chunk=8,every=4")
+        assert pane.estimate.total_bytes == est.total_bytes
+        await type_into(pilot, app, pane.query_one("#chunk", Input), "0")
+        assert pane.current == "" and "chunk=0 is invalid: use a whole number of tokens >= 1" in plain(
+            pane.query_one("#estimate"))
+        await type_into(pilot, app, pane.query_one("#chunk", Input), "1")
+        assert pane.current == built.to_string()
 
         await pilot.press("ctrl+u")
         await wait_for(pilot, lambda: app.query_one(TabbedContent).active == "run", what="Run after ctrl+u")

@@ -106,6 +106,8 @@ class PoliciesPane(Horizontal):
                 yield Label("obs. window")
                 yield Input("32", id="window", compact=True, type="integer",
                             tooltip="The last queries a score reads (never evicted themselves)")
+            with Horizontal(classes="row"):
+                yield Label("evict in chunks of")
                 yield Input("1", id="chunk", compact=True, type="integer",
                             tooltip="chunk=: keep or evict rows in aligned chunks of this many positions, ranked by "
                             "the chunk's mean score (ChunkKV; keeps a number's digits together); 1: row by row")
