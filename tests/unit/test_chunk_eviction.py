@@ -51,14 +51,40 @@ def test_chunk_costs_the_bytes_of_the_same_keep():
 
 @pytest.mark.parametrize("text,msg", [
     ("turbo4,keep=0.5,chunk=0", "chunk=0 is invalid: use a whole number of tokens >= 1"),
-    ("turbo4,chunk=8", "chunk=8 ranks the rows eviction chooses in chunks, but this policy evicts nothing"),
 ])
 def test_bad_chunk_says_what_to_use(text, msg):
     with pytest.raises(ValueError, match=msg):
         parse_policy(text)
 
 
+def test_chunk_is_a_ranking_setting_like_score_and_window():
+    """Without keep it changes nothing (as score= and window=), so allocate's --base can carry it for the keeps
+    it chooses."""
+    assert parse_policy("turbo4,chunk=8").evicts is False
+
+
 def test_chunk_round_trips():
     pol = parse_policy("turbo4,keep=0.5,chunk=8")
     assert "chunk=8" in pol.to_string() and parse_policy(pol.to_string()) == pol
     assert parse_policy("turbo4,keep=0.5").chunk == 1
+
+
+def test_allocate_keep_cells_rank_in_the_base_policys_chunks_as_the_cache_does(tiny_engine64):
+    """``allocate --base chunk=4``: the keep cells keep the rows a real evicting cache with chunk=4 keeps."""
+    from tqbench.engine.allocate.chunk import ChunkRunner
+    from tqbench.engine.allocate.keeps import KeepCells, keep_key
+    from tqbench.engine.cache import TQCache
+
+    eng = tiny_engine64
+    ids = torch.randint(3, 200, (1, 56), generator=torch.Generator().manual_seed(1))
+    runner = ChunkRunner(eng, ids, 48)
+    cells = KeepCells(runner, "snapkv", 4, chunk=4)
+    idx = cells.index(1, 0.5, 2, 4)
+    eng.enable_fused()
+    cache = TQCache("fp16,sink=2,recent=4,window=4,keep@1=0.5,chunk=4", eng.model.config, mode="compressed")
+    with torch.inference_mode():
+        eng.model(ids[:, :48], cache=cache)
+    assert cache.layers[1].evictor.positions.view().tolist() == idx.tolist()
+    assert idx.tolist() != KeepCells(runner, "snapkv", 4).index(1, 0.5, 2, 4).tolist()  # chunks changed the choice
+    assert keep_key(1, "snapkv", 4, 0.5, 4) == "1/keep/snapkv.w4.c4.0.5" and keep_key(1, "snapkv", 4, 0.5) == (
+        "1/keep/snapkv.w4.0.5")

@@ -216,9 +216,6 @@ class Policy:
             raise ValueError("heads=ada shares a layer's kept rows between its KV heads by their scores, so it takes "
                              "one keep value per layer, not a per-head keep list: drop heads=ada (each head then "
                              "keeps its own fraction) or give one keep value")
-        if self.chunk > 1 and not self.evicts:
-            raise ValueError(f"chunk={self.chunk} ranks the rows eviction chooses in chunks, but this policy evicts "
-                             "nothing: set keep below 1 (e.g. keep=0.5)")
         demotes = (f"demote={self.demote}" if self.demote else
                    next((f"demote@{s}={c}" for r, s, c in self.overrides if r == "demote" and c != NO_DEMOTE), ""))
         if demotes and not self.evicts:
