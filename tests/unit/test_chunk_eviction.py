@@ -88,3 +88,12 @@ def test_allocate_keep_cells_rank_in_the_base_policys_chunks_as_the_cache_does(t
     assert idx.tolist() != KeepCells(runner, "snapkv", 4).index(1, 0.5, 2, 4).tolist()  # chunks changed the choice
     assert keep_key(1, "snapkv", 4, 0.5, 4) == "1/keep/snapkv.w4.c4.0.5" and keep_key(1, "snapkv", 4, 0.5) == (
         "1/keep/snapkv.w4.0.5")
+
+
+def test_a_ranking_change_reuses_the_codec_cells_of_a_partial_file():
+    """The partial file's setup names the codec options without the eviction ranking (keep cells name it)."""
+    from tqbench.engine.allocate.job import _codec_options
+
+    assert _codec_options(parse_policy("k=fp16,v=fp16,chunk=8,score=tova,window=16")) == _codec_options(
+        parse_policy("k=fp16,v=fp16")) == "k=fp16,v=fp16"
+    assert _codec_options(parse_policy("k=fp16,v=fp16,rotation=hadamard")) != _codec_options(parse_policy("k=fp16,v=fp16"))

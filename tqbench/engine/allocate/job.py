@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -298,7 +298,7 @@ def allocate_policy(
     options = list(dict.fromkeys([(base_pol.sink, base_pol.recent), *protections]))
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
-             "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": base_pol.to_string(),
+             "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": _codec_options(base_pol),
              "model_fingerprint": engine.loaded.fingerprint, "measure": "one-unit chunk KL"}
     if partial_path is None and partial_dir is not None:
         digest = hashlib.sha256(json.dumps({k: v for k, v in setup.items() if k not in ("codecs", "k_codecs",
@@ -448,6 +448,13 @@ def allocate_policy(
         report.seconds.update(speed=round(t_speed - t1, 2), speed_costs_cached=costs_cached,
                               verify_speed=round(time.perf_counter() - t3, 2))
     return report
+
+
+def _codec_options(base: Policy) -> str:
+    """The base policy as the codec cells see it: without its eviction ranking (score, window, chunk), which only
+    keep cells read and which their keys name, so a ranking change reuses the codec cells of a partial file."""
+    d = Policy()
+    return replace(base, score=d.score, window=d.window, chunk=d.chunk).to_string()
 
 
 def _table_layers(engine, base: Policy) -> list[int]:
