@@ -169,3 +169,12 @@ def test_cli_refuses_bad_demote_codecs_before_loading_a_model(args, msg):
     res = CliRunner().invoke(main, ["--headless", "allocate", "--budget", "3", *args])
     assert res.exit_code == 2
     assert msg in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_the_tier_with_per_head_keeps_is_refused_before_a_model_loads():
+    from tqbench.engine.allocate.demote import check_demote_codecs
+
+    with pytest.raises(RequestError, match="the demote tier is searched per layer"):
+        check_demote_codecs("turbo2", ("bits", "tokens"), "head")
+    assert check_demote_codecs("turbo2,turbo1", ("bits", "tokens")) == ("turbo2", "turbo1")
+    assert check_demote_codecs("none", ("bits",), "head") == ()

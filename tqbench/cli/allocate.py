@@ -89,7 +89,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
-    from tqbench.engine.allocate.demote import parse_demote_codecs
+    from tqbench.engine.allocate.demote import check_demote_codecs
     from tqbench.engine.allocate.keeps import parse_axes, parse_keeps, speed_rule
     from tqbench.engine.allocate.texts import check_text_names
 
@@ -98,11 +98,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.engine.allocate.head_job import check_keep_granularity
 
     check_keep_granularity(keep_granularity, axes, granularity)
-    if parse_demote_codecs(demote_codecs) and "tokens" not in axes:
-        from tqbench.engine.request import RequestError
-
-        raise RequestError("demote_codecs", demote_codecs, "the demote tier keeps a layer's evicted rows: search the "
-                           "tokens axis too (--axes bits,tokens), or give none")
+    check_demote_codecs(demote_codecs, axes, keep_granularity)
     check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)

@@ -32,6 +32,19 @@ from tqbench.engine.request import RequestError
 DEMOTE = "demote"
 
 
+def check_demote_codecs(value, axes: tuple[str, ...], keep_granularity: str = "layer") -> tuple[str, ...]:
+    """``parse_demote_codecs`` plus where a tier can be searched: with the tokens axis, per layer; the one rule the
+    engine and every front end apply (before a model loads)."""
+    demotes = parse_demote_codecs(value)
+    if demotes and "tokens" not in axes:
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
+                           "search the tokens axis too (bits,tokens or tokens), or give none")
+    if demotes and keep_granularity == "head":
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier is searched per layer: with per-head "
+                           "keeps (keep granularity head) give none")
+    return demotes
+
+
 def parse_demote_codecs(value) -> tuple[str, ...]:
     """Codecs offered for a layer's evicted rows (``"turbo2,turbo1"`` or a list; ``none`` or empty: none), each
     checked by the policy's own rule for ``demote=``; ``RequestError`` (field ``demote_codecs``)."""

@@ -29,8 +29,8 @@ from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.demote import (
     DemoteTier,
+    check_demote_codecs,
     demote_key,
-    parse_demote_codecs,
     shared_specs,
     tier_options,
 )
@@ -255,13 +255,7 @@ def allocate_policy(
     keep_choices = parse_keeps(keeps) if "tokens" in axes else (1.0,)
     check_keep_granularity(keep_granularity, axes, granularity)
     per_head = keep_granularity == "head"
-    demotes = parse_demote_codecs(demote_codecs)
-    if demotes and "tokens" not in axes:
-        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
-                           "search the tokens axis too (bits,tokens or tokens), or give none")
-    if demotes and per_head:
-        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier is searched per layer: with per-head "
-                           "keeps (keep granularity head) give none")
+    demotes = check_demote_codecs(demote_codecs, axes, keep_granularity)
     if base_pol.evicts:
         raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
                            "from the base and search the tokens axis")
