@@ -171,12 +171,12 @@ async def test_a_preset_with_eviction_loads_into_the_builder(data_dir, steady_en
     async with app.run_test(size=(120, 44)) as pilot:
         await pilot.press("f3")
         pane = app.policies_pane
-        pane.keep_policy("evicting", "turbo2,keep=64,score=h2o,window=16,demote=int4,keep@0=1.0")
+        pane.keep_policy("evicting", "turbo2,keep=64rows,score=h2o,window=16,demote=int4,keep@0=1.0")
         pane.load_into_builder("evicting")
         await pilot.pause()
         assert pane.query_one("#keep", Input).value == "64" and pane.query_one("#score", Select).value == "h2o"
         assert pane.query_one("#window", Input).value == "16" and pane.query_one("#overrides", Input).value == "keep@0=1.0"
         assert pane.query_one("#demote", Select).value == "int4"
-        assert pane.current == parse_policy("turbo2,keep=64,score=h2o,window=16,demote=int4,keep@0=1.0").to_string()
+        assert pane.current == parse_policy("turbo2,keep=64rows,score=h2o,window=16,demote=int4,keep@0=1.0").to_string()
         assert "eviction: 3 of 4 layers keep 64 of 1024 rows per KV head (score h2o, window 16)" in \
             plain(pane.query_one("#estimate"))

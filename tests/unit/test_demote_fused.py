@@ -27,7 +27,7 @@ def _logits(engine, ids, policy: str, mode: str, steps: int = 6) -> tuple[torch.
 
 @pytest.mark.parametrize("policy", ["turbo4,keep=0.3,score=tova,every=3,window=4,demote=turbo2",
                                     "k=turbo4,v=turbo3,keep=0.4,window=4,every=4,demote=turbo1",
-                                    "k=turbo3,v=turbo4,keep=20,window=4,demote=turbo2"])
+                                    "k=turbo3,v=turbo4,keep=20rows,window=4,demote=turbo2"])
 def test_fused_reads_the_tier_natively_and_matches_compressed(tiny_engine, policy):
     ids = tiny_engine.encode_prompt(PROMPT, chat=False)
     want, _ = _logits(tiny_engine, ids, policy, "compressed")

@@ -11,7 +11,7 @@ from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
 from tqbench.engine.cache.evict.compact import EvictionError
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.policy import parse_policy
-from tqbench.engine.policy.keep import held_rows, kept_rows
+from tqbench.engine.policy.keep import Rows, held_rows, kept_rows
 from tqbench.engine.policy.spec import Policy
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
@@ -23,18 +23,18 @@ def _ids(engine):
 
 # -- the policy language ------------------------------------------------------------------------------------
 def test_keys_round_trip_in_every_form(tmp_path):
-    text = "turbo4,keep=0.5,score=tova,window=16,every=64,keep@0-1=1.0,keep@last1=300"
+    text = "turbo4,keep=0.5,score=tova,window=16,every=64,keep@0-1=1.0,keep@last1=300rows"
     pol = parse_policy(text)
     assert (pol.keep, pol.score, pol.window, pol.every) == (0.5, "tova", 16, 64)
     assert parse_policy(pol.to_string()) == pol
     assert Policy.from_dict(pol.to_dict()) == pol
     path = tmp_path / "p.toml"
     path.write_text('preset = "turbo4"\nkeep = 0.5\nscore = "tova"\nwindow = 16\nevery = 64\n'
-                    'overrides = [{role = "keep", layers = "0-1", codec = 1.0}, {role = "keep", layers = "last1", codec = 300}]\n')
+                    'overrides = [{role = "keep", layers = "0-1", codec = 1.0}, {role = "keep", layers = "last1", codec = "300rows"}]\n')
     assert parse_policy(str(path)) == pol
     plans = pol.plan(4)
-    assert [p.keep for p in plans] == [None, None, 0.5, 300]  # keep=1.0: evicts nothing
-    assert isinstance(parse_policy("turbo4,keep=1024").keep, int)
+    assert [p.keep for p in plans] == [None, None, 0.5, Rows(300)]  # keep=1.0: evicts nothing
+    assert isinstance(parse_policy("turbo4,keep=1024rows").keep, Rows)
 
 
 @pytest.mark.parametrize("text,msg", [
@@ -54,8 +54,8 @@ def test_bad_values_say_what_to_use(text, msg):
 def test_kept_rows_rule():
     # sinks 4 and the last max(window 32, recent 16) are kept; half of the 8192 - 36 between them
     assert kept_rows(8192, 0.5, 4, 32, 16) == 4 + 32 + (8192 - 36) // 2
-    assert kept_rows(8192, 1000, 4, 32, 16) == 1000
-    assert kept_rows(20, 10, 4, 32, 16) == 20  # everything is protected
+    assert kept_rows(8192, Rows(1000), 4, 32, 16) == 1000
+    assert kept_rows(20, Rows(10), 4, 32, 16) == 20  # everything is protected
     assert kept_rows(100, 1.0, 4, 32, 16) == 100
     # decode rows add up until the next eviction point
     assert held_rows(110, 100, 0.5, 4, 32, 16, 0) == kept_rows(100, 0.5, 4, 32, 16) + 10
@@ -76,7 +76,7 @@ def test_estimate_is_about_half_at_8k():
 # -- bytes: the cache report is the estimate, to the byte ---------------------------------------------------------
 @pytest.mark.parametrize("mode", ["compressed", "simulate", "fused"])
 @pytest.mark.parametrize("policy", [
-    "turbo4,keep=0.5", "k=turbo4,v=turbo2,sink=2,recent=4,keep=40,score=keynorm,window=8",
+    "turbo4,keep=0.5", "k=turbo4,v=turbo2,sink=2,recent=4,keep=40rows,score=keynorm,window=8",
     "turbo4,keep=0.3,score=tova,every=4,keep@0=1.0", "k=int8,v=turbo3,keep=0.6,score=expected,window=8",
     "fp16,keep=0.5,sink=4,window=8,every=3",
 ])
@@ -125,7 +125,7 @@ def test_keynorm_keeps_the_lowest_norm_rows_of_each_head():
 
 
 def test_tova_keeps_the_rows_the_last_query_reads():
-    layer = _layer("fp16,sink=1,keep=3,score=tova,window=2")
+    layer = _layer("fp16,sink=1,keep=3rows,score=tova,window=2")
     k = torch.zeros(1, 2, 10, 8)
     for t in range(10):
         k[0, :, t, t % 8] = 1.0
@@ -134,9 +134,9 @@ def test_tova_keeps_the_rows_the_last_query_reads():
     q[0, 2:, -1, 2] = q[0, 2:, -1, 6] = 20.0
     layer.update(k, k.clone())
     layer.after_attention(q, 1.0, True)
-    # 1 sink + the last 2 are protected; a budget of 3 rows leaves 0 ... so: keep=3 < protected -> protected only
+    # 1 sink + the last 2 are protected; a budget of 3 rows leaves 0 ... so: keep=3rows < protected -> protected only
     assert layer.evictor.positions.view()[0, 0].tolist() == [0, 8, 9]
-    layer = _layer("fp16,sink=1,keep=5,score=tova,window=2")
+    layer = _layer("fp16,sink=1,keep=5rows,score=tova,window=2")
     layer.update(k, k.clone())
     layer.after_attention(q, 1.0, True)
     assert layer.evictor.positions.view()[0, 0].tolist() == [0, 3, 5, 8, 9]
@@ -144,7 +144,7 @@ def test_tova_keeps_the_rows_the_last_query_reads():
 
 
 def test_snapkv_keeps_the_pooled_cluster_the_window_reads():
-    layer = _layer("fp16,sink=0,recent=0,keep=7,score=snapkv,window=2")
+    layer = _layer("fp16,sink=0,recent=0,keep=7rows,score=snapkv,window=2")
     k = torch.eye(32)[:30].view(1, 1, 30, 32).expand(1, 2, 30, 32).clone()
     q = torch.zeros(1, 4, 30, 32)
     q[0, :2, -2:, 5] = 20.0  # KV head 0's window reads position 5; head 1's reads 20
@@ -233,7 +233,7 @@ def test_keep_one_is_the_policy_without_keep(tiny_engine):
 
 
 @pytest.mark.parametrize("policy", ["turbo4,keep=0.5", "k=turbo4,v=turbo3,keep=0.4,score=tova,every=3,window=4",
-                                    "turbo4,keep=30,score=expected,window=8,every=4"])
+                                    "turbo4,keep=30rows,score=expected,window=8,every=4"])
 def test_modes_agree_exactly_in_float64(tiny_engine64, policy):
     ids = _ids(tiny_engine64)
     runs = {m: tiny_engine64.generate(ids, policy, m, max_new_tokens=12, stop_at_eos=False)
@@ -355,8 +355,8 @@ def test_a_sweep_takes_keep_policies(tmp_path, tiny_engine):
 
 # -- demote: evicted rows kept at a cheaper codec ----------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["compressed", "simulate", "fused"])
-@pytest.mark.parametrize("policy", ["turbo4,keep=0.5,demote=turbo2", "turbo4,keep=0.3,score=tova,every=4,demote=int4",
-                                    "fp16,keep=20,demote=turbo1,window=4"])
+@pytest.mark.parametrize("policy", ["turbo4,keep=0.5,demote=turbo2", "turbo4,keep=0.3,score=tova,every=4,demote=int2",
+                                    "fp16,keep=20rows,window=4,demote=turbo1"])
 def test_demoted_rows_are_counted_to_the_byte(tiny_engine, policy, mode):
     model = tiny_engine.model
     tiny_engine.enable_fused()

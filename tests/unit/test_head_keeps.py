@@ -34,7 +34,7 @@ def test_head_lists_parse_round_trip_and_collapse(tmp_path):
     assert parse_policy(str(path)).overrides == (("keep", "3-5", "0.75|0.5|1"),)
     # every head the same fraction: that fraction, a uniform (non-ragged) layer
     same = parse_policy("turbo4,keep=0.5|0.5|0.5,keep@0=1|1|1")
-    assert same.keep == 0.5 and same.to_string() == "k=turbo4,v=turbo4,sink=4,recent=16,keep=0.5,keep@0=1.0"
+    assert same.keep == 0.5 and same.to_string() == "k=turbo4,v=turbo4,sink=4,recent=16,keep=0.5,keep@0=1"
     assert [same.ragged(p) for p in same.plan(2)] == [False, False]
     assert parse_keep("1|0.5") == (1.0, 0.5) and parse_keep(0.5) == 0.5
 
@@ -236,9 +236,9 @@ def tiny_fit(tiny_engine64, tmp_path_factory):
     return str(save_transforms(tr, tmp_path_factory.mktemp("fit") / "tiny.safetensors"))
 
 
-@pytest.mark.parametrize("extra", ["keep=0.5|0.75", "k=pcaq3|pcaq2,keep=0.5,heads=ada,demote=turbo2"])
-def test_calibrated_keys_in_per_head_stores(tiny_engine64, tiny_fit, extra):
-    pol = f"k=pcaq2.5,v=turbo2,calib={tiny_fit},window=4,{extra}"
+@pytest.mark.parametrize("k,extra", [("pcaq2.5", "keep=0.5|0.75"), ("pcaq3|pcaq2", "keep=0.5,heads=ada,demote=turbo1")])
+def test_calibrated_keys_in_per_head_stores(tiny_engine64, tiny_fit, k, extra):
+    pol = f"k={k},v=turbo2,calib={tiny_fit},window=4,{extra}"
     ids = torch.randint(5, 200, (1, 60), generator=torch.Generator().manual_seed(5))
     ref, c_ref = _logits(tiny_engine64, pol, "compressed", ids, steps=3)
     got, c_got = _logits(tiny_engine64, pol, "fused", ids, steps=3)

@@ -19,7 +19,6 @@ Keys only: for values the measured transforms did not beat the random rotation (
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -27,33 +26,14 @@ from tqbench.kernels.packing import pack_widths, unpack_widths
 
 from .base import Codec, Encoded, compute_dtype, native_encoder
 from .calibrated_fit import GROUP, MAX_BITS, level_offset, water_fill
+from .names import CALIBRATED_SPECS, calibrated_bits, is_calibrated_spec
 from .transforms_file import CalibratedTransforms, TransformsMismatch, load_transforms
 
 __all__ = ["CALIBRATED_SPECS", "PcaKeyCodec", "calibrated_bits", "is_calibrated_spec", "pack_widths", "unpack_widths"]
 
 #: the calibrated specs listed by ``tqbench --headless policies`` (any ``pcaq{b}`` with ``b*head_dim`` whole works)
-CALIBRATED_SPECS: tuple[str, ...] = ("pcaq2", "pcaq2.5", "pcaq3", "pcaq3.5", "pcaq4")
-_SPEC = re.compile(r"pcaq(\d+(?:\.\d+)?)")
 #: per (fit, layer, width, dim, device, dtype): bit map, basis, encoder, sigma, levels, bounds (shared by codecs)
 _TABLES: dict[tuple, tuple] = {}
-
-
-def calibrated_bits(spec: str) -> float | None:
-    """The average width of a ``pcaq{b}`` spec, or None when ``spec`` is not one (ValueError when out of range)."""
-    m = _SPEC.fullmatch(spec.strip().lower()) if isinstance(spec, str) else None
-    if m is None:
-        return None
-    bits = float(m.group(1))
-    if not 0.5 <= bits <= MAX_BITS:
-        raise ValueError(f"{spec}: the average width must be between 0.5 and {MAX_BITS} bits per coordinate")
-    return bits
-
-
-def is_calibrated_spec(spec: str) -> bool:
-    try:
-        return calibrated_bits(spec) is not None
-    except ValueError:
-        return False
 
 
 class PcaKeyCodec(Codec):

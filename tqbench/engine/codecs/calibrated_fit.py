@@ -26,6 +26,7 @@ import math
 import torch
 
 from .codebooks import lloyd_max_codebook
+from .names import PCAQ_MAX_BITS
 
 __all__ = [
     "GROUP",
@@ -40,8 +41,8 @@ __all__ = [
 
 #: coordinates per Lloyd-Max level group
 GROUP = 8
-#: the widest code one coordinate can get
-MAX_BITS = 6
+#: the widest code one coordinate can get (defined torch-free in names.py, which checks pcaq names)
+MAX_BITS = PCAQ_MAX_BITS
 #: the unit-sphere dimension whose Lloyd-Max codebook (rescaled) stands in for the Gaussian one
 _GAUSS_DIM = 4096
 #: samples per group the level fit uses (evenly strided when there are more)

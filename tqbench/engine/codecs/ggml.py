@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .base import Codec, Encoded
+from .names import GGML_TYPES, GgmlType
 
 __all__ = ["GGML_TYPES", "IQ4NL_LEVELS", "GgmlCodec", "GgmlType"]
 
@@ -27,25 +28,6 @@ QK = 32  # values per block, every type here
 #: kvalues_iq4nl (ggml-common.h)
 IQ4NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 GROUP_MAX_EPS = 1e-15
-
-
-class GgmlType:
-    """One GGML block type: its name, bytes per block of 32 and nominal bits."""
-
-    def __init__(self, name: str, block_bytes: int, bits: int) -> None:
-        self.name, self.block_bytes, self.bits = name, block_bytes, bits
-
-
-GGML_TYPES: dict[str, GgmlType] = {
-    t.name: t for t in (
-        GgmlType("q8_0", 2 + 32, 8),
-        GgmlType("q5_1", 2 + 2 + 4 + 16, 5),
-        GgmlType("q5_0", 2 + 4 + 16, 5),
-        GgmlType("q4_1", 2 + 2 + 16, 4),
-        GgmlType("q4_0", 2 + 16, 4),
-        GgmlType("iq4_nl", 2 + 16, 4),
-    )
-}
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:

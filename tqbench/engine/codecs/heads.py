@@ -22,29 +22,9 @@ from collections.abc import Sequence
 import torch
 
 from .base import Codec, Encoded, bits_per_element
+from .names import HEAD_SEP, is_head_list, split_head_list
 
 __all__ = ["HEAD_SEP", "HeadSplitCodec", "group_heads", "is_head_list", "split_head_list"]
-
-HEAD_SEP = "|"
-
-
-def is_head_list(spec) -> bool:
-    """True when ``spec`` is a per-KV-head list (``turbo2|turbo4|...``)."""
-    return isinstance(spec, str) and HEAD_SEP in spec
-
-
-def split_head_list(spec: str) -> list[str]:
-    """The entries of a head list, stripped; ValueError for an empty entry or a nested list."""
-    entries = [e.strip() for e in spec.split(HEAD_SEP)]
-    for i, e in enumerate(entries):
-        if not e:
-            raise ValueError(f"head list {spec!r}: entry {i} is empty: give one codec per KV head, in head order, "
-                             "e.g. turbo2|turbo4|turbo2")
-        if any(c in e for c in "[](){},;"):
-            raise ValueError(f"head list {spec!r}: entry {e!r} is not a codec name: a head list is one flat list "
-                             "of codecs, one per KV head (SPEC0|SPEC1|...); lists cannot nest")
-    return entries
-
 
 def group_heads(*per_head: Sequence[str]) -> list[tuple[int, ...]]:
     """Heads grouped by their codecs across the given roles (e.g. K's and V's per-head specs): groups in order of

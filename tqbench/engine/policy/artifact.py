@@ -18,13 +18,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tqbench.engine.atomic import atomic_write, check_output_path
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.tomlfile import read_toml
+
+if TYPE_CHECKING:  # torch loads with the sidecar, not with the policy (a policy is checked before torch)
+    import torch
 
 FORMAT = "tqbench-policy/1"
 

@@ -46,12 +46,18 @@ def parse_compact(text: str) -> Policy:
         items = items[1:]
     kw: dict = {}
     overrides = list(base.overrides)
+    given: dict[str, str] = {}  # field (or override key) -> the part that set it: a key given twice is refused
     for item in items:
         if "=" not in item:
             raise ValueError(f"policy part {item!r} is not key=value (several policies? put ';' between them): "
                              f"valid keys are {', '.join(_VALID_KEYS)}")
         key, val = (s.strip() for s in item.split("=", 1))
         key = key.lower()
+        for field_ in (("k", "v") if key == "kv" else (key.replace(" ", ""),)):
+            if field_ in given:
+                raise ValueError(f"policy {text!r} sets {field_} twice ({given[field_]} and {item}): give each key "
+                                 "once")
+            given[field_] = item
         if "@" in key:
             role, sel = key.split("@", 1)
             if role not in _ROLES:
@@ -87,9 +93,9 @@ def parse_compact(text: str) -> Policy:
     pol = replace(base, overrides=tuple(overrides), **kw)
     if name is not None:
         return pol.with_name(name)
-    if kw or overrides != list(base.overrides):  # a changed preset is no longer that preset: label by its string
-        return pol.with_name(None)
-    return base
+    if pol == base:  # keys that change nothing (turbo4,keep=1): still that preset, under its name
+        return base
+    return pol.with_name(None)  # a changed preset is no longer that preset: label by its string
 
 
 def engine_policy(text: str) -> Policy:

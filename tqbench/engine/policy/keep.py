@@ -1,5 +1,6 @@
-"""Token eviction's policy values: ``keep`` (a fraction of the evictable rows, or a whole number of rows per KV
-head, or one fraction per KV head ``F0|F1|...``: a per-head keep list), ``score`` (how rows are ranked), ``window`` (the observation window of last queries) and ``every``
+"""Token eviction's policy values: ``keep`` (a fraction 0 < f <= 1 of the evictable rows, ``keep=1`` being every
+row; a row count per KV head written with its unit, ``keep=512rows``; or one fraction per KV head ``F0|F1|...``: a
+per-head keep list), ``score`` (how rows are ranked), ``window`` (the observation window of last queries) and ``every``
 (decode-time re-eviction period). The one rule for how many rows a layer holds is ``kept_rows``; the store
 (``cache.evict``) and the byte estimate both call it."""
 
@@ -16,27 +17,61 @@ NO_EVICTION = 1.0
 HEAD_BUDGETS = ("uniform", "ada")
 ADA_FLOOR = 0.2  # kvpress AdaKVPress's alpha_safeguard default
 
-_KEEP_HELP = ("use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5), a whole number of rows per KV head "
-              "(e.g. 1024), or one fraction per KV head (e.g. 0.5|1|0.25)")
+_KEEP_HELP = ("use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5; 1 keeps every row), a row count per KV "
+              "head with its unit (e.g. 512rows), or one fraction per KV head (e.g. 0.5|1|0.25)")
 #: separates a per-head keep list's entries (as a per-KV-head codec list's: ``codecs.HEAD_SEP``)
 KEEP_SEP = "|"
+#: the unit a row count is written with (``keep=512rows``): a bare whole number above 1 is refused as ambiguous
+ROWS_UNIT = "rows"
 _LIST_HELP = "a per-head keep list is one fraction 0 < f <= 1 per KV head, in head order (e.g. 0.5|1|0.25)"
 
 
-def parse_keep(value) -> float | int | tuple[float, ...]:
-    """A keep value from text (``"0.5"``, ``"1024"``, ``"0.5|1|0.25"``) or a file (float, int, or a list of
-    fractions); checked. A per-head list comes back as a tuple of floats, or as its one fraction when every
-    entry is the same (so a layer whose heads all keep the same fraction is a uniform layer)."""
+class Rows(int):
+    """A keep value that is a row count per KV head (``keep=512rows``), never equal to a fraction: ``Rows(1)`` keeps
+    one row where ``1.0`` keeps every row, so the two compare unequal and write differently (``fmt_keep``)."""
+
+    def __new__(cls, n: int) -> Rows:
+        return super().__new__(cls, n)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Rows) and int(self) == int(other)
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((ROWS_UNIT, int(self)))
+
+    def __repr__(self) -> str:
+        return f"Rows({int(self)})"
+
+    def __str__(self) -> str:
+        return f"{int(self)}{ROWS_UNIT}"
+
+
+def _ambiguous(n) -> ValueError:
+    return ValueError(f"keep={n} is ambiguous: write keep={n}{ROWS_UNIT} for a row count per KV head or keep=0.5 for "
+                      "a fraction of the rows")
+
+
+def parse_keep(value) -> float | Rows | tuple[float, ...]:
+    """A keep value from text (``"0.5"``, ``"1"``, ``"512rows"``, ``"0.5|1|0.25"``) or a file (a fraction, the
+    text ``"512rows"``, a list of fractions); checked. A per-head list comes back as a tuple of floats, or as its one
+    fraction when every entry is the same (so a layer whose heads all keep the same fraction is a uniform layer)."""
     if isinstance(value, (list, tuple)) or (isinstance(value, str) and KEEP_SEP in value):
         return _parse_head_keeps(value)
-    if isinstance(value, bool):
-        raise ValueError(f"keep={value!r} is invalid: {_KEEP_HELP}")
     if isinstance(value, str):
-        text = value.strip()
+        text = value.strip().lower()
+        if text.endswith(ROWS_UNIT) and not isinstance(value, Rows):
+            digits = text.removesuffix(ROWS_UNIT).strip()
+            if not digits.isdigit() or int(digits) < 1:
+                raise ValueError(f"keep={value.strip()!r} is invalid: a row count is a whole number >= 1 with its "
+                                 f"unit, e.g. 512{ROWS_UNIT}")
+            return Rows(int(digits))
         try:
             value = int(text) if text.isdigit() else float(text)
         except ValueError:
-            raise ValueError(f"keep={text!r} is invalid: {_KEEP_HELP}") from None
+            raise ValueError(f"keep={value.strip()!r} is invalid: {_KEEP_HELP}") from None
     return check_keep(value)
 
 
@@ -58,16 +93,36 @@ def _parse_head_keeps(value) -> float | tuple[float, ...]:
     return out[0] if len(set(out)) == 1 else tuple(out)
 
 
-def check_keep(value) -> float | int | tuple[float, ...]:
+def check_keep(value) -> float | Rows | tuple[float, ...]:
+    """A keep value as a ``Policy`` holds it: a fraction (a whole 1 is the fraction 1.0: every row), a ``Rows``
+    count, or a per-head list of fractions. A bare whole number above 1 is refused as ambiguous (``_ambiguous``)."""
     if isinstance(value, (list, tuple)):
         return _parse_head_keeps(value)
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, Rows):
         if value < 1:
-            raise ValueError(f"keep={value!r} is invalid: {_KEEP_HELP}")
+            raise ValueError(f"keep={value} is invalid: a row count is a whole number >= 1, e.g. 512{ROWS_UNIT}")
         return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value == 1:
+            return 1.0
+        if value > 1:
+            raise _ambiguous(value)
+        raise ValueError(f"keep={value!r} is invalid: {_KEEP_HELP}")
     if isinstance(value, float) and math.isfinite(value) and 0 < value <= 1:
         return value
     raise ValueError(f"keep={value!r} is invalid: {_KEEP_HELP}")
+
+
+def check_keep_rows(keep, sink: int, window: int, recent: int, where: str = "keep") -> None:
+    """A row count (``keep=512rows``) is at least the rows every KV head keeps anyway (the ``sink`` rows and the
+    last max(``window``, ``recent``): ``protected_rows``); a smaller count would be silently raised to them."""
+    if not isinstance(keep, Rows):
+        return
+    floor = sink + max(window, recent)
+    if keep < floor:
+        raise ValueError(f"{where}={keep} is below the {floor} rows every KV head keeps anyway (sink={sink} + "
+                         f"max(window={window}, recent={recent})): give {where}={floor}{ROWS_UNIT} or more, a "
+                         "fraction such as 0.5, or a smaller window/recent")
 
 
 def evicts(keep) -> bool:
@@ -110,8 +165,8 @@ def kept_rows(seen: int, keep, sink: int, window: int, recent: int) -> int:
         return seen
     head, tail = protected_rows(seen, sink, window, recent)
     middle = seen - head - tail
-    if isinstance(keep, int):
-        return head + tail + max(0, min(middle, keep - head - tail))
+    if isinstance(keep, Rows):
+        return head + tail + max(0, min(middle, int(keep) - head - tail))
     return head + tail + math.floor(keep * middle)
 
 
@@ -148,11 +203,14 @@ def ada_floor_rows(target: int, head: int, tail: int, ada_floor: float) -> int:
 
 
 def _fmt_fraction(f: float) -> str:
-    return "1" if f == 1 else repr(f)
+    return "1" if f == 1 else repr(float(f))
 
 
 def fmt_keep(keep) -> str:
-    """A keep value as the policy text writes it (a per-head list: ``0.5|1|0.25``)."""
+    """A keep value as the policy text writes it, read back equal by ``parse_keep``: ``0.5``, ``1`` (every row),
+    ``512rows``, a per-head list ``0.5|1|0.25``."""
     if is_head_keeps(keep):
         return KEEP_SEP.join(_fmt_fraction(f) for f in keep)
-    return str(keep)
+    if isinstance(keep, Rows):
+        return str(keep)
+    return _fmt_fraction(float(keep))

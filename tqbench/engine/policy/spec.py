@@ -10,28 +10,30 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from tqbench.engine.codecs import (
-    CODEC_SPECS,
-    HEAD_SEP,
-    canonical_spec,
-    codec_from_spec,
-    head_codecs,
-    is_calibrated_spec,
-    is_head_list,
-    is_valid_spec,
+from tqbench.engine.codecs.names import canonical_spec, is_head_list, split_head_list
+from tqbench.engine.policy.checks import (
+    check_codec,
+    check_demote,
+    check_demote_cheaper,
+    list_spec,
+    override_value,
 )
-from tqbench.engine.codecs.heads import split_head_list
+from tqbench.engine.policy.fitted import FittedOn
 from tqbench.engine.policy.keep import (
     ADA_FLOOR,
     SCORES,
+    Rows,
     check_heads,
-    check_keep,
+    check_keep_rows,
     evicts,
     fmt_keep,
     is_head_keeps,
     parse_keep,
 )
 from tqbench.engine.policy.layers import select_layers, validate_selector
+
+__all__ = ["BYPASS_CHOICES", "DENSE_SPECS", "FULL_PRECISION", "NO_DEMOTE", "ROTATION_CHOICES", "SLIDING_CHOICES",
+           "FittedOn", "LayerPlan", "Policy"]
 
 FULL_PRECISION = "fp16"
 BYPASS_CHOICES = ("none", "global")
@@ -84,43 +86,6 @@ DENSE_SPECS = ("fp16", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
-class FittedOn:
-    """The model a saved policy was fitted on (an artifact's ``[model]`` table): a ``Policy`` read from such a
-    file carries it, so "fitted on another model" can be checked whatever form the policy reaches the engine in
-    (a path, a shipped name, or an already-parsed ``Policy``)."""
-
-    name: str | None = None
-    fingerprint: str | None = None
-    num_layers: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> FittedOn | None:
-        if not data:
-            return None
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-    def warning(self, fingerprint: str | None, geometry=None) -> str | None:
-        """Why a policy fitted on this model may not suit a model with ``fingerprint`` (else, when only a config
-        is known, with KV ``geometry``); None when it matches or nothing comparable is recorded. The one rule."""
-        fitted = f"{self.name or '?'} (fingerprint {self.fingerprint or '?'})"
-        if fingerprint is not None and self.fingerprint and self.fingerprint != fingerprint:
-            return (f"this policy was fitted on {fitted}, not on this model (fingerprint {fingerprint}): its "
-                    "allocation may not suit it; allocate a policy for this model")
-        if geometry is not None:
-            want = (self.num_layers, self.kv_heads, self.head_dim)
-            have = (geometry.num_layers, geometry.kv_heads, geometry.head_dim)
-            if None not in want and want != have:
-                return (f"this policy was fitted on {fitted} with {want[0]} layers x {want[1]} KV heads x "
-                        f"head_dim {want[2]}, but this model has {have[0]} x {have[1]} x {have[2]}")
-        return None
-
-
-@dataclass(frozen=True)
 class Policy:
     k: str = FULL_PRECISION
     v: str = FULL_PRECISION
@@ -156,13 +121,14 @@ class Policy:
 
     def __post_init__(self) -> None:
         for role in ("k", "v"):
-            object.__setattr__(self, role, _check_codec(getattr(self, role), role))
+            object.__setattr__(self, role, check_codec(getattr(self, role), role))
         for what, val in (("sink", self.sink), ("recent", self.recent)):
             if not isinstance(val, int) or val < 0:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
-        object.__setattr__(self, "keep", check_keep(self.keep))
+        object.__setattr__(self, "keep", parse_keep(self.keep))
         if self.demote:
-            _check_demote(self.demote, "demote")
+            check_demote(self.demote, "demote")
+            check_demote_cheaper(self.k, self.v, self.demote)
         check_heads(self.heads, self.ada_floor)
         object.__setattr__(self, "ada_floor", float(self.ada_floor))
         if self.score not in SCORES:
@@ -197,16 +163,18 @@ class Policy:
             if role not in _ROLES:
                 raise ValueError(f"override role {role!r} is invalid: use k@, v@, kv@, keep@ or demote@")
             if role == "keep":
-                fixed.append((role, validate_selector(sel), fmt_keep(parse_keep(spec))))
+                keep = parse_keep(spec)
+                check_keep_rows(keep, self.sink, self.window, self.recent, f"keep@{sel}")
+                fixed.append((role, validate_selector(sel), fmt_keep(keep)))
                 continue
             if role == "demote":
                 if str(spec).strip().lower() == NO_DEMOTE:
                     spec = NO_DEMOTE
                 else:
-                    _check_demote(spec, f"demote@{sel}")
+                    check_demote(spec, f"demote@{sel}")
                 fixed.append((role, validate_selector(sel), spec))
                 continue
-            fixed.append((role, validate_selector(sel), _check_codec(spec, role)))
+            fixed.append((role, validate_selector(sel), check_codec(spec, role)))
         object.__setattr__(self, "overrides", tuple(fixed))
         if self.heads == "ada" and not self.evicts:
             raise ValueError("heads=ada shares a layer's kept rows between its KV heads, but this policy evicts "
@@ -216,6 +184,7 @@ class Policy:
             raise ValueError("heads=ada shares a layer's kept rows between its KV heads by their scores, so it takes "
                              "one keep value per layer, not a per-head keep list: drop heads=ada (each head then "
                              "keeps its own fraction) or give one keep value")
+        check_keep_rows(self.keep, self.sink, self.window, self.recent)
         demotes = (f"demote={self.demote}" if self.demote else
                    next((f"demote@{s}={c}" for r, s, c in self.overrides if r == "demote" and c != NO_DEMOTE), ""))
         if demotes and not self.evicts:
@@ -224,13 +193,13 @@ class Policy:
 
     # ---- forms ------------------------------------------------------------------------------
     def to_string(self) -> str:
+        """The compact form, read back equal by ``parse_compact``: every field whose value differs from the default
+        by value or by meaning (``keep=1rows``, one row, is not ``keep=1``, every row), then the overrides."""
         parts = [f"k={self.k}", f"v={self.v}"]
         defaults = Policy()
-        for key in ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix",
-                    "group", "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "chunk", "every", "demote", "heads",
-                    "ada_floor"):
+        for key in _WRITTEN:
             val = getattr(self, key)
-            if val != getattr(defaults, key):
+            if _differs(val, getattr(defaults, key)):
                 parts.append(f"{key}={fmt_keep(val) if key == 'keep' else _fmt(val)}")
         parts += [f"{role}@{sel}={spec}" for role, sel, spec in self.overrides]
         return ",".join(parts)
@@ -238,6 +207,10 @@ class Policy:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("fitted_on")  # provenance: an artifact writes it as its own [model] table
+        if isinstance(self.keep, Rows):  # a row count keeps its unit (a bare 512 would read back as ambiguous)
+            d["keep"] = fmt_keep(self.keep)
+        elif is_head_keeps(self.keep):
+            d["keep"] = list(self.keep)
         d["overrides"] = [{"role": r, "layers": s, "codec": c} for r, s, c in self.overrides]
         return d
 
@@ -258,10 +231,10 @@ class Policy:
             kw["k"] = kw["v"] = kw.pop("kv")
         for role in ("k", "v"):
             if role in kw:
-                kw[role] = _list_spec(kw[role], role)
+                kw[role] = list_spec(kw[role], role)
         if "overrides" in kw:
             kw["overrides"] = tuple(
-                (o["role"], str(o["layers"]), _override_value(o["codec"], o["role"])) if isinstance(o, dict)
+                (o["role"], str(o["layers"]), override_value(o["codec"], o["role"])) if isinstance(o, dict)
                 else tuple(o) for o in kw["overrides"]
             )
         return replace(base, **kw)
@@ -319,6 +292,9 @@ class Policy:
                     reason[i] = "bypassed: global (full-attention) layer in a mixed model (bypass=global)"
         # eviction on full-attention layers only: a sliding-window layer already holds a bounded window
         keeps = [None if (window[i] or sliding[i] or not evicts(keep[i])) else keep[i] for i in range(num_layers)]
+        for i in range(num_layers):
+            if keeps[i] is not None and demote[i]:
+                check_demote_cheaper(k[i], v[i], demote[i], f"layer {i}: demote")
         return [
             LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.recent, reason[i], window[i], sliding[i],
                       keeps[i], demote[i] if keeps[i] is not None else "")
@@ -346,11 +322,15 @@ class Policy:
         """The codec of ``spec`` for ``role``; ``layer``: the layer it serves (calibrated codecs need it);
         ``heads``: the layer's KV-head indices it serves, in the order of the rows it gets (calibrated codecs
         select those heads' fitted tables; the others ignore it)."""
+        from tqbench.engine.codecs import codec_from_spec  # torch: loaded when a codec is built, not a policy
+
         return codec_from_spec(spec, role=role, layer=layer, heads=heads, **self.codec_options(role))
 
     def layer_codecs(self, plan: LayerPlan, kv_heads: int | None = None) -> tuple:
         """``(k_codec, v_codec)`` of one layer. Where a role has a per-KV-head list both roles are built over the
         same groups of heads (``codecs.head_codecs``); ``kv_heads``: the model's, checked against each list."""
+        from tqbench.engine.codecs import head_codecs
+
         out = head_codecs({"k": plan.k, "v": plan.v}, plan.layer, kv_heads,
                           opts={role: self.codec_options(role) for role in ("k", "v")})
         return out["k"], out["v"]
@@ -374,59 +354,19 @@ class Policy:
         return any(is_head_list(s) for s in (self.k, self.v, *(o[2] for o in self.overrides if o[0] not in _VALUE_ROLES)))
 
 
+#: the fields ``to_string`` writes when they differ from the default (every field but the codecs, the overrides and
+#: the name, which it writes its own way, and the provenance)
+_WRITTEN = ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix", "group",
+            "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "chunk", "every", "demote", "heads",
+            "ada_floor")
+
+
+def _differs(val, default) -> bool:
+    """By value or by meaning: ``Rows(1)`` differs from ``1.0``, ``True`` from ``1``."""
+    return type(val) is not type(default) or val != default
+
+
 def _fmt(val) -> str:
     if isinstance(val, bool):
         return "on" if val else "off"
     return str(val)
-
-
-def _override_value(value, role: str):
-    """A policy file's override value: a keep value (a list: one fraction per KV head), or a codec field."""
-    if role == "keep":
-        return fmt_keep(parse_keep(value))
-    return _list_spec(value, role)
-
-
-def _list_spec(spec, role: str):
-    """A policy file's codec field: a spec, or a list of specs (one per KV head) -> its head-list string."""
-    if not isinstance(spec, list):
-        return spec
-    if not spec or any(not isinstance(e, str) for e in spec):
-        raise ValueError(f"{role.upper()} codec {spec!r}: a per-KV-head list is a flat list of codec names, one per "
-                         'KV head (e.g. ["turbo2", "turbo4", "turbo2"]); lists cannot nest')
-    if any(HEAD_SEP in e for e in spec):
-        raise ValueError(f"{role.upper()} codec {spec!r}: an entry of a per-KV-head list is one codec (lists cannot "
-                         "nest)")
-    return HEAD_SEP.join(spec)
-
-
-def _check_demote(spec, what: str) -> None:
-    """A demote codec (``demote=`` or a ``demote@`` override's value): one codec for K and V, not calibrated."""
-    if not isinstance(spec, str) or is_head_list(spec) or is_calibrated_spec(spec):
-        raise ValueError(f"{what}={spec!r} is invalid: use one codec for K and V, e.g. turbo2"
-                         + (" (none: drop the evicted rows of those layers)" if "@" in what else ""))
-    try:
-        _check_codec(spec, "v")
-    except ValueError as exc:
-        raise ValueError(f"{what}={spec!r} is invalid: {exc}") from None
-
-
-def _check_codec(spec: str, role: str) -> str:
-    """Validate a codec spec for ``role``; a per-KV-head list comes back canonical (equal entries: that one spec)."""
-    if is_head_list(spec):
-        entries = split_head_list(spec)  # (empty entries, nesting: refused with their own message)
-        for e in entries:
-            try:
-                _check_codec(e, role)
-            except ValueError as exc:
-                raise ValueError(f"{role.upper()} head list {spec!r}: {exc}") from None
-        return canonical_spec(spec)
-    if not isinstance(spec, str) or not is_valid_spec(spec):
-        raise ValueError(
-            f"unknown {role.upper()} codec {spec!r}: valid codecs are {', '.join(CODEC_SPECS)}, or one per KV head "
-            "as SPEC0|SPEC1|..."
-        )
-    if role in ("v", "kv") and is_calibrated_spec(spec):
-        raise ValueError(f"{spec} is a key codec (calibrated in the metric of the queries): give it to keys only "
-                         f"(k={spec} or k@LAYERS={spec}) and a value codec such as turbo2 to values")
-    return spec
