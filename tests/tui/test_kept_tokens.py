@@ -180,3 +180,20 @@ async def test_a_preset_with_eviction_loads_into_the_builder(data_dir, steady_en
         assert pane.current == parse_policy("turbo2,keep=64rows,score=h2o,window=16,demote=int4,keep@0=1.0").to_string()
         assert "eviction: 3 of 4 layers keep 64 of 1024 rows per KV head (score h2o, window 16)" in \
             plain(pane.query_one("#estimate"))
+
+
+def test_the_map_says_per_head_losses_demoted_or_dropped_and_a_true_legend():
+    """Issue 42: "dropped 3 each" where heads lost 1/4/4 and the rows were demoted; "2 per column" for 88
+    positions over 64 columns."""
+    from tqbench.engine.cache.evict.kept import KeptPositions, LayerKept
+    from tqbench.tui.widgets.kept_map import _gone, head_losses, legend
+
+    assert legend(88) == "88 positions over 64 columns, 1-2 per column (brighter: more of them kept)"
+    assert legend(128) == "128 positions over 64 columns, 2 per column (brighter: more of them kept)"
+    assert legend(40) == "40 positions, one per column"
+    ragged = LayerKept(3, ((0, 1, 2, 5, 6, 7, 8, 9, 10), tuple(range(6)), tuple(range(6))), 4, 0, "turbo2")
+    assert head_losses(ragged, 10) == "the layer's KV heads demoted 1/4/4 rows (heads 0-2)"
+    uniform = LayerKept(4, (tuple(range(7)), tuple(range(7))), 2, 1, "")
+    assert head_losses(uniform, 10) == "the layer's KV heads dropped 3 rows each: 2 at the prompt, 1 while decoding"
+    assert _gone(KeptPositions("p", 10, 8, (ragged, uniform))) == "demoted to turbo2 or dropped"
+    assert _gone(KeptPositions("p", 10, 8, (uniform,))) == "dropped"

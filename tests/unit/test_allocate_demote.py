@@ -162,6 +162,10 @@ def test_bad_demote_codecs_are_refused(tiny_engine):
                                                              "is invalid: unknown V codec 'turbo9'"),
     (["--demote-codecs", "turbo2"], "--demote-codecs='turbo2' is invalid: the demote tier keeps a layer's evicted "
                                     "rows: search the tokens axis too"),
+    # a tier not cheaper than the rows it replaces (issue 42: fp32 measured and emitted): the policy's own rule
+    (["--axes", "bits,tokens", "--demote-codecs", "fp32"], "demote=fp32 is not cheaper than the rows it replaces"),
+    (["--axes", "bits,tokens", "--codecs", "turbo2,turbo4", "--demote-codecs", "turbo1,turbo2"],
+     "demote=turbo2 is not cheaper than the rows it replaces (kv=turbo2: 2 bits per element)"),
 ])
 def test_cli_refuses_bad_demote_codecs_before_loading_a_model(args, msg):
     from tqbench.cli import main
@@ -178,3 +182,8 @@ def test_the_tier_with_per_head_keeps_is_refused_before_a_model_loads():
         check_demote_codecs("turbo2", ("bits", "tokens"), "head")
     assert check_demote_codecs("turbo2,turbo1", ("bits", "tokens")) == ("turbo2", "turbo1")
     assert check_demote_codecs("none", ("bits",), "head") == ()
+    kept = (["turbo3", "turbo4"], ["turbo2", "turbo4"])  # the cheapest row the search can keep: 3 + 2 bits
+    assert check_demote_codecs("turbo2", ("bits", "tokens"), kept=kept) == ("turbo2",)
+    with pytest.raises(RequestError, match="demote=turbo3 is not cheaper .* the search keeps rows at turbo3, turbo4, "
+                                           "turbo2"):
+        check_demote_codecs("turbo3", ("bits", "tokens"), kept=kept)

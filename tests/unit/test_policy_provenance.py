@@ -113,3 +113,16 @@ def test_a_validation_checks_each_policy_once(tiny_engine, tmp_path, monkeypatch
     assert tiny_engine.make_cache(checked).policy_warning == checked.warning and len(calls) == 4
     r = _cli("validate", "--candidate", path, "--json")  # the CLI's door shows the warning and checks it once
     assert f"warning: {checked.warning}" in r.stderr.splitlines() and len(calls) == 5
+
+
+def test_a_checked_policy_carries_its_plan_to_the_cache(tiny_engine, monkeypatch):
+    """``Engine.check_policy`` plans once; a cache made from the ``CheckedPolicy`` takes that plan (issue 42)."""
+    from tqbench.engine.policy import Policy
+
+    checked = tiny_engine.check_policy("turbo4,keep=0.5,kv@0=int8")
+    calls = []
+    real = Policy.plan
+    monkeypatch.setattr(Policy, "plan", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    cache = tiny_engine.make_cache(checked)
+    assert calls == [] and cache.plans == list(checked.plans) and cache.plans[0].k == "int8"
+    assert checked.plans_for(2, None) == real(checked.policy, 2, None)  # other layers: planned for them

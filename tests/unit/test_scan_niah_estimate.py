@@ -108,6 +108,8 @@ def test_scan_matrices_verdicts_and_policy(tiny_engine):
     plans = policy.plan(4)
     for v in d["verdicts"]:
         assert plans[v["layer"]].k == (v["cheapest"] or "fp16")
+    # layer 2 was never measured: the suggestion gives it no codec (issue 42: a scan of 0,-1 suggested 1-28's)
+    assert res.unmeasured == 1 and plans[2].k == plans[2].v == "fp16" and plans[2].reason is None
     # from_dict inverts to_dict exactly, in memory and through JSON (a saved session's scan)
     assert ScanResult.from_dict(res.to_dict()).to_dict() == res.to_dict()
     assert json.dumps(ScanResult.from_dict(d).to_dict()) == json.dumps(res.to_dict())

@@ -98,7 +98,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.engine.allocate.head_job import check_keep_granularity
 
     check_keep_granularity(keep_granularity, axes, granularity)
-    check_demote_codecs(demote_codecs, axes, keep_granularity)
+    kept = (csv(k_codecs) or csv(codecs) or [], csv(codecs) or []) if "bits" in axes else (["fp16"], ["fp16"])
+    check_demote_codecs(demote_codecs, axes, keep_granularity, kept=kept if all(kept) else None)
     check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
     resolve_min_speed(min_speed)

@@ -13,6 +13,7 @@ import click
 from tqbench.cli.options import (
     friendly_errors,
     model_options,
+    policy_option,
     prefill_chunk_option,
     read_prompt,
     torch_threads,
@@ -23,7 +24,7 @@ from tqbench.constants import CACHE_MODES, DENSE_BASELINES, KERNEL_BASELINES
 
 @click.command()
 @model_options
-@click.option("--kv-policy", default="turbo4", show_default=True, help="Preset name, compact policy or .json/.toml file.")
+@policy_option("--kv-policy", default="turbo4", show_default=True, help="Preset name, compact policy or .json/.toml file.")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-file", default=None, help="Read the prompt from a file.")

@@ -18,6 +18,7 @@ from tqbench.cli.options import (
     ints,
     model_options,
     policy_list,
+    policy_option,
     prompt_list,
     report_options,
     torch_threads,
@@ -30,8 +31,8 @@ from tqbench.constants import CACHE_MODES
 @click.command("compare-policies")
 @workbench_command("compare", compare_fields)
 @model_options
-@click.option("--policies", multiple=True, help="Candidate policies (default: every preset). " + POLICIES_HELP)
-@click.option("--baseline", default="fp16", show_default=True)
+@policy_option("--policies", multiple=True, help="Candidate policies (default: every preset). " + POLICIES_HELP)
+@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy.")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable). Default: two built-in prompts.")
 @click.option("--prompt-file", "prompt_files", multiple=True, help="A prompt file (repeatable).")
@@ -81,9 +82,9 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
 
 @click.command()
 @model_options
-@click.option("--policies", multiple=True, default=("turbo4,turbo2",), show_default=True,
+@policy_option("--policies", multiple=True, default=("turbo4,turbo2",), show_default=True,
               help="Candidate policies. " + POLICIES_HELP)
-@click.option("--baseline", default="fp16", show_default=True)
+@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy.")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
 @click.option("--lengths", default="256,512,1024", show_default=True, help="Haystack lengths in tokens.")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Needle depths (0 = start, 1 = end).")

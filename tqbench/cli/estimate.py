@@ -16,6 +16,7 @@ from tqbench.cli.options import (
     friendly_errors,
     gate,
     policy_list,
+    policy_option,
     report_options,
     write_reports,
 )
@@ -31,7 +32,7 @@ from tqbench.cli.options import (
 @click.option("--decoded", type=click.IntRange(min=0), default=0, show_default=True,
               help="Of --seq-len, how many tokens were decoded one per call after the prompt (a bench run's "
                    "output tokens - 1); matters only to a policy with keep=, which evicts at the end of the prompt.")
-@click.option("--kv-policy", "kv_policy", multiple=True, default=("fp16,turbo4",), show_default=True,
+@policy_option("--kv-policy", "kv_policy", multiple=True, default=("fp16,turbo4",), show_default=True,
               help="A policy (preset, compact string or file), one row each. " + POLICIES_HELP)
 @click.option("--memory-budget", default=None, help="e.g. 24GiB or 80GB: longest context that fits.")
 @click.option("--list-models", is_flag=True, help="List the shipped model configs.")

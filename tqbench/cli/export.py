@@ -14,6 +14,7 @@ from tqbench.cli.options import (
     check_teacher_forced_flags,
     friendly_errors,
     model_options,
+    policy_option,
     report_options,
     write_reports,
 )
@@ -23,7 +24,7 @@ ENGINE_CHOICES = ("llamacpp", "vllm", "sglang", "trtllm")
 
 
 @click.command("export")
-@click.argument("policy")
+@policy_option("policy", argument=True)
 @click.option("--to", "to", type=click.Choice(ENGINE_CHOICES), required=True, help="The engine to deploy on.")
 @model_options
 @click.option("--no-measure", is_flag=True, help="Only map: do not measure the original and the mapped setting.")

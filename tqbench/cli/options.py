@@ -170,6 +170,34 @@ POLICIES_HELP = ("Repeat the option for several policies, or put ';' between the
                  "a value with key=value is ONE compact policy (k=turbo4,v=turbo3,sink=4,recent=16).")
 
 
+def policy_option(*decls: str, **kwargs):
+    """A click option (or, with ``argument=True``, an argument) that takes policies: the shared help (the grammar's
+    eviction keys in kvpress's terms: ``keep.EVICTION_HELP``) and the grammar checked as the command line is read,
+    before any command imports torch (``checked_policies``): a bad policy is a one-line error in well under a
+    second."""
+    if kwargs.pop("argument", False):
+        return click.argument(*decls, callback=checked_policies, **kwargs)
+    from tqbench.engine.policy.keep import EVICTION_HELP
+
+    kwargs["help"] = f"{kwargs.get('help', '')} {EVICTION_HELP}".strip()
+    return click.option(*decls, callback=checked_policies, **kwargs)
+
+
+def checked_policies(ctx, param, value):
+    """Every policy of ``value`` parsed by the engine's torch-free door (``parse_policy``: grammar, presets, files);
+    the first bad one ends the command with its one-line error and exit code 2. ``value`` comes back unchanged."""
+    if value is None or value == ():
+        return value
+    from tqbench.engine.policy import parse_policy
+
+    try:
+        for name in policy_list(value):
+            parse_policy(name)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+    return value
+
+
 def policy_list(values: str | tuple[str, ...] | list[str]) -> list[str]:
     """The policies of a (repeatable) policy option: each value split by the engine's one rule
     (``split_policies``: ';' always, ',' only between names; a compact policy is never cut at its commas)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import click
 
 from tqbench.cli.flags import spelled
-from tqbench.cli.options import fail
+from tqbench.cli.options import fail, policy_option
 from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_KV_SHARE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -21,7 +21,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--dtype", default="auto", show_default=True,
               help="auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16, bfloat16, float64.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@click.option("--kv-policy", default="turbo4", show_default=True,
+@policy_option("--kv-policy", default="turbo4", show_default=True,
               help="Default KV policy (preset or compact form); requests may override it with \"kv_policy\".")
 @click.option("--cache-mode", type=click.Choice(("auto", *CACHE_MODES)), default="auto", show_default=True,
               help="What stays resident during decode: " + "; ".join(f"{m}: {CACHE_MODE_RESIDENT[m]}" for m in CACHE_MODES)

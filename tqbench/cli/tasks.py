@@ -15,6 +15,7 @@ from tqbench.cli.options import (
     friendly_errors,
     gate,
     model_options,
+    policy_option,
     report_options,
     write_reports,
 )
@@ -36,8 +37,8 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 @model_options
 @click.option("--context", type=int, default=4096, show_default=True,
               help="Target context in tokens (prompt + answer) of every sample, e.g. 2048, 4096, 8192.")
-@click.option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
-@click.option("--baseline", default="fp16", show_default=True)
+@policy_option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
+@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy.")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
 @click.option("--tasks", "task_names", default=None, help="Comma-separated tasks (default: the ones the default model can do; see docs/validation.md).")
 @click.option("--samples", type=int, default=None, help="Samples per task (default 3).")

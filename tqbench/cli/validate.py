@@ -16,6 +16,7 @@ from tqbench.cli.options import (
     friendly_errors,
     gate,
     model_options,
+    policy_option,
     prefill_chunk_option,
     prompt_text,
     report_options,
@@ -28,8 +29,8 @@ from tqbench.constants import CACHE_MODES
 @click.command()
 @workbench_command("run", validate_fields)
 @model_options
-@click.option("--baseline", default="fp16", show_default=True, help="Baseline policy.")
-@click.option("--candidate", default=None, help="Candidate policy (default turbo4).")
+@policy_option("--baseline", default="fp16", show_default=True, help="Baseline policy.")
+@policy_option("--candidate", default=None, help="Candidate policy (default turbo4).")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True,
               help="Candidate mode; dense-shadow reads exact K/V (storage-only report).")
 @click.option("--baseline-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
@@ -105,6 +106,17 @@ def _check_flags(candidate, self_test: bool, teacher_forced: bool, corpus, max_k
         raise ValueError("--corpus only applies to --teacher-forced: add --teacher-forced or drop --corpus")
     if max_kl is not None and not teacher_forced:
         raise ValueError("--max-kl only applies to --teacher-forced: add --teacher-forced or drop --max-kl")
+    given = [f for f, name in (("--tf-context", "tf_context"), ("--tf-tokens", "tf_tokens")) if _given(name)]
+    if given and corpus is None:
+        raise ValueError(f"{' and '.join(given)} {'size' if len(given) > 1 else 'sizes'} a teacher-forced run on a shipped text: add --corpus (bread, "
+                         "lighthouses, rivers) and --teacher-forced, or drop them (over the prompt, teacher-forced "
+                         "quality scores the prompt and --max-new-tokens generated tokens)")
+
+
+def _given(param: str) -> bool:
+    """Whether ``param`` was given on the command line (or by environment), not left at its default."""
+    source = click.get_current_context().get_parameter_source(param)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
 
 def _teacher_forced(engine, model, cand_pol, prompt, corpus, tf_context, tf_tokens, cache_mode, chat,

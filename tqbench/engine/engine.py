@@ -141,13 +141,14 @@ class Engine:
         pol = parse_policy(policy)
         warning = self._fitted_warning(pol)
         geo = self.geometry
+        types = list(geo.layer_types) if geo.layer_types else None
         try:
-            pol.plan(geo.num_layers, list(geo.layer_types) if geo.layer_types else None)
+            plans = pol.plan(geo.num_layers, types)
         except ValueError as exc:
             if warning:
                 raise ValueError(f"{str(exc).splitlines()[0]}; {warning}") from None
             raise
-        return CheckedPolicy(pol, warning, fingerprint)
+        return CheckedPolicy(pol, warning, fingerprint, tuple(plans), (geo.num_layers, tuple(types) if types else None))
 
     def check_transforms(self, policy: Policy | str) -> None:
         """Refuse a policy whose calibrated (``pcaq``) key codecs use transforms fitted on another model

@@ -25,6 +25,8 @@ from tqbench.engine.allocate.keeps import keep_key, with_keeps
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.cache.evict.compact import _take
 from tqbench.engine.cache.store import KVStore
+from tqbench.engine.codecs import nominal_bits
+from tqbench.engine.policy.checks import check_demote_cheaper
 from tqbench.engine.policy.spec import NO_DEMOTE, Policy
 from tqbench.engine.request import RequestError
 
@@ -32,10 +34,21 @@ from tqbench.engine.request import RequestError
 DEMOTE = "demote"
 
 
-def check_demote_codecs(value, axes: tuple[str, ...], keep_granularity: str = "layer") -> tuple[str, ...]:
+def check_demote_codecs(value, axes: tuple[str, ...], keep_granularity: str = "layer",
+                        kept: tuple[list[str], list[str]] | None = None) -> tuple[str, ...]:
     """``parse_demote_codecs`` plus where a tier can be searched: with the tokens axis, per layer; the one rule the
-    engine and every front end apply (before a model loads)."""
+    engine and every front end apply (before a model loads). ``kept``: the (K, V) codecs the search may keep rows
+    at; every tier must be cheaper than the cheapest of them (the policy's rule, ``check_demote_cheaper``), so no
+    cell is measured for a tier the allocated policy would refuse."""
     demotes = parse_demote_codecs(value)
+    if demotes and kept is not None:
+        k, v = (min(specs, key=nominal_bits) for specs in kept)
+        for c in demotes:
+            try:
+                check_demote_cheaper(k, v, c)
+            except ValueError as exc:
+                raise RequestError("demote_codecs", ",".join(demotes), f"{exc}; the search keeps rows at "
+                                   f"{', '.join(dict.fromkeys([*kept[0], *kept[1]]))}") from None
     if demotes and "tokens" not in axes:
         raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
                            "search the tokens axis too (bits,tokens or tokens), or give none")

@@ -271,6 +271,7 @@ def allocate_policy(
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
+    check_demote_codecs(demote_codecs, axes, keep_granularity, kept=(kspecs, specs))
     check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "tokens" not in axes else ())
     check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":

@@ -62,7 +62,9 @@ class TQCache(Cache):
         self._label = model_label(config)
         self._shape_checked = False
         layer_types = list(geo.layer_types) if geo.layer_types else None
-        self.plans = self.policy.plan(self.num_layers, layer_types)
+        # a CheckedPolicy was planned at the door on these layers: its plan is taken, not made again
+        self.plans = (policy.plans_for(self.num_layers, layer_types) if isinstance(policy, CheckedPolicy)
+                      else self.policy.plan(self.num_layers, layer_types))
         layers = []
         for plan in self.plans:
             if plan.dense_window:

@@ -27,14 +27,30 @@ def check_demote_cheaper(k: str, v: str, demote: str, where: str = "") -> None:
     ks = split_head_list(k) if is_head_list(k) else [k]
     vs = split_head_list(v) if is_head_list(v) else [v]
     n = max(len(ks), len(vs))
-    rows = [nominal_bits(ks[h if len(ks) > 1 else 0]) + nominal_bits(vs[h if len(vs) > 1 else 0]) for h in range(n)]
-    cheapest = min(rows)
+    if len(ks) == len(vs) or 1 in (len(ks), len(vs)):
+        cheapest = min(nominal_bits(ks[h % len(ks)]) + nominal_bits(vs[h % len(vs)]) for h in range(n))
+    else:  # lists of different lengths (refused against the model): the cheapest K with the cheapest V
+        cheapest = min(map(nominal_bits, ks)) + min(map(nominal_bits, vs))
     if 2 * nominal_bits(demote) < cheapest:
         return
     kept = f"k={k},v={v}" if k != v else f"kv={k}"
     raise ValueError(f"{where or 'demote'}={demote} is not cheaper than the rows it replaces ({kept}: "
                      f"{cheapest / 2:g} bits per element{' in its cheapest KV head' if n > 1 else ''}): a demote tier "
                      f"must use fewer bits, e.g. {_cheaper_example(cheapest / 2)}, or drop the evicted rows (no demote)")
+
+
+def demote_choices(k: str, v: str) -> list[str]:
+    """The codecs a layer kept at ``k`` and ``v`` may demote its evicted rows to (``check_demote`` and
+    ``check_demote_cheaper``): what a front end offers, so it never offers a tier the policy would refuse."""
+    out = []
+    for spec in CODEC_SPECS:
+        try:
+            check_demote(spec, "demote")
+            check_demote_cheaper(k, v, spec)
+        except ValueError:
+            continue
+        out.append(spec)
+    return out
 
 
 def _cheaper_example(bits: float) -> str:

@@ -19,6 +19,13 @@ ADA_FLOOR = 0.2  # kvpress AdaKVPress's alpha_safeguard default
 
 _KEEP_HELP = ("use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5; 1 keeps every row), a row count per KV "
               "head with its unit (e.g. 512rows), or one fraction per KV head (e.g. 0.5|1|0.25)")
+#: what the eviction keys mean, in kvpress's terms too: the one text every front end's help shows (CLI ``--help`` of
+#: the commands that take a policy; docs/policies.md says the same)
+EVICTION_HELP = ("Eviction: keep=F keeps a fraction 0<F<=1 of the evictable rows per KV head (keep=1: every row; "
+                 "kvpress compression_ratio=r is keep=1-r), keep=512rows a row count per KV head (a bare keep=512 "
+                 "is refused as ambiguous), keep=0.5|1|0.25 one fraction per KV head; chunk=8 keeps or evicts rows "
+                 "in chunks of 8 positions (kvpress ChunkKVPress(chunk_length=8)); demote=turbo2 keeps the evicted "
+                 "rows at a cheaper codec instead of dropping them.")
 #: separates a per-head keep list's entries (as a per-KV-head codec list's: ``codecs.HEAD_SEP``)
 KEEP_SEP = "|"
 #: the unit a row count is written with (``keep=512rows``): a bare whole number above 1 is refused as ambiguous
@@ -154,6 +161,13 @@ def protected_rows(seen: int, sink: int, window: int, recent: int) -> tuple[int,
     recent) (the observation window and the full-precision recent rows)."""
     head = min(sink, seen)
     return head, min(seen - head, max(window, recent))
+
+
+def eviction_test_tokens(sink: int, window: int, recent: int) -> int:
+    """The shortest prompt on which a validation tests eviction: twice the rows every KV head keeps anyway
+    (``protected_rows``), so at least as many rows are evictable as protected. On a shorter prompt an eviction policy
+    evicts a few rows at most, and what its tokens do says nothing about eviction."""
+    return 2 * (sink + max(window, recent))
 
 
 def kept_rows(seen: int, keep, sink: int, window: int, recent: int) -> int:

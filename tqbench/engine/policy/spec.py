@@ -159,7 +159,11 @@ class Policy:
                 f"rotation={self.rotation!r} is invalid: valid choices are {', '.join(ROTATION_CHOICES)}"
             )
         fixed = []
+        seen: set[tuple[str, str]] = set()
         for role, sel, spec in self.overrides:
+            if (role, validate_selector(sel)) in seen:  # the later would silently replace the earlier
+                raise ValueError(f"override {role}@{sel} is given twice: give each override once")
+            seen.add((role, validate_selector(sel)))
             if role not in _ROLES:
                 raise ValueError(f"override role {role!r} is invalid: use k@, v@, kv@, keep@ or demote@")
             if role == "keep":

@@ -118,16 +118,25 @@ class ScanResult:
                       if all(c in v["passing"] for v in self.verdicts)]
         return {"per_layer": per_layer, "all_layers": everywhere[0] if everywhere else None}
 
+    @property
+    def unmeasured(self) -> int:
+        """How many of the model's layers the scan did not measure (0: every layer; 0 when the count is unknown)."""
+        total = self.capture.get("num_layers")
+        return max(0, total - len(self.verdicts)) if isinstance(total, int) else 0
+
     def suggest_policy(self, sink: int = 4, recent: int = 16) -> str:
         """A compact policy: the most common per-layer cheapest codec as default, the other layers overridden
-        (``kv@L=codec``; ``fp16`` where no codec met the thresholds)."""
+        (``kv@L=codec``; ``fp16`` where no codec met the thresholds). A scan of some layers suggests codecs for those
+        layers only: the default stays fp16 for the layers it never measured."""
         choice = {v["layer"]: (v["cheapest"] or "fp16") for v in self.verdicts}
         counts: dict[str, int] = {}
         for c in choice.values():
             counts[c] = counts.get(c, 0) + 1
         base = max(counts, key=lambda c: (counts[c], self.codec_bits.get(c, 16.0)))
+        if self.unmeasured:
+            base = "fp16"
         parts = [f"k={base}", f"v={self.value_codecs.get(base, base)}"]
-        if base != "fp16":
+        if any(c != "fp16" for c in choice.values()):
             parts += [f"sink={sink}", f"recent={recent}"]
         groups: dict[str, list[int]] = {}
         for layer, c in sorted(choice.items()):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from tqbench.engine.codecs import nominal_bits
 from tqbench.engine.policy.files import parse_policy
+from tqbench.engine.policy.keep import eviction_test_tokens, fmt_keep
 from tqbench.engine.policy.presets import PRESETS
 from tqbench.engine.policy.spec import Policy
 
@@ -133,14 +134,36 @@ def decide_status(verdict: str, savings: Savings | None = None, evidence: Eviden
     return status
 
 
+def short_for_eviction(policy: Policy, prompt_tokens: int | None) -> str | None:
+    """Why a prompt of ``prompt_tokens`` cannot test ``policy``'s eviction (``keep.eviction_test_tokens``), else
+    None (a policy that evicts nothing, or a long enough prompt)."""
+    if prompt_tokens is None or not policy.evicts:
+        return None
+    need = eviction_test_tokens(policy.sink, policy.window, policy.recent)
+    if prompt_tokens >= need:
+        return None
+    return (f"the prompt ({prompt_tokens} tokens) is too short to test eviction: every KV head keeps its "
+            f"{policy.sink} sink and last {max(policy.window, policy.recent)} rows anyway, so keep={fmt_keep(policy.keep)} "
+            f"evicts a few rows at most and the tokens say nothing about it; use a prompt of {need}+ tokens "
+            "(--prompt-file) or teacher-forced quality on a shipped --corpus")
+
+
 def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = False,
-              savings: Savings | None = None, evidence: Evidence | None = None) -> Recommendation:
+              savings: Savings | None = None, evidence: Evidence | None = None,
+              prompt_tokens: int | None = None) -> Recommendation:
     """Status, a cause hint and the next policy to try, for one candidate's verdict (no next policy without
-    ``geometry``, nor when it saves nothing at this length)."""
+    ``geometry``, nor when it saves nothing at this length). ``prompt_tokens``: the prompt's length, so an eviction
+    policy validated on a prompt too short to evict from is said to be untested (``short_for_eviction``), not
+    blamed on its codecs."""
     status = decide_status(verdict, savings, evidence, storage_only)
     if status == STORAGE_ONLY["status"]:
         return Recommendation(status, STORAGE_ONLY["cause_hint"], policy.label, STORAGE_ONLY["next_step"],
                               savings, evidence)
+    short = short_for_eviction(policy, prompt_tokens)
+    if short is not None:
+        status = "unproven" if status in ("safe", "usable-with-care") else status
+        return Recommendation(status, short, None, "rerun with a longer prompt to test the eviction", savings,
+                              evidence)
     if status == "saves-nothing":
         return Recommendation(status, cause_hint(verdict, policy), None,
                               f"{NEXT_STEP[status]}: {savings.starts_to_save}", savings, evidence)

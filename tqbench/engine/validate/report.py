@@ -123,7 +123,8 @@ def build_report(engine, prompt, base_pol: Policy, cand_pol: Policy, base_res, c
     else:
         ev = evidence([max(comp.baseline_tokens, comp.candidate_tokens)])
         rec = recommend(verdict, cand_pol, geometry, storage_only,
-                        candidate_savings(engine, cand_pol, base_pol, cand_res, geometry), ev)
+                        candidate_savings(engine, cand_pol, base_pol, cand_res, geometry), ev,
+                        prompt_tokens=cand_res.input_tokens)
     return ValidationReport(
         model=engine.name,
         baseline=base_pol.label,

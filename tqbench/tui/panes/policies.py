@@ -59,6 +59,7 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.codecs import CODEC_SPECS
         from tqbench.engine.deploy import ENGINE_LABELS
         from tqbench.engine.policy import ROTATION_CHOICES, SLIDING_CHOICES
+        from tqbench.engine.policy.checks import demote_choices
         from tqbench.engine.policy.keep import ADA_FLOOR, SCORES
 
         codecs = [(c, c) for c in CODEC_SPECS]
@@ -94,7 +95,7 @@ class PoliciesPane(Horizontal):
             with Horizontal(classes="row"):
                 yield Label("keep tokens")
                 yield Input("1.0", id="keep", compact=True,
-                            placeholder="1.0 = keep all · 0.5 = half · 1024 = rows per KV head",
+                            placeholder="1 = keep all · 0.5 = half · 1024rows = rows per KV head",
                             tooltip="Token eviction: a fraction of the evictable rows (0.5) or rows per KV head "
                             "(1024); sinks and the last max(window, recent) rows are never evicted")
             with Horizontal(classes="row"):
@@ -125,7 +126,8 @@ class PoliciesPane(Horizontal):
                             tooltip="ada_floor=: with AdaKV, the fraction of its even share each head keeps at least")
             with Horizontal(classes="row"):
                 yield Label("evicted rows")
-                yield Select([("dropped", "drop"), *((f"demoted to {c}", c) for c in CODEC_SPECS)], value="drop",
+                yield Select([("dropped", "drop"), *((f"demoted to {c}", c) for c in demote_choices("turbo4", "turbo4"))],
+                             value="drop",
                              id="demote", compact=True, allow_blank=False,
                              tooltip="Drop the evicted rows, or keep them at a cheaper codec that attention still "
                              "reads (demote=; every mode but dense-shadow)")
@@ -216,6 +218,7 @@ class PoliciesPane(Horizontal):
             self.query_one("#every", Input).value = str(pol.every)
             self.query_one("#heads", Select).value = pol.heads
             self.query_one("#ada-floor", Input).value = f"{pol.ada_floor:g}"
+            self._offer_demotes()
             demote = self.query_one("#demote", Select)
             if (pol.demote or "drop") not in {value for _, value in demote._options}:
                 demote.set_options([*demote._options, (f"demoted to {pol.demote}", pol.demote)])
@@ -297,7 +300,22 @@ class PoliciesPane(Horizontal):
         if getattr(event, "select", None) is not None and event.select.id == "export-engine":
             self.show_export()
             return
+        if getattr(event, "select", None) is not None and event.select.id in ("k-codec", "v-codec"):
+            self._offer_demotes()
         self.recompute()
+
+    def _offer_demotes(self) -> None:
+        """The demote tiers cheaper than the chosen K and V codecs (``policy.checks.demote_choices``, the policy's
+        own rule): a tier that would be refused is never offered; a chosen one that no longer is becomes "dropped"."""
+        from tqbench.engine.policy.checks import demote_choices
+
+        demote = self.query_one("#demote", Select)
+        k, v = (str(self.query_one(f"#{r}-codec", Select).value) for r in ("k", "v"))
+        choices = demote_choices(k, v)
+        current = demote.value if demote.value in choices else "drop"
+        with self.prevent(Select.Changed):
+            demote.set_options([("dropped", "drop"), *((f"demoted to {c}", c) for c in choices)])
+            demote.value = current
 
     def recompute(self) -> None:
         from tqbench.engine.cache.estimate import estimate_kv

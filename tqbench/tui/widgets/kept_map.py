@@ -41,8 +41,35 @@ def strip(mask: list[bool], columns: int = STRIP_COLUMNS) -> Text:
 
 
 def _gone(kept) -> str:
-    """What happened to the rows not kept: dropped, or demoted to a cheaper codec (``demote=``)."""
-    return f"demoted to {kept.demote}" if kept.demote else "evicted"
+    """What happened to the rows not kept: dropped, or demoted to a cheaper codec (``demote=``, ``demote@``)."""
+    tiers = sorted({la.demote for la in kept.layers if la.demote})
+    if not tiers:
+        return "dropped"
+    return f"demoted to {'/'.join(tiers)}" + (" or dropped" if any(not la.demote for la in kept.layers) else "")
+
+
+def legend(seen: int, columns: int = STRIP_COLUMNS) -> str:
+    """How many positions a strip's column covers (``strip``: equal runs of ``seen // cells`` or one more)."""
+    cells = min(columns, seen)
+    if cells == 0:
+        return "no positions"
+    lo, hi = seen // cells, -(-seen // cells)
+    if hi == 1:
+        return f"{seen} positions, one per column"
+    per = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return f"{seen} positions over {cells} columns, {per} per column (brighter: more of them kept)"
+
+
+def head_losses(la, seen: int) -> str:
+    """The rows each KV head of layer ``la`` does not hold after ``seen`` tokens, and what became of them: one
+    count when its heads agree, else one per head (``1/4/4``)."""
+    gone = "demoted" if la.demote else "dropped"
+    counts = [seen - len(h) for h in la.heads]
+    if len(set(counts)) == 1:
+        split = (f": {la.evicted_prefill} at the prompt, {la.evicted_decode} while decoding"
+                 if la.evicted_prefill + la.evicted_decode == counts[0] else "")
+        return f"the layer's KV heads {gone} {counts[0]} rows each{split}"
+    return f"the layer's KV heads {gone} {'/'.join(map(str, counts))} rows (heads 0-{len(counts) - 1})"
 
 
 class KeptMap(Vertical):
@@ -74,12 +101,9 @@ class KeptMap(Vertical):
             n = len(kept.layer(layer).heads[head])
             label = Text(f"L{layer:<3}h{head:<2} {n:>5}/{kept.seen:<5} ", style="bold")
             ol.add_option(Option(label + strip(kept.mask(layer, head)), id=f"k:{layer}:{head}"))
-        per = -(-kept.seen // STRIP_COLUMNS)
         heads = len(kept.layers[0].heads) if kept.layers else 0
         ol.border_title = f"kept tokens · {kept.policy} · {len(kept.layers)} evicting layers x {heads} KV heads"
-        ol.border_subtitle = f"{kept.seen} positions" + (
-            f", {per} per column (brighter: more of them kept)" if per > 1 else ", one per column") + \
-            f" · █ kept  · {_gone(kept)}"
+        ol.border_subtitle = f"{legend(kept.seen)} · █ kept  · {_gone(kept)}"
         if self.rows:
             ol.highlighted = 0
             self.select(*self.rows[0])
@@ -102,9 +126,9 @@ class KeptMap(Vertical):
         la = kept.layer(layer)
         box = self.query_one("#kept-tokens-box", VerticalScroll)
         box.border_title = (f"layer {layer}, KV head {head}: kept {len(la.heads[head])} of {kept.seen} tokens "
-                            f"(the layer's heads dropped {la.evicted_prefill} each at the prompt, "
-                            f"{la.evicted_decode} while decoding)")
-        box.border_subtitle = f"kept: highlighted · {_gone(kept)}: struck through"
+                            f"({head_losses(la, kept.seen)})")
+        gone = f"demoted to {la.demote}" if la.demote else "dropped"
+        box.border_subtitle = f"kept: highlighted · {gone}: struck through"
 
     def token_text(self, layer: int, head: int) -> Text:
         kept, texts = self.event.kept, self.event.texts

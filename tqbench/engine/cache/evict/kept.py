@@ -20,6 +20,7 @@ class LayerKept:
     heads: tuple[tuple[int, ...], ...]  # [kv head] -> sorted token positions held
     evicted_prefill: int
     evicted_decode: int
+    demote: str = ""  # the codec this layer's rows not kept were demoted to (its plan's), "" when dropped
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class KeptPositions:
     def to_dict(self) -> dict:
         return {"kv_policy": self.policy, "seen": self.seen, "prompt_tokens": self.prompt_tokens, "demote": self.demote,
                 "layers": [{"layer": la.layer, "kept": [list(h) for h in la.heads],
-                            "evicted_prefill": la.evicted_prefill, "evicted_decode": la.evicted_decode}
+                            "evicted_prefill": la.evicted_prefill, "evicted_decode": la.evicted_decode,
+                            "demote": la.demote}
                            for la in self.layers]}
 
 
@@ -66,7 +68,7 @@ def kept_positions(cache, batch: int = 0) -> KeptPositions | None:
         pos = ev.held_positions()  # [B, H, held] (heads=ada: each head's own rows, padded)
         heads = () if pos is None else tuple(tuple(sorted(int(p) for p in row if p != PAD_POSITION))
                                              for row in pos[batch].tolist())
-        layers.append(LayerKept(plan.layer, heads, ev.evicted_prefill, ev.evicted_decode))
+        layers.append(LayerKept(plan.layer, heads, ev.evicted_prefill, ev.evicted_decode, plan.demote))
     if not layers:
         return None
     return KeptPositions(cache.policy.to_string(), seen, prompt, tuple(layers), cache.policy.demote)
