@@ -41,6 +41,12 @@ def check_demote_codecs(value, axes: tuple[str, ...], keep_granularity: str = "l
     at; every tier must be cheaper than the cheapest of them (the policy's rule, ``check_demote_cheaper``), so no
     cell is measured for a tier the allocated policy would refuse."""
     demotes = parse_demote_codecs(value)
+    if demotes and "tokens" not in axes:
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
+                           "search the tokens axis too (bits,tokens or tokens), or give none")
+    if demotes and keep_granularity == "head":
+        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier is searched per layer: with per-head "
+                           "keeps (keep granularity head) give none")
     if demotes and kept is not None:
         k, v = (min(specs, key=nominal_bits) for specs in kept)
         for c in demotes:
@@ -49,12 +55,6 @@ def check_demote_codecs(value, axes: tuple[str, ...], keep_granularity: str = "l
             except ValueError as exc:
                 raise RequestError("demote_codecs", ",".join(demotes), f"{exc}; the search keeps rows at "
                                    f"{', '.join(dict.fromkeys([*kept[0], *kept[1]]))}") from None
-    if demotes and "tokens" not in axes:
-        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier keeps a layer's evicted rows: "
-                           "search the tokens axis too (bits,tokens or tokens), or give none")
-    if demotes and keep_granularity == "head":
-        raise RequestError("demote_codecs", ",".join(demotes), "the demote tier is searched per layer: with per-head "
-                           "keeps (keep granularity head) give none")
     return demotes
 
 

@@ -34,9 +34,12 @@ def check_demote_cheaper(k: str, v: str, demote: str, where: str = "") -> None:
     if 2 * nominal_bits(demote) < cheapest:
         return
     kept = f"k={k},v={v}" if k != v else f"kv={k}"
-    raise ValueError(f"{where or 'demote'}={demote} is not cheaper than the rows it replaces ({kept}: "
-                     f"{cheapest / 2:g} bits per element{' in its cheapest KV head' if n > 1 else ''}): a demote tier "
-                     f"must use fewer bits, e.g. {_cheaper_example(cheapest / 2)}, or drop the evicted rows (no demote)")
+    bits = cheapest / 2
+    cheaper = next((c for c in ("turbo4", "turbo3", "turbo2", "turbo1") if nominal_bits(c) < bits), None)
+    raise ValueError(f"{where or 'demote'}={demote} is not cheaper than the rows it replaces ({kept}: {bits:g} "
+                     f"bit{'' if bits == 1 else 's'} per element{' in its cheapest KV head' if n > 1 else ''}): "
+                     + (f"a demote tier must use fewer bits, e.g. {cheaper}, or drop the evicted rows (no demote)"
+                        if cheaper else "no tier is cheaper: drop the evicted rows (no demote)"))
 
 
 def demote_choices(k: str, v: str) -> list[str]:
@@ -51,13 +54,6 @@ def demote_choices(k: str, v: str) -> list[str]:
             continue
         out.append(spec)
     return out
-
-
-def _cheaper_example(bits: float) -> str:
-    for spec in ("turbo4", "turbo3", "turbo2", "turbo1"):
-        if nominal_bits(spec) < bits:
-            return spec
-    return "turbo1"
 
 
 def override_value(value, role: str):
