@@ -74,6 +74,16 @@ async def test_build_an_evicting_policy_run_it_and_see_the_kept_tokens(data_dir,
         assert pane.estimate.total_bytes == estimate_kv(parse_policy(pane.current), geo, ctx).total_bytes
         await choose(pilot, app, pane.query_one("#demote", Select), "drop")
         assert pane.current == built.to_string()
+        # only tiers cheaper than the kept rows are offered (the policy's rule: demote=fp32 would be refused)
+        tiers = {value for _, value in pane.query_one("#demote", Select)._options}
+        assert {"drop", "turbo2", "turbo3", "int2"} <= tiers and not tiers & {"turbo4", "int4", "q4_0", "fp16", "fp32"}
+        await choose(pilot, app, pane.query_one("#k-codec", Select), "turbo2")
+        await choose(pilot, app, pane.query_one("#v-codec", Select), "turbo2")
+        tiers = {value for _, value in pane.query_one("#demote", Select)._options}
+        assert "turbo1" in tiers and not tiers & {"turbo2", "turbo3"}
+        await choose(pilot, app, pane.query_one("#k-codec", Select), "turbo4")
+        await choose(pilot, app, pane.query_one("#v-codec", Select), "turbo4")
+        assert pane.current == built.to_string()
         # AdaKV head budgets: the same bytes, the key written; a bad floor names the key
         await choose(pilot, app, pane.query_one("#heads", Select), "ada")
         assert pane.current == built.to_string() + ",heads=ada"
@@ -171,13 +181,13 @@ async def test_a_preset_with_eviction_loads_into_the_builder(data_dir, steady_en
     async with app.run_test(size=(120, 44)) as pilot:
         await pilot.press("f3")
         pane = app.policies_pane
-        pane.keep_policy("evicting", "turbo2,keep=64rows,score=h2o,window=16,demote=int4,keep@0=1.0")
+        pane.keep_policy("evicting", "turbo4,keep=64rows,score=h2o,window=16,demote=int2,keep@0=1.0")
         pane.load_into_builder("evicting")
         await pilot.pause()
-        assert pane.query_one("#keep", Input).value == "64" and pane.query_one("#score", Select).value == "h2o"
-        assert pane.query_one("#window", Input).value == "16" and pane.query_one("#overrides", Input).value == "keep@0=1.0"
-        assert pane.query_one("#demote", Select).value == "int4"
-        assert pane.current == parse_policy("turbo2,keep=64rows,score=h2o,window=16,demote=int4,keep@0=1.0").to_string()
+        assert pane.query_one("#keep", Input).value == "64rows" and pane.query_one("#score", Select).value == "h2o"
+        assert pane.query_one("#window", Input).value == "16" and pane.query_one("#overrides", Input).value == "keep@0=1"
+        assert pane.query_one("#demote", Select).value == "int2"
+        assert pane.current == parse_policy("turbo4,keep=64rows,score=h2o,window=16,demote=int2,keep@0=1.0").to_string()
         assert "eviction: 3 of 4 layers keep 64 of 1024 rows per KV head (score h2o, window 16)" in \
             plain(pane.query_one("#estimate"))
 
