@@ -41,21 +41,25 @@ from tqbench.cli.options import (
 def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_policy, memory_budget, list_models,
                 report_json, report_md, as_json):
     """KV bytes, bits per element and saving for a model geometry (config only, no weights)."""
-    from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
-    from tqbench.engine.cache import explicit_geometry, model_geometry, parse_bytes
-    from tqbench.engine.cache import kv_estimate as estimate_report
-
     if list_models:
         return _list_models(as_json)
+    from tqbench.engine.request import check_estimate_args
+
     explicit = [x is not None for x in (layers, kv_heads, head_dim)]
     if model is not None and any(explicit):
         raise ValueError("give either --model or --layers/--kv-heads/--head-dim, not both")
     if any(explicit) and not all(explicit):
         raise ValueError("an explicit geometry needs all three of --layers, --kv-heads and --head-dim")
+    check_estimate_args(seq_len, batch, decoded)  # bad numbers, paths and policies: one line before torch loads
+    check_out_paths(report_json, report_md)
+    policies = policy_list(kv_policy)
+    from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
+    from tqbench.engine.cache import explicit_geometry, model_geometry, parse_bytes
+    from tqbench.engine.cache import kv_estimate as estimate_report
+
     geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else model_geometry(model or "default")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    check_out_paths(report_json, report_md)
-    rep = estimate_report(geo, policy_list(kv_policy), seq_len, batch, budget, decoded=decoded)
+    rep = estimate_report(geo, policies, seq_len, batch, budget, decoded=decoded)
     write_reports(rep.to_dict(), kv_estimate_md(rep), report_json, report_md, as_json)
     if not as_json:
         print_kv_estimate(rep)

@@ -60,20 +60,21 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
              teacher_forced, corpus, tf_context, tf_tokens, max_kl, temperature, seed, prefill_chunk, report_json,
              report_md, as_json):
     """Does a candidate policy change what the model says? Verdict, metrics and a recommendation."""
-    from tqbench.cli.render.console import check_policies, load_engine
     from tqbench.engine import GenerationRequest, parse_policy
-    from tqbench.engine.validate import check_generation_args
 
     _check_flags(candidate, self_test, teacher_forced, corpus, max_kl)
     check_max_kl(max_kl)
-    if teacher_forced:
-        check_teacher_forced_flags(corpus, tf_context, tf_tokens)
     request = GenerationRequest(max_new_tokens, temperature=temperature, seed=seed)
-    check_generation_args(max_new_tokens, quality_threshold)
     candidate = candidate or "turbo4"
     base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate)
     text = prompt_text(prompt, prompt_file)
-    check_out_paths(report_json, report_md)
+    check_out_paths(report_json, report_md)  # the torch-free checks first: a bad path or number in well under 1 s
+    from tqbench.cli.render.console import check_policies, load_engine
+    from tqbench.engine.validate import check_generation_args
+
+    if teacher_forced:
+        check_teacher_forced_flags(corpus, tf_context, tf_tokens)
+    check_generation_args(max_new_tokens, quality_threshold)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     cand_pol, base_pol = check_policies(engine, cand_pol, base_pol)  # once: the runs take them as they are
     reports = dict(report_json=report_json, report_md=report_md, as_json=as_json)

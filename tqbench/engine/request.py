@@ -148,3 +148,15 @@ class GenerationRequest:
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_p, self.seed)
+
+
+def check_estimate_args(seq_len: int, batch: int = 1, decoded: int = 0) -> None:
+    """A KV estimate's numbers (``cache.estimate.kv_estimate``), torch-free so a front end checks them before any
+    engine import: at least one token, ``decoded`` tokens after a prompt of at least one, a batch of at least one."""
+    if seq_len < 1:
+        raise RequestError("seq_len", seq_len, "use at least 1 token")
+    if not 0 <= decoded < seq_len:
+        raise RequestError("decoded", decoded, f"use 0 to {seq_len - 1}: the tokens decoded after a prompt of at "
+                           "least one token")
+    if batch < 1:
+        raise RequestError("batch", batch, "use at least 1")

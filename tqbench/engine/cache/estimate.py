@@ -22,7 +22,7 @@ from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.keep import head_keeps, held_rows
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import RequestError
+from tqbench.engine.request import RequestError, check_estimate_args
 
 __all__ = [
     "KVEstimate",
@@ -287,13 +287,7 @@ def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: 
                 memory_budget_bytes: int | None = None, decoded: int = 0) -> KVEstimateReport:
     """``decoded``: of ``seq_len``, the tokens decoded one per call after the prompt (``estimate_kv``'s
     ``prefill`` is the rest)."""
-    if seq_len < 1:
-        raise RequestError("seq_len", seq_len, "use at least 1 token")
-    if not 0 <= decoded < seq_len:
-        raise RequestError("decoded", decoded, f"use 0 to {seq_len - 1}: the tokens decoded after a prompt of at "
-                           "least one token")
-    if batch < 1:
-        raise RequestError("batch", batch, "use at least 1")
+    check_estimate_args(seq_len, batch, decoded)
     if not policies:
         raise RequestError("policies", list(policies), "give at least one policy, e.g. fp16,turbo4")
     rep = KVEstimateReport(model, seq_len, batch, memory_budget_bytes)

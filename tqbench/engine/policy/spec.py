@@ -104,7 +104,7 @@ class Policy:
     sparsev: float = 0.0  # fused mode: skip value rows whose softmax weight is below this (0 = off)
     seed: int = 0
     calib: str = ""  # calibrated (pcaq) key codecs: the transforms file ("" = the shipped default-model fit)
-    #: token eviction (``policy.keep``): rows kept per KV head, a fraction of the evictable ones or a count, or a
+    #: token eviction (``policy.keep``): rows kept per KV head, a fraction of the evictable ones or a ``Rows`` count (``512rows``), or a
     #: tuple of fractions, one per KV head (``0.5|1|0.25``)
     keep: float | int | tuple[float, ...] = 1.0
     score: str = "snapkv"  # how rows are ranked: see keep.SCORES
