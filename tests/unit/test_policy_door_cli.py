@@ -87,7 +87,8 @@ def test_a_prompt_too_short_to_evict_from_is_said_not_blamed_on_the_codec():
     pol = parse_policy("turbo4,keep=0.5")
     why = short_for_eviction(pol, 41)
     assert why.startswith("the prompt (41 tokens) is too short to test eviction: every KV head keeps its 4 sink "
-                          "and last 32 rows anyway")
+                          "and last 32 rows anyway") and why.endswith("use a prompt of 72+ tokens or teacher-forced "
+                                                                      "quality on a shipped corpus text")
     assert short_for_eviction(pol, 72) is None and short_for_eviction(parse_policy("turbo4"), 41) is None
     rec = recommend("diverged", pol, prompt_tokens=41)
     assert rec.cause_hint == why and "uniform" not in rec.cause_hint and rec.status == "unsafe"

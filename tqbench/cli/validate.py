@@ -62,7 +62,7 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
     """Does a candidate policy change what the model says? Verdict, metrics and a recommendation."""
     from tqbench.engine import GenerationRequest, parse_policy
 
-    _check_flags(candidate, self_test, teacher_forced, corpus, max_kl)
+    _check_flags(candidate, self_test, teacher_forced, corpus, max_kl, tf_context, tf_tokens)
     check_max_kl(max_kl)
     request = GenerationRequest(max_new_tokens, temperature=temperature, seed=seed)
     candidate = candidate or "turbo4"
@@ -98,7 +98,8 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
              f"--quality-threshold {quality_threshold})")
 
 
-def _check_flags(candidate, self_test: bool, teacher_forced: bool, corpus, max_kl) -> None:
+def _check_flags(candidate, self_test: bool, teacher_forced: bool, corpus, max_kl, tf_context: int,
+                 tf_tokens: int) -> None:
     if self_test and candidate is not None:
         raise ValueError("--self-test compares the baseline with itself: drop --candidate")
     if self_test and teacher_forced:
@@ -108,7 +109,7 @@ def _check_flags(candidate, self_test: bool, teacher_forced: bool, corpus, max_k
     if max_kl is not None and not teacher_forced:
         raise ValueError("--max-kl only applies to --teacher-forced: add --teacher-forced or drop --max-kl")
     given = [f for f, name in (("--tf-context", "tf_context"), ("--tf-tokens", "tf_tokens")) if _given(name)]
-    if given and corpus is None:
+    if given and corpus is None and min(tf_context, tf_tokens) >= 1:  # (a bad count: named by its own rule)
         raise ValueError(f"{' and '.join(given)} {'size' if len(given) > 1 else 'sizes'} a teacher-forced run on a shipped text: add --corpus (bread, "
                          "lighthouses, rivers) and --teacher-forced, or drop them (over the prompt, teacher-forced "
                          "quality scores the prompt and --max-new-tokens generated tokens)")

@@ -145,7 +145,7 @@ def short_for_eviction(policy: Policy, prompt_tokens: int | None) -> str | None:
     return (f"the prompt ({prompt_tokens} tokens) is too short to test eviction: every KV head keeps its "
             f"{policy.sink} sink and last {max(policy.window, policy.recent)} rows anyway, so keep={fmt_keep(policy.keep)} "
             f"evicts a few rows at most and the tokens say nothing about it; use a prompt of {need}+ tokens "
-            "(--prompt-file) or teacher-forced quality on a shipped --corpus")
+            "or teacher-forced quality on a shipped corpus text")
 
 
 def recommend(verdict: str, policy: Policy, geometry=None, storage_only: bool = False,
