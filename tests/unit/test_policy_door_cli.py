@@ -94,3 +94,14 @@ def test_a_prompt_too_short_to_evict_from_is_said_not_blamed_on_the_codec():
     assert rec.cause_hint == why and "uniform" not in rec.cause_hint and rec.status == "unsafe"
     assert recommend("exact-match", pol, prompt_tokens=41).status == "unproven"
     assert recommend("diverged", pol, prompt_tokens=400).cause_hint.startswith("uniform 4-bit K and V")
+
+
+@pytest.mark.parametrize("args", [["serve", "--kv-policy", "turbo4,keep=2"],
+                                  ["bench", "--kv-policy", "turbo4,keep=0.5,demote=fp32"],
+                                  ["validate", "--candidate", "k=turbo4,k=turbo2"],
+                                  ["tasks", "--candidate", "turbo4,keep=1.5"],
+                                  ["compare-policies", "--policies", "turbo4;turbo4,keep=2"],
+                                  ["export", "turbo4,keep=0.5,keep=0.25", "--to", "llamacpp"]])
+def test_every_command_that_takes_a_policy_refuses_a_bad_one_at_the_door(args):
+    r = run(*args)  # (serve would start silently with keep=2 before: issue 42)
+    assert r.exit_code == 2 and r.output.startswith("error: ") and len(r.output.strip().splitlines()) == 1, r.output
