@@ -125,7 +125,7 @@ class ProgressLines:
         if not (new_phase or final or now - self.last >= self.every):
             return
         self.phase, self.last = phase, now
-        count = f" {done:g}/{total:g}" if total is not None else f" {done:g}"
+        count = f" {done:g}/{total:g}" if total is not None else ""
         name = "" if phase == self.label else f" {phase}"
         text = f" {message}" if message else ""
         eta = "" if final else eta_text(now - self.phase_start, done, total)

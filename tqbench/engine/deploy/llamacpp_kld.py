@@ -199,7 +199,8 @@ def measure_llamacpp_kld(perplexity: Path, gguf: Path, text: Path, settings: lis
     _perplexity(perplexity, [*common, "-ctk", BASELINE[0], "-ctv", BASELINE[1], "--kl-divergence-base",
                              str(base)], workdir / f"{base.stem}-base.log")
     n_ctx_file, _, tokens = read_kld_base(base)
-    scored = tokens.shape[0] * (n_ctx_file - 1 - n_ctx_file // 2)
+    n_chunk = min(chunks, tokens.shape[0]) if chunks else tokens.shape[0]
+    scored = n_chunk * (n_ctx_file - 1 - n_ctx_file // 2)
     out = []
     for k, v in settings:
         if progress is not None:
