@@ -86,19 +86,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
              verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity, demote_codecs,
              as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
-    jointly, verify on two unseen texts, save (with --out).
-
-    \b
-    Cost on a 2-core CPU, default model: a cold run of the defaults took over
-    10 min on a busy machine (issue 42), --granularity head --budget 2.5 376 CPU
-    s at 1 thread (990 cells). Progress gives each phase's units and the time
-    left; a rerun with the same --out (or --resume) reuses the measured cells.
-
-    \b
-    Examples:
-      tqbench --headless allocate --budget 3.5 --out my-3.5bit.toml
-      tqbench --headless allocate --budget 2.5 --granularity head --json
-      tqbench --headless allocate --budget 2 --axes bits,tokens --out evict.toml"""
+    jointly, verify on two unseen texts, save (with --out)."""
     import json
 
     from tqbench.cli.render.allocate import print_allocation

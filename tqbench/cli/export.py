@@ -17,7 +17,7 @@ from tqbench.cli.options import (
     report_options,
     write_reports,
 )
-from tqbench.constants import CACHE_MODES, DEFAULT_KLD_CHUNKS
+from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE, DEFAULT_KLD_CHUNKS
 
 ENGINE_CHOICES = ("llamacpp", "vllm", "sglang", "trtllm")
 
@@ -31,7 +31,7 @@ ENGINE_CHOICES = ("llamacpp", "vllm", "sglang", "trtllm")
 @click.option("--tf-context", type=int, default=256, show_default=True, help="Teacher-forced prefill tokens.")
 @click.option("--tf-tokens", type=int, default=64, show_default=True, help="Teacher-forced scored tokens.")
 @click.option("--cache-mode", type=click.Choice([m for m in CACHE_MODES if m != "dense-shadow"]),
-              default="compressed", show_default=True)
+              default=DEFAULT_CACHE_MODE, show_default=True, help=CACHE_MODE_HELP)
 @click.option("--seq-len", type=int, default=1024, show_default=True, help="Context the bits per element are at.")
 @click.option("--verify", is_flag=True,
               help="llama.cpp only: run the exported flags in llama.cpp (found or built; llama-perplexity "
@@ -53,18 +53,7 @@ def export(policy, to, model, device, dtype, threads, no_measure, corpus, tf_con
     the flags or config lines and what could not be mapped (printed first), then (unless --no-measure)
     teacher-forced KL and bits per element of the original and the mapped setting on this model. For llama.cpp
     on a GGUF model it also predicts llama-perplexity's KLD of the flags on --kld-chunks chunks per text; --verify
-    measures it in llama.cpp beside the prediction.
-
-    \b
-    Cost of the defaults on a 2-core CPU (measured at load 6-10, --threads 1):
-    the flags print in ~10 s; all of it takes about 3 min (model load 28 s,
-    teacher-forced 38 s, 4 KLD forward passes of ~27 s). --no-measure only maps.
-
-    \b
-    Examples:
-      tqbench --headless export turbo4 --to llamacpp
-      tqbench --headless export turbo4 --to llamacpp --no-measure
-      tqbench --headless export k=q8_0,v=q4_0 --to vllm --json"""
+    measures it in llama.cpp beside the prediction."""
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.export import export_md, print_mapping, print_measured
     from tqbench.cli.render.progress import EventProgress
