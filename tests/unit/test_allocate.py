@@ -191,10 +191,14 @@ def test_cli_allocate_json_and_out(tmp_path):
         assert f"allocate: {phase} " in res.stderr, phase  # progress lines on stderr in every phase, --json too
     assert load_policy_artifact(out).policy.label == "p"
     assert json.loads((tmp_path / "p.partial.json").read_text())["setup"]["calibration"] == "corpus:bread"
-    again = _cli("--budget", "4.0", "--json", "--out", str(tmp_path / "q.toml"), "--resume",
-                 str(tmp_path / "p.partial.json"), *TINY_CLI)
+    assert "nothing is saved" not in res.stderr and "policy is not saved" not in res.stderr
+    partial = tmp_path / "p.partial.json"
+    again = _cli("--budget", "4.0", "--json", "--resume", str(partial), *TINY_CLI)
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout)["measured_cells"] == 0  # another budget reuses every measured cell
+    said = (f"allocate: no --out, so the policy is not saved (the measured cells are kept in {partial}): add --out "
+            "FILE.toml to write it")
+    assert again.stderr.count(said) == 2  # before the job and after it
 
 
 @pytest.mark.parametrize("args, message", [

@@ -103,3 +103,35 @@ def test_cli_export_measured_on_tiny_and_bad_input():
     assert d["measured"]["original"]["kv_policy"] == "turbo4" and d["measured"]["mapped"]["kv_policy"] == "vllm:fp8"
     bad = run("export", "turbo9", "--to", "llamacpp", "--no-measure")
     assert bad.exit_code == 2 and "unknown policy preset 'turbo9'" in bad.stderr
+
+
+def test_cli_export_prints_the_mapping_first_and_the_cost_before_measuring():
+    """The flags come before any measurement; what the measurement will run is said on stderr before it starts,
+    and a piped stderr gets plain progress lines with the units done of the total."""
+    r = run("export", "turbo4", "--to", "llamacpp", "--model", "tiny", "--corpus", "bread", "--tf-context", "16",
+            "--tf-tokens", "4")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert out.index("llama-server -m MODEL.gguf -ctk f16 -ctv f16") < out.index("measured here")
+    err = r.stderr
+    assert "measuring: teacher-forced on bread, 16 prefill + 4 scored tokens" in err
+    assert "export: baseline 4/4" in err and "export: candidate 4/4" in err
+    bad = run("export", "turbo4", "--to", "llamacpp", "--model", "tiny", "--verify", "--kld-chunks", "0")
+    assert bad.exit_code == 2 and "with --kld-chunks 1 or more" in bad.stderr
+
+
+def test_llamacpp_kld_prediction_runs_only_the_chunks_asked_for():
+    """``chunks`` caps the prediction like llama-perplexity's --chunks: scored tokens and forward passes (one
+    Progress event each, the total known from the first) follow it."""
+    from tqbench.engine.deploy.llamacpp_verify import kld_plan, llamacpp_kld_report
+    from tqbench.engine.events import Progress
+
+    engine = Engine.load("tiny-llama")
+    events = []
+    rep = llamacpp_kld_report(engine, "q8_0", "q8_0", texts=("corpus:bread",), n_ctx=64, chunks=1,
+                              on_event=events.append)
+    assert rep.predicted[0].tokens == 31 and rep.chunks == 1 and "--chunks 1" in rep.protocol
+    assert [(e.done, e.total) for e in events if isinstance(e, Progress)] == [(1, 2), (2, 2)]
+    assert kld_plan(("a", "b"), 1) == (4, "2 text(s) x 1 chunk(s) x (f16 baseline + the flags) = 4 forward passes")
+    with pytest.raises(ValueError, match="chunks=0: give 1 or more"):
+        llamacpp_kld_report(engine, "q8_0", "q8_0", chunks=0)

@@ -24,7 +24,8 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--calibration", default="mix", show_default=True,
               help="Calibration: 'mix' (the shipped prose, code, legal and chat texts, one sequence per kind), a "
                    "shipped text (bread, corpus:lighthouses, heldout:code, calibration:prose ...) or a UTF-8 file.")
-@click.option("--calib-prefill", type=int, default=1024, show_default=True)
+@click.option("--calib-prefill", type=int, default=1024, show_default=True,
+              help="Tokens of each calibration sequence prefilled exactly before the scored steps.")
 @click.option("--calib-steps", type=int, default=32, show_default=True,
               help="Tokens after the prefill (per calibration sequence) whose next-token KL scores each cell.")
 @click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
@@ -52,10 +53,13 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
               help="Text for teacher-forced verification (not a calibration text); 'none' skips it.")
 @click.option("--unseen-text", default="heldout:technical", show_default=True,
               help="A second unseen text of another kind, verified the same way; 'none' skips it.")
-@click.option("--verify-prefill", type=int, default=1024, show_default=True)
-@click.option("--verify-steps", type=int, default=256, show_default=True)
+@click.option("--verify-prefill", type=int, default=1024, show_default=True,
+              help="Teacher-forced verification: prefill tokens of each verify text.")
+@click.option("--verify-steps", type=int, default=256, show_default=True,
+              help="Teacher-forced verification: scored tokens after the prefill, per verify text.")
 @click.option("--name", default=None, help="Policy name (default: the --out file's stem, else alloc-<budget>bit).")
-@click.option("--out", default=None, help="Write the policy artifact here (.toml, + .safetensors sidecar).")
+@click.option("--out", default=None,
+              help="Write the policy artifact here (.toml, + .safetensors sidecar). Without it nothing is saved.")
 @click.option("--resume", "resume", default=None,
               help="Partial results file (read if present, updated per cell; default <out>.partial.json).")
 @click.option("--max-kl", type=float, default=None, help="Gate: exit 1 when the verified KL is above this.")
@@ -82,7 +86,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
              verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity, demote_codecs,
              as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
-    jointly, verify on two unseen texts, save."""
+    jointly, verify on two unseen texts, save (with --out)."""
     import json
 
     from tqbench.cli.render.allocate import print_allocation
@@ -124,6 +128,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     if any(a < 0 or b < 0 for a, b in grid or []):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
     base_policy = allocation_base(base, sink, recent)
+    if not out:
+        err.print(not_saved(resume), highlight=False, markup=False, soft_wrap=True)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
@@ -144,6 +150,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
         click.echo(f"allocate cancelled{hint}", err=True)
         sys.exit(130)
     payload = rep.to_dict()
+    if not out:
+        err.print(not_saved(resume), highlight=False, markup=False, soft_wrap=True)
     if out:
         path = save_policy_artifact(rep.to_artifact(engine.geometry), out)
         payload["out"] = str(path)
@@ -157,6 +165,15 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
         if rep.verified is None:
             fail("--max-kl needs verification: drop --verify-text none")
         gate(rep.verified.kl_mean <= max_kl, f"verified KL {rep.verified.kl_mean:.4f} > --max-kl {max_kl}")
+
+
+def not_saved(resume: str | None) -> str:
+    """Said before the job and after it when there is no --out."""
+    if resume:
+        return (f"allocate: no --out, so the policy is not saved (the measured cells are kept in {resume}): add "
+                "--out FILE.toml to write it")
+    return ("allocate: no --out, so nothing is saved (neither the policy nor the measured cells): add --out "
+            "FILE.toml to write the policy and keep the cells for a rerun")
 
 
 #: policy keys ``--base`` may not set: the allocation chooses the codecs, --sink/--recent give the protection

@@ -19,7 +19,7 @@ from tqbench.cli.options import (
     report_options,
     write_reports,
 )
-from tqbench.constants import CACHE_MODES
+from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE
 
 
 def _known_max_context(model: str) -> tuple[int | None, str]:
@@ -38,8 +38,10 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 @click.option("--context", type=int, default=4096, show_default=True,
               help="Target context in tokens (prompt + answer) of every sample, e.g. 2048, 4096, 8192.")
 @policy_option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
-@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy.")
-@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@policy_option("--baseline", default="fp16", show_default=True,
+              help="The reference policy (or dense cache) the candidate is scored against; its answers are cached.")
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
+              help=CACHE_MODE_HELP)
 @click.option("--tasks", "task_names", default=None, help="Comma-separated tasks (default: the ones the default model can do; see docs/validation.md).")
 @click.option("--samples", type=int, default=None, help="Samples per task (default 3).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sample seed.")
