@@ -23,7 +23,8 @@ from tqbench.cli.options import (
 
 
 @click.command("kv-estimate")
-@click.option("--model", default=None, help="Shipped config name, 'default', a config.json or a model folder.")
+@click.option("--model", default=None, help="Shipped config name ('default', 'gemma3-270m', see --list-models), "
+              "a config.json, a model folder or a .gguf file (its config only).")
 @click.option("--layers", type=int, default=None, help="Explicit geometry: number of layers.")
 @click.option("--kv-heads", type=int, default=None, help="Explicit geometry: KV heads.")
 @click.option("--head-dim", type=int, default=None, help="Explicit geometry: head dimension.")
@@ -43,8 +44,9 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_p
                 report_json, report_md, as_json):
     """KV bytes, bits per element and saving for a model geometry (config only, no weights)."""
     from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
-    from tqbench.engine.cache import explicit_geometry, model_geometry, parse_bytes
+    from tqbench.engine.cache import explicit_geometry, parse_bytes
     from tqbench.engine.cache import kv_estimate as estimate_report
+    from tqbench.engine.models import find_geometry
 
     if list_models:
         return _list_models(as_json)
@@ -53,7 +55,7 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_p
         raise ValueError("give either --model or --layers/--kv-heads/--head-dim, not both")
     if any(explicit) and not all(explicit):
         raise ValueError("an explicit geometry needs all three of --layers, --kv-heads and --head-dim")
-    geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else model_geometry(model or "default")
+    geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else find_geometry(model or "default")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     check_out_paths(report_json, report_md)
     lengths = seq_lens(seq_len)
