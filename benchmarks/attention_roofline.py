@@ -4,7 +4,8 @@ be stored, at real model shapes, beside the machine's copy bandwidth measured in
     python benchmarks/attention_roofline.py --shapes smollm2,llama3-8b --contexts 8192,32768 --threads 1 --json out.json
 
 Ways (``--ways``): ``fp16`` / ``bf16`` (the kernel over 16-bit rows as stored: ``dense-fp16-kernel``), ``turbo4``,
-``turbo3``, ``turbo2`` (K centred, a norm per row, like the engine's turbo keys; V the same width), ``pcaq4``
+``turbo3``, ``turbo2`` (K centred, a norm per row, like the engine's turbo keys; V the same width),
+``turbo4-int8`` / ``turbo2-int8`` (the same, keys scored in 8 bits: ``Side.score_int8``), ``pcaq4``
 (calibrated keys, 4 bits per coordinate on average over widths 2..6, turbo4 values) and ``per-head`` (a per-head
 layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call).
 Shapes (``--shapes``): ``smollm2`` (3 KV heads x 64, 9 query heads), ``llama3-8b`` (8 x 128, 32), ``gemma3``
@@ -37,7 +38,7 @@ from attention import last_level_cache_bytes
 #: Gemma-3-1B's attention (its config.json: 4 heads, 1 KV head, head_dim 256); tqbench ships no Gemma-3 config
 GEMMA3 = (1, 4, 256)
 SHAPE_NAMES = ("smollm2", "llama3-8b", "gemma3")
-WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "pcaq4", "per-head")
+WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "pcaq4", "per-head")
 BASE = "fp16"
 
 
@@ -149,8 +150,9 @@ class Builder:
             (k, bk, _), (v, bv, _) = self.dense(dt, all_heads), self.dense(dt, all_heads)
             return [k], [v], bk + bv, 0
         if name.startswith("turbo"):
-            bits = int(name[5:])
+            bits = int(name[5])
             (k, bk, sk), (v, bv, sv) = self.turbo(bits, "k", all_heads), self.turbo(bits, "v", all_heads)
+            k.score_int8 = name.endswith("-int8")
             return [k], [v], bk + bv, sk + sv
         if name == "pcaq4":
             (k, bk, sk), (v, bv, sv) = self.pcaq(4, all_heads), self.turbo(4, "v", all_heads)
