@@ -48,7 +48,13 @@ from tqbench.engine.allocate.keeps import (
     parse_keeps,
     speed_rule,
 )
-from tqbench.engine.allocate.operating import choose_rotation, own_transforms, uniform_of_bytes, uniform_warning
+from tqbench.engine.allocate.operating import (
+    choose_rotation,
+    own_transforms,
+    unaffordable,
+    uniform_of_bytes,
+    uniform_warning,
+)
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.speed import (
@@ -61,7 +67,7 @@ from tqbench.engine.allocate.speed import (
 from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
-from tqbench.engine.codecs import canonical_spec
+from tqbench.engine.codecs import canonical_spec, is_calibrated_spec
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 from tqbench.engine.models.fingerprint import model_config_summary
 from tqbench.engine.policy.artifact import PolicyArtifact
@@ -180,12 +186,15 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
         raise RequestError("partial_path", path, "it is not an allocate partial results file: give another")
     old = data.get("setup", {})
     # cells are keyed by codec and by unit (layer or layer.head): another codec list or granularity reuses them
-    free = ("codecs", "k_codecs", "granularity")  # keep cells name their score and window in their keys
+    # calibrated key cells name their codec, not their transforms: another fit drops them, the rest stay
+    free = ("codecs", "k_codecs", "granularity", "transforms")  # keep cells name their score and window in their keys
     diff = sorted(k for k in set(setup) | set(old) if k not in free and setup.get(k) != old.get(k))
     if diff:
         raise RequestError("partial_path", path, f"it was measured with another setup ({', '.join(diff)} differ): "
                                                  "delete it, or give another")
-    return {k: float(v) for k, v in data.get("cells", {}).items()}
+    same_fit = setup.get("transforms") == old.get("transforms")
+    return {k: float(v) for k, v in data.get("cells", {}).items()
+            if same_fit or not is_calibrated_spec(k.rsplit("/", 1)[-1])}
 
 
 def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
@@ -304,6 +313,13 @@ def allocate_policy(
         kspecs = [canonical_spec(c) for c in k_codecs]
     t_cal = time.perf_counter() - t_cal
     check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "tokens" not in axes else ())
+    if "tokens" not in axes and "bits" in axes:  # choices no unit can afford within the budget: never measured
+        drop = unaffordable(specs, kspecs, granularity, base_pol, engine.geometry, budget, context)
+        if drop:
+            specs = [c for c in specs if c not in drop.get("v", ())] or specs
+            kspecs = [c for c in kspecs if c not in drop.get("k", ())] or kspecs
+            notes.append("not measured (no unit can afford them within the budget at this context): "
+                         + "; ".join(f"{r.upper()} {', '.join(cs)}" for r, cs in drop.items()))
     check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":
         try:
@@ -325,10 +341,11 @@ def allocate_policy(
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
              "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": _codec_options(base_pol),
-             "model_fingerprint": engine.loaded.fingerprint, "measure": "one-unit chunk KL"}
+             "model_fingerprint": engine.loaded.fingerprint, "measure": "one-unit chunk KL",
+             "transforms": _transforms_digest(base_pol, kspecs)}
     if partial_path is None and partial_dir is not None:
         digest = hashlib.sha256(json.dumps({k: v for k, v in setup.items() if k not in ("codecs", "k_codecs",
-                                                                                           "granularity")},
+                                                                                           "granularity", "transforms")},
                                            sort_keys=True).encode()).hexdigest()[:12]
         os.makedirs(partial_dir, exist_ok=True)
         partial_path = os.path.join(partial_dir, f"{digest}.partial.json")
@@ -464,7 +481,7 @@ def allocate_policy(
          "layer_skipping": bool(runner and runner.layer_skipping)},
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
     )
-    report.uniform = {t: p.to_dict() for t, p in uniform_pts.items()}
+    report.uniform = {p.text: p.to_dict() for p in uniform_pts.values()}  # keyed by the text's label
     report.warnings = warnings
     if "tokens" in axes:
         report.seconds["keep_cells"] = round(t1 - tk, 2)  # of the sensitivity phase: recording + keep cells
@@ -486,11 +503,20 @@ def allocate_policy(
     return report
 
 
+def _transforms_digest(base: Policy, kspecs) -> str:
+    """The calibrated key transforms the ``pcaq`` cells read ("" when none is offered)."""
+    if not any(is_calibrated_spec(c) for c in kspecs):
+        return ""
+    from tqbench.engine.codecs.transforms_file import load_transforms
+
+    return load_transforms(base.calib).digest
+
+
 def _codec_options(base: Policy) -> str:
     """The base policy as the codec cells see it: without its eviction ranking (score, window, chunk), which only
     keep cells read and which their keys name, so a ranking change reuses the codec cells of a partial file."""
     d = Policy()
-    return replace(base, score=d.score, window=d.window, chunk=d.chunk).to_string()
+    return replace(base, score=d.score, window=d.window, chunk=d.chunk, calib=d.calib).to_string()
 
 
 def _table_layers(engine, base: Policy) -> list[int]:

@@ -50,14 +50,14 @@ def choose_rotation(rotation: str, base: Policy, geometry, budget_bits: float, c
         return base, None
     from tqbench.engine.allocate.solver import budget_bytes
 
-    qr = sum(rotation_bytes(dim, "qr") for dim in {geometry.head_dim, geometry.v_dim})
+    qr = rotation_bytes(geometry.head_dim, "qr") + rotation_bytes(geometry.v_dim, "qr")  # K's seed and V's
     budget = budget_bytes(geometry, budget_bits, context, base)
     if qr <= ROTATION_SHARE * budget:
         return base, None
     return replace(base, rotation="hadamard"), (
-        f"rotation=hadamard: a QR rotation for head_dim {d} is {qr:,} bytes, {qr / budget:.0%} of the "
+        f"rotation=hadamard: QR rotations for head_dim {d} (K's and V's) are {qr:,} bytes, {qr / budget:.0%} of the "
         f"{budget:,}-byte budget at {context} tokens; the randomized Hadamard stores {rotation_bytes(d, 'hadamard')} "
-        "bytes and quantizes as well (docs/allocation.md)")
+        "bytes per role and quantizes as well (docs/allocation.md)")
 
 
 def transforms_cache_path(engine) -> Path:
@@ -109,3 +109,31 @@ def uniform_warning(point, uniform_point) -> str | None:
             f"({uniform_point.kv_policy}, {uniform_point.bits_per_element:.3f} bits/element: KL "
             f"{uniform_point.kl_mean:.4f}): the calibration cells did not predict this text; prefer the uniform "
             "policy, raise the budget or calibrate on text like it")
+
+
+def unaffordable(specs, kspecs, granularity: str, base: Policy, geometry, budget_bits: float,
+                 context: int) -> dict[str, list[str]]:
+    """Per role, the choices that no unit can take within the budget: their bytes over the unit's cheapest choice
+    exceed what the budget leaves once every unit holds its cheapest choice (the fixed windows and the cheapest
+    choices' shared objects counted). Exact: such a cell could never be in a solution, so it is not measured."""
+    from tqbench.engine.allocate.sensitivity import SensitivityTable, allocatable_layers
+    from tqbench.engine.allocate.solver import _shared, budget_bytes, fixed_bytes, unit_bytes
+
+    layers = allocatable_layers(base, geometry)
+    if not layers:
+        return {}
+    allc = list(dict.fromkeys([*kspecs, *specs]))
+    probe = SensitivityTable(layers, allc, heads=list(range(geometry.kv_heads)) if granularity == "head" else None,
+                             role_codecs={"k": list(kspecs), "v": list(specs)})
+    ub = unit_bytes(probe, base, geometry, context)
+    cheapest = {u: min(row, key=row.__getitem__) for u, row in ub.items()}
+    slack = (budget_bytes(geometry, budget_bits, context, base) - fixed_bytes(probe, base, geometry, context)
+             - _shared(base, {(u[1], c) for u, c in cheapest.items()}, geometry)
+             - sum(ub[u][c] for u, c in cheapest.items()))
+    out: dict[str, list[str]] = {}
+    for role in ("k", "v"):
+        units = [u for u in ub if u[1] == role]
+        for c in probe.choices(role):
+            if units and all(ub[u][c] - ub[u][cheapest[u]] > slack for u in units):
+                out.setdefault(role, []).append(c)
+    return out
