@@ -16,6 +16,7 @@ from .heads import HEAD_SEP, HeadSplitCodec, group_heads, is_head_list, split_he
 from .names import CodecName, parse_codec_name
 from .rotation import ROTATIONS
 from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
+from .vllm_tq import VllmTqKeyCodec, VllmUniformCodec
 
 __all__ = [
     "ALIASES",
@@ -39,6 +40,8 @@ __all__ = [
     "TurboCodec",
     "TurboProdCodec",
     "TurboSplitCodec",
+    "VllmTqKeyCodec",
+    "VllmUniformCodec",
     "canonical_spec",
     "codec_bits_per_element",
     "codec_from_spec",
@@ -80,10 +83,16 @@ CODEC_SPECS: tuple[str, ...] = (
     "fp8_e4m3-prefill",
     "fp8_e5m2-prefill",
     "fp4_mx_block16",
+    # vLLM's TurboQuant keys and values (vllm_tq.py)
+    "vllm_tq4_nc",
+    "vllm_tq3_nc",
+    "vllm_u4",
+    "vllm_u3",
 )
-#: the codecs that are an inference engine's own KV storage (llama.cpp's GGML types, fp8 with per-tensor scales)
+#: the codecs that are an inference engine's own KV storage (llama.cpp's GGML types, fp8 with per-tensor scales,
+#: vLLM's TurboQuant keys and values)
 ENGINE_FORMAT_SPECS: tuple[str, ...] = (*GGML_TYPES, "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-prefill", "fp8_e5m2-prefill",
-                                        "fp4_mx_block16")
+                                        "fp4_mx_block16", "vllm_tq4_nc", "vllm_tq3_nc", "vllm_u4", "vllm_u3")
 ALIASES: dict[str, str] = {"q8": "int8", "q4": "int4", "q2": "int2", "f16": "fp16", "f32": "fp32"}
 ROLES = ("k", "v")
 #: option name -> default
@@ -186,6 +195,10 @@ def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, heads:
         return Fp4Block16Codec()
     if n.family == "fp8":
         return Fp8Codec(n.fmt, n.scale)
+    if n.family == "vllm-tq":
+        return VllmTqKeyCodec(int(n.bits))
+    if n.family == "vllm-u":
+        return VllmUniformCodec(int(n.bits))
     if n.family == "affine":
         bits = int(n.bits)
         return AffineChannelCodec(bits, o["kblock"]) if role == "k" else AffineTokenCodec(bits, o["group"])

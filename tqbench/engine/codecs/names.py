@@ -9,8 +9,8 @@ from .calibrated import calibrated_bits
 from .ggml import GGML_TYPES
 
 #: dense passthrough, affine int, TurboQuant (plain, outlier split, QJL), llama.cpp GGML blocks, fp8 and fp4
-#: engine formats, calibrated key transforms
-FAMILIES = ("dense", "affine", "turbo", "turbo-split", "turbo-qjl", "ggml", "fp8", "fp4", "pcaq")
+#: engine formats, calibrated key transforms, vLLM's TurboQuant keys (Lloyd-Max) and values (uniform)
+FAMILIES = ("dense", "affine", "turbo", "turbo-split", "turbo-qjl", "ggml", "fp8", "fp4", "pcaq", "vllm-tq", "vllm-u")
 DENSE_NAMES = ("fp16", "bf16", "fp32")
 
 
@@ -35,6 +35,10 @@ def parse_codec_name(name: str) -> CodecName:
         return CodecName(name, "dense", float(name[2:]))
     if name in GGML_TYPES:
         return CodecName(name, "ggml", float(GGML_TYPES[name].bits))
+    if name in ("vllm_tq3_nc", "vllm_tq4_nc"):
+        return CodecName(name, "vllm-tq", float(name[7]))
+    if name in ("vllm_u3", "vllm_u4"):
+        return CodecName(name, "vllm-u", float(name[6]))
     if name == "fp4_mx_block16":
         return CodecName(name, "fp4", 4.0)
     if name.startswith("fp8_"):

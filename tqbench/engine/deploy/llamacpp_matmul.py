@@ -24,7 +24,7 @@ import torch
 
 from tqbench.engine.deploy.llamacpp_attention import quantize_row_q8
 
-__all__ = ["activation_types", "llamacpp_matmuls", "quantize_row_q8_k"]
+__all__ = ["GGUF_ARCH", "activation_types", "gguf_arch", "llamacpp_matmuls", "quantize_row_q8_k"]
 
 #: GGUF weight type -> the activation conversion of ggml-cpu's vec_dot_type for it
 _VEC_DOT = {"Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "IQ4_NL": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
@@ -54,6 +54,23 @@ def _convert(x: torch.Tensor, kind: str) -> torch.Tensor:
     return (q.to(torch.float32) * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
+#: transformers ``model_type`` -> llama.cpp's GGUF architecture name, where they differ (transformers' GGUF loader
+#: maps ``gemma3`` to the text model ``gemma3_text``; llama.cpp runs Mistral GGUFs as ``llama``)
+GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
+
+
+def gguf_arch(model_type: str) -> str:
+    """The GGUF architecture name llama.cpp runs a transformers ``model_type`` as; ValueError when it has none."""
+    import gguf
+
+    arch = GGUF_ARCH.get(model_type, model_type)
+    if arch not in gguf.MODEL_ARCH_NAMES.values():
+        raise ValueError(f"no GGUF architecture named {arch!r} (transformers model_type {model_type!r}): llama.cpp's "
+                         f"matrix products cannot be mapped; mapped model types: those whose name is a GGUF "
+                         f"architecture, and {', '.join(f'{k} -> {v}' for k, v in GGUF_ARCH.items())}")
+    return arch
+
+
 def _gguf_types(gguf_path: Path) -> dict[str, str]:
     import gguf
 
@@ -67,10 +84,8 @@ def activation_types(model, gguf_path: Path) -> dict[str, str]:
     import gguf
 
     types = _gguf_types(gguf_path)
-    arch = model.config.model_type
-    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
-    if arch_id is None:
-        raise ValueError(f"no GGUF architecture named {arch!r}: llama.cpp's matrix products cannot be mapped")
+    arch = gguf_arch(model.config.model_type)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
     out = {}
     for name, mod in model.named_modules():
