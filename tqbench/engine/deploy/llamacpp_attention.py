@@ -151,6 +151,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """``AttentionInterface`` function: ``query [1, H, T, D]``, ``key``/``value [1, Hkv, T, D]`` (this call's rows,
     no cache) -> ``[1, T, H, D]``, computed as llama.cpp's CPU flash attention with ``_current`` K/V types."""
     k_type, v_type = _current["k"], _current["v"]
+    _current["calls"] = _current.get("calls", 0) + 1
     if kwargs.get("s_aux") is not None:
         raise ValueError("the llama.cpp attention model covers causal attention without sinks only (this model's "
                          "attention has sink logits)")
@@ -191,6 +192,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
+def attention_calls() -> int:
+    """How many attention calls the llama.cpp model has served inside the current ``llamacpp_kv`` block (0 means
+    the model's attention does not go through transformers' ``AttentionInterface``: nothing was modelled)."""
+    return int(_current.get("calls", 0))
+
+
 @contextmanager
 def llamacpp_kv(model, k_type: str, v_type: str, rotation: bool = True) -> Iterator[None]:
     """Run ``model``'s attention as llama.cpp's CPU flash attention over a ``k_type``/``v_type`` cache for the
@@ -204,7 +211,7 @@ def llamacpp_kv(model, k_type: str, v_type: str, rotation: bool = True) -> Itera
     AttentionInterface.register(LLAMACPP_ATTN, _attention)
     AttentionMaskInterface.register(LLAMACPP_ATTN, sdpa_mask)
     previous = model.config._attn_implementation
-    _current.update(k=k_type, v=v_type, no_rot=not rotation)
+    _current.update(k=k_type, v=v_type, no_rot=not rotation, calls=0)
     model.set_attn_implementation(LLAMACPP_ATTN)
     try:
         yield
