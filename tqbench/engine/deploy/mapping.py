@@ -209,7 +209,6 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
         k = _exact(engine, set(specs["k"])) or _pick(engine, mean_bits("k"), ("k",), dims["k"])
         v = _exact(engine, set(specs["v"])) or _pick(engine, mean_bits("v"), ("v",), dims["v"])
 
-    types = {**ENGINE_KV_TYPES[engine], **{t: "/".join(kv) for t, kv in ENGINE_KV_PAIRS.get(engine, {}).items()}}
     known = set(ENGINE_KV_TYPES[engine].values()) | {c for kv in ENGINE_KV_PAIRS.get(engine, {}).values() for c in kv}
     for role, chosen in (("k", k), ("v", v)):
         used = sorted(set(specs[role]))
