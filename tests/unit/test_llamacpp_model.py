@@ -3,6 +3,8 @@ conversion bit for bit against ggml-cpu's x86 quantizers, and the attention's pa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,3 +153,27 @@ def test_gguf_architecture_names_and_refusal():
     with pytest.raises(ValueError, match="no GGUF architecture named 'gpt_neox' \\(transformers model_type "
                                          "'gpt_neox'\\): llama.cpp's matrix products cannot be mapped"):
         gguf_arch("gpt_neox")
+
+
+def test_activation_types_follow_the_file_and_refuse_unmodelled_matrices(monkeypatch):
+    """The GGUF's own architecture names its tensors; a matrix no linear layer multiplies (fused experts) is
+    refused, not skipped."""
+    import gguf
+
+    from tqbench.engine.deploy import llamacpp_matmul
+    from tqbench.engine.engine import Engine
+
+    model = Engine.load("tiny-llama").model
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    types = {f"{names.get_name(n)}.weight": "Q4_K" for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    types["output.weight"] = "Q6_K"
+    types["token_embd.weight"] = "Q8_0"
+    monkeypatch.setattr(llamacpp_matmul, "_gguf_tensors", lambda path: ("llama", types, set(types)))
+    kinds = llamacpp_matmul.activation_types(model, Path("tiny.gguf"))
+    assert set(kinds.values()) == {"q8_K"} and len(kinds) == len(types) - 1
+    extra = {**types, "blk.0.ffn_gate_exps.weight": "Q4_K"}
+    monkeypatch.setattr(llamacpp_matmul, "_gguf_tensors", lambda path: ("llama", extra, set(extra)))
+    with pytest.raises(ValueError, match="llama: GGUF matrices blk.0.ffn_gate_exps.weight are not multiplied by "
+                                         "linear layers here"):
+        llamacpp_matmul.activation_types(model, Path("tiny.gguf"))

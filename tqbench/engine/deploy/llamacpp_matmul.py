@@ -71,23 +71,29 @@ def gguf_arch(model_type: str) -> str:
     return arch
 
 
-def _gguf_types(gguf_path: Path) -> dict[str, str]:
+def _gguf_tensors(gguf_path: Path) -> tuple[str | None, dict[str, str], set[str]]:
+    """``(general.architecture, {tensor name: GGML type name}, names of the matrices)`` of a GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    return {t.name: t.tensor_type.name for t in reader.tensors}
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    return (arch, {t.name: t.tensor_type.name for t in reader.tensors},
+            {t.name for t in reader.tensors if len(t.shape) >= 2 and int(t.shape[1]) > 1})
 
 
 def activation_types(model, gguf_path: Path) -> dict[str, str]:
-    """``{linear module name: activation conversion}`` for the model loaded from ``gguf_path`` (ValueError for a
-    weight type whose conversion is not modelled, or a linear the GGUF has no tensor for)."""
+    """``{linear module name: activation conversion}`` for the model loaded from ``gguf_path``. The architecture
+    is the file's ``general.architecture`` (else the model type's, ``gguf_arch``). ValueError for a weight type
+    whose conversion is not modelled, a linear the GGUF has no tensor for, or a GGUF matrix no linear layer
+    multiplies here (fused MoE experts, say: their products would go unmodelled)."""
     import gguf
 
-    types = _gguf_types(gguf_path)
-    arch = gguf_arch(model.config.model_type)
+    file_arch, types, matrices = _gguf_tensors(gguf_path)
+    arch = file_arch if file_arch in gguf.MODEL_ARCH_NAMES.values() else gguf_arch(model.config.model_type)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
-    out = {}
+    out, used = {}, set()
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear):
             continue
@@ -101,6 +107,13 @@ def activation_types(model, gguf_path: Path) -> dict[str, str]:
         if wtype not in _VEC_DOT:
             raise ValueError(f"{name}: GGUF weight type {wtype} is not modelled (modelled: {', '.join(_VEC_DOT)})")
         out[name] = _VEC_DOT[wtype]
+        used.add(f"{key}.weight")
+    unmodelled = sorted(matrices - used - {"token_embd.weight"})  # token_embd: a row lookup unless tied
+    if unmodelled:
+        more = f" and {len(unmodelled) - 3} more" if len(unmodelled) > 3 else ""
+        raise ValueError(f"{arch}: GGUF matrices {', '.join(unmodelled[:3])}{more} are not multiplied by linear "
+                         "layers here (fused experts or another layout): llama.cpp's matrix products cannot be "
+                         "modelled for this architecture")
     return out
 
 
