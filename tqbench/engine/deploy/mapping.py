@@ -165,8 +165,8 @@ def _notes(engine: str, k: str, v: str) -> tuple[str, ...]:
     if engine == "vllm" and k in VLLM_TQ_PRESETS:
         return ("storage-only: the mapped policy stores vLLM's TurboQuant bytes bit for bit, but vLLM's attention "
                 "kernels (Triton, CUDA/ROCm GPUs) cannot run here, so its measured quality is tqbench's attention "
-                "over those bytes; vLLM's prefill attends to the prompt's raw K/V and only later tokens read the "
-                "quantized cache (the measured prefill here reads the cache as stored)",
+                "over those bytes (vLLM's prefill attends to the prompt's raw K/V and only later tokens read the "
+                "quantized cache, as tqbench's compressed mode does)",
                 f"vLLM keeps the first and last {BOUNDARY_LAYERS} layers at the model's dtype with any turboquant "
                 "preset (none on hybrid Mamba models); the mapped policy does too")
     if engine in ("vllm", "sglang"):
