@@ -5,14 +5,11 @@ Read in vLLM 0.33.0 (``model_executor/layers/quantization/turboquant/{config,cen
 dequant), ``v1/attention/backends/turboquant_attn.py`` (the rotation)). vLLM packs one slot per token and KV head,
 ``[key bytes | value bytes]`` padded to an even length; the presets:
 
-==================== ============================== ====================== ========================
-preset               keys                           values                 bytes/token/head (D=256)
-==================== ============================== ====================== ========================
-turboquant_k8v4      fp8 e4m3, no scale (``fp8_e4m3``) 4-bit uniform (``vllm_u4``) 256 + 132 = 388
-turboquant_4bit_nc   4-bit Lloyd-Max (``vllm_tq4_nc``) 4-bit uniform            130 + 132 = 262
-turboquant_k3v4_nc   3-bit Lloyd-Max (``vllm_tq3_nc``) 4-bit uniform            98 + 132 = 230
-turboquant_3bit_nc   3-bit Lloyd-Max (``vllm_tq3_nc``) 3-bit uniform (``vllm_u3``) 98 + 100 = 198
-==================== ============================== ====================== ========================
+- ``turboquant_k8v4``: keys fp8 e4m3 without a scale (``fp8_e4m3``), values 4-bit uniform (``vllm_u4``):
+  256 + 132 = 388 bytes per token and head at head_dim 256;
+- ``turboquant_4bit_nc``: keys 4-bit Lloyd-Max (``vllm_tq4_nc``), values ``vllm_u4``: 130 + 132 = 262;
+- ``turboquant_k3v4_nc``: keys 3-bit Lloyd-Max (``vllm_tq3_nc``), values ``vllm_u4``: 98 + 132 = 230;
+- ``turboquant_3bit_nc``: keys ``vllm_tq3_nc``, values 3-bit uniform (``vllm_u3``): 98 + 100 = 198.
 
 Keys (``vllm_tq{3,4}_nc``, the ``_mse`` store path): in fp32, ``norm = ||k||``, ``y = (k / (norm + 1e-8)) @ H``
 with ``H`` the normalized Sylvester Hadamard matrix of order head_dim (no random signs: one matrix for every
