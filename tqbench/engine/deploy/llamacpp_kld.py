@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from tqbench.engine.deploy.llamacpp import RUNTIME_FLAGS
-from tqbench.engine.deploy.llamacpp_attention import f16_v_accumulation, llamacpp_kv
+from tqbench.engine.deploy.llamacpp_attention import attention_calls, f16_v_accumulation, llamacpp_kv
 from tqbench.engine.deploy.llamacpp_matmul import llamacpp_matmuls
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 
@@ -90,6 +90,9 @@ def _log_probs(model, ids: torch.Tensor, k: str, v: str, first: int, gguf: Path 
     with llamacpp_kv(model, k, v), (llamacpp_matmuls(model, gguf) if gguf else nullcontext()), \
             torch.inference_mode():
         logits = model(input_ids=ids[None], use_cache=False, logits_to_keep=keep).logits[0, -keep:-1]
+        if attention_calls() == 0:
+            raise ValueError(f"{model.config.model_type}: this architecture's attention does not go through "
+                             "transformers' AttentionInterface, so llama.cpp's attention cannot be modelled on it")
     return torch.log_softmax(logits.float(), -1)
 
 
