@@ -269,8 +269,9 @@ class Engine:
         if not (isinstance(cache, TQCache) and cache.needs_context_pass):
             return 0.0
         from tqbench.engine.cache.evict.reconstruct import context_scores
+        from tqbench.engine.scan.capture import _base_attention
 
-        scores, seconds = context_scores(self.model, self.tokenizer, ids)
+        scores, seconds = context_scores(self.model, self.tokenizer, ids, base=_base_attention(self.model))
         cache.set_context_scores(scores)
         return seconds
 

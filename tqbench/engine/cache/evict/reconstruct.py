@@ -109,11 +109,12 @@ def _register() -> None:
         _state["registered"] = True
 
 
-def context_scores(model, tokenizer, ids: torch.Tensor, chunk: int = CHUNK) -> tuple[list[torch.Tensor], float]:
-    """(per layer ``[B, H, N]`` scores of the ``N`` context rows ``ids`` [B, N], seconds the pass took)."""
+def context_scores(model, tokenizer, ids: torch.Tensor, chunk: int = CHUNK,
+                   base: str | None = None) -> tuple[list[torch.Tensor], float]:
+    """(per layer ``[B, H, N]`` scores of the ``N`` context rows ``ids`` [B, N], seconds the pass took).
+    ``base``: the model's own attention implementation (``sdpa`` or ``eager``; under the fused mode's switch the
+    one it had before, ``scan.capture._base_attention``); None: the model's current one."""
     from transformers import DynamicCache
-
-    from tqbench.engine.scan.capture import _base_attention
 
     t0 = time.perf_counter()
     _register()
@@ -126,7 +127,8 @@ def context_scores(model, tokenizer, ids: torch.Tensor, chunk: int = CHUNK) -> t
     b, n = ids.shape
     scores = [torch.zeros(b, kv_heads, n, dtype=torch.float32, device=device) for _ in range(layers)]
     suffix = suffix_ids(tokenizer).to(device)
-    previous, base = cfg._attn_implementation, _base_attention(model)
+    previous = cfg._attn_implementation
+    base = base or previous
     cache = DynamicCache(config=cfg)
     model.set_attn_implementation(_ATTN + "_eager" if base == "eager" else _ATTN)  # (never the fused function)
     with torch.inference_mode():
@@ -140,7 +142,7 @@ def context_scores(model, tokenizer, ids: torch.Tensor, chunk: int = CHUNK) -> t
                 repeat = torch.cat([prompt.expand(b, -1), suffix.expand(b, -1), ids[:, start:end]], dim=1)
                 _state["rec"] = {"n": n, "start": start, "end": end, "scores": scores}
                 model(input_ids=repeat, cache=cache, use_cache=True, logits_to_keep=1)
-                cache.crop(n)
+                cache.crop(-int(repeat.shape[1]))  # (transformers 5.x: a negative count removes rows)
         finally:
             _state["rec"] = None
             model.set_attn_implementation(previous)

@@ -18,14 +18,14 @@ from tqbench.engine.cache.evict.scores.base import (
     REGISTRY,
     Score,
     ScoreInput,
-    get_score,
     register,
     score_class,
     unwrap,
 )
+from tqbench.engine.cache.evict.scores.build import get_score
 from tqbench.engine.cache.evict.scores.wrappers import Chunked, chunked
 
-_INFRA = {"attention", "base", "wrappers"}
+_INFRA = {"attention", "base", "build", "wrappers"}
 for _m in pkgutil.iter_modules(__path__):
     if _m.name not in _INFRA:
         importlib.import_module(f"{__name__}.{_m.name}")

@@ -64,17 +64,6 @@ def register(cls: type[Score]) -> type[Score]:
     return cls
 
 
-def get_score(name: str, chunk: int = 1) -> Score:
-    """The score registered as ``name``, wrapped by ``Chunked`` when ``chunk`` > 1."""
-    from tqbench.engine.cache.evict.scores.wrappers import Chunked
-
-    cls = REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"score={name!r} is invalid: valid scores are {', '.join(REGISTRY)}")
-    inner = cls()
-    return Chunked(inner, chunk) if chunk > 1 else inner
-
-
 def unwrap(score: Score) -> Score:
     """The registered score under any wrappers."""
     while hasattr(score, "inner"):
@@ -84,5 +73,5 @@ def unwrap(score: Score) -> Score:
 
 def score_class(name: str) -> type[Score]:
     if name not in REGISTRY:
-        raise ValueError(f"score={name!r} is invalid: valid scores are {', '.join(REGISTRY)}")
+        raise ValueError(f"score={name!r} is invalid: valid scores are {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
