@@ -103,7 +103,7 @@ def test_ragged_mask_masks_each_heads_padding_as_per_head_attention():
 # -- the cache: rows per head, bytes, modes ----------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["compressed", "simulate"])
 @pytest.mark.parametrize("policy", [
-    "turbo4,keep=0.5,heads=ada", "k=turbo4,v=turbo2,sink=2,recent=4,keep=40,score=keynorm,window=8,heads=ada",
+    "turbo4,keep=0.5,heads=ada", "k=turbo4,v=turbo2,sink=2,recent=4,keep=40rows,score=keynorm,window=8,heads=ada",
     "turbo4,keep=0.3,score=snapkv,every=4,keep@0=1.0,heads=ada,ada_floor=0.5",
     "k=turbo3,v=int4,keep=0.6,score=expected,window=8,heads=ada", "turbo4,keep=0.4,score=h2o,every=3,heads=ada",
 ])
