@@ -119,3 +119,21 @@ def auto_prefill_chunk(prompt_tokens: int, cache_mode: str | None, chunk: int | 
 FUSED_NATIVE = "native-cpu"
 FUSED_TRITON = "triton"
 FUSED_KERNELS = (FUSED_NATIVE, FUSED_TRITON)
+
+#: chunks per text ``export --to llamacpp`` predicts llama-perplexity's KLD on by default (llama-perplexity's
+#: ``--chunks``): each chunk is two forward passes of 1,024 tokens through the modelled llama.cpp compute path.
+#: Every chunk of the two shipped texts (4 per text) took 19 min on 2 busy cores, so the default is one.
+DEFAULT_KLD_CHUNKS = 1
+
+#: the defaults every front end shares (CLI, workbench Run / Compare / tasks screen / palette, server requests):
+#: defined once here. The cache mode: compressed reads the packed store (one layer decoded per step) and runs on
+#: every device without a kernel build; ``tqbench serve`` alone defaults to ``auto`` (fused where its kernel runs,
+#: because fused batches requests), and says so in its --help and /health.
+DEFAULT_CACHE_MODE = "compressed"
+#: the long-context task suite: target context (tokens) and samples per task
+DEFAULT_TASK_CONTEXT = 4096
+DEFAULT_TASK_SAMPLES = 3
+#: what ``--cache-mode`` means, said the same way by every command
+CACHE_MODE_HELP = ("How the candidate's cache is read: compressed (the packed store, one layer decoded per step), "
+                   "fused (attention reads the codes; native kernel on CPU), simulate (a dense dequantized copy) or "
+                   "dense-shadow (exact K/V: a storage-only report). The same default in every front end.")

@@ -104,7 +104,7 @@ def test_ragged_mask_masks_each_heads_padding_as_per_head_attention():
 @pytest.mark.parametrize("mode", ["compressed", "simulate"])
 @pytest.mark.parametrize("policy", [
     "turbo4,keep=0.5,heads=ada", "k=turbo4,v=turbo2,sink=2,recent=4,keep=40rows,score=keynorm,window=8,heads=ada",
-    "turbo4,keep=0.3,score=tova,every=4,keep@0=1.0,heads=ada,ada_floor=0.5",
+    "turbo4,keep=0.3,score=snapkv,every=4,keep@0=1.0,heads=ada,ada_floor=0.5",
     "k=turbo3,v=int4,keep=0.6,score=expected,window=8,heads=ada", "turbo4,keep=0.4,score=h2o,every=3,heads=ada",
 ])
 def test_per_head_rows_differ_sum_to_the_budget_and_bytes_are_the_estimate(tiny_engine, policy, mode):
@@ -219,7 +219,7 @@ def _logits(engine, policy, mode, ids, steps=6):
 
 
 @pytest.mark.parametrize("policy", ["turbo4,keep=0.5,score=snapkv,heads=ada",
-                                    "k=turbo4,v=turbo2,keep=0.4,score=tova,every=2,window=4,heads=ada,ada_floor=0.1"])
+                                    "k=turbo4,v=turbo2,keep=0.4,score=snapkv,every=2,window=4,heads=ada,ada_floor=0.1"])
 def test_fused_native_is_one_call_per_layer_and_matches_compressed(tiny_engine64, policy):
     ids = torch.randint(5, 200, (1, 70), generator=torch.Generator().manual_seed(2))
     ref, c_ref = _logits(tiny_engine64, policy, "compressed", ids)

@@ -173,7 +173,8 @@ def _cli(*args):
 
 TINY_CLI = ["--calibration", "bread", "--calib-prefill", "48", "--calib-steps", "8", "--verify-prefill", "48",
             "--verify-steps", "6", "--context", "96", "--sink", "2", "--recent", "4", "--codecs", "turbo1,turbo2,turbo4",
-            "--sinks", "2,4", "--recents", "4", "--max-measurements", "3", "--min-speed", "none"]  # (speed: own tests)
+            "--sinks", "2,4", "--recents", "4", "--max-measurements", "3", "--min-speed", "none",  # (speed: own tests)
+            "--no-fit-transforms"]  # (the fit: test_allocate_operating)
 
 
 def test_cli_allocate_json_and_out(tmp_path):
@@ -186,15 +187,26 @@ def test_cli_allocate_json_and_out(tmp_path):
     assert len(data["bits_grid"]) == 4 and data["out"] == str(out)
     assert [s["kind"] for s in data["steps"]] == ["protection", "protection", "exchange"]
     assert data["unseen"]["text"] == "heldout:technical" and data["fitted_vs_unseen"]["unseen_kl"] is not None
-    assert {"setup", "sensitivity", "solve_and_measure", "verify"} <= set(data["seconds"])
+    assert {"calibrate", "setup", "sensitivity", "solve_and_measure", "verify"} <= set(data["seconds"])
+    assert data["context_tokens"] == 96 and "context 96 tokens" in res.stderr and "phases: calibrate" in res.stderr
+    uniform = data["uniform"]["corpus:rivers"]  # the uniform policy of no more bytes, verified beside it
+    assert uniform["kv_policy"].startswith("uniform-turbo") and uniform["bits_per_element"] <= \
+        data["allocation"]["bits_per_element"]
     for phase in ("setup", "sensitivity", "solve", "measure", "baseline", "candidate", "verify"):
         assert f"allocate: {phase} " in res.stderr, phase  # progress lines on stderr in every phase, --json too
     assert load_policy_artifact(out).policy.label == "p"
     assert json.loads((tmp_path / "p.partial.json").read_text())["setup"]["calibration"] == "corpus:bread"
-    again = _cli("--budget", "4.0", "--json", "--out", str(tmp_path / "q.toml"), "--resume",
-                 str(tmp_path / "p.partial.json"), *TINY_CLI)
+    assert "nothing is saved" not in res.stderr and "policy is not saved" not in res.stderr
+    partial = tmp_path / "p.partial.json"
+    again = _cli("--budget", "4.0", "--json", "--resume", str(partial), *TINY_CLI)
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout)["measured_cells"] == 0  # another budget reuses every measured cell
+    said = (f"allocate: no --out, so the policy is not saved (the measured cells are kept in {partial}): add --out "
+            "FILE.toml to write it")
+    assert again.stderr.count(said) == 2  # before the job and after it
+    gated = _cli("--budget", "4.0", "--resume", str(tmp_path / "p.partial.json"), "--max-kl", "0", *TINY_CLI)
+    assert gated.exit_code == 1, gated.output  # the worse of the two verified texts is above 0
+    assert "gate failed: verified KL" in gated.stderr and "> --max-kl 0" in gated.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -93,4 +93,4 @@ def test_cli_rejects_a_bad_prefill_chunk():
 
     res = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--prefill-chunk", "-5"])
     assert res.exit_code == 2
-    assert "Invalid value for --prefill-chunk: use auto, 0 (the whole prompt in one forward call)" in res.output
+    assert "invalid value for --prefill-chunk: use auto, 0 (the whole prompt in one forward call)" in res.output

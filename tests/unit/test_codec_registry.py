@@ -29,6 +29,8 @@ MAX_REL_ERR |= {"3": 0.04, "3.5": 0.02, "4": 0.011, "2-qjl": 0.7, "3-qjl": 0.25,
 MAX_REL_ERR |= {"q8_0": 1e-4, "q5_1": 0.003, "q5_0": 0.004, "q4_1": 0.012, "q4_0": 0.016, "iq4_nl": 0.012,
                 "fp8_e4m3": 0.002, "fp8_e5m2": 0.006, "fp8_e4m3-prefill": 0.002, "fp8_e5m2-prefill": 0.006,
                 "fp4_mx_block16": 0.03}
+#: vLLM's TurboQuant keys (Lloyd-Max, norm-corrected) and per-row uniform values
+MAX_REL_ERR |= {"vllm_tq4_nc": 0.013, "vllm_tq3_nc": 0.045, "vllm_u4": 0.015, "vllm_u3": 0.06}
 
 
 def _rel_bound(spec: str) -> float:
@@ -36,7 +38,7 @@ def _rel_bound(spec: str) -> float:
 
 
 def test_specs_and_aliases() -> None:
-    assert len(set(CODEC_SPECS)) == len(CODEC_SPECS) == 27
+    assert len(set(CODEC_SPECS)) == len(CODEC_SPECS) == 31
     for spec in (*CODEC_SPECS, *ALIASES, " Turbo4 ", "Q8"):
         assert is_valid_spec(spec)
     for bad in ("turbo5", "int3", "fp8", "", "turbo1-qjl", "turbo2.25"):
@@ -147,6 +149,7 @@ def test_bits_per_element_of_a_spec_from_the_registry() -> None:
     assert codec_bits_per_element("int8", 64) == 9.0 and codec_bits_per_element("fp16", 128) == 16.0
     for spec in CODEC_SPECS:
         d = 96 if spec in GGML_TYPES or spec == "fp4_mx_block16" else 80  # blocks of 32 / 16 values
+        d = 128 if spec.startswith("vllm_") else d  # vLLM's Hadamard rotation: a power of two
         both = [codec_from_spec(spec, role).bits_per_element(d) for role in ("k", "v")]
         assert codec_bits_per_element(spec, d) == sum(both) / 2
     assert [nominal_bits(s) for s in ("turbo2.5", "turbo3-qjl", "int8", "fp16", "fp32", "q4")] == [

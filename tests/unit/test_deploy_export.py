@@ -52,7 +52,26 @@ def test_nearest_types_per_role_and_vllm_skip_layers():
     assert v.mapped_policy == "k=fp8_e4m3,v=fp8_e4m3,kv@0+1+28+29=fp16"
     assert "different K and V codecs: vLLM's --kv-cache-dtype sets both" in " ".join(v.unmapped)
     t = map_policy("turbo4", "vllm", geo)
-    assert "turboquant_4bit_nc" in " ".join(t.unmapped) and t.k_type == "fp8"
+    assert (t.k_type, t.v_type, t.mapped_policy) == ("turboquant_4bit_nc",) * 2 + ("vllm:turboquant_4bit_nc",)
+    assert t.lines == ("vllm serve MODEL --kv-cache-dtype turboquant_4bit_nc",)
+    assert ("V codec turbo4: vLLM has no such KV type; the nearest to its 4.25 bits/element is turboquant_4bit_nc "
+            "(V stored as vllm_u4, 4.50 bits/element)") in t.unmapped
+    assert ("vLLM's turboquant_4bit_nc keeps layers 0,1,28,29 at the model's dtype (its boundary protection, always "
+            "on for non-hybrid models): the policy compresses 0,1,28,29") in t.unmapped
+    assert t.notes[0].startswith("storage-only: the mapped policy stores vLLM's TurboQuant bytes bit for bit")
+    # head_dim 64: K 32 + 2 B, V 32 + 4 B per row on 26 layers, 4 layers fp16; the 64 x 64 fp32 Hadamard matrix and
+    # the 16-entry codebook once, over 30 layers x 3 heads x 1,024 tokens x 64 x 2 elements
+    shared = (64 * 64 * 4 + 16 * 4) * 8 / (30 * 3 * 1024 * 64 * 2)
+    assert round(t.mapped_bits, 6) == round((26 * (34 + 36) * 8 / 128 + 4 * 16) / 30 + shared, 6)
+    assert map_policy("k=turbo3,v=turbo4", "vllm", geo).k_type == "turboquant_k3v4_nc"
+    assert map_policy("turbo2", "vllm", geo).k_type == "turboquant_3bit_nc"
+    assert map_policy("k=int8,v=turbo4", "vllm", geo).k_type == "turboquant_k8v4"
+    own = map_policy("vllm:turboquant_k3v4_nc", "vllm", geo)
+    assert own.unmapped == () and own.original_bits == own.mapped_bits and own.skip_layers == ()
+    extra = map_policy("k=turbo4,v=turbo4,kv@5=fp16", "vllm", geo)  # a dense layer vLLM does not skip by itself
+    assert extra.skip_layers == (5,) and extra.lines[0].endswith("turboquant_4bit_nc --kv-cache-dtype-skip-layers 5")
+    odd = map_policy("turbo4", "vllm", KVGeometry(30, 2, 96))  # no Hadamard of order 96: fp8 keys only
+    assert odd.k_type == "turboquant_k8v4"
     g = map_policy("turbo4", "sglang", geo)
     assert g.lines == ("python -m sglang.launch_server --model-path MODEL --kv-cache-dtype fp4_mx_block16",)
     assert g.mapped_bits == 4.5
@@ -92,7 +111,8 @@ def test_cli_export_of_the_saved_allocation_to_llamacpp():
     assert "could not map:" in r.stdout and "per-layer K widths" in r.stdout
     j = run("export", ALLOC, "--to", "vllm", "--no-measure", "--json")
     d = json.loads(j.stdout)
-    assert d["lines"] == ["vllm serve MODEL --kv-cache-dtype fp8"] and d["mapped_bits_per_element"] == 8.0
+    assert d["lines"] == ["vllm serve MODEL --kv-cache-dtype turboquant_3bit_nc"]
+    assert round(d["mapped_bits_per_element"], 4) == 5.0695
 
 
 def test_cli_export_measured_on_tiny_and_bad_input():
@@ -100,6 +120,40 @@ def test_cli_export_measured_on_tiny_and_bad_input():
             "--tf-tokens", "4", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["measured"]["original"]["kv_policy"] == "turbo4" and d["measured"]["mapped"]["kv_policy"] == "vllm:fp8"
+    mapped = d["measured"]["mapped"]
+    assert d["measured"]["original"]["kv_policy"] == "turbo4" and mapped["kv_policy"] == "vllm:turboquant_4bit_nc"
+    assert mapped["kl_mean"] >= 0 and any(n.startswith("storage-only") for n in d["notes"])
     bad = run("export", "turbo9", "--to", "llamacpp", "--no-measure")
     assert bad.exit_code == 2 and "unknown policy preset 'turbo9'" in bad.stderr
+
+
+def test_cli_export_prints_the_mapping_first_and_the_cost_before_measuring():
+    """The flags come before any measurement; what the measurement will run is said on stderr before it starts,
+    and a piped stderr gets plain progress lines with the units done of the total."""
+    r = run("export", "turbo4", "--to", "llamacpp", "--model", "tiny", "--corpus", "bread", "--tf-context", "16",
+            "--tf-tokens", "4")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert out.index("llama-server -m MODEL.gguf -ctk f16 -ctv f16") < out.index("measured here")
+    err = r.stderr
+    assert "measuring: teacher-forced on bread, 16 prefill + 4 scored tokens" in err
+    assert "export: baseline 4/4" in err and "export: candidate 4/4" in err
+    bad = run("export", "turbo4", "--to", "llamacpp", "--model", "tiny", "--verify", "--kld-chunks", "0")
+    assert bad.exit_code == 2 and "with --kld-chunks 1 or more" in bad.stderr
+
+
+def test_llamacpp_kld_prediction_runs_only_the_chunks_asked_for():
+    """``chunks`` caps the prediction like llama-perplexity's --chunks: scored tokens and forward passes (one
+    Progress event each, the total known from the first) follow it."""
+    from tqbench.engine.deploy.llamacpp_verify import kld_plan, llamacpp_kld_report
+    from tqbench.engine.events import Progress
+
+    engine = Engine.load("tiny-llama")
+    events = []
+    rep = llamacpp_kld_report(engine, "q8_0", "q8_0", texts=("corpus:bread",), n_ctx=64, chunks=1,
+                              on_event=events.append)
+    assert rep.predicted[0].tokens == 31 and rep.chunks == 1 and "--chunks 1" in rep.protocol
+    assert [(e.done, e.total) for e in events if isinstance(e, Progress)] == [(1, 2), (2, 2)]
+    assert kld_plan(("a", "b"), 1) == (4, "2 text(s) x 1 chunk(s) x (f16 baseline + the flags) = 4 forward passes")
+    with pytest.raises(ValueError, match="chunks=0: give 1 or more"):
+        llamacpp_kld_report(engine, "q8_0", "q8_0", chunks=0)

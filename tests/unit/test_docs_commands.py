@@ -55,7 +55,7 @@ SKIPPED_BLOCKS = {
     ("docs/sweeps.md", "tqbench --headless sweep examples/sweep.toml --out sweeps/example-ray --ray"),
     ("docs/deploy.md", "tqbench --headless export tqbench/data/policies/smollm2-alloc-2.5bit.toml --to llamacpp --threads 1"),
     ("docs/speculative.md", "from tqbench.engine.cache import TQCache"),
-    ("README.md", "tqbench --headless allocate --budget 2.5 --granularity head --json"),
+    ("docs/measured.md", "tqbench --headless allocate --budget 2.5 --granularity head --json"),
     ("docs/serving.md", "lm_eval --model local-completions --tasks tqbench_mc --include_path tests/data/lm_eval"),
 }
 #: commands that load weights: they run on the tiny model

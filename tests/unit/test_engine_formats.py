@@ -232,7 +232,8 @@ def test_engine_settings_in_the_policy_language():
 @pytest.mark.parametrize("text, message", [
     ("llamacpp:q3_k", "'q3_k' is not a llamacpp KV type: valid llamacpp types are f32, f16, bf16, q8_0, q5_1, "
                       "q5_0, q4_1, q4_0, iq4_nl"),
-    ("vllm:turboquant_4bit_nc", "vllm's turboquant_4bit_nc is not reproduced here"),
+    ("vllm:nvfp4", "vllm's nvfp4 is not reproduced here"),
+    ("vllm:turboquant_4bit_nc/fp8", "vllm's turboquant_k8v4, .* set K and V together: write vllm:TYPE"),
     ("ollama:q4_0", "unknown engine 'ollama': valid engines are llamacpp, vllm, sglang, trtllm"),
     ("llamacpp:q4_0/q8_0/f16", "write llamacpp:TYPE"),
     ("k=q4_2", "unknown K codec 'q4_2': valid codecs are .*q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, fp8_e4m3"),

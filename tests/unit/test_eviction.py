@@ -124,14 +124,16 @@ def test_keynorm_keeps_the_lowest_norm_rows_of_each_head():
     assert layer.evictor.evicted_prefill == 7 and layer.get_mask_sizes(1) == (14, 7)
 
 
-def test_tova_keeps_the_rows_the_last_query_reads():
+def test_tova_keeps_the_rows_the_last_query_reads_averaged_over_the_layers_heads():
+    """kvpress ``TOVAPress``: the last query's attention averaged over every query head of the layer, so each KV
+    head keeps the same rows (not each head the rows its own query heads read)."""
     layer = _layer("fp16,sink=1,keep=3rows,score=tova,window=2")
     k = torch.zeros(1, 2, 10, 8)
     for t in range(10):
         k[0, :, t, t % 8] = 1.0
     q = torch.zeros(1, 4, 10, 8)  # query heads 0,1 read KV head 0; 2,3 read KV head 1
-    q[0, :2, -1, 3] = q[0, :2, -1, 5] = 20.0
-    q[0, 2:, -1, 2] = q[0, 2:, -1, 6] = 20.0
+    q[0, :2, -1, 3], q[0, :2, -1, 5] = 20.0, 19.0  # heads 0,1: row 3 (0.73), row 5 (0.27)
+    q[0, 2:, -1, 6] = 20.0  # heads 2,3: row 6 alone
     layer.update(k, k.clone())
     layer.after_attention(q, 1.0, True)
     # 1 sink + the last 2 are protected; a budget of 3 rows leaves 0 ... so: keep=3rows < protected -> protected only
@@ -139,8 +141,28 @@ def test_tova_keeps_the_rows_the_last_query_reads():
     layer = _layer("fp16,sink=1,keep=5rows,score=tova,window=2")
     layer.update(k, k.clone())
     layer.after_attention(q, 1.0, True)
-    assert layer.evictor.positions.view()[0, 0].tolist() == [0, 3, 5, 8, 9]
-    assert layer.evictor.positions.view()[0, 1].tolist() == [0, 2, 6, 8, 9]
+    # layer means: row 6 0.5, row 3 0.37, row 5 0.13: both heads keep 3 and 6 (per head, head 0 kept 3 and 5)
+    assert layer.evictor.positions.view()[0, 0].tolist() == [0, 3, 6, 8, 9]
+    assert layer.evictor.positions.view()[0, 1].tolist() == [0, 3, 6, 8, 9]
+
+
+def test_tova_is_kvpress_tova_press():
+    """kvpress ``TOVAPress.score``, written out on its own: the softmax attention of the last query over every key,
+    ``attn[..., -1:, :-1]``, averaged over all query heads (``mean(1)``) and repeated for each KV head. Ours equals
+    it on every row but the last (kvpress pads the last row with max + 1; ours protects it by the window)."""
+    from tqbench.engine.cache.evict import scores
+
+    g = torch.Generator().manual_seed(5)
+    t, d, n_rep, kv = 30, 8, 3, 2
+    q = torch.randn(1, kv * n_rep, 4, d, generator=g) * 2
+    k = torch.randn(1, kv, t, d, generator=g)
+    got = scores.tova(q, k, 0.3)
+    attn = torch.softmax(q[:, :, -1:] @ k.repeat_interleave(n_rep, 1).transpose(2, 3) * 0.3, dim=-1)
+    want = attn[..., -1:, :-1].mean(1).repeat(1, kv, 1)  # [1, kv, t - 1]
+    assert torch.allclose(got[..., :-1], want, atol=1e-6)
+    # a ragged layer whose heads hold the same rows gives the same scores
+    pos = torch.arange(t).expand(1, kv, t)
+    assert torch.allclose(scores.tova(q, k, 0.3, pos), got, atol=1e-6)
 
 
 def test_snapkv_keeps_the_pooled_cluster_the_window_reads():

@@ -3,6 +3,8 @@ conversion bit for bit against ggml-cpu's x86 quantizers, and the attention's pa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,3 +122,58 @@ def test_quantized_caches_are_hadamard_rotated_as_llamacpp_stores_them():
     with pytest.raises(ValueError, match="'q3_k' is not a llama.cpp KV type"):
         with llamacpp_kv(None, "q3_k", "f16"):
             pass
+
+
+def test_gemma3_as_llamacpp_computes_it():
+    """Gemma-3's sliding windows, its query scale (applied before attention, as llama.cpp's graph does) and one
+    KV head: the all-fp32 path equals transformers' own attention on a model whose prompt passes its window; a
+    q8_0 cache moves it; K is rotated in blocks of n_rot_k (256 for head_dim 256), V in blocks of 64."""
+    from tqbench.engine.deploy.llamacpp_attention import llamacpp_kv, n_rot_k
+    from tqbench.engine.models.families import family_model
+
+    assert [n_rot_k(d) for d in (64, 128, 192, 256, 320)] == [64, 128, 64, 256, 64]
+    model = family_model("gemma3_text", num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=48).model
+    assert model.config.sliding_window == 8 and "sliding_attention" in model.config.layer_types
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        plain = model(input_ids=ids, use_cache=False).logits
+        with llamacpp_kv(model, "f32", "f32"):
+            modelled = model(input_ids=ids, use_cache=False).logits
+        with llamacpp_kv(model, "q8_0", "q8_0"):
+            q8 = model(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(plain, modelled, atol=1e-5)  # a window ignored or a scale misplaced would break this
+    assert not torch.allclose(plain, q8, atol=1e-5) and torch.allclose(plain, q8, atol=0.5)
+
+
+def test_gguf_architecture_names_and_refusal():
+    from tqbench.engine.deploy.llamacpp_matmul import gguf_arch
+
+    assert (gguf_arch("gemma3_text"), gguf_arch("llama"), gguf_arch("mistral"), gguf_arch("qwen3")) == (
+        "gemma3", "llama", "llama", "qwen3")
+    with pytest.raises(ValueError, match="no GGUF architecture named 'gpt_neox' \\(transformers model_type "
+                                         "'gpt_neox'\\): llama.cpp's matrix products cannot be mapped"):
+        gguf_arch("gpt_neox")
+
+
+def test_activation_types_follow_the_file_and_refuse_unmodelled_matrices(monkeypatch):
+    """The GGUF's own architecture names its tensors; a matrix no linear layer multiplies (fused experts) is
+    refused, not skipped."""
+    import gguf
+
+    from tqbench.engine.deploy import llamacpp_matmul
+    from tqbench.engine.engine import Engine
+
+    model = Engine.load("tiny-llama").model
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    types = {f"{names.get_name(n)}.weight": "Q4_K" for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    types["output.weight"] = "Q6_K"
+    types["token_embd.weight"] = "Q8_0"
+    monkeypatch.setattr(llamacpp_matmul, "_gguf_tensors", lambda path: ("llama", types, set(types)))
+    kinds = llamacpp_matmul.activation_types(model, Path("tiny.gguf"))
+    assert set(kinds.values()) == {"q8_K"} and len(kinds) == len(types) - 1
+    extra = {**types, "blk.0.ffn_gate_exps.weight": "Q4_K"}
+    monkeypatch.setattr(llamacpp_matmul, "_gguf_tensors", lambda path: ("llama", extra, set(extra)))
+    with pytest.raises(ValueError, match="llama: GGUF matrices blk.0.ffn_gate_exps.weight are not multiplied by "
+                                         "linear layers here"):
+        llamacpp_matmul.activation_types(model, Path("tiny.gguf"))

@@ -74,8 +74,9 @@ FOREIGN_FLAGS = {
     "models/resolve.py": ({"--no-deps", "--force-reinstall"}, "pip's flags in an install hint"),
     "deploy/llamacpp.py": ({"--build", "--target", "--install", "--no-repack", "--repack"},
                            "cmake's flags, xcode-select's in a hint, llama.cpp tools' own flags"),
-    "deploy/llamacpp_kld.py": ({"--kl-divergence", "--kl-divergence-base"}, "llama-perplexity's own flags"),
-    "deploy/llamacpp_verify.py": ({"--kl-divergence"}, "llama-perplexity's own flag, in the protocol line"),
+    "deploy/llamacpp_kld.py": ({"--kl-divergence", "--kl-divergence-base", "--chunks"},
+                               "llama-perplexity's own flags"),
+    "deploy/llamacpp_verify.py": ({"--kl-divergence", "--chunks"}, "llama-perplexity's own flags, in the protocol line"),
 }
 
 

@@ -89,14 +89,16 @@ def test_scores_of_a_hand_made_answer_set():
     ]
     d = json.loads(json.dumps(res.to_dict()))
     single, multi = d["tasks"]
-    assert single == {"task": "niah_single", "samples": 2, "chance": 0.0, "baseline_score": 100.0,
-                      "candidate_score": 50.0, "agreement": 50.0, "delta": -50.0}
+    assert single == {"task": "niah_single", "protocol": "aware", "samples": 2, "chance": 0.0,
+                      "baseline_score": 100.0, "candidate_score": 50.0, "agreement": 50.0, "delta": -50.0,
+                      "baseline_ci": [34.24, 100.0], "candidate_ci": [9.45, 90.55]}  # Wilson, 95%
     assert multi["baseline_score"] == 75.0 and multi["candidate_score"] == 50.0 and multi["agreement"] == 50.0
     assert d["overall"]["baseline_score"] == 87.5 and d["overall"]["candidate_score"] == 50.0
     assert d["overall"]["delta"] == -37.5 and d["overall"]["samples"] == 4
     board = {(r["task"], r["method"]): r for r in d["leaderboard"]}
-    assert board["niah_single", "turbo4"] == {"dataset": "tqbench-ruler-2048", "task": "niah_single", "model": "m",
-                                              "method": "turbo4", "compression_ratio": 0.625, "score": 50.0,
+    assert board["niah_single", "turbo4"] == {"dataset": "tqbench-ruler-2048", "task": "niah_single",
+                                              "protocol": "aware", "model": "m", "method": "turbo4",
+                                              "compression_ratio": 0.625, "score": 50.0, "ci95": [9.45, 90.55],
                                               "samples": 2}
     assert board["overall", "fp16"]["score"] == 87.5 and board["overall", "turbo4"]["compression_ratio"] == 0.6875
 
@@ -155,6 +157,9 @@ def test_cli_json_on_the_tiny_model(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     d = json.loads(report.read_text())
     assert d["candidate"] == "k=turbo4,v=turbo3,sink=4,recent=16" or "turbo4" in d["candidate"]
-    assert [t["task"] for t in d["tasks"]] == ["niah_single", "niah_multikey"] and d["context"] == 1024
+    # both protocols by default, each its rows (agnostic first, as kvpress's leaderboard reports it)
+    assert [(t["task"], t["protocol"]) for t in d["tasks"]] == [
+        ("niah_single", "agnostic"), ("niah_multikey", "agnostic"), ("niah_single", "aware"),
+        ("niah_multikey", "aware")] and d["context"] == 1024
     assert {r["method"] for r in d["leaderboard"]} == {d["baseline"], d["candidate"]}
     assert (tmp_path / "tasks").is_dir()  # the baseline's answers were cached under TQBENCH_CACHE_DIR

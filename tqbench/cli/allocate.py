@@ -19,12 +19,15 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--budget", type=float, required=True,
               help="Bits per KV element for the whole cache (all metadata, sinks and window included): above the "
                    "cheapest codec's bits and below 16.")
-@click.option("--context", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="The context length (tokens) the budget is stated at: bits/element fall as context grows.")
+@click.option("--context", "--seq-len", "context", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="The context length (tokens) the budget is stated at and the allocation is solved for: fixed "
+                   "bytes (rotations, sliding windows, sinks) weigh less as it grows, so the budget at 1,024 tokens "
+                   "is not the budget at 8K. The report names it.")
 @click.option("--calibration", default="mix", show_default=True,
               help="Calibration: 'mix' (the shipped prose, code, legal and chat texts, one sequence per kind), a "
                    "shipped text (bread, corpus:lighthouses, heldout:code, calibration:prose ...) or a UTF-8 file.")
-@click.option("--calib-prefill", type=int, default=1024, show_default=True)
+@click.option("--calib-prefill", type=int, default=1024, show_default=True,
+              help="Tokens of each calibration sequence prefilled exactly before the scored steps.")
 @click.option("--calib-steps", type=int, default=32, show_default=True,
               help="Tokens after the prefill (per calibration sequence) whose next-token KL scores each cell.")
 @click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
@@ -52,10 +55,13 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
               help="Text for teacher-forced verification (not a calibration text); 'none' skips it.")
 @click.option("--unseen-text", default="heldout:technical", show_default=True,
               help="A second unseen text of another kind, verified the same way; 'none' skips it.")
-@click.option("--verify-prefill", type=int, default=1024, show_default=True)
-@click.option("--verify-steps", type=int, default=256, show_default=True)
+@click.option("--verify-prefill", type=int, default=1024, show_default=True,
+              help="Teacher-forced verification: prefill tokens of each verify text.")
+@click.option("--verify-steps", type=int, default=256, show_default=True,
+              help="Teacher-forced verification: scored tokens after the prefill, per verify text.")
 @click.option("--name", default=None, help="Policy name (default: the --out file's stem, else alloc-<budget>bit).")
-@click.option("--out", default=None, help="Write the policy artifact here (.toml, + .safetensors sidecar).")
+@click.option("--out", default=None,
+              help="Write the policy artifact here (.toml, + .safetensors sidecar). Without it nothing is saved.")
 @click.option("--resume", "resume", default=None,
               help="Partial results file (read if present, updated per cell; default <out>.partial.json).")
 @click.option("--max-kl", type=float, default=None, help="Gate: exit 1 when the verified KL is above this.")
@@ -75,17 +81,25 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--demote-codecs", default="none", show_default=True,
               help="With the tokens axis, codecs a layer's evicted rows may be kept at instead of dropped (the demote "
                    "tier, chosen per layer: demote@LAYERS=codec), e.g. turbo2,turbo1; none: always dropped.")
+@click.option("--rotation", type=click.Choice(["auto", "qr", "hadamard"]), default="auto", show_default=True,
+              help="The turbo codecs' rotation: auto (the randomized Hadamard where a dense QR rotation's bytes weigh "
+                   "in the budget, e.g. head_dim 256 at 1K tokens), qr or hadamard.")
+@click.option("--fit-transforms/--no-fit-transforms", default=True, show_default=True,
+              help="Fit this model's calibrated key transforms (pcaq) when it has none (cached per model).")
+@click.option("--compare-uniform/--no-compare-uniform", default=True, show_default=True,
+              help="Verify the uniform policy of no more bytes beside the allocation and warn when the allocation "
+                   "is far worse.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @friendly_errors
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
              verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity, demote_codecs,
-             as_json):
+             rotation, fit_transforms, compare_uniform, as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
-    jointly, verify on two unseen texts, save."""
+    jointly, verify on two unseen texts, save (with --out)."""
     import json
 
-    from tqbench.cli.render.allocate import print_allocation
+    from tqbench.cli.render.allocate import print_allocation, print_phases
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
@@ -124,6 +138,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     if any(a < 0 or b < 0 for a, b in grid or []):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
     base_policy = allocation_base(base, sink, recent)
+    if not out:
+        err.print(not_saved(resume), highlight=False, markup=False, soft_wrap=True)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
@@ -138,12 +154,15 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                 verify_prefill=verify_prefill, verify_steps=verify_steps,
                 name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
                 verify_speed=verify_speed, axes=axes, keeps=keeps,
-                keep_granularity=keep_granularity, demote_codecs=demote_codecs)
+                keep_granularity=keep_granularity, demote_codecs=demote_codecs, rotation=rotation,
+                fit_transforms=fit_transforms, compare_uniform=compare_uniform)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)
         sys.exit(130)
     payload = rep.to_dict()
+    if not out:
+        err.print(not_saved(resume), highlight=False, markup=False, soft_wrap=True)
     if out:
         path = save_policy_artifact(rep.to_artifact(engine.geometry), out)
         payload["out"] = str(path)
@@ -153,10 +172,24 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
         click.echo(json.dumps(payload, indent=2))
     else:
         print_allocation(rep)
+    print_phases(rep)  # stderr: the per-phase wall and CPU seconds (and in --json's "seconds")
+    for warning in rep.warnings:
+        click.echo(f"warning: {warning}", err=True)
     if max_kl is not None:
-        if rep.verified is None:
-            fail("--max-kl needs verification: drop --verify-text none")
-        gate(rep.verified.kl_mean <= max_kl, f"verified KL {rep.verified.kl_mean:.4f} > --max-kl {max_kl}")
+        worst = rep.worst_verified_kl
+        if worst is None:
+            fail("--max-kl needs verification: drop --verify-text none / --unseen-text none")
+        text = max((p for p in (rep.verified, rep.unseen) if p is not None), key=lambda p: p.kl_mean).text
+        gate(worst <= max_kl, f"verified KL {worst:.4f} on {text} > --max-kl {max_kl:g}")
+
+
+def not_saved(resume: str | None) -> str:
+    """Said before the job and after it when there is no --out."""
+    if resume:
+        return (f"allocate: no --out, so the policy is not saved (the measured cells are kept in {resume}): add "
+                "--out FILE.toml to write it")
+    return ("allocate: no --out, so nothing is saved (neither the policy nor the measured cells): add --out "
+            "FILE.toml to write the policy and keep the cells for a rerun")
 
 
 #: policy keys ``--base`` may not set: the allocation chooses the codecs, --sink/--recent give the protection

@@ -19,20 +19,27 @@ from tqbench.cli.options import (
     torch_threads,
 )
 from tqbench.cli.workbench import check_session_path, open_workbench
-from tqbench.constants import CACHE_MODES, DENSE_BASELINES, KERNEL_BASELINES
+from tqbench.constants import (
+    CACHE_MODE_HELP,
+    CACHE_MODES,
+    DEFAULT_CACHE_MODE,
+    DENSE_BASELINES,
+    KERNEL_BASELINES,
+)
 
 
 @click.command()
 @model_options
 @policy_option("--kv-policy", default="turbo4", show_default=True, help="Preset name, compact policy or .json/.toml file.")
-@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
+              help=CACHE_MODE_HELP)
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-file", default=None, help="Read the prompt from a file.")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens to generate at most.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling (with --temperature > 0).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 @prefill_chunk_option
 @click.option("--baseline", type=click.Choice(list(DENSE_BASELINES)), default=None,
               help="Also generate the same tokens with this dense cache and report the policy's decode speed "

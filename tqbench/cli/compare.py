@@ -25,20 +25,22 @@ from tqbench.cli.options import (
     write_reports,
 )
 from tqbench.cli.workbench import compare_fields, save_session_if_asked, workbench_command
-from tqbench.constants import CACHE_MODES
+from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE
 
 
 @click.command("compare-policies")
 @workbench_command("compare", compare_fields)
 @model_options
 @policy_option("--policies", multiple=True, help="Candidate policies (default: every preset). " + POLICIES_HELP)
-@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy.")
-@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy (or dense cache).")
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
+              help=CACHE_MODE_HELP)
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable). Default: two built-in prompts.")
 @click.option("--prompt-file", "prompt_files", multiple=True, help="A prompt file (repeatable).")
-@click.option("--chat/--no-chat", default=True, show_default=True)
-@click.option("--max-new-tokens", type=int, default=48, show_default=True)
-@click.option("--quality-threshold", type=float, default=0.9, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True, help="Tokens generated per prompt.")
+@click.option("--quality-threshold", type=float, default=0.9, show_default=True,
+              help="Token match ratio a policy needs to count as near-stable.")
 @click.option("--summary-only", is_flag=True, help="Print only the recommendation.")
 @click.option("--require-exact", is_flag=True,
               help="Gate: exit 1 when no compressed policy is exact-match on every prompt.")
@@ -84,13 +86,14 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
 @model_options
 @policy_option("--policies", multiple=True, default=("turbo4,turbo2",), show_default=True,
               help="Candidate policies. " + POLICIES_HELP)
-@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy.")
-@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@policy_option("--baseline", default="fp16", show_default=True, help="The reference policy (or dense cache).")
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
+              help=CACHE_MODE_HELP)
 @click.option("--lengths", default="256,512,1024", show_default=True, help="Haystack lengths in tokens.")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Needle depths (0 = start, 1 = end).")
 @click.option("--max-context", type=int, default=None, help="Refuse lengths above this (default: the model's).")
-@click.option("--max-new-tokens", type=int, default=24, show_default=True)
-@click.option("--chat/--no-chat", default=True, show_default=True)
+@click.option("--max-new-tokens", type=int, default=24, show_default=True, help="Tokens generated per answer.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Passphrase seed.")
 @report_options
 @friendly_errors

@@ -23,12 +23,14 @@ from tqbench.cli.options import (
 
 
 @click.command("kv-estimate")
-@click.option("--model", default=None, help="Shipped config name, 'default', a config.json or a model folder.")
+@click.option("--model", default=None, help="Shipped config name ('default', 'gemma3-270m', see --list-models), "
+              "a config.json, a model folder or a .gguf file (its config only).")
 @click.option("--layers", type=int, default=None, help="Explicit geometry: number of layers.")
 @click.option("--kv-heads", type=int, default=None, help="Explicit geometry: KV heads.")
 @click.option("--head-dim", type=int, default=None, help="Explicit geometry: head dimension.")
-@click.option("--seq-len", type=int, default=32768, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--seq-len", default="32768", show_default=True,
+              help="Context length(s) in tokens; several (1024,4096,8192,32768) give a table and a chart of bytes.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences held at once (bytes scale with it).")
 @click.option("--decoded", type=click.IntRange(min=0), default=0, show_default=True,
               help="Of --seq-len, how many tokens were decoded one per call after the prompt (a bench run's "
                    "output tokens - 1); matters only to a policy with keep=, which evicts at the end of the prompt.")
@@ -50,22 +52,47 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_p
         raise ValueError("give either --model or --layers/--kv-heads/--head-dim, not both")
     if any(explicit) and not all(explicit):
         raise ValueError("an explicit geometry needs all three of --layers, --kv-heads and --head-dim")
-    check_estimate_args(seq_len, batch, decoded)  # bad numbers, paths and policies: one line before torch loads
+    lengths = seq_lens(seq_len)
+    for n in lengths:  # bad numbers, paths and policies: one line before torch loads
+        check_estimate_args(n, batch, decoded)
     check_out_paths(report_json, report_md)
     policies = policy_list(kv_policy)
     from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
-    from tqbench.engine.cache import explicit_geometry, model_geometry, parse_bytes
+    from tqbench.engine.cache import explicit_geometry, parse_bytes
     from tqbench.engine.cache import kv_estimate as estimate_report
+    from tqbench.engine.models import find_geometry
 
-    geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else model_geometry(model or "default")
+    geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else find_geometry(model or "default")
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    rep = estimate_report(geo, policies, seq_len, batch, budget, decoded=decoded)
-    write_reports(rep.to_dict(), kv_estimate_md(rep), report_json, report_md, as_json)
-    if not as_json:
-        print_kv_estimate(rep)
+    reps = [estimate_report(geo, policies, n, batch, budget, decoded=decoded) for n in lengths]
+    if len(reps) == 1:
+        rep = reps[0]
+        write_reports(rep.to_dict(), kv_estimate_md(rep), report_json, report_md, as_json)
+        if not as_json:
+            print_kv_estimate(rep)
+    else:
+        from tqbench.cli.render.estimate import kv_curve_md, print_kv_curve
+
+        payload = {"seq_lens": lengths, "reports": [r.to_dict() for r in reps]}
+        write_reports(payload, kv_curve_md(reps), report_json, report_md, as_json)
+        if not as_json:
+            print_kv_curve(reps)
     if budget is not None:
-        over = [r.kv_policy for r in rep.rows if r.total_bytes > budget]
-        gate(not over, f"{', '.join(over)} do(es) not fit {memory_budget} at {seq_len} tokens")
+        over = sorted({f"{r.kv_policy} at {rep.seq_len} tokens" for rep in reps for r in rep.rows
+                       if r.total_bytes > budget})
+        gate(not over, f"{', '.join(over)}: do(es) not fit {memory_budget}")
+
+
+def seq_lens(text: str) -> list[int]:
+    """``--seq-len``: one token count or several, comma-separated."""
+    try:
+        lengths = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths:  # a count below 1 is the engine's to refuse (one rule, the same words in every front end)
+        raise ValueError(f"--seq-len {text!r} is invalid: give token counts, one or comma-separated "
+                         "(e.g. 1024,4096,8192,32768)")
+    return lengths
 
 
 def _list_models(as_json: bool) -> None:

@@ -25,7 +25,67 @@ from tqbench.cli.validate import validate
 from tqbench.cli.workbench import open_workbench
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+class HeadlessContext(click.Context):
+    """A context whose command path names ``--headless`` when the group was given it, so a subcommand's usage
+    line (in ``--help`` and in usage errors) is a command that runs: ``tqbench --headless bench [OPTIONS]``."""
+
+    @property
+    def command_path(self) -> str:
+        path = super().command_path
+        root = self.find_root()
+        if self is root or not (root.obj or {}).get("headless") or not root.info_name:
+            return path
+        return path.replace(root.info_name, f"{root.info_name} --headless", 1)
+
+
+class OneLineUsageError(click.UsageError):
+    """click's usage error as tqbench says every bad input: one line on stderr, exit 2."""
+
+    def show(self, file=None) -> None:
+        message = " ".join(self.format_message().split()).rstrip(".")
+        message = message[:1].lower() + message[1:]
+        where = ""
+        if self.ctx is not None:
+            where = f" (usage: {self.ctx.command_path} {' '.join(self.ctx.command.collect_usage_pieces(self.ctx))}; " \
+                    f"{self.ctx.command_path} --help lists the options)"
+        click.echo(f"error: {message}{where}", err=True, file=file)
+
+
+class Group(click.Group):
+    """The ``tqbench`` group: its subcommands' contexts are ``HeadlessContext`` and their usage errors
+    ``OneLineUsageError``."""
+
+    context_class = HeadlessContext
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        from tqbench.cli.examples import epilog
+
+        cmd.context_class = HeadlessContext
+        cmd.epilog = cmd.epilog or epilog(name or cmd.name)
+        super().add_command(cmd, name)
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
+def _one_line(exc: click.UsageError) -> OneLineUsageError:
+    if isinstance(exc, OneLineUsageError):
+        return exc
+    new = OneLineUsageError(exc.format_message(), exc.ctx)
+    new.exit_code = exc.exit_code
+    return new
+
+
+@click.group(cls=Group, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--headless", is_flag=True, help="Run a command without the UI (for scripts and CI).")
 @click.option("--model", "wb_model", default=None, help="Workbench model (default: the session's, else 'default').")
 @click.option("--device", "wb_device", default="auto", help="Workbench device: auto, cpu, cuda, mps.")

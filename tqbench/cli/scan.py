@@ -26,9 +26,10 @@ from tqbench.cli.workbench import save_session_if_asked, scan_fields, workbench_
 @model_options
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-file", default=None, help="Read the prompt from a file.")
-@click.option("--chat/--no-chat", default=True, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--layers", default=None, help="Layers to scan: 0,3,-1 or first2+last2 (default: all).")
-@click.option("--max-prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--max-prompt-tokens", type=int, default=512, show_default=True,
+              help="The prompt is cut to this many tokens before Q/K/V are captured.")
 @click.option("--generated-tokens", type=int, default=0, show_default=True,
               help="Also capture this many greedily generated tokens.")
 @click.option("--codecs", default=None, help="Comma-separated codecs (default int8,int4,turbo4..turbo2, plus the calibrated key codecs "

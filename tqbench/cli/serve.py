@@ -28,7 +28,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               + ". auto: fused where its kernel runs (native C++ on CPU, Triton on CUDA), else compressed; the "
               "start-up line and /health say which and why. Requests may override it with \"cache_mode\".")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (loopback by default).")
-@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True,
+              help="TCP port (0: any free port).")
 @click.option("--max-new-tokens", type=int, default=256, show_default=True,
               help="Cap on max_tokens per request (also the default when a request sends none).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=8, show_default=True,
@@ -46,7 +47,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--api-key", default=None, envvar="TQBENCH_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 (env TQBENCH_API_KEY).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-              default="info", show_default=True)
+              default="info", show_default=True, help="Server log verbosity.")
 def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, max_batch,
           prefill_chunk, kv_budget, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API with a chosen KV policy."""

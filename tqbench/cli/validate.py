@@ -23,7 +23,7 @@ from tqbench.cli.options import (
     write_reports,
 )
 from tqbench.cli.workbench import save_session_if_asked, validate_fields, workbench_command
-from tqbench.constants import CACHE_MODES
+from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE
 
 
 @click.command()
@@ -31,13 +31,14 @@ from tqbench.constants import CACHE_MODES
 @model_options
 @policy_option("--baseline", default="fp16", show_default=True, help="Baseline policy.")
 @policy_option("--candidate", default=None, help="Candidate policy (default turbo4).")
-@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True,
-              help="Candidate mode; dense-shadow reads exact K/V (storage-only report).")
-@click.option("--baseline-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
+@click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
+              help=CACHE_MODE_HELP)
+@click.option("--baseline-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
+              help="The baseline's cache mode (when the baseline is a compressed policy).")
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-file", default=None, help="Read the prompt from a file.")
-@click.option("--chat/--no-chat", default=True, show_default=True)
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens generated per run.")
 @click.option("--quality-threshold", type=float, default=0.9, show_default=True,
               help="Share of matching tokens that still counts as near-stable.")
 @click.option("--collect-logits", is_flag=True, help="Compare logits: KL(baseline||candidate), max |delta|.")

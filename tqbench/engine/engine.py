@@ -211,6 +211,7 @@ class Engine:
         prefill_chunk: int | None = None,
         prompt_lookup: int = 0,
         track_kept: bool = False,
+        context=None,
     ) -> Iterator[object]:
         """Yield ``GenerationStarted``, ``PrefillDone``, ``TokenGenerated``... and ``GenerationFinished``.
 
@@ -223,15 +224,30 @@ class Engine:
         None: chosen by length and mode, ``constants.auto_prefill_chunk``); ``prompt_lookup`` > 0 decodes with
         prompt-lookup speculation, up to that many draft tokens verified per forward call (greedy only; the
         tokens are greedy decoding's, ``GenerationResult.speculation`` counts the drafts).
+        ``context``: a ``CompressedContext`` (``compress``): ``prompt`` (ids, or text tokenized as is) is appended to
+        a copy of its compressed cache, under its policy and cache mode (``policy``/``cache_mode``/``chat`` unused).
+        A policy whose score reads a context pass (``score=kvzip``) runs it over the prompt first
+        (``GenerationResult.context_pass_seconds``).
         """
-        dense = policy is None or is_dense_baseline(policy)  # a DynamicCache baseline (``cache.dense_baseline``)
-        pol = None if dense else self.check_policy(policy)
-        ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
-        if prompt_lookup and pol is not None and cache_mode in ("compressed", "simulate"):
-            self.enable_fused()  # a verification call's per-query precision runs in tqbench's attention function
-        cache = self.make_cache(policy if dense else pol, cache_mode)
-        label = pol.label if pol is not None else (policy or "dynamic-cache")
-        mode = cache_mode if pol is not None else "dynamic"
+        pass_seconds = 0.0
+        if context is not None:
+            if prompt_lookup:
+                raise ValueError("prompt_lookup cannot run on a compressed context (its rows cannot be cropped)")
+            ids = prompt if isinstance(prompt, torch.Tensor) else self.tokenizer(
+                prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            check_context(context.tokens + int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
+            cache, label, mode = context.fork(), context.label, context.cache_mode
+            pol = context.policy if isinstance(cache, TQCache) else None
+        else:
+            dense = policy is None or is_dense_baseline(policy)  # a DynamicCache baseline (``cache.dense_baseline``)
+            pol = None if dense else self.check_policy(policy)
+            ids = prompt if isinstance(prompt, torch.Tensor) else self.encode_prompt(prompt, chat, max_new_tokens)
+            if prompt_lookup and pol is not None and cache_mode in ("compressed", "simulate"):
+                self.enable_fused()  # a verification call's per-query precision runs in tqbench's attention function
+            cache = self.make_cache(policy if dense else pol, cache_mode)
+            label = pol.label if pol is not None else (policy or "dynamic-cache")
+            mode = cache_mode if pol is not None else "dynamic"
+            pass_seconds = self._context_pass(cache, ids)
         events = stream_tokens(
             self.model, self.tokenizer, ids, cache, run=run, kv_policy=label, cache_mode=mode,
             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
@@ -239,11 +255,56 @@ class Engine:
             report=cache.report if isinstance(cache, TQCache) else None,
             logprobs=logprobs, echo=echo, prefill_chunk=prefill_chunk, prompt_lookup=prompt_lookup,
         )
+        if pass_seconds:
+            events = _with_pass_seconds(events, pass_seconds)
         if track_bytes and isinstance(cache, TQCache):
             events = _with_cache_bytes(events, cache)
         if track_kept and isinstance(cache, TQCache) and cache.policy.evicts:
-            events = _with_kept_tokens(events, cache, ids, self.tokenizer)
+            events = _with_kept_tokens(events, cache, ids if context is None else torch.cat(
+                [context.ids.to(ids.device), ids], dim=1), self.tokenizer)
         return events
+
+    def _context_pass(self, cache, ids: torch.Tensor) -> float:
+        """A cache whose score reads a context pass (``score=kvzip``): run it over ``ids`` and hand the scores to
+        the cache (``evict.reconstruct``); the seconds it took (0: none needed)."""
+        if not (isinstance(cache, TQCache) and cache.needs_context_pass):
+            return 0.0
+        from tqbench.engine.cache.evict.reconstruct import context_scores
+        from tqbench.engine.scan.capture import _base_attention
+
+        scores, seconds = context_scores(self.model, self.tokenizer, ids, base=_base_attention(self.model))
+        cache.set_context_scores(scores)
+        return seconds
+
+    def compress(self, context: str | torch.Tensor, policy: Policy | str | None = "fp16",
+                 cache_mode: str = "compressed", *, prefill_chunk: int | None = None):
+        """Prefill ``context`` (ids ``[1, N]``, or text tokenized as is) once under ``policy`` and compress it: an
+        evicting policy keeps its rows at the end of the context, before any question (query-agnostic). Returns a
+        ``CompressedContext`` whose ``stream``/``generate`` append a question to a copy of it, as many times as
+        asked, without prefilling or scoring the context again (``tqbench.engine.context``)."""
+        import time
+
+        from tqbench.constants import auto_prefill_chunk
+        from tqbench.engine.context import CompressedContext
+        from tqbench.engine.generate import prefill
+
+        ids = context if isinstance(context, torch.Tensor) else self.tokenizer(
+            context, return_tensors="pt")["input_ids"]
+        check_context(int(ids.shape[1]), 1, self.max_context, self.name)
+        dense = policy is None or is_dense_baseline(policy)
+        pol = None if dense else self.check_policy(policy)
+        cache = self.make_cache(policy if dense else pol, cache_mode)
+        pass_seconds = self._context_pass(cache, ids)
+        t0 = time.perf_counter()
+        prefill(self.model, ids.to(next(self.model.parameters()).device), cache,
+                chunk=auto_prefill_chunk(int(ids.shape[1]), cache_mode if pol is not None else "dynamic",
+                                         prefill_chunk))
+        seconds = time.perf_counter() - t0
+        if isinstance(cache, TQCache):
+            cache.freeze_eviction()
+        label = pol.label if pol is not None else (policy or "dynamic-cache")
+        return CompressedContext(self, ids, cache, pol if pol is not None else policy, label,
+                                 cache_mode if pol is not None else "dynamic", seconds, pass_seconds)
 
     def sequence(
         self,
@@ -265,12 +326,15 @@ class Engine:
         across sequences (``tqbench.engine.batch.decode_step``); same arguments as ``stream``."""
         pol = self.check_policy(policy)
         cache = self.make_cache(pol, cache_mode)
-        return Sequence(
+        pass_seconds = self._context_pass(cache, ids)
+        seq = Sequence(
             self.model, self.tokenizer, ids, cache, run=run, kv_policy=pol.label, cache_mode=cache_mode,
             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
             stop=stop, cancel=cancel, report=cache.report, logprobs=logprobs, echo=echo,
             prefill_chunk=prefill_chunk,
         )
+        seq.result.context_pass_seconds = pass_seconds
+        return seq
 
     def decode_step(self, seqs: list[Sequence]) -> float:
         """One forward call over every sequence's ``next_token`` (batched when more than one); returns seconds."""
@@ -328,6 +392,14 @@ def _with_kept_tokens(events: Iterator[object], cache: TQCache, ids: torch.Tenso
                 seen = fed[: kept.seen]
                 texts = tuple(tokenizer.decode([t], skip_special_tokens=False) for t in seen)
                 yield KeptTokens(ev.run, kept, tuple(seen), texts)
+        yield ev
+
+
+def _with_pass_seconds(events: Iterator[object], seconds: float) -> Iterator[object]:
+    """Pass ``events`` through; the finished result says how long the context pass took."""
+    for ev in events:
+        if isinstance(ev, GenerationFinished):
+            ev.result.context_pass_seconds = seconds
         yield ev
 
 

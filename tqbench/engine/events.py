@@ -32,6 +32,30 @@ def raise_if_cancelled(cancel: CancelFlag | None, job: str) -> None:
         raise Cancelled(f"{job} cancelled")
 
 
+def eta_seconds(elapsed: float, done: float, total: float | None) -> float | None:
+    """Seconds a job has left at its mean pace so far: ``elapsed`` seconds for ``done`` of ``total`` units. None
+    before the first unit ends, or without a total. The one ETA rule every front end shows."""
+    if total is None or done <= 0 or elapsed <= 0:
+        return None
+    return max(total - done, 0.0) * elapsed / done
+
+
+def format_duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``1 h 12 min``: a duration as progress lines and ``--help`` texts say it."""
+    s = max(int(round(seconds)), 0)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def eta_text(elapsed: float, done: float, total: float | None) -> str:
+    """``"about 3 min 05 s left"`` after the first unit, ``""`` before it (or without a total)."""
+    left = eta_seconds(elapsed, done, total)
+    return "" if left is None else f"about {format_duration(left)} left"
+
+
 @dataclass(frozen=True)
 class GenerationStarted:
     run: str  # "baseline", "candidate" or a free label

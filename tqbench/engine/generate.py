@@ -56,6 +56,7 @@ class GenerationResult:
     stopped_by: str = "max_new_tokens"  # or "eos", "stop", "cancelled"
     cache_report: object | None = None
     speculation: SpeculationStats | None = None  # prompt-lookup decoding's drafts (``Engine.stream(prompt_lookup=)``)
+    context_pass_seconds: float = 0.0  # a context-pass score's scoring pass before the prefill (score=kvzip)
 
     @property
     def output_tokens(self) -> int:
@@ -89,6 +90,7 @@ class GenerationResult:
             "text": self.text,
             "stopped_by": self.stopped_by,
             "prefill_seconds": round(self.prefill_seconds, 6),
+            "context_pass_seconds": round(self.context_pass_seconds, 6),
             "decode_seconds": round(self.decode_seconds, 6),
             "elapsed_seconds": round(self.elapsed_seconds, 6),
             "tokens_per_second": round(self.tokens_per_second, 3),

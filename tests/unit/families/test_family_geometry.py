@@ -80,6 +80,10 @@ EXPECTED_DIFFS = {
     # window field that use_sliding_window=false switches off
     "Qwen2.5-7B": {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                    "max_position_embeddings", "sliding_window"},
+    # Gemma3TextConfig's defaults are the 4B shape (26 layers, 8 heads, 4 KV heads, 4096 window, 128K positions);
+    # the 270M is 18 layers of 4 heads over 1 KV head, a 512 window, 32K positions
+    "Gemma-3-270M": {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "sliding_window", "max_position_embeddings"},
     # Qwen3Config's defaults are MHA (32 KV heads) with 32 layers; Qwen3-8B has 36 layers, 8 KV heads, 40K positions
     "Qwen3-8B": {"num_hidden_layers", "num_key_value_heads", "max_position_embeddings"},
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from tqbench.cli.render.console import out
+from tqbench.cli.render.console import err, out
 from tqbench.cli.render.formats import human_bytes
 
 
@@ -71,6 +71,9 @@ def print_allocation(rep) -> None:
               f"{_f(fv['verification_kl'])}, unseen {_f(fv['unseen_kl'])}; unseen/verification "
               f"{_f(fv['unseen_over_verification'], '.2f')}, predicted/verification "
               f"{_f(fv['predicted_over_verification'], '.2f')}")
+    for text, u in rep.uniform.items():
+        out.print(f"uniform policy of no more bytes on {text}: {u['kv_policy']} at {u['bits_per_element']:.3f} "
+                  f"bits/element, KL {u['kl_mean']:.4f}, top-1 {u['top1_agreement']:.3f}")
 
 
 def print_speed(sp) -> None:
@@ -100,3 +103,17 @@ def print_speed(sp) -> None:
     out.print(f"mixed-codec layer overhead {sp.costs.mixed * 1e6:.1f} us; dense step {sp.costs.dense_step * 1e3:.2f} ms,"
               f" uniform {sp.reference} step {sp.costs.reference_step * 1e3:.2f} ms "
               f"({sp.costs.machine.get('threads', '?')} threads)")
+
+
+#: the phases of ``AllocationReport.seconds`` in the order they run
+PHASES = ("calibrate", "setup", "sensitivity", "solve_and_measure", "verify")
+
+
+def print_phases(rep) -> None:
+    """One line on stderr: wall and CPU seconds per phase, the total, the threads (``--json`` keeps stdout clean)."""
+    sec = rep.seconds
+    cpu = sec.get("cpu", {})
+    parts = [f"{p} {sec[p]:.0f} s wall / {cpu.get(p, 0):.0f} s CPU" for p in PHASES if p in sec]
+    err.print(f"phases: {'; '.join(parts)}; total {sec.get('total', 0):.0f} s wall / {sec.get('total_cpu', 0):.0f} s "
+              f"CPU at {sec.get('threads', '?')} threads, context {rep.allocation.estimate.seq_len} tokens",
+              highlight=False, soft_wrap=True)

@@ -4,6 +4,7 @@ code, not engine."""
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from tqbench.cli.render.console import out
 from tqbench.cli.render.formats import human_bytes, pct
@@ -25,7 +26,7 @@ def print_kv_estimate(rep) -> None:
              + f"), {rep.seq_len} tokens, batch {rep.batch}")
     t = Table(title=title)
     budget = rep.memory_budget_bytes
-    cols = ["policy", "KV bytes", "", "fp16 bytes", "bits/el", "saved"]
+    cols = ["policy", "KV bytes", "KV size", "fp16 bytes", "bits/el", "saved"]
     if budget is not None:
         cols.append(f"max tokens in {human_bytes(budget)}")
     for col in cols:
@@ -50,6 +51,51 @@ def kv_estimate_md(rep) -> str:
     for r in rep.rows:
         lines.append(f"| {r.kv_policy} | {r.total_bytes} | {r.dense_fp16_bytes} | {r.bits_per_element:.3f} "
                      f"| {pct(r.saved_pct)} |" + (f" {r.max_seq_len_in_budget} |" if budget else ""))
+    return "\n".join(lines) + "\n"
+
+
+CURVE_MARKERS = ("*", "+", "x", "o", "#", "=")
+
+
+def print_kv_curve(reps: list) -> None:
+    """Several ``KVEstimateReport``s of one geometry and policies at growing contexts: a table of bytes per policy
+    and context, and a terminal chart (plotext) of bytes against context, one line per policy."""
+    import plotext as plt
+
+    m, g = reps[0].model, reps[0].model.geometry
+    t = Table(title=f"kv-estimate: {m.name} ({g.num_layers} layers, {g.kv_heads} KV heads, head_dim {g.head_dim}), "
+                    f"batch {reps[0].batch}: KV bytes by context")
+    t.add_column("policy")
+    for rep in reps:
+        t.add_column(f"{rep.seq_len} tokens", justify="right")
+    t.add_column("bits/el (last)", justify="right")
+    for i, row in enumerate(reps[0].rows):
+        t.add_row(row.kv_policy, *(human_bytes(rep.rows[i].total_bytes) for rep in reps),
+                  f"{reps[-1].rows[i].bits_per_element:.3f}")
+    out.print(t)
+    fig = plt.figure
+    fig.clear()
+    fig.plot_size(min(out.width, 100), 20)
+    xs = [rep.seq_len for rep in reps]
+    keys = []
+    for i, row in enumerate(reps[0].rows):
+        ys = [rep.rows[i].total_bytes / 2**20 for rep in reps]
+        mark = CURVE_MARKERS[i % len(CURVE_MARKERS)]
+        for j in range(len(xs) - 1):
+            fig.draw(fig.segment(xs[j : j + 2], ys[j : j + 2], marker=mark))
+        keys.append(f"{mark} {row.kv_policy}")
+    fig.title("KV cache MiB against context tokens")
+    fig.legend(active=False)
+    out.print(Text.from_ansi(fig.build().string()))
+    out.print("   ".join(keys), markup=False, highlight=False)
+
+
+def kv_curve_md(reps: list) -> str:
+    lines = [f"# KV estimate: {reps[0].model.name}, batch {reps[0].batch}, bytes by context", "",
+             "| policy | " + " | ".join(f"{rep.seq_len} tokens" for rep in reps) + " |",
+             "| --- |" + " ---: |" * len(reps)]
+    for i, row in enumerate(reps[0].rows):
+        lines.append(f"| {row.kv_policy} | " + " | ".join(str(rep.rows[i].total_bytes) for rep in reps) + " |")
     return "\n".join(lines) + "\n"
 
 

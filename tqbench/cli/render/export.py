@@ -47,8 +47,13 @@ def _kld_lines(rep) -> list[str]:
 
 
 def print_export(rep) -> None:
-    s = rep.setting
-    out.print(f"[bold]{s.policy}[/] on {s.engine_label} ({rep.model}): K {s.k_type}, V {s.v_type}")
+    print_mapping(rep.setting, rep.model)
+    print_measured(rep)
+
+
+def print_mapping(s, model: str) -> None:
+    """The engine setting (flags or config lines) and what could not be mapped: printed before any measuring."""
+    out.print(f"[bold]{s.policy}[/] on {s.engine_label} ({model}): K {s.k_type}, V {s.v_type}")
     for line in s.lines:
         out.print(f"  {line}", markup=False, highlight=False)
     if s.skip_layers:
@@ -62,6 +67,11 @@ def print_export(rep) -> None:
         out.print("everything in the policy maps to this setting")
     for n in s.notes:
         out.print(f"note: {n}", markup=False, highlight=False)
+
+
+def print_measured(rep) -> None:
+    """What ``print_mapping`` leaves out: the policy's warning and the measurements."""
+    s = rep.setting
     if rep.warning:
         out.print(f"warning: {rep.warning}", markup=False, highlight=False)
     if rep.measured is None:

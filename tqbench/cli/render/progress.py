@@ -4,31 +4,65 @@ from __future__ import annotations
 
 import sys
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
 
 from tqbench.cli.render.console import err
 
 
-class EventProgress:
-    """An ``on_event`` callback that draws engine events as a rich progress bar on stderr.
+def unit_of(ev: object, label: str, total: float | None = None) -> tuple[str, float, float | None, str] | None:
+    """``(phase, done, total, message)`` of an engine event that counts work units, else None: what both the
+    rich bar and the plain lines draw."""
+    from tqbench.engine import events as E
 
-    ``lines``: plain progress lines instead (``ProgressLines``): what a redirected stderr (a log file, ``--json``
-    runs) can show; a rich bar draws nothing there."""
+    if isinstance(ev, E.PairStep):
+        return label, ev.step + 1, total, ""
+    if isinstance(ev, E.Progress):
+        return ev.task, ev.done, ev.total, ev.message
+    if isinstance(ev, E.ScanLayerDone):
+        return "scan", ev.index + 1, ev.total, f"layer {ev.layer}"
+    return None
+
+
+class EtaColumn(ProgressColumn):
+    """Time left, by the engine's one ETA rule (``events.eta_text``): blank until the first unit ends."""
+
+    def render(self, task) -> Text:
+        from tqbench.engine.events import eta_text
+
+        if task.finished:
+            return Text("")
+        return Text(eta_text(task.elapsed or 0.0, task.completed, task.total), style="progress.remaining")
+
+
+class EventProgress:
+    """An ``on_event`` callback that draws engine events on stderr: a rich progress bar with the units done of
+    the total and the time left on a terminal; plain lines (``ProgressLines``) where stderr is not one (a pipe, a
+    log file), since a rich bar draws nothing there. ``lines``: force one or the other (None: by the terminal)."""
 
     def __init__(self, enabled: bool = True, total: float | None = None, label: str = "work",
-                 lines: bool = False) -> None:
+                 lines: bool | None = None) -> None:
         self.enabled = enabled
         self.total = total
         self.label = label
         self.progress = None
         self.task = None
         self.tasks: dict[str, int] = {}
+        if lines is None:
+            lines = not err.is_terminal
         self.lines = ProgressLines(label) if lines and enabled else None
 
     def __enter__(self) -> EventProgress:
         if self.enabled and self.lines is None:
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), console=err, transient=True)
+                                     TimeElapsedColumn(), EtaColumn(), console=err, transient=True)
             self.progress.__enter__()
             self.task = self.progress.add_task(self.label, total=self.total)
         return self
@@ -39,58 +73,64 @@ class EventProgress:
 
     def __call__(self, ev: object) -> None:
         if self.lines is not None:
-            self.lines(ev)
+            self.lines(ev, self.total)
             return
         if self.progress is None:
             return
-        from tqbench.engine import events as E
-
+        unit = unit_of(ev, self.label, self.total)
+        if unit is None:
+            return
+        phase, done, total, message = unit
         p = self.progress
-        if isinstance(ev, E.PairStep):
-            p.update(self.task, completed=ev.step + 1, description=f"{self.label}: step {ev.step + 1}")
-        elif isinstance(ev, E.Progress):
-            if ev.task in ("baseline", "candidate"):  # teacher-forced steps
-                if ev.task not in self.tasks:
-                    self.tasks[ev.task] = p.add_task(f"teacher-forced {ev.task}", total=ev.total)
-                p.update(self.tasks[ev.task], completed=ev.done, total=ev.total)
-            else:
-                p.update(self.task, completed=ev.done, total=ev.total,
-                         description=f"{self.label}: {ev.message}" if ev.message else self.label)
-        elif isinstance(ev, E.ScanLayerDone):
-            p.update(self.task, completed=ev.index + 1, total=ev.total, description=f"scan: layer {ev.layer}")
+        if phase in ("baseline", "candidate"):  # teacher-forced steps: one bar per run
+            if phase not in self.tasks:
+                self.tasks[phase] = p.add_task(f"teacher-forced {phase}", total=total)
+            p.update(self.tasks[phase], completed=done, total=total)
+            return
+        what = message if phase in (self.label, "scan") else f"{phase} {message}".strip()
+        p.update(self.task, completed=done, total=total,
+                 description=f"{self.label}: {what}" if what and what != self.label else self.label)
 
 
 class ProgressLines:
-    """Engine ``Progress`` events as plain lines on stderr: one when a phase (the event's ``task``) starts or ends,
-    otherwise at most one every ``every`` seconds, each with the seconds since the first event."""
+    """Engine progress as plain lines on stderr: one when a phase (the event's ``task``) starts or ends, otherwise
+    at most one every ``every`` seconds, each with the units done of the total, the seconds since the job started
+    and, after the phase's first unit, the time left (``events.eta_text``)."""
 
-    def __init__(self, label: str, every: float = 10.0, stream=None) -> None:
+    def __init__(self, label: str, every: float = 10.0, stream=None, clock=None) -> None:
+        import time
+
         self.label = label
         self.every = every
         self.stream = stream
-        self.start: float | None = None
-        self.last = 0.0
+        self.clock = clock or time.monotonic
+        self.start = self.last = self.seen = self.phase_start = self.clock()  # made as the job starts
         self.phase: str | None = None
+        self.done = 0.0
 
-    def __call__(self, ev: object) -> None:
-        import time
+    def __call__(self, ev: object, total: float | None = None) -> None:
+        from tqbench.engine.events import eta_text
 
-        from tqbench.engine import events as E
-
-        if not isinstance(ev, E.Progress):
+        unit = unit_of(ev, self.label, total)
+        if unit is None:
             return
-        now = time.monotonic()
-        if self.start is None:
-            self.start = now
-        new_phase = ev.task != self.phase
-        final = ev.total is not None and ev.done >= ev.total
+        phase, done, total, message = unit
+        now = self.clock()
+        new_phase = phase != self.phase or done < self.done  # a count that starts again is a new run
+        self.done = done
+        if new_phase and self.phase is not None:
+            self.phase_start = self.seen  # the new phase's work began when the previous phase's last unit ended
+        self.seen = now
+        final = total is not None and done >= total
         if not (new_phase or final or now - self.last >= self.every):
             return
-        self.phase, self.last = ev.task, now
-        count = f" {ev.done:g}/{ev.total:g}" if ev.total is not None else ""
-        message = f" {ev.message}" if ev.message else ""
+        self.phase, self.last = phase, now
+        count = f" {done:g}/{total:g}" if total is not None else ""
+        name = "" if phase == self.label else f" {phase}"
+        text = f" {message}" if message else ""
+        eta = "" if final else eta_text(now - self.phase_start, done, total)
         stream = self.stream or sys.stderr
-        stream.write(f"{self.label}: {ev.task}{count}{message} [{now - self.start:.0f} s]\n")
+        stream.write(f"{self.label}:{name}{count}{text} [{now - self.start:.0f} s{', ' + eta if eta else ''}]\n")
         stream.flush()
 
 

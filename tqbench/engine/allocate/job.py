@@ -48,6 +48,13 @@ from tqbench.engine.allocate.keeps import (
     parse_keeps,
     speed_rule,
 )
+from tqbench.engine.allocate.operating import (
+    choose_rotation,
+    own_transforms,
+    unaffordable,
+    uniform_of_bytes,
+    uniform_warning,
+)
 from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.speed import (
@@ -60,7 +67,7 @@ from tqbench.engine.allocate.speed import (
 from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
-from tqbench.engine.codecs import canonical_spec
+from tqbench.engine.codecs import canonical_spec, is_calibrated_spec
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 from tqbench.engine.models.fingerprint import model_config_summary
 from tqbench.engine.policy.artifact import PolicyArtifact
@@ -68,7 +75,9 @@ from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
-DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4")
+#: the choices per unit: turbo widths, an 8-bit engine format and the dense rows (where they are the cheapest
+#: quality: a sliding-window layer's fixed window at long context)
+DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4", "q8_0", "fp16")
 #: calibrated key codecs added to the K choices when the model has a fit (``pcaq``)
 CALIBRATED_K = ("pcaq2", "pcaq3", "pcaq4")
 GRANULARITIES = ("layer", "head")
@@ -95,11 +104,19 @@ class AllocationReport:
     notes: list[str] = field(default_factory=list)  # what was not available and why (pcaq, layer skipping)
     speed: SpeedReport | None = None  # predicted (and, verify_speed, measured) decode speed vs dense
     axes: dict | None = None  # the axes searched, the keep cells and where the bytes went (``joint.axis_split``)
+    uniform: dict = field(default_factory=dict)  # text -> the uniform policy of no more bytes, verified beside it
+    warnings: list[str] = field(default_factory=list)  # e.g. far worse than that uniform policy (``operating.py``)
 
     @property
     def predicted_kl(self) -> float:
         """The measured-based prediction: the joint calibration KL (the additive sum when not measured)."""
         return self.measured_kl if self.measured_kl is not None else self.allocation.predicted_kl
+
+    @property
+    def worst_verified_kl(self) -> float | None:
+        """The larger verified KL of the two texts (what ``--max-kl`` gates)."""
+        kls = [p.kl_mean for p in (self.verified, self.unseen) if p is not None]
+        return max(kls) if kls else None
 
     def fitted_vs_unseen(self) -> dict:
         v, u = self.verified, self.unseen
@@ -121,6 +138,8 @@ class AllocationReport:
                 "measured_cells": self.measured_cells, "resumed_cells": self.resumed_cells,
                 "seconds": self.seconds, "partial_path": self.partial_path,
                 "speed": self.speed.to_dict() if self.speed else None, "axes": self.axes,
+                "context_tokens": self.allocation.estimate.seq_len, "uniform": self.uniform,
+                "warnings": self.warnings, "worst_verified_kl": self.worst_verified_kl,
                 "sensitivity": self.table.to_rows()}
 
     def to_artifact(self, geometry) -> PolicyArtifact:
@@ -167,12 +186,15 @@ def _read_partial(path: str, setup: dict) -> dict[str, float]:
         raise RequestError("partial_path", path, "it is not an allocate partial results file: give another")
     old = data.get("setup", {})
     # cells are keyed by codec and by unit (layer or layer.head): another codec list or granularity reuses them
-    free = ("codecs", "k_codecs", "granularity")  # keep cells name their score and window in their keys
+    # calibrated key cells name their codec, not their transforms: another fit drops them, the rest stay
+    free = ("codecs", "k_codecs", "granularity", "transforms")  # keep cells name their score and window in their keys
     diff = sorted(k for k in set(setup) | set(old) if k not in free and setup.get(k) != old.get(k))
     if diff:
         raise RequestError("partial_path", path, f"it was measured with another setup ({', '.join(diff)} differ): "
                                                  "delete it, or give another")
-    return {k: float(v) for k, v in data.get("cells", {}).items()}
+    same_fit = setup.get("transforms") == old.get("transforms")
+    return {k: float(v) for k, v in data.get("cells", {}).items()
+            if same_fit or not is_calibrated_spec(k.rsplit("/", 1)[-1])}
 
 
 def _write_partial(path: str, setup: dict, cells: dict[str, float]) -> None:
@@ -223,6 +245,9 @@ def allocate_policy(
     keeps: str | tuple[float, ...] = KEEP_CHOICES,
     keep_granularity: str = "layer",
     demote_codecs: str | tuple[str, ...] = (),
+    rotation: str = "auto",
+    fit_transforms: bool = False,
+    compare_uniform: bool = True,
 ) -> AllocationReport:
     """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
 
@@ -242,6 +267,10 @@ def allocate_policy(
     ``head_job.py``, ``head_keeps.py``).
     ``demote_codecs``: with the tokens axis, the codecs a layer's evicted rows may be kept at instead of dropped
     (the demote tier, ``demote.py``; none by default), chosen per layer (``demote@layers=codec``).
+    ``rotation``: ``auto`` (the Hadamard rotation where the QR one's bytes weigh in the budget; ``operating.py``),
+    ``qr`` or ``hadamard``. ``fit_transforms``: fit this model's calibrated key transforms when it has none (the
+    ``calibrate`` phase). ``compare_uniform``: verify the uniform policy of no more bytes beside the allocation
+    (a warning when the allocation is far worse: ``report.warnings``).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
@@ -262,17 +291,36 @@ def allocate_policy(
     min_speed, why = speed_rule(axes, min_speed)
     if why:
         notes.append(why)
+    base_pol, why = choose_rotation(rotation, base_pol, engine.geometry, budget, context)
+    if why:
+        notes.append(why)
+    t_start, c_start = time.perf_counter(), time.process_time()
+    t_cal, c_cal, fitted = time.perf_counter(), 0.0, None
     if "bits" not in axes:  # eviction alone: every kept row fp16
         specs, kspecs = ["fp16"], ["fp16"]
     elif k_codecs is None:
         extra, why = calibrated_k_choices(engine, base_pol)
+        if why and fit_transforms and not base_pol.calib:  # calibration is part of allocating
+            path, fitted, c_cal = own_transforms(engine, on_event, cancel)
+            base_pol = replace(base_pol, calib=path)
+            extra, why2 = calibrated_k_choices(engine, base_pol)
+            why = why2 or (f"pcaq key codecs: transforms {'fitted now' if fitted else 'fitted before'} on the "
+                           f"calibration mix for this model ({path})")
         if why:
             notes.append(why)
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
     check_demote_codecs(demote_codecs, axes, keep_granularity, kept=(kspecs, specs))
+    t_cal = time.perf_counter() - t_cal
     check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "tokens" not in axes else ())
+    if "tokens" not in axes and "bits" in axes:  # choices no unit can afford within the budget: never measured
+        drop = unaffordable(specs, kspecs, granularity, base_pol, engine.geometry, budget, context)
+        if drop:
+            specs = [c for c in specs if c not in drop.get("v", ())] or specs
+            kspecs = [c for c in kspecs if c not in drop.get("k", ())] or kspecs
+            notes.append("not measured (no unit can afford them within the budget at this context): "
+                         + "; ".join(f"{r.upper()} {', '.join(cs)}" for r, cs in drop.items()))
     check_text_names(calibration, verify_text, unseen_text)
     if granularity == "head":
         try:
@@ -294,10 +342,11 @@ def allocate_policy(
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
              "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": _codec_options(base_pol),
-             "model_fingerprint": engine.loaded.fingerprint, "measure": "one-unit chunk KL"}
+             "model_fingerprint": engine.loaded.fingerprint, "measure": "one-unit chunk KL",
+             "transforms": _transforms_digest(base_pol, kspecs)}
     if partial_path is None and partial_dir is not None:
         digest = hashlib.sha256(json.dumps({k: v for k, v in setup.items() if k not in ("codecs", "k_codecs",
-                                                                                           "granularity")},
+                                                                                           "granularity", "transforms")},
                                            sort_keys=True).encode()).hexdigest()[:12]
         os.makedirs(partial_dir, exist_ok=True)
         partial_path = os.path.join(partial_dir, f"{digest}.partial.json")
@@ -401,9 +450,15 @@ def allocate_policy(
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
     t2, c2 = time.perf_counter(), time.process_time()
     texts = [t for t in (verify_text, unseen_text) if t is not None]
-    points = {t: p for t, (p,) in frontier_texts(engine, [alloc.policy], texts=texts, prefill=verify_prefill,
-                                                 steps=verify_steps, context=context, on_event=on_event,
-                                                 cancel=cancel).items()} if texts else {}
+    uniform = uniform_of_bytes(alloc, base_pol, engine.geometry, context) if compare_uniform and texts else None
+    pols = [alloc.policy] + ([uniform] if uniform is not None else [])
+    measured_pts = frontier_texts(engine, pols, texts=texts, prefill=verify_prefill, steps=verify_steps,
+                                  context=context, on_event=on_event, cancel=cancel) if texts else {}
+    points = {t: pts[0] for t, pts in measured_pts.items()}
+    uniform_pts = {t: pts[1] for t, pts in measured_pts.items() if len(pts) > 1}
+    warnings = [w for t in texts if (w := uniform_warning(points.get(t), uniform_pts.get(t)))]
+    if compare_uniform and texts and uniform is None:
+        notes.append("no uniform policy of no more bytes to compare with (the allocation is below uniform turbo1)")
     t3, c3 = time.perf_counter(), time.process_time()
     speed_rep = None
     if speed is not None:
@@ -417,14 +472,18 @@ def allocate_policy(
         points.get(verify_text) if verify_text else None,
         n_cells - resumed + len(keep_kl) - keep_resumed + len(demote_kl) - demote_resumed,
         resumed + keep_resumed + demote_resumed,
-        {"setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2), "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
+        {"calibrate": round(t_cal, 2), "setup": round(ts - t0, 2), "sensitivity": round(t1 - ts, 2),
+         "solve_and_measure": round(t2 - t1, 2), "verify": round(t3 - t2, 2),
          # CPU seconds of this process per phase (all threads): less sensitive to other processes than wall time
-         "cpu": {"setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2), "solve_and_measure": round(c2 - c1, 2),
-                 "verify": round(c3 - c2, 2)},
+         "cpu": {"calibrate": round(c_cal, 2), "setup": round(cs - c0, 2), "sensitivity": round(c1 - cs, 2),
+                 "solve_and_measure": round(c2 - c1, 2), "verify": round(c3 - c2, 2)},
+         "total": round(t3 - t_start, 2), "total_cpu": round(c3 - c_start, 2), "transforms_fitted": fitted,
          "threads": torch.get_num_threads(), "chunk_forwards": runner.calls if runner else 0,
          "layer_skipping": bool(runner and runner.layer_skipping)},
         partial_path, measured, steps, points.get(unseen_text) if unseen_text else None, notes,
     )
+    report.uniform = {p.text: p.to_dict() for p in uniform_pts.values()}  # keyed by the text's label
+    report.warnings = warnings
     if "tokens" in axes:
         report.seconds["keep_cells"] = round(t1 - tk, 2)  # of the sensitivity phase: recording + keep cells
         report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
@@ -445,11 +504,20 @@ def allocate_policy(
     return report
 
 
+def _transforms_digest(base: Policy, kspecs) -> str:
+    """The calibrated key transforms the ``pcaq`` cells read ("" when none is offered)."""
+    if not any(is_calibrated_spec(c) for c in kspecs):
+        return ""
+    from tqbench.engine.codecs.transforms_file import load_transforms
+
+    return load_transforms(base.calib).digest
+
+
 def _codec_options(base: Policy) -> str:
     """The base policy as the codec cells see it: without its eviction ranking (score, window, chunk), which only
     keep cells read and which their keys name, so a ranking change reuses the codec cells of a partial file."""
     d = Policy()
-    return replace(base, score=d.score, window=d.window, chunk=d.chunk).to_string()
+    return replace(base, score=d.score, window=d.window, chunk=d.chunk, calib=d.calib).to_string()
 
 
 def _table_layers(engine, base: Policy) -> list[int]:

@@ -3,8 +3,9 @@
 - ``parse_axes`` / ``parse_keeps``: which axes an allocation searches (``bits``: codec widths per unit;
   ``tokens``: the keep fraction of each layer) and the keep fractions offered.
 - ``KeepCells``: what a cache that evicts at the end of the calibration prefill keeps, per (layer, keep) and KV
-  head, chosen by the policy's prefill score (``score=``, default snapkv) from the exact prefill's queries (the
-  last ``window`` of each layer, recorded once through transformers' attention interface) and keys, the way the
+  head, chosen by the policy's prefill score (``score=``, default snapkv; the same ``cache.evict.scores`` object
+  the store's ``Evictor`` ranks with, chunked the same way) from the exact prefill's queries (the last
+  ``window`` of each layer, recorded once through transformers' attention interface) and keys, the way the
   store's ``Evictor`` chooses (``cache.evict.state.select_kept``; ``policy.keep.kept_rows`` says how many). The
   chunk forwards then attend over the kept rows only: every layer keeps its ``prefill`` rows in the cache (so
   positions and transformers' masks are the exact run's) and the evicted ones are masked out per KV head, which
@@ -38,8 +39,10 @@ AXES = ("bits", "tokens")
 DEFAULT_AXES = ("bits",)
 #: the keep fractions the tokens axis offers each layer by default
 KEEP_CHOICES = (1.0, 0.75, 0.5, 0.25)
-#: scores a prefill-time keep cell can use (h2o needs every prefill query; it is a decode-time score)
-CELL_SCORES = ("snapkv", "keynorm", "expected", "tova")
+#: scores a prefill-time keep cell cannot use: those that accumulate decode-time attention (h2o) and those
+#: that read a context pass (kvzip): the calibration prefill records neither
+def cell_scores() -> tuple[str, ...]:
+    return tuple(n for n, c in scores.REGISTRY.items() if not (c.accumulates or c.context_pass))
 _ATTN, _ATTN_EAGER = "tqbench_allocate_keep", "tqbench_allocate_keep_eager"
 _active: dict = {"record": None, "masks": None, "registered": False}
 
@@ -177,13 +180,15 @@ class KeepCells:
     options (score, window, chunk) and protection (sink, recent); the chunk KL with layers evicting."""
 
     def __init__(self, runner, score: str = "snapkv", window: int = 32, chunk: int = 1) -> None:
-        if score not in CELL_SCORES:
+        if score not in cell_scores():
             raise RequestError("score", score, f"a keep cell is measured at prefill: use one of "
-                                               f"{', '.join(CELL_SCORES)} (h2o accumulates decode-time attention)")
+                                               f"{', '.join(cell_scores())} (h2o accumulates decode-time attention; "
+                                               "kvzip reads a context pass)")
         if any(w is not None for w in runner.windows):
             raise ValueError("the tokens axis evicts full-attention layers only, and this model has sliding-window "
                              "layers the chunk runner reads through their own stores: allocate with bits alone")
         self.runner, self.score, self.window, self.chunk = runner, score, window, chunk
+        self.ranker = scores.get_score(score, chunk)  # the Evictor's ranking: the same object
         self._idx: dict[tuple, torch.Tensor] = {}
         rec = {"q": {}, "scaling": {}, "window": window}
         with _through(runner.model, record=rec), torch.inference_mode():
@@ -202,24 +207,15 @@ class KeepCells:
             target = kept_rows(p, keep, sink, self.window, recent)
             head, tail = protected_rows(p, sink, self.window, recent)
             with torch.inference_mode():
-                s = self._score(layer, k, v)
-                if self.chunk > 1:
-                    pos = torch.arange(p, device=k.device).view(1, 1, p).expand(k.shape[0], k.shape[1], p)
-                    s = scores.chunked(s, pos, self.chunk)
-                self._idx[key] = select_kept(s, p, target, head, tail)
+                self._idx[key] = select_kept(self._score(layer, k, v), p, target, head, tail)
         return self._idx[key]
 
     def _score(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, sc = self.queries[layer], self.scaling[layer]
-        if self.score == "keynorm":
-            return scores.keynorm(k)
-        if self.score == "tova":
-            return scores.tova(q, k, sc)
-        if self.score == "expected":
-            return scores.expected(q, k, v, sc)
-        p = self.runner.prefill
+        """The ranking's scores [B, H, P] of the calibration prefill's rows of ``layer`` (its last ``window``
+        queries are both the call's and the window: the prefill is one call)."""
+        q, p = self.queries[layer], self.runner.prefill
         pos = torch.arange(p, device=k.device).view(1, 1, p).expand(k.shape[0], k.shape[1], p)
-        return scores.snapkv(q, k, sc, torch.arange(p - q.shape[2], p, device=k.device), pos)
+        return self.ranker(scores.ScoreInput(q, k, lambda: v, self.scaling[layer], p, pos, window=q))
 
     def mask(self, idx: torch.Tensor) -> torch.Tensor:
         keep = torch.zeros(*idx.shape[:2], self.runner.prefill, dtype=torch.bool, device=idx.device)

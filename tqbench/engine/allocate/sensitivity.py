@@ -29,6 +29,9 @@ from tqbench.engine.policy.spec import Policy
 
 JOB = "allocate"
 ROLES = ("k", "v")
+#: choices whose cells are not measured: KL 0 (the cells' reference reads the model's own rows; fp16 storage of
+#: fp32 rows differs from them by rounding alone)
+EXACT = ("fp16", "fp32")
 
 __all__ = ["ROLES", "SensitivityTable", "allocatable_layers", "cell_key", "measure_sensitivity", "quantized_rows",
            "rank_correlation"]
@@ -132,7 +135,8 @@ def measure_sensitivity(
                              role_codecs=role_codecs if role_codecs["k"] != role_codecs["v"] else None)
     cells = [(u, c) for u in table.units() for c in table.choices(u[1])]
     raise_if_cancelled(cancel, JOB)
-    todo = [cell for cell in cells if cell_key(cell[0][0], cell[0][1], cell[1], *cell[0][2:]) not in known]
+    todo = [cell for cell in cells if cell_key(cell[0][0], cell[0][1], cell[1], *cell[0][2:]) not in known
+            and cell[1] not in EXACT]
     if todo and runner is None:
         runner = ChunkRunner(engine, ids, prefill)
     for i, (unit, spec) in enumerate(cells):
@@ -141,7 +145,9 @@ def measure_sensitivity(
         head = unit[2] if len(unit) == 3 else None
         key = cell_key(layer, role, spec, head)
         resumed = key in known
-        if not resumed:
+        if not resumed and spec in EXACT:  # the reference rows themselves: nothing to measure
+            known[key] = 0.0
+        elif not resumed:
             ks, vs = runner.cell(policy, layer, {(role, head): spec})
             kl = runner.kl(ks, vs, start=layer)
             known[key] = kl

@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "explicit_geometry": "tqbench.engine.cache.geometry",
     "kv_estimate": "tqbench.engine.cache.estimate",
     "longest_context": "tqbench.engine.cache.estimate",
+    "geometry_from_config_dict": "tqbench.engine.cache.geometry",
     "model_geometry": "tqbench.engine.cache.geometry",
     "parse_bytes": "tqbench.engine.cache.estimate",
     "savings": "tqbench.engine.cache.savings",

@@ -23,7 +23,8 @@ from tqbench.engine.request import RequestError
 
 MODELS_DIR = MODELS_DATA_DIR
 ALIASES = {"default": "SmolLM2-135M", "smollm2-135m-instruct": "SmolLM2-135M",
-           "smollm2-1.7b-instruct": "SmolLM2-1.7B", "phi-3-mini-4k-instruct": "Phi-3-mini-4k"}
+           "smollm2-1.7b-instruct": "SmolLM2-1.7B", "phi-3-mini-4k-instruct": "Phi-3-mini-4k",
+           "gemma3-270m": "Gemma-3-270M"}  # --model gemma3-270m (models/named.py; a test holds every name here)
 
 
 def text_config(config):
@@ -180,7 +181,7 @@ class ModelGeometry:
                 "max_context": self.max_context}
 
 
-def _from_config_dict(name: str, data: dict, source: str) -> ModelGeometry:
+def geometry_from_config_dict(name: str, data: dict, source: str) -> ModelGeometry:
     from transformers import AutoConfig
 
     data = {k: v for k, v in data.items() if not k.startswith("_")}
@@ -209,7 +210,7 @@ def model_geometry(model: str) -> ModelGeometry:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{model}: not valid JSON ({exc})") from None
-        return _from_config_dict(path.parent.name if path.name == "config.json" else path.stem, data, str(path))
+        return geometry_from_config_dict(path.parent.name if path.name == "config.json" else path.stem, data, str(path))
     key = ALIASES.get(model.lower(), model)
     by_lower = {m.lower(): m for m in shipped_models()}
     if key.lower() not in by_lower:  # a hub id: meta-llama/Llama-3.1-8B-Instruct -> Llama-3.1-8B
@@ -223,7 +224,7 @@ def model_geometry(model: str) -> ModelGeometry:
                          "an explicit geometry (layers, kv_heads, head_dim)")
     name = by_lower[key.lower()]
     data = json.loads((MODELS_DIR / f"{name}.json").read_text(encoding="utf-8"))
-    return _from_config_dict(name, data, f"shipped config {name}.json")
+    return geometry_from_config_dict(name, data, f"shipped config {name}.json")
 
 
 @functools.lru_cache(maxsize=1)

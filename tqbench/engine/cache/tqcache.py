@@ -123,6 +123,27 @@ class TQCache(Cache):
         than one row, so a prompt fed in chunks must not end with a one-row call (``generate.prefill``)."""
         return any(isinstance(la, TQLayer) and la.evictor is not None for la in self.layers)
 
+    @property
+    def needs_context_pass(self) -> bool:
+        """True when a layer ranks rows by a context-pass score (``score=kvzip``): its scores must be handed to
+        ``set_context_scores`` before the prefill (``evict.reconstruct.context_scores``)."""
+        return any(isinstance(la, TQLayer) and la.evictor is not None and la.evictor.ranker.context_pass
+                   for la in self.layers)
+
+    def set_context_scores(self, scores) -> None:
+        """Per-position scores ``[B, H, N]`` per layer (a list indexed by layer) for the layers whose score reads
+        a context pass; read at their next eviction point."""
+        for i, la in enumerate(self.layers):
+            if isinstance(la, TQLayer) and la.evictor is not None and la.evictor.ranker.context_pass:
+                la.evictor.set_rows(scores[i])
+
+    def freeze_eviction(self, frozen: bool = True) -> None:
+        """From here on a call of more than one row is no eviction point: rows appended to a compressed context
+        (a question) are kept (query-agnostic compression: ``Engine.compress``)."""
+        for la in self.layers:
+            if isinstance(la, TQLayer) and la.evictor is not None:
+                la.evictor.freeze(frozen)
+
     def peak_dense_kv_bytes(self) -> int:
         """The sum over layers (K and V) of the most dense rows each store held at once (``KVStore.peak_dense_bytes``):
         an upper bound on the dense K/V the compressed layers ever held together. A prompt prefilled in one call

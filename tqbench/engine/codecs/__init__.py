@@ -35,7 +35,7 @@ _LAZY = {
     "Fp8Codec": "fp8", "GgmlCodec": "ggml", "HeadSplitCodec": "heads", "group_heads": "heads",
     "TurboCodec": "turbo", "TurboProdCodec": "turbo", "TurboSplitCodec": "turbo", "ROTATIONS": "rotation",
     "CODEC_OPTS": "registry", "codec_from_spec": "registry", "head_codecs": "registry",
-    "codec_bits_per_element": "registry",
+    "codec_bits_per_element": "registry", "VllmTqKeyCodec": "vllm_tq", "VllmUniformCodec": "vllm_tq",
 }
 
 __all__ = [

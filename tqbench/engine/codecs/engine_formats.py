@@ -7,7 +7,10 @@
 What each engine's name means (read in the engines' sources, see docs):
 - llama.cpp ``-ctk/-ctv`` (``--cache-type-k/-v``): f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1.
 - vLLM ``--kv-cache-dtype`` (0.34): ``fp8`` is ``fp8_e4m3``; the scale is the checkpoint's ``k_scale`` /
-  ``v_scale``, 1.0 when it has none (tqbench's static ``fp8_e4m3``).
+  ``v_scale``, 1.0 when it has none (tqbench's static ``fp8_e4m3``). Its TurboQuant presets (0.33) store K and V
+  differently (``ENGINE_KV_PAIRS``, ``codecs.vllm_tq``): ``turboquant_k8v4`` fp8 keys + 4-bit uniform values,
+  ``turboquant_4bit_nc`` / ``turboquant_k3v4_nc`` / ``turboquant_3bit_nc`` Hadamard + Lloyd-Max keys with norm
+  correction and 4/4, 4/3, 3/3-bit values; vLLM also keeps the first and last 2 layers at the model's dtype.
 - SGLang ``--kv-cache-dtype`` (0.5.23): ``fp8_e4m3``, ``fp8_e5m2``, scales as vLLM's; ``fp4_mx_block16`` (E2M1 in
   blocks of 16 with an exponent byte, ``codecs.fp4``).
 - TensorRT-LLM ``kv_cache_config.dtype: fp8``: e4m3 with the per-tensor scale the checkpoint was calibrated
@@ -16,7 +19,10 @@ What each engine's name means (read in the engines' sources, see docs):
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "ENGINE_KV_TYPES", "NOT_REPRODUCED", "describe_setting", "engine_setting", "is_engine_setting"]
+from .names import VLLM_TQ_PRESETS
+
+__all__ = ["ENGINES", "ENGINE_KV_PAIRS", "ENGINE_KV_TYPES", "NOT_REPRODUCED", "describe_setting", "engine_setting",
+           "engine_types", "is_engine_setting"]
 
 #: engine -> {the engine's KV type name -> the tqbench codec that stores exactly what the engine stores}
 ENGINE_KV_TYPES: dict[str, dict[str, str]] = {
@@ -33,13 +39,11 @@ ENGINE_KV_TYPES: dict[str, dict[str, str]] = {
     "trtllm": {"auto": "fp16", "fp8": "fp8_e4m3-prefill"},
 }
 ENGINES = tuple(ENGINE_KV_TYPES)
+#: engine -> {a type name that sets K and V to different codecs -> (K codec, V codec)}
+ENGINE_KV_PAIRS: dict[str, dict[str, tuple[str, str]]] = {"vllm": dict(VLLM_TQ_PRESETS)}
 #: the engine type names each engine accepts that tqbench does not store bit-exactly (said, never guessed)
 NOT_REPRODUCED: dict[str, dict[str, str]] = {
     "vllm": {
-        **{t: "vLLM's TurboQuant layout (Hadamard rotation, Lloyd-Max keys or fp8 keys, uniform 3/4-bit values "
-              "with fp16 scale+zero, first/last 2 layers skipped): the closest tqbench policy is turbo keys "
-              "and int values, not bit-exact"
-           for t in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")},
         "nvfp4": "NVFP4 blocks are not a tqbench codec yet",
         "fp8_inc": "Intel Gaudi's fp8 is not reproduced",
         "int8_per_token_head": "not reproduced", "int4_per_token_head": "not reproduced",
@@ -69,16 +73,24 @@ def is_engine_setting(text: str) -> bool:
     return isinstance(text, str) and ":" in text and "=" not in text.split(":", 1)[0]
 
 
-def _codec(engine: str, kind: str, text: str) -> str:
+def engine_types(engine: str) -> tuple[str, ...]:
+    """Every type name of ``engine`` tqbench reproduces (one codec for K and V, then K/V pairs)."""
+    return (*ENGINE_KV_TYPES[engine], *ENGINE_KV_PAIRS.get(engine, {}))
+
+
+def _codec(engine: str, kind: str, text: str, role: int = 0) -> str:
     types = ENGINE_KV_TYPES[engine]
     key = kind.strip().lower()
     if key in types:
         return types[key]
+    if key in ENGINE_KV_PAIRS.get(engine, {}):
+        return ENGINE_KV_PAIRS[engine][key][role]
     why = NOT_REPRODUCED.get(engine, {}).get(key)
     if why:
         raise ValueError(f"{text!r}: {engine}'s {key} is not reproduced here ({why}); types tqbench reproduces "
-                         f"for {engine}: {', '.join(types)}")
-    raise ValueError(f"{text!r}: {key!r} is not a {engine} KV type: valid {engine} types are {', '.join(types)}")
+                         f"for {engine}: {', '.join(engine_types(engine))}")
+    raise ValueError(f"{text!r}: {key!r} is not a {engine} KV type: valid {engine} types are "
+                     f"{', '.join(engine_types(engine))}")
 
 
 def engine_setting(text: str) -> tuple[str, str]:
@@ -88,9 +100,12 @@ def engine_setting(text: str) -> tuple[str, str]:
     parts = kinds.split("/")
     if not kinds or len(parts) > 2 or not all(p.strip() for p in parts):
         raise ValueError(f"{text!r}: write {engine}:TYPE (K and V) or {engine}:K_TYPE/V_TYPE, with types from "
-                         f"{', '.join(ENGINE_KV_TYPES[engine])}")
-    k = _codec(engine, parts[0], text)
-    v = _codec(engine, parts[-1], text)
+                         f"{', '.join(engine_types(engine))}")
+    if len(parts) == 2 and any(p.strip().lower() in ENGINE_KV_PAIRS.get(engine, {}) for p in parts):
+        raise ValueError(f"{text!r}: {engine}'s {', '.join(ENGINE_KV_PAIRS[engine])} set K and V together: write "
+                         f"{engine}:TYPE")
+    k = _codec(engine, parts[0], text, 0)
+    v = _codec(engine, parts[-1], text, 1)
     return k, v
 
 
@@ -102,6 +117,10 @@ def describe_setting(text: str) -> str:
     parts = kinds.split("/")
     flags = _FLAGS[engine].format(k=parts[0].strip(), v=parts[-1].strip())
     k, _ = engine_setting(text)
+    if parts[0].strip() in ENGINE_KV_PAIRS.get(engine, {}):
+        return (f"{flags}: the engine's own K/V bytes, bit-exact (storage only: its Triton/CUDA attention kernels "
+                "do not run here; vLLM also keeps the first and last 2 layers unquantized, which this setting "
+                "alone does not)")
     if k.endswith("-prefill"):
         return (f"{flags}: the engine's fp8 bytes, with a per-tensor scale computed on the prefill (the engine "
                 "takes the checkpoint's calibrated one)")

@@ -8,12 +8,22 @@ import re
 from dataclasses import dataclass
 
 #: dense passthrough, affine int, TurboQuant (plain, outlier split, QJL), llama.cpp GGML blocks, fp8 and fp4
-#: engine formats, calibrated key transforms
-FAMILIES = ("dense", "affine", "turbo", "turbo-split", "turbo-qjl", "ggml", "fp8", "fp4", "pcaq")
+#: engine formats, calibrated key transforms, vLLM's TurboQuant keys (Lloyd-Max) and values (uniform)
+FAMILIES = ("dense", "affine", "turbo", "turbo-split", "turbo-qjl", "ggml", "fp8", "fp4", "pcaq", "vllm-tq", "vllm-u")
 DENSE_NAMES = ("fp16", "bf16", "fp32")
 ROLES = ("k", "v")
 #: the widest calibrated (pcaq) coordinate (``calibrated_fit.MAX_BITS``)
 PCAQ_MAX_BITS = 6
+#: vLLM's ``--kv-cache-dtype`` preset -> (key codec, value codec) as tqbench specs
+VLLM_TQ_PRESETS: dict[str, tuple[str, str]] = {
+    "turboquant_k8v4": ("fp8_e4m3", "vllm_u4"),
+    "turboquant_4bit_nc": ("vllm_tq4_nc", "vllm_u4"),
+    "turboquant_k3v4_nc": ("vllm_tq3_nc", "vllm_u4"),
+    "turboquant_3bit_nc": ("vllm_tq3_nc", "vllm_u3"),
+}
+#: vLLM keeps the first and last this many attention layers at the model's dtype with any turboquant preset
+#: (``TurboQuantConfig.get_boundary_skip_layers``, n=2, at most half the layers; none on hybrid Mamba models)
+BOUNDARY_LAYERS = 2
 
 
 class GgmlType:
@@ -102,6 +112,10 @@ def parse_codec_name(name: str) -> CodecName:
         return CodecName(name, "dense", float(name[2:]))
     if name in GGML_TYPES:
         return CodecName(name, "ggml", float(GGML_TYPES[name].bits))
+    if name in ("vllm_tq3_nc", "vllm_tq4_nc"):
+        return CodecName(name, "vllm-tq", float(name[7]))
+    if name in ("vllm_u3", "vllm_u4"):
+        return CodecName(name, "vllm-u", float(name[6]))
     if name == "fp4_mx_block16":
         return CodecName(name, "fp4", 4.0)
     if name.startswith("fp8_"):
@@ -149,10 +163,16 @@ CODEC_SPECS: tuple[str, ...] = (
     "fp8_e4m3-prefill",
     "fp8_e5m2-prefill",
     "fp4_mx_block16",
+    # vLLM's TurboQuant keys and values (vllm_tq.py)
+    "vllm_tq4_nc",
+    "vllm_tq3_nc",
+    "vllm_u4",
+    "vllm_u3",
 )
-#: the codecs that are an inference engine's own KV storage (llama.cpp's GGML types, fp8 with per-tensor scales)
+#: the codecs that are an inference engine's own KV storage (llama.cpp's GGML types, fp8 with per-tensor scales,
+#: vLLM's TurboQuant keys and values)
 ENGINE_FORMAT_SPECS: tuple[str, ...] = (*GGML_TYPES, "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-prefill", "fp8_e5m2-prefill",
-                                        "fp4_mx_block16")
+                                        "fp4_mx_block16", "vllm_tq4_nc", "vllm_tq3_nc", "vllm_u4", "vllm_u3")
 ALIASES: dict[str, str] = {"q8": "int8", "q4": "int4", "q2": "int2", "f16": "fp16", "f32": "fp32"}
 
 

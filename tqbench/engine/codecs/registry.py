@@ -25,6 +25,7 @@ from .names import (
 )
 from .rotation import ROTATIONS
 from .turbo import TurboCodec, TurboProdCodec, TurboSplitCodec
+from .vllm_tq import VllmTqKeyCodec, VllmUniformCodec
 
 #: option name -> default
 CODEC_OPTS: dict[str, Any] = {
@@ -87,6 +88,10 @@ def codec_from_spec(spec: str, role: str = "v", layer: int | None = None, heads:
         return GgmlCodec(name)
     if n.family == "fp4":
         return Fp4Block16Codec()
+    if n.family == "vllm-tq":
+        return VllmTqKeyCodec(int(n.bits))
+    if n.family == "vllm-u":
+        return VllmUniformCodec(int(n.bits))
     if n.family == "fp8":
         return Fp8Codec(n.fmt, n.scale)
     if n.family == "affine":

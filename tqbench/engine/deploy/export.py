@@ -77,8 +77,10 @@ def export_policy(
     llamacpp_kld: str = "predict",
     kld_texts: tuple[str, ...] | None = None,
     kld_ctx: int = 1024,
+    kld_chunks: int | None = None,
     threads: int = 2,
     progress=None,
+    setting: EngineSetting | None = None,
 ) -> ExportReport:
     """Map ``policy`` to ``engine_name`` for ``engine``'s model (or ``geometry`` of ``model_name``), and measure
     both unless ``measure`` is False (measuring needs ``engine``).
@@ -86,7 +88,9 @@ def export_policy(
     For llama.cpp, when measuring, ``llamacpp_kld``: ``"predict"`` adds tqbench's prediction of
     llama-perplexity's KLD for the mapped flags (``llamacpp_verify``; on a model loaded from a GGUF file, the one
     llama.cpp runs), ``"verify"`` also runs those flags in llama.cpp (found or built, said through
-    ``progress``) on the same texts, ``"off"`` neither."""
+    ``progress``) on the same texts, ``"off"`` neither; ``kld_chunks`` caps the chunks per text (None: the
+default, ``llamacpp_verify.DEFAULT_KLD_CHUNKS``; llama-perplexity's ``--chunks``). ``setting``: the mapping
+already made (``map_policy``: a front end prints it before measuring), not made again."""
     from tqbench.engine.policy.artifact import artifact_warning_for
 
     if llamacpp_kld not in ("off", "predict", "verify"):
@@ -97,7 +101,8 @@ def export_policy(
         raise ValueError("measuring the mapped setting needs a loaded model; pass measure=False to map only")
     geo = engine.geometry if engine is not None else geometry
     pol = parse_policy(policy)
-    setting = map_policy(pol, engine_name, geo, seq_len)
+    if setting is None:
+        setting = map_policy(pol, engine_name, geo, seq_len)
     fingerprint = getattr(getattr(engine, "loaded", None), "fingerprint", None) if engine is not None else None
     warning = artifact_warning_for(policy, fingerprint, geo) if isinstance(policy, str) else None
     measured = None
@@ -110,13 +115,15 @@ def export_policy(
         )
     kld, skipped = None, None
     if setting.engine == "llamacpp" and measure and llamacpp_kld != "off":
+        from tqbench.constants import DEFAULT_KLD_CHUNKS
         from tqbench.engine.deploy.llamacpp_kld import VERIFY_TEXTS
         from tqbench.engine.deploy.llamacpp_verify import llamacpp_kld_report, model_gguf
 
         if llamacpp_kld == "verify" or model_gguf(engine) is not None:
             kld = llamacpp_kld_report(engine, setting.k_type, setting.v_type, texts=tuple(kld_texts or VERIFY_TEXTS),
                                       n_ctx=kld_ctx, verify=llamacpp_kld == "verify", threads=threads,
-                                      progress=progress, cancel=cancel)
+                                      progress=progress, cancel=cancel, on_event=on_event,
+                                      chunks=DEFAULT_KLD_CHUNKS if kld_chunks is None else kld_chunks)
         else:
             skipped = (f"{engine.name} was not loaded from a GGUF file: llama.cpp's weight products (quantized "
                        "activations) cannot be modelled, so its KLD is not predicted")

@@ -13,10 +13,16 @@ What the engine computes for a ``-ctk K -ctv V -fa on`` cache, read in llama.cpp
   query), softmax online in fp32, V accumulated in fp32 when V is quantized (in fp16 when V is f16: not
   modelled here, ``f16_v_accumulation`` says so).
 - Every query of a batch reads the cache as stored, its own row included.
-- A quantized K (V) cache holds its rows rotated by a 64 x 64 Hadamard matrix (``llama_kv_cache``: ``n_rot_k``,
-  ``n_rot_v`` = 64 when the type is quantized and head_dim is a multiple of 64, ``ggml_gen_hadamard``; the
-  environment variable ``LLAMA_ATTN_ROT_DISABLE=1`` turns it off): the query is rotated the same way before its
-  conversion, and the attention output is rotated back for V. Modelled with the normalized Sylvester matrix.
+- A quantized K (V) cache holds its rows rotated by a Hadamard matrix (``llama_kv_cache``, ``ggml_gen_hadamard``;
+  the environment variable ``LLAMA_ATTN_ROT_DISABLE=1`` turns it off) when the type is quantized and head_dim is a
+  multiple of 64: for K in blocks of ``n_rot_k`` = 64 doubled while head_dim is a multiple of twice it (256 for
+  Gemma-3's head_dim 256), for V in blocks of ``n_rot_v`` = 64. The query is rotated as K before its conversion,
+  and the attention output is rotated back for V. Modelled with the normalized Sylvester matrix.
+- Sliding-window layers (``LLAMA_SWA_TYPE_STANDARD``: Gemma-2/3, Mistral) mask a key ``p0`` for a query ``p1``
+  when ``p1 - p0 >= n_swa``; transformers' window (``q - kv < sliding_window``) is the same set.
+- Gemma-2/3 scale the query by ``f_attention_scale`` in the model graph before attention (``kq_scale`` 1), so
+  the query the K type's dot product quantizes is the scaled one (``QUERY_SCALED_FIRST``); Gemma-2's
+  ``attn_logit_softcapping`` is applied to the scaled scores (``softcap * tanh(s / softcap)``).
 
 ``LLAMACPP_ATTN`` is registered with transformers' ``AttentionInterface``; ``llamacpp_kv(model, k, v)`` switches a
 model to it for a block. One sequence per call, no cache (the whole chunk in one forward, as llama-perplexity's
@@ -98,7 +104,18 @@ def f16_v_accumulation(k_type: str, v_type: str) -> bool:
 
 
 _current: dict = {}
-ROT = 64  # llama.cpp's rotation block for a quantized cache (n_rot_k for head_dim 64; n_rot_v is always 64)
+ROT = 64  # llama.cpp's smallest rotation block for a quantized cache (n_rot_v is always 64)
+#: architectures (``config.model_type``) whose llama.cpp graph scales the query before attention (kq_scale 1)
+QUERY_SCALED_FIRST = ("gemma2", "gemma3", "gemma3_text")
+
+
+def n_rot_k(head_dim: int) -> int:
+    """llama.cpp's K rotation block for ``head_dim`` (a multiple of 64): 64, doubled while head_dim is a multiple of
+    twice it (``llama_kv_cache``: ``n_rot_k``)."""
+    n = ROT
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
 
 
 def hadamard(n: int = ROT) -> torch.Tensor:
@@ -114,24 +131,40 @@ def rotated(kind: str, dim: int) -> bool:
     return kind in GGML_TYPES and dim % ROT == 0 and not _current.get("no_rot", False)
 
 
-def _rot(x: torch.Tensor) -> torch.Tensor:
+def _rot(x: torch.Tensor, n: int = ROT) -> torch.Tensor:
     d = x.shape[-1]
-    return (x.to(torch.float32).reshape(*x.shape[:-1], d // ROT, ROT) @ hadamard()).reshape(x.shape)
+    return (x.to(torch.float32).reshape(*x.shape[:-1], d // n, n) @ hadamard(n)).reshape(x.shape)
+
+
+def _mask(t: int, window: int | None, device) -> torch.Tensor:
+    """True where a query (row) may not read a key (column): the future, and with a sliding window a key
+    ``window`` or more positions back (llama.cpp's ``LLAMA_SWA_TYPE_STANDARD``)."""
+    pos = torch.arange(t, device=device)
+    dist = pos[:, None] - pos[None, :]
+    masked = dist < 0
+    if window:
+        masked |= dist >= window
+    return masked
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     """``AttentionInterface`` function: ``query [1, H, T, D]``, ``key``/``value [1, Hkv, T, D]`` (this call's rows,
     no cache) -> ``[1, T, H, D]``, computed as llama.cpp's CPU flash attention with ``_current`` K/V types."""
     k_type, v_type = _current["k"], _current["v"]
-    if kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
-        raise ValueError("the llama.cpp attention model covers full causal attention without sinks only")
+    _current["calls"] = _current.get("calls", 0) + 1
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("the llama.cpp attention model covers causal attention without sinks only (this model's "
+                         "attention has sink logits)")
     b, h, t, dk = query.shape
     if b != 1 or key.shape[2] != t:
         raise ValueError("the llama.cpp attention model runs one sequence in one forward, without a cache")
     rep = h // key.shape[1]
     scale = scaling if scaling is not None else dk ** -0.5
+    arch = getattr(getattr(module, "config", None), "model_type", "")
+    if arch in QUERY_SCALED_FIRST:  # the graph scales Q (ggml_scale), then attention runs with kq_scale 1
+        query, scale = query.to(torch.float32) * scale, 1.0
     if rotated(k_type, dk):  # the quantized K cache and the query, rotated alike (Q.K unchanged before quantizing)
-        query, key = _rot(query), _rot(key)
+        query, key = _rot(query, n_rot_k(dk)), _rot(key, n_rot_k(dk))
     rot_v = rotated(v_type, value.shape[-1])
     if rot_v:
         value = _rot(value)
@@ -151,13 +184,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     scores = scores * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
-    scores = scores.masked_fill(causal, float("-inf"))
+    scores = scores.masked_fill(_mask(t, kwargs.get("sliding_window"), query.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = probs @ vv
     if rot_v:
         out = _rot(out)  # the Hadamard matrix is its own inverse
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def attention_calls() -> int:
+    """How many attention calls the llama.cpp model has served inside the current ``llamacpp_kv`` block (0 means
+    the model's attention does not go through transformers' ``AttentionInterface``: nothing was modelled)."""
+    return int(_current.get("calls", 0))
 
 
 @contextmanager
@@ -173,7 +211,7 @@ def llamacpp_kv(model, k_type: str, v_type: str, rotation: bool = True) -> Itera
     AttentionInterface.register(LLAMACPP_ATTN, _attention)
     AttentionMaskInterface.register(LLAMACPP_ATTN, sdpa_mask)
     previous = model.config._attn_implementation
-    _current.update(k=k_type, v=v_type, no_rot=not rotation)
+    _current.update(k=k_type, v=v_type, no_rot=not rotation, calls=0)
     model.set_attn_implementation(LLAMACPP_ATTN)
     try:
         yield

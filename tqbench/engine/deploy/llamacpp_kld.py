@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 
 from tqbench.engine.deploy.llamacpp import RUNTIME_FLAGS
-from tqbench.engine.deploy.llamacpp_attention import f16_v_accumulation, llamacpp_kv
+from tqbench.engine.deploy.llamacpp_attention import attention_calls, f16_v_accumulation, llamacpp_kv
 from tqbench.engine.deploy.llamacpp_matmul import llamacpp_matmuls
-from tqbench.engine.events import CancelFlag, raise_if_cancelled
+from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 
 __all__ = ["BASELINE", "KldResult", "PROTOCOL_DIFFERENCES", "VERIFY_TEXTS", "measure_llamacpp_kld",
-           "predict_llamacpp_kld", "read_kld_base", "verify_text"]
+           "predict_llamacpp_kld", "predict_units", "read_kld_base", "verify_text"]
 
 BASELINE = ("f16", "f16")
 #: two shipped texts of different kinds, long enough for two 1,024-token chunks each (llama-perplexity needs
@@ -90,34 +90,53 @@ def _log_probs(model, ids: torch.Tensor, k: str, v: str, first: int, gguf: Path 
     with llamacpp_kv(model, k, v), (llamacpp_matmuls(model, gguf) if gguf else nullcontext()), \
             torch.inference_mode():
         logits = model(input_ids=ids[None], use_cache=False, logits_to_keep=keep).logits[0, -keep:-1]
+        if attention_calls() == 0:
+            raise ValueError(f"{model.config.model_type}: this architecture's attention does not go through "
+                             "transformers' AttentionInterface, so llama.cpp's attention cannot be modelled on it")
     return torch.log_softmax(logits.float(), -1)
 
 
+def predict_units(n_chunk: int, n_settings: int) -> int:
+    """Forward passes ``predict_llamacpp_kld`` runs over ``n_chunk`` chunks: the f16 baseline plus each setting."""
+    return n_chunk * (1 + n_settings)
+
+
 def predict_llamacpp_kld(engine, tokens: torch.Tensor, settings: list[tuple[str, str]], *, gguf: Path | None,
-                         cancel: CancelFlag | None = None, progress=None) -> list[KldResult]:
+                         cancel: CancelFlag | None = None, on_event: OnEvent | None = None,
+                         units_done: int = 0, units_total: int | None = None) -> list[KldResult]:
     """tqbench's prediction of llama-perplexity's KLD for each ``(k, v)`` setting on ``tokens [n_chunk, n_ctx]``
     (llama.cpp's chunks; the BOS substitution, where the model adds one, is already in them). ``gguf``: the file
     the model was loaded from, whose weight types set llama.cpp's activation quantization (``llamacpp_matmul``);
-    None runs fp32 activations (and says so in each result's note)."""
+    None runs fp32 activations (and says so in each result's note). ``on_event`` gets a ``Progress(JOB, done,
+total)`` after each forward pass (one unit; ``units_done``/``units_total`` place this call inside a larger job:
+several texts)."""
     model = engine.model
     n_chunk, n_ctx = tokens.shape
     first = n_ctx // 2
     sums = {s: [0.0, 0.0, 0, 0.0] for s in settings}  # sum kld, sum kld^2, same top, sum nll
     nll_base, count = 0.0, 0
+    done = units_done
+    total = units_total if units_total is not None else units_done + predict_units(n_chunk, len(settings))
+
+    def unit(message: str) -> None:
+        nonlocal done
+        done += 1
+        emit(on_event, Progress(JOB, done, total, message))
+
     for c in range(n_chunk):
         raise_if_cancelled(cancel, JOB)
         ids = tokens[c]
         target = ids[first + 1 :]
         base = _log_probs(model, ids, *BASELINE, first, gguf)
+        unit(f"chunk {c + 1}/{n_chunk}: f16 baseline")
         nll_base += float(-base.gather(-1, target[:, None]).sum())
         count += target.numel()
         keep = base > -16  # llama.cpp sums only base log-probs above -16
         pb = torch.where(keep, base.exp(), 0)
         for s in settings:
             raise_if_cancelled(cancel, JOB)
-            if progress is not None:
-                progress(f"chunk {c + 1}/{n_chunk}: -ctk {s[0]} -ctv {s[1]}")
             cand = _log_probs(model, ids, *s, first, gguf)
+            unit(f"chunk {c + 1}/{n_chunk}: -ctk {s[0]} -ctv {s[1]}")
             kld = (pb * torch.where(keep, base - cand, 0)).sum(-1).double()
             acc = sums[s]
             acc[0] += float(kld.sum())
@@ -170,19 +189,21 @@ def _perplexity(tool: Path, args: list[str], log: Path) -> str:
 
 def measure_llamacpp_kld(perplexity: Path, gguf: Path, text: Path, settings: list[tuple[str, str]], *,
                          n_ctx: int = 1024, threads: int = 2, workdir: Path | None = None,
-                         progress=None) -> tuple[Path, list[KldResult]]:
+                         progress=None, chunks: int | None = None) -> tuple[Path, list[KldResult]]:
     """Run llama-perplexity: the f16-cache baseline into ``workdir/base.kld``, then each ``(k, v)`` setting
-    against it. Returns the base file (its tokens feed ``predict_llamacpp_kld``) and the measured results."""
+    against it (``chunks``: only the first N chunks, llama-perplexity's ``--chunks``). Returns the base file (its tokens feed ``predict_llamacpp_kld``) and the measured results."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="tqbench-llamacpp-"))
     workdir.mkdir(parents=True, exist_ok=True)
     base = workdir / f"{text.stem}-c{n_ctx}.kld"
-    common = ["-m", str(gguf), "-f", str(text), "-c", str(n_ctx), "-t", str(threads), "-fa", "on", *NO_REPACK]
+    common = ["-m", str(gguf), "-f", str(text), "-c", str(n_ctx), "-t", str(threads), "-fa", "on", *NO_REPACK,
+              *(["--chunks", str(chunks)] if chunks else [])]
     if progress is not None:
         progress(f"llama.cpp: f16-cache baseline on {text.name} ({n_ctx}-token chunks)")
     _perplexity(perplexity, [*common, "-ctk", BASELINE[0], "-ctv", BASELINE[1], "--kl-divergence-base",
                              str(base)], workdir / f"{base.stem}-base.log")
     n_ctx_file, _, tokens = read_kld_base(base)
-    scored = tokens.shape[0] * (n_ctx_file - 1 - n_ctx_file // 2)
+    n_chunk = min(chunks, tokens.shape[0]) if chunks else tokens.shape[0]
+    scored = n_chunk * (n_ctx_file - 1 - n_ctx_file // 2)
     out = []
     for k, v in settings:
         if progress is not None:

@@ -24,7 +24,7 @@ import torch
 
 from tqbench.engine.deploy.llamacpp_attention import quantize_row_q8
 
-__all__ = ["activation_types", "llamacpp_matmuls", "quantize_row_q8_k"]
+__all__ = ["GGUF_ARCH", "activation_types", "gguf_arch", "llamacpp_matmuls", "quantize_row_q8_k"]
 
 #: GGUF weight type -> the activation conversion of ggml-cpu's vec_dot_type for it
 _VEC_DOT = {"Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "IQ4_NL": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
@@ -54,25 +54,46 @@ def _convert(x: torch.Tensor, kind: str) -> torch.Tensor:
     return (q.to(torch.float32) * d.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
-def _gguf_types(gguf_path: Path) -> dict[str, str]:
+#: transformers ``model_type`` -> llama.cpp's GGUF architecture name, where they differ (transformers' GGUF loader
+#: maps ``gemma3`` to the text model ``gemma3_text``; llama.cpp runs Mistral GGUFs as ``llama``)
+GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
+
+
+def gguf_arch(model_type: str) -> str:
+    """The GGUF architecture name llama.cpp runs a transformers ``model_type`` as; ValueError when it has none."""
+    import gguf
+
+    arch = GGUF_ARCH.get(model_type, model_type)
+    if arch not in gguf.MODEL_ARCH_NAMES.values():
+        raise ValueError(f"no GGUF architecture named {arch!r} (transformers model_type {model_type!r}): llama.cpp's "
+                         f"matrix products cannot be mapped; mapped model types: those whose name is a GGUF "
+                         f"architecture, and {', '.join(f'{k} -> {v}' for k, v in GGUF_ARCH.items())}")
+    return arch
+
+
+def _gguf_tensors(gguf_path: Path) -> tuple[str | None, dict[str, str], set[str]]:
+    """``(general.architecture, {tensor name: GGML type name}, names of the matrices)`` of a GGUF file."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    return {t.name: t.tensor_type.name for t in reader.tensors}
+    field = reader.get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    return (arch, {t.name: t.tensor_type.name for t in reader.tensors},
+            {t.name for t in reader.tensors if len(t.shape) >= 2 and int(t.shape[1]) > 1})
 
 
 def activation_types(model, gguf_path: Path) -> dict[str, str]:
-    """``{linear module name: activation conversion}`` for the model loaded from ``gguf_path`` (ValueError for a
-    weight type whose conversion is not modelled, or a linear the GGUF has no tensor for)."""
+    """``{linear module name: activation conversion}`` for the model loaded from ``gguf_path``. The architecture
+    is the file's ``general.architecture`` (else the model type's, ``gguf_arch``). ValueError for a weight type
+    whose conversion is not modelled, a linear the GGUF has no tensor for, or a GGUF matrix no linear layer
+    multiplies here (fused MoE experts, say: their products would go unmodelled)."""
     import gguf
 
-    types = _gguf_types(gguf_path)
-    arch = model.config.model_type
-    arch_id = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), None)
-    if arch_id is None:
-        raise ValueError(f"no GGUF architecture named {arch!r}: llama.cpp's matrix products cannot be mapped")
+    file_arch, types, matrices = _gguf_tensors(gguf_path)
+    arch = file_arch if file_arch in gguf.MODEL_ARCH_NAMES.values() else gguf_arch(model.config.model_type)
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, model.config.num_hidden_layers)
-    out = {}
+    out, used = {}, set()
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear):
             continue
@@ -86,6 +107,13 @@ def activation_types(model, gguf_path: Path) -> dict[str, str]:
         if wtype not in _VEC_DOT:
             raise ValueError(f"{name}: GGUF weight type {wtype} is not modelled (modelled: {', '.join(_VEC_DOT)})")
         out[name] = _VEC_DOT[wtype]
+        used.add(f"{key}.weight")
+    unmodelled = sorted(matrices - used - {"token_embd.weight"})  # token_embd: a row lookup unless tied
+    if unmodelled:
+        more = f" and {len(unmodelled) - 3} more" if len(unmodelled) > 3 else ""
+        raise ValueError(f"{arch}: GGUF matrices {', '.join(unmodelled[:3])}{more} are not multiplied by linear "
+                         "layers here (fused experts or another layout): llama.cpp's matrix products cannot be "
+                         "modelled for this architecture")
     return out
 
 

@@ -16,17 +16,19 @@ from pathlib import Path
 
 import torch
 
+from tqbench.constants import DEFAULT_KLD_CHUNKS
 from tqbench.engine.deploy.llamacpp_kld import (
     PROTOCOL_DIFFERENCES,
     VERIFY_TEXTS,
     KldResult,
     measure_llamacpp_kld,
     predict_llamacpp_kld,
+    predict_units,
     read_kld_base,
     verify_text,
 )
 
-__all__ = ["LlamaCppKldReport", "llamacpp_kld_report", "model_gguf"]
+__all__ = ["DEFAULT_KLD_CHUNKS", "LlamaCppKldReport", "kld_plan", "llamacpp_kld_report", "model_gguf"]
 
 
 @dataclass
@@ -43,6 +45,7 @@ class LlamaCppKldReport:
     protocol: str = ""
     differences: tuple[str, ...] = PROTOCOL_DIFFERENCES
     machine: str = ""
+    chunks: int | None = None  # chunks per text (None: all the text holds)
 
     def rows(self) -> list[dict]:
         out = []
@@ -57,7 +60,7 @@ class LlamaCppKldReport:
         return out
 
     def to_dict(self) -> dict:
-        return {"k": self.k, "v": self.v, "n_ctx": self.n_ctx, "threads": self.threads, "protocol": self.protocol,
+        return {"k": self.k, "v": self.v, "n_ctx": self.n_ctx, "chunks": self.chunks, "threads": self.threads, "protocol": self.protocol,
                 "tokens_from": self.tokens_from, "differences": list(self.differences), "machine": self.machine,
                 "llamacpp": self.llamacpp, "rows": self.rows(),
                 "predicted": [p.to_dict() for p in self.predicted],
@@ -93,13 +96,31 @@ def _chunks(engine, text: Path, n_ctx: int) -> torch.Tensor:
     return ids[: n * n_ctx].reshape(n, n_ctx)
 
 
+def kld_plan(texts: tuple[str, ...], chunks: int | None) -> tuple[int, str]:
+    """``(forward passes, what they are)`` the prediction will run on ``texts`` with ``chunks`` per text (None:
+    every chunk; counted as 2, the fewest a text llama-perplexity accepts holds). Said before it starts."""
+    per_text = chunks if chunks is not None else 2
+    units = len(texts) * predict_units(per_text, 1)
+    what = (f"{len(texts)} text(s) x {chunks if chunks is not None else 'all'} chunk(s) x (f16 baseline + the "
+            f"flags) = {units}{'' if chunks is not None else '+'} forward passes")
+    return units, what
+
+
 def llamacpp_kld_report(engine, k: str, v: str, *, texts: tuple[str, ...] = VERIFY_TEXTS, n_ctx: int = 1024,
-                        verify: bool = False, threads: int = 2, progress=None, cancel=None) -> LlamaCppKldReport:
-    """Predicted (and with ``verify`` measured) llama-perplexity KLD of ``-ctk k -ctv v`` on each text."""
+                        verify: bool = False, threads: int = 2, progress=None, cancel=None,
+                        chunks: int | None = DEFAULT_KLD_CHUNKS, on_event=None) -> LlamaCppKldReport:
+    """Predicted (and with ``verify`` measured) llama-perplexity KLD of ``-ctk k -ctv v`` on each text, over its
+    first ``chunks`` chunks (None: all; llama-perplexity's ``--chunks``). ``on_event`` gets one ``Progress`` per
+    forward pass of the prediction; ``progress`` (text) says what llama.cpp is doing under ``verify``."""
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"chunks={chunks}: give 1 or more chunks per text (or None for all)")
     gguf = model_gguf(engine)
-    rep = LlamaCppKldReport(k, v, n_ctx, threads, list(texts), machine=_machine(threads),
-                            protocol=f"llama-perplexity --kl-divergence: {n_ctx}-token chunks, KL over the second "
-                                     "half of each chunk against the f16 cache (-fa on)")
+    rep = LlamaCppKldReport(k, v, n_ctx, threads, list(texts), machine=_machine(threads), chunks=chunks,
+                            protocol=f"llama-perplexity --kl-divergence: {n_ctx}-token chunks"
+                                     f"{f' (first {chunks} per text, --chunks {chunks})' if chunks else ''}, KL over "
+                                     "the second half of each chunk against the f16 cache (-fa on)")
+    units_total = kld_plan(texts, chunks)[0] if chunks is not None else None
+    units_done = 0
     build = None
     if verify:
         from tqbench.engine.deploy.llamacpp import build_llamacpp
@@ -116,7 +137,7 @@ def llamacpp_kld_report(engine, k: str, v: str, *, texts: tuple[str, ...] = VERI
             if build is not None:
                 base, measured = measure_llamacpp_kld(build.tool("llama-perplexity"), gguf, text, [(k, v)],
                                                       n_ctx=n_ctx, threads=threads, workdir=Path(tmp),
-                                                      progress=progress)
+                                                      progress=progress, chunks=chunks)
                 tokens = read_kld_base(base)[2]
                 rep.tokens_from = "llama.cpp's base file"
                 rep.measured.append(measured[0])
@@ -124,6 +145,10 @@ def llamacpp_kld_report(engine, k: str, v: str, *, texts: tuple[str, ...] = VERI
                 tokens = _chunks(engine, text, n_ctx)
                 rep.tokens_from = "tqbench's tokenizer"
                 rep.measured.append(None)
-            (pred,) = predict_llamacpp_kld(engine, tokens, [(k, v)], gguf=gguf, cancel=cancel, progress=progress)
+            if chunks is not None:
+                tokens = tokens[:chunks]
+            (pred,) = predict_llamacpp_kld(engine, tokens, [(k, v)], gguf=gguf, cancel=cancel, on_event=on_event,
+                                           units_done=units_done, units_total=units_total)
+            units_done += predict_units(tokens.shape[0], 1)
             rep.predicted.append(pred)
     return rep

@@ -10,6 +10,13 @@ How a role is mapped: when every layer uses one codec that is one of the engine'
 engine type whose bits per element (scales counted) are nearest the policy's mean for that role over the
 layers it compresses (layers kept fp16 in K and V are reported apart). vLLM, SGLang and TensorRT-LLM take one dtype for K and V together:
 the mean over both roles picks it. Layers the policy keeps fp16 in K and V become vLLM's skip list.
+
+vLLM's TurboQuant presets (``turboquant_k8v4``, ``turboquant_4bit_nc``, ``turboquant_k3v4_nc``,
+``turboquant_3bit_nc``) set K and V apart: a policy with TurboQuant codecs (``turbo*``) maps to the preset whose
+K and V bits are nearest its own (``_pick_vllm_tq``), a vLLM TurboQuant setting to itself. vLLM keeps the first
+and last 2 layers at the model's dtype with them (the mapped policy does too), and its attention kernels are
+Triton on CUDA/ROCm: the mapped policy stores vLLM's bytes bit for bit but is computed by tqbench's attention
+("storage-only").
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tqbench.engine.codecs import codec_from_spec
-from tqbench.engine.codecs.engine_formats import ENGINE_KV_TYPES, canonical_engine
+from tqbench.engine.codecs.engine_formats import ENGINE_KV_PAIRS, ENGINE_KV_TYPES, canonical_engine
+from tqbench.engine.codecs.vllm_tq import BOUNDARY_LAYERS, VLLM_TQ_PRESETS
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.keep import fmt_keep
 from tqbench.engine.policy.spec import DENSE_SPECS, Policy
@@ -101,6 +109,28 @@ def _exact(engine: str, specs: set[str]) -> str | None:
     return None
 
 
+def _pick_vllm_tq(specs: dict[str, list[str]], dims: dict[str, int]) -> str | None:
+    """The vLLM TurboQuant preset for a policy with TurboQuant codecs: the one whose K and V codecs equal the
+    policy's, else the nearest in K bits plus V bits (ties: more bits); None where the policy has no ``turbo*``
+    codec or no preset can store this head_dim (its Hadamard rotation needs a power of two)."""
+    if not any(s.startswith("turbo") or s.startswith("vllm_") for r in ("k", "v") for s in specs[r]):
+        return None
+    for preset, (k, v) in VLLM_TQ_PRESETS.items():
+        if set(specs["k"]) == {k} and set(specs["v"]) == {v}:
+            return preset
+    want = {r: sum(_bits(s, r, dims[r]) for s in specs[r]) / max(len(specs[r]), 1) for r in ("k", "v")}
+    cost = {}
+    for preset, (k, v) in VLLM_TQ_PRESETS.items():
+        try:
+            cost[preset] = (_bits(k, "k", dims["k"]), _bits(v, "v", dims["v"]))
+        except ValueError:
+            continue
+    if not cost:
+        return None
+    return min(cost, key=lambda p: (round(abs(cost[p][0] - want["k"]) + abs(cost[p][1] - want["v"]), 9),
+                                    -sum(cost[p])))
+
+
 def _describe(specs: list[str]) -> str:
     counts: dict[str, int] = {}
     for s in specs:
@@ -132,6 +162,13 @@ def _notes(engine: str, k: str, v: str) -> tuple[str, ...]:
             out.append("CUDA builds compile flash-attention kernels for mixed K/V types only with "
                        "GGML_CUDA_FA_ALL_QUANTS=ON (the CPU backend takes any pair)")
         return tuple(out)
+    if engine == "vllm" and k in VLLM_TQ_PRESETS:
+        return ("storage-only: the mapped policy stores vLLM's TurboQuant bytes bit for bit, but vLLM's attention "
+                "kernels (Triton, CUDA/ROCm GPUs) cannot run here, so its measured quality is tqbench's attention "
+                "over those bytes (vLLM's prefill attends to the prompt's raw K/V and only later tokens read the "
+                "quantized cache, as tqbench's compressed mode does)",
+                f"vLLM keeps the first and last {BOUNDARY_LAYERS} layers at the model's dtype with any turboquant "
+                "preset (none on hybrid Mamba models); the mapped policy does too")
     if engine in ("vllm", "sglang"):
         return ("fp8 scales come from the checkpoint's k_scale/v_scale; without them both are 1.0 (what "
                 "the mapped policy here measures)",) if k != "auto" else ()
@@ -161,7 +198,10 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
     def mean_bits(role: str) -> float:
         return sum(_bits(s, role, dims[role]) for s in specs[role]) / max(len(specs[role]), 1)
 
-    if engine in _ONE_DTYPE:
+    tq = _pick_vllm_tq(specs, dims) if engine == "vllm" else None
+    if tq is not None:
+        k = v = tq
+    elif engine in _ONE_DTYPE:
         both = set(specs["k"]) | set(specs["v"])
         want = (mean_bits("k") + mean_bits("v")) / 2
         k = v = _exact(engine, both) or _pick(engine, want, ("k", "v"), dims["k"])
@@ -169,23 +209,35 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
         k = _exact(engine, set(specs["k"])) or _pick(engine, mean_bits("k"), ("k",), dims["k"])
         v = _exact(engine, set(specs["v"])) or _pick(engine, mean_bits("v"), ("v",), dims["v"])
 
-    types = ENGINE_KV_TYPES[engine]
+    known = set(ENGINE_KV_TYPES[engine].values()) | {c for kv in ENGINE_KV_PAIRS.get(engine, {}).values() for c in kv}
     for role, chosen in (("k", k), ("v", v)):
         used = sorted(set(specs[role]))
         if len(used) > 1:
             unmapped.append(f"per-layer {role.upper()} widths ({_describe(specs[role])}): {label} has one "
                             f"{role.upper()} type for every layer; mapped to {chosen} on all of them")
-        foreign = [s for s in used if s not in types.values()]
+        foreign = [s for s in used if s not in known]
         if foreign and len(used) == 1:
+            stored = VLLM_TQ_PRESETS[chosen][0 if role == "k" else 1] if tq else chosen
             unmapped.append(f"{role.upper()} codec {foreign[0]}: {label} has no such KV type; the nearest to its "
-                            f"{mean_bits(role):.2f} bits/element is {chosen}")
-    if engine == "vllm" and any(s.startswith("turbo") for r in ("k", "v") for s in specs[r]):
-        unmapped.append("vLLM's own TurboQuant KV dtypes (turboquant_k8v4, turboquant_4bit_nc, turboquant_k3v4_nc, "
-                        "turboquant_3bit_nc) are nearer in kind, but tqbench does not reproduce their layout "
-                        "(Hadamard rotation, uniform values, first/last 2 layers skipped): not offered, not measured")
-    if engine in _ONE_DTYPE and (set(specs["k"]) != set(specs["v"])):
+                            f"{mean_bits(role):.2f} bits/element is {chosen}"
+                            + (f" ({role.upper()} stored as {stored}, {_bits(stored, role, dims[role]):.2f} "
+                               "bits/element)" if tq else ""))
+    if tq is not None:
+        n_layers = geometry.num_layers
+        edge = min(BOUNDARY_LAYERS, n_layers // 2)
+        boundary = sorted(set(range(edge)) | set(range(n_layers - edge, n_layers)))
+        skip = tuple(sorted(set(skip) - set(boundary)))  # vLLM adds its boundary layers itself
+        squeezed = [i for i in boundary if i not in dense]
+        if squeezed:
+            unmapped.append(f"vLLM's {tq} keeps layers {','.join(map(str, boundary))} at the model's dtype (its "
+                            "boundary protection, always on for non-hybrid models): the policy compresses "
+                            f"{','.join(map(str, squeezed))}")
+    elif engine == "vllm" and any(s.startswith("turbo") for r in ("k", "v") for s in specs[r]):
+        unmapped.append(f"vLLM's TurboQuant presets need head_dim a power of two (this model: {dims['k']}): "
+                        f"mapped to {k}")
+    if engine in _ONE_DTYPE and (set(specs["k"]) != set(specs["v"])) and tq is None:
         unmapped.append(f"different K and V codecs: {label}'s --kv-cache-dtype sets both; mapped to {k}")
-    if dense and not skip and len(dense) < len(plan):
+    if dense and not skip and len(dense) < len(plan) and tq is None:
         unmapped.append(f"fp16 layers {','.join(map(str, dense))}: {label} cannot leave single layers "
                         "unquantized; they get the uniform type")
     if pol.sink or pol.recent:

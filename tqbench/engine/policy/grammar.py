@@ -100,10 +100,15 @@ def parse_compact(text: str) -> Policy:
 
 def engine_policy(text: str) -> Policy:
     """An engine's own KV setting as a policy: ``llamacpp:q8_0/q4_0`` (K/V), ``llamacpp:q4_0`` (both),
-    ``vllm:fp8``: those codecs on every layer, no sinks, no recent window (the engines keep none)."""
+    ``vllm:fp8``: those codecs on every layer, no sinks, no recent window (the engines keep none). vLLM's
+    TurboQuant presets keep the first and last 2 layers at the model's dtype, as vLLM does (``protect``)."""
+    from tqbench.engine.codecs.names import BOUNDARY_LAYERS, VLLM_TQ_PRESETS
+
     k, v = engine_setting(text)
     engine, _, kinds = text.strip().lower().partition(":")
-    return Policy(k=k, v=v).with_name(f"{engine}:{kinds.strip()}")
+    n = BOUNDARY_LAYERS
+    protect = f"first{n}+last{n}" if engine == "vllm" and kinds.strip() in VLLM_TQ_PRESETS else ""
+    return Policy(k=k, v=v, protect=protect).with_name(f"{engine}:{kinds.strip()}")
 
 
 def get_preset(name: str) -> Policy:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 #: scores a policy can rank rows by (docs/policies.md says which published method each follows)
-SCORES = ("snapkv", "keynorm", "expected", "h2o", "tova")
+SCORES = ("snapkv", "keynorm", "expected", "h2o", "tova", "kvzip")
 NO_EVICTION = 1.0
 #: how a layer's kept rows are shared between its KV heads: ``uniform`` (every head keeps ``kept_rows``), ``ada``
 #: (AdaKV: the heads' scores ranked together, the layer keeps ``heads * kept_rows`` rows, each head at least

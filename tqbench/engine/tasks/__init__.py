@@ -13,11 +13,14 @@ Torch-free to import (``suite`` loads on first use), so front ends check input b
 from tqbench.engine.tasks.spec import (
     CONTEXTS,
     DEFAULT_SAMPLES,
+    PROTOCOLS,
     SUITE,
     SUITE_VERSION,
     TASKS,
     TaskSpec,
+    check_protocols,
     check_tasks,
+    interval95,
     string_match_all,
     string_match_part,
 )
@@ -36,6 +39,7 @@ def __getattr__(name: str):
 __all__ = [
     "CONTEXTS",
     "DEFAULT_SAMPLES",
+    "PROTOCOLS",
     "SUITE",
     "SUITE_VERSION",
     "TASKS",
@@ -44,7 +48,9 @@ __all__ = [
     "TasksResult",
     "baseline_cache_dir",
     "build_samples",
+    "check_protocols",
     "check_tasks",
+    "interval95",
     "prepare_suite",
     "run_tasks",
     "score_candidate",

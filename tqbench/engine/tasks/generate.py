@@ -202,6 +202,21 @@ def _encode(engine, text: str, prefix: str):
     return torch.cat([ids, tail.to(ids.dtype)], dim=1)
 
 
+def question_start(engine, sample: Sample) -> int:
+    """The first token of ``sample``'s question: every task's user text ends with one line that asks (after its
+    last newline); the context is the tokens the prompt shares with the chat template over the text before that
+    line (a token that spans the cut, such as a merged newline, goes to the question). The query-agnostic protocol
+    compresses ``ids[:, :question_start]`` before the rest is appended."""
+    ctx = engine.encode_prompt(sample.text[: sample.text.rfind("\n")], True, fit_context=False)[0]
+    full = sample.ids[0]
+    n = min(len(ctx), len(full))
+    same = (ctx[:n] == full[:n]).tolist()
+    cut = same.index(False) if False in same else n
+    if cut < 1 or cut >= len(full):
+        raise ValueError(f"{sample.task} #{sample.index}: no context before the question to compress")
+    return cut
+
+
 # ---- fitting a sample to the context -----------------------------------------------------------------------
 def make_sample(engine, task, context: int, index: int, n: int, seed: int) -> Sample:
     """Sample ``index`` of ``n`` of ``task`` (a ``spec.TaskSpec``) at ``context`` tokens: the filler budget is

@@ -21,6 +21,38 @@ CONTEXTS = (2048, 4096, 8192)
 CONTEXT_CHOICES = (1024, *CONTEXTS)  # what a front end offers (1024: a quick look, below the sized lengths)
 DEFAULT_SAMPLES = 3
 MAX_SAMPLES = 64
+#: how a compressed cache meets the question: ``agnostic`` (the context is compressed once, before any question;
+#: the question is appended to the compressed cache: prefix caching, multi-turn chat, RAG; kvpress reports it first)
+#: or ``aware`` (the whole prompt, question included, is compressed: the scores see what will be asked)
+PROTOCOLS = ("agnostic", "aware")
+Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
+
+
+def check_protocols(value) -> tuple[str, ...]:
+    """``agnostic``, ``aware``, ``both`` or a comma list (text or a list); in ``PROTOCOLS`` order."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    items = [str(p).strip().lower() for p in items if str(p).strip()]
+    if "both" in items:
+        items = [*PROTOCOLS]
+    bad = [p for p in items if p not in PROTOCOLS]
+    if bad or not items:
+        raise RequestError("protocol", value, "give agnostic (the context compressed before the question), aware "
+                                              "(the question inside the compressed prompt) or both")
+    return tuple(p for p in PROTOCOLS if p in items)
+
+
+def interval95(scores: list[float]) -> tuple[float, float]:
+    """The Wilson score interval (95%) of the mean of per-sample scores in [0, 1], in points: an answer's score is
+    a success fraction, and Wilson's interval stays inside [0, 100] and is not empty at 0% or 100% (n = 3 at 100%:
+    43.9-100). ``(0, 100)`` for no samples."""
+    n = len(scores)
+    if n == 0:
+        return 0.0, 100.0
+    p = sum(scores) / n
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * ((p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5) / (1 + z2 / n)
+    return round(100 * max(0.0, centre - half), 2), round(100 * min(1.0, centre + half), 2)
 
 
 def string_match_all(answer: str, references: tuple[str, ...]) -> float:

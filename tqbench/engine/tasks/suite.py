@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqbench.engine.events import CancelFlag, GenerationFinished, OnEvent, Progress, emit, raise_if_cancelled
-from tqbench.engine.tasks.generate import Sample, make_sample
-from tqbench.engine.tasks.spec import DEFAULT_SAMPLES, SUITE, SUITE_VERSION, TASKS, TaskSpec, check_tasks
+from tqbench.engine.tasks.generate import Sample, make_sample, question_start
+from tqbench.engine.tasks.spec import (
+    DEFAULT_SAMPLES,
+    SUITE,
+    SUITE_VERSION,
+    TASKS,
+    TaskSpec,
+    check_protocols,
+    check_tasks,
+    interval95,
+)
 
 
 @dataclass
@@ -27,6 +36,7 @@ class Answer:
     score: float  # 0..1 against the references
     stored_bytes: int
     fp16_bytes: int
+    context_pass_seconds: float = 0.0  # a context-pass score's scoring pass (score=kvzip)
 
     @property
     def compression_ratio(self) -> float:
@@ -45,41 +55,54 @@ class TasksResult:
     tasks: list[str]
     samples: list[dict] = field(default_factory=list)
     baseline_cached: int = 0  # samples whose baseline answer came from the cache
+    #: the candidate's protocols (``spec.PROTOCOLS``), each a row per task; the baseline answers aware (it keeps
+    #: every row: the protocol changes nothing but where its prefill is cut)
+    protocols: tuple[str, ...] = ("aware",)
 
     @property
     def dataset(self) -> str:
         return f"{SUITE}-{self.context}"
 
-    def _of(self, task: str | None) -> list[dict]:
-        return [s for s in self.samples if task is None or s["task"] == task]
+    def _of(self, task: str | None, protocol: str | None = None) -> list[dict]:
+        protocol = protocol or self.protocols[0]
+        return [s for s in self.samples if (task is None or s["task"] == task)
+                and s.get("protocol", "aware") == protocol]
 
-    def task_row(self, task: str | None) -> dict:
-        """Scores of one task (None: overall, the mean of the task scores) in points."""
+    def task_row(self, task: str | None, protocol: str | None = None) -> dict:
+        """Scores of one task (None: overall, the mean of the task scores) in points under ``protocol`` (default:
+        the first run), each with its 95% interval (``spec.interval95``; overall: over every sample)."""
+        protocol = protocol or self.protocols[0]
+        ss = self._of(task, protocol)
+        ci = {"baseline_ci": interval95([s["baseline_score"] for s in ss]),
+              "candidate_ci": interval95([s["candidate_score"] for s in ss])}
         if task is None:
-            rows = [self.task_row(t) for t in self.tasks]
+            rows = [self.task_row(t, protocol) for t in self.tasks]
             mean = (lambda k: sum(r[k] for r in rows) / len(rows)) if rows else (lambda k: 0.0)
-            return {"task": "overall", "samples": sum(r["samples"] for r in rows),
+            return {"task": "overall", "protocol": protocol, "samples": sum(r["samples"] for r in rows),
                     "chance": mean("chance"), "baseline_score": mean("baseline_score"),
                     "candidate_score": mean("candidate_score"), "agreement": mean("agreement"),
-                    "delta": mean("candidate_score") - mean("baseline_score")}
-        ss = self._of(task)
+                    "delta": mean("candidate_score") - mean("baseline_score"), **ci}
         n = len(ss) or 1
         base = 100 * sum(s["baseline_score"] for s in ss) / n
         cand = 100 * sum(s["candidate_score"] for s in ss) / n
-        return {"task": task, "samples": len(ss), "chance": TASKS[task].chance, "baseline_score": base,
-                "candidate_score": cand, "agreement": 100 * sum(s["agree"] for s in ss) / n, "delta": cand - base}
+        return {"task": task, "protocol": protocol, "samples": len(ss), "chance": TASKS[task].chance,
+                "baseline_score": base, "candidate_score": cand,
+                "agreement": 100 * sum(s["agree"] for s in ss) / n, "delta": cand - base, **ci}
 
     def leaderboard(self) -> list[dict]:
-        """(dataset, model, method, compression_ratio, score) rows: baseline and candidate, per task and overall."""
+        """(dataset, model, method, compression_ratio, score) rows: baseline and candidate, per protocol, task and
+        overall (each names its protocol and the score's 95% interval)."""
         rows = []
-        for task in [*self.tasks, None]:
-            r = self.task_row(task)
-            ss = self._of(task)
-            for method, side in ((self.baseline, "baseline"), (self.candidate, "candidate")):
-                cr = sum(s[f"{side}_compression_ratio"] for s in ss) / (len(ss) or 1)
-                rows.append({"dataset": self.dataset, "task": r["task"], "model": self.model, "method": method,
-                             "compression_ratio": round(cr, 6), "score": round(r[f"{side}_score"], 4),
-                             "samples": r["samples"]})
+        for protocol in self.protocols:
+            for task in [*self.tasks, None]:
+                r = self.task_row(task, protocol)
+                ss = self._of(task, protocol)
+                for method, side in ((self.baseline, "baseline"), (self.candidate, "candidate")):
+                    cr = sum(s[f"{side}_compression_ratio"] for s in ss) / (len(ss) or 1)
+                    rows.append({"dataset": self.dataset, "task": r["task"], "protocol": protocol, "model": self.model,
+                                 "method": method, "compression_ratio": round(cr, 6),
+                                 "score": round(r[f"{side}_score"], 4), "ci95": list(r[f"{side}_ci"]),
+                                 "samples": r["samples"]})
         return rows
 
     def to_dict(self) -> dict:
@@ -88,7 +111,10 @@ class TasksResult:
             "context": self.context, "seed": self.seed, "baseline": self.baseline, "candidate": self.candidate,
             "cache_mode": self.cache_mode, "samples_per_task": self.samples_per_task,
             "baseline_cached": self.baseline_cached,
-            "tasks": [self.task_row(t) for t in self.tasks], "overall": self.task_row(None),
+            "protocols": list(self.protocols),
+            "tasks": [self.task_row(t, p) for p in self.protocols for t in self.tasks],
+            "overall": self.task_row(None),
+            "overall_by_protocol": {p: self.task_row(None, p) for p in self.protocols},
             "leaderboard": self.leaderboard(), "samples": self.samples,
         }
 
@@ -138,16 +164,27 @@ def build_samples(engine, tasks: list[TaskSpec], context: int, samples: int, see
     return [make_sample(engine, t, context, i, samples, seed) for t in tasks for i in range(samples)]
 
 
-def _answer(engine, sample: Sample, task: TaskSpec, pol, cache_mode: str, cancel: CancelFlag | None) -> Answer:
+def _answer(engine, sample: Sample, task: TaskSpec, pol, cache_mode: str, cancel: CancelFlag | None,
+            protocol: str = "aware") -> Answer:
+    """``pol``'s answer to ``sample``: ``aware``, the whole prompt prefilled (and compressed) at once; ``agnostic``,
+    the context compressed first (``Engine.compress``), then the question appended to it (``question_start``)."""
     res = None
-    for ev in engine.stream(sample.ids, pol, cache_mode, max_new_tokens=task.max_new_tokens, cancel=cancel):
+    if protocol == "agnostic":
+        cut = question_start(engine, sample)
+        ctx = engine.compress(sample.ids[:, :cut], pol, cache_mode)
+        events = ctx.stream(sample.ids[:, cut:], max_new_tokens=task.max_new_tokens, cancel=cancel)
+    else:
+        ctx = None
+        events = engine.stream(sample.ids, pol, cache_mode, max_new_tokens=task.max_new_tokens, cancel=cancel)
+    for ev in events:
         if isinstance(ev, GenerationFinished):
             res = ev.result
     raise_if_cancelled(cancel, "tasks")  # a cut-off answer is not scored
     rep = res.cache_report
     stored = int(rep.compressed_storage_bytes) if rep is not None else 0
     dense = int(rep.dense_fp16_bytes) if rep is not None else 0
-    return Answer(res.text, task.score(res.text, sample.references), stored, dense)
+    pass_s = ctx.context_pass_seconds if ctx is not None else res.context_pass_seconds
+    return Answer(res.text, task.score(res.text, sample.references), stored, dense, pass_s)
 
 
 @dataclass
@@ -209,21 +246,28 @@ def prepare_suite(
 
 
 def score_candidate(engine, suite: SuiteBaseline, candidate, *, on_event: OnEvent | None = None,
-                    cancel: CancelFlag | None = None, done: int = 0, total: int | None = None) -> TasksResult:
-    """``candidate``'s answers on ``suite``'s samples, scored beside the baseline's. ``done``/``total``: where the
-    progress count starts and what it counts to (default: these answers)."""
+                    cancel: CancelFlag | None = None, done: int = 0, total: int | None = None,
+                    protocols=("aware",)) -> TasksResult:
+    """``candidate``'s answers on ``suite``'s samples under each of ``protocols`` (``spec.PROTOCOLS``), scored
+    beside the baseline's. ``done``/``total``: where the progress count starts and what it counts to (default:
+    these answers)."""
+    protocols = check_protocols(protocols)
     cand_pol = engine.check_policy(candidate)
-    total = done + len(suite.samples) if total is None else total
-    result = TasksResult(engine.name, suite.context, suite.seed, suite.baseline, cand_pol.label, suite.cache_mode,
-                         suite.samples_per_task, list(suite.tasks), baseline_cached=suite.cached)
-    for s, base in zip(suite.samples, suite.answers):
+    label = cand_pol.label
+    total = done + len(protocols) * len(suite.samples) if total is None else total
+    result = TasksResult(engine.name, suite.context, suite.seed, suite.baseline, label, suite.cache_mode,
+                         suite.samples_per_task, list(suite.tasks), baseline_cached=suite.cached, protocols=protocols)
+    for protocol, s, base in ((p, s, b) for p in protocols for s, b in zip(suite.samples, suite.answers)):
         task = TASKS[s.task]
         raise_if_cancelled(cancel, "tasks")
-        emit(on_event, Progress("tasks", done, total, f"{cand_pol.label}: {s.task} #{s.index}"))
-        cand = _answer(engine, s, task, cand_pol, suite.cache_mode, cancel)
+        emit(on_event, Progress("tasks", done, total, f"{label} ({protocol}): {s.task} #{s.index}"))
+        cand = _answer(engine, s, task, cand_pol, suite.cache_mode, cancel, protocol)
         done += 1
         result.samples.append({
-            "task": s.task, "index": s.index, "prompt_tokens": s.prompt_tokens, "references": list(s.references),
+            "task": s.task, "index": s.index, "protocol": protocol, "prompt_tokens": s.prompt_tokens,
+            "context_tokens": question_start(engine, s) if protocol == "agnostic" else s.prompt_tokens,
+            "candidate_context_pass_seconds": round(cand.context_pass_seconds, 4),
+            "references": list(s.references),
             "baseline_answer": base.text, "candidate_answer": cand.text, "baseline_score": base.score,
             "candidate_score": cand.score, "agree": cand.text.strip() == base.text.strip(),
             "baseline_compression_ratio": base.compression_ratio,
@@ -246,12 +290,17 @@ def run_tasks(
     cache_folder: Path | None = None,
     on_event: OnEvent | None = None,
     cancel: CancelFlag | None = None,
+    protocols=("aware",),
 ) -> TasksResult:
     """The suite at ``context`` tokens: baseline (cached unless ``cache`` is False) and ``candidate`` on every sample
-    (``prepare_suite``, then ``score_candidate``). Raises ``Cancelled`` when ``cancel()`` turns true."""
+    under each of ``protocols`` (``prepare_suite``, then ``score_candidate``). Raises ``Cancelled`` when
+    ``cancel()`` turns true."""
+    protocols = check_protocols(protocols)
     engine.check_policy(candidate)  # a bad candidate is refused before the baseline runs
     n = len(check_tasks(tasks, context, samples, engine.max_context, engine.name)) * samples
+    total = (1 + len(protocols)) * n
     suite = prepare_suite(engine, context, tasks=tasks, samples=samples, baseline=baseline, cache_mode=cache_mode,
                           seed=seed, cache=cache, cache_folder=cache_folder, on_event=on_event, cancel=cancel,
-                          total=2 * n)
-    return score_candidate(engine, suite, candidate, on_event=on_event, cancel=cancel, done=n, total=2 * n)
+                          total=total)
+    return score_candidate(engine, suite, candidate, on_event=on_event, cancel=cancel, done=n, total=total,
+                           protocols=protocols)

@@ -43,6 +43,13 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
     any_mu = any_mu || (transformed(k.kind) && k.mu);
   }
   if (any_rot) c.qr.assign(B * H * M * D, T(0));
+  bool any_s8 = false;
+  for (const auto& k : c.K) any_s8 = any_s8 || k.s8;
+  if (any_s8) {
+    c.q8.assign(B * H * M * D, 0);
+    c.q8step.assign(B * H * M, 0.f);
+    c.q8sum.assign(B * H * M, 0);
+  }
   if (any_mu) c.qmu.assign(B * H * M, T(0));
   const T* qp = query.data_ptr<T>();
   const int64_t q0 = query.stride(0), q1 = query.stride(1), q2 = query.stride(2), q3 = query.stride(3);
@@ -61,6 +68,19 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
         T* r = c.qr.data() + (bh * M + m) * D;
         for (int64_t i = 0; i < D; ++i) r[i] = dot(rot + (k.order.empty() ? i : k.order[i]) * D, dst, D);
         if (k.mu) c.qmu[bh * M + m] = dot(dst, mu.data(), D);
+        if (k.s8) {  // int8 query: round(r / step), step = max |r| / 127 (round half to even, as the SIMD convert)
+          float amax = 0;
+          for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(r[i])));
+          const float step = amax > 0 ? amax / 127.0f : 1.0f;
+          int8_t* o = c.q8.data() + (bh * M + m) * D;
+          int32_t sum = 0;
+          for (int64_t i = 0; i < D; ++i) {
+            o[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(r[i]) / step));
+            sum += o[i];
+          }
+          c.q8step[bh * M + m] = step * k.cb8_scale;
+          c.q8sum[bh * M + m] = sum;
+        }
       }
     }
   });
@@ -89,6 +109,9 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
   const T* qmb = (c.qmu.empty() || !Ks.mu) ? nullptr : c.qmu.data() + bh * M;
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {
     const int64_t nt = std::min(TILE, n - i0);
+    if (Ks.s8 && turbo_tile8(Ks, b, h, t0 + i0, nt, c.q8.data() + bh * M * c.D, c.q8step.data() + bh * M,
+                             c.q8sum.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
+      continue;
     if (qrb && turbo_tile(Ks, true, b, h, t0 + i0, nt, qrb, qmb, static_cast<const T*>(nullptr), blk, M,
                           w.sbuf.data() + i0, static_cast<T*>(nullptr), static_cast<T*>(nullptr)))
       continue;

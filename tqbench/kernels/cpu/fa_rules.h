@@ -21,6 +21,11 @@
 #else
 #define TQ_VBMI 0
 #endif
+#if defined(__AVX512VNNI__) && TQ_AVX512
+#define TQ_VNNI 1
+#else
+#define TQ_VNNI 0
+#endif
 #if TQ_AVX512 || TQ_AVX2
 #include <immintrin.h>
 #endif
@@ -111,7 +116,17 @@ struct SideDesc {
   // and how many the store has; empty / 0: the side is the whole store
   std::vector<int64_t> heads;
   int64_t kv_heads = 0;
+  // turbo keys scored in 8 bits (see `score_int8_ok`): the query rounded to int8 per query row, the codebook to
+  // uint8 around 128, products summed exactly in int32 (AVX-512 VNNI), 64 codes looked up by one byte shuffle
+  bool score_int8 = false;
 };
+
+// Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes, head_dim a
+// multiple of 64, AVX-512 VNNI. The error this adds to each score is bounded (docs: kernels page; the bound is
+// `int8_score_bound` in attention.py, tested).
+inline bool score_int8_ok(int64_t kind, int64_t bits, int64_t D, bool is_float) {
+  return TQ_VNNI && is_float && kind == TURBO && (bits == 4 || bits == 2) && D % 64 == 0;
+}
 
 // The checked, pointer form the kernel reads.
 template <typename T>
@@ -148,6 +163,10 @@ struct Side {
   // h of the side is head gheads[h] of that chunk (dglobal); its other chunks hold only the group's heads
   bool dglobal[MAX_DENSE_CHUNKS] = {false};
   std::vector<int64_t> gheads;
+  // 8-bit scoring: the codebook as uint8 (round(level / cb8_scale) + 128) in each 128-bit lane
+  bool s8 = false;
+  alignas(64) uint8_t cb8[64] = {0};
+  float cb8_scale = 0;
 };
 
 inline void half_to(const at::Half* src, int64_t n, float* out) {

@@ -48,6 +48,11 @@ struct Call {
   std::vector<Item> items;
   int64_t blk_max = 1, threads = 1;
   std::vector<T> qs, qr, qmu;  // queries: scaled [seq, kv head, M, D]; transformed (same shape); q.mu [.., M]
+  // 8-bit scoring (keys with s8): the transformed query as int8 [seq, kv head, M, D], its step times the
+  // codebook's [.., M], and the sum of its int8 values [.., M] (removes the codebook's +128 offset)
+  std::vector<int8_t> q8;
+  std::vector<float> q8step;
+  std::vector<int32_t> q8sum;
   const T* sinkp = nullptr;
   T cap = 0, thr = 0;
 

@@ -179,9 +179,121 @@ inline bool turbo_tile<float>(const Side<float>& s, bool scores, int64_t b, int6
     rp[j] = base + j * s.c_r;
     norm[j] = static_cast<float>(a[j * s.a_r]);
   }
+  // the tile after next: its codes and norms requested now, so the loads above and below find them in cache
+  // (each tile's rows are one short stream per (sequence, head); the hardware prefetcher alone leaves the scoring
+  // and accumulation loops waiting on memory)
+  const int64_t pf0 = n + nt + TILE, pf1 = std::min(s.np, pf0 + TILE), rb = (s.D * s.bits + 7) / 8;
+  for (int64_t j = pf0; j < pf1; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + (j - n) * s.c_r);
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+  }
+  if (pf0 < pf1) _mm_prefetch(reinterpret_cast<const char*>(a + (pf0 - n) * s.a_r), _MM_HINT_T0);
   const __m512 cb = _mm512_loadu_ps(s.lutpad);
   if (s.D == 64) return turbo_tile_dispatch<4>(scores, s.bits, rp, norm, nt, q, qmu, p, ld, M, s.D, cb, out, accP, ps);
   return turbo_tile_dispatch<8>(scores, s.bits, rp, norm, nt, q, qmu, p, ld, M, s.D, cb, out, accP, ps);
+}
+#endif
+
+}  // namespace
+
+// -- turbo keys scored in 8 bits (AVX-512 VNNI) ----------------------------------------------------------------
+// 64 codes of a row become 64 uint8 codebook values in one byte shuffle (the codebook is one table for every
+// coordinate, held in each 128-bit lane), and one VPDPBUSD multiplies them with the int8 query and sums each 4 in
+// int32, exactly. score_j = norm_j * step_m * (sum_c q8_mc * cb8[code_jc] - 128 * sum_c q8_mc) + q.mu_m, where
+// step_m = query step * codebook step. Positions follow the SIMD order of the float path (simd_pos).
+namespace {
+
+template <typename T>
+inline bool turbo_tile8(const Side<T>&, int64_t, int64_t, int64_t, int64_t, const int8_t*, const float*,
+                        const int32_t*, const T*, int64_t, T*, int64_t) {
+  return false;
+}
+
+#if TQ_VNNI
+template <int BITS>
+TQ_INLINE __m512i turbo_codes64(const uint8_t* p, int64_t g) {
+  if (BITS == 4) {  // positions 0..31: low nibbles of the group's 32 bytes; 32..63: their high nibbles
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g));
+    const __m256i m = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(x, m)),
+                              _mm256_and_si256(_mm256_srli_epi16(x, 4), m), 1);
+  }
+  // 2 bits: position 16k + i holds bits 2k..2k+1 of byte i of the group's 16
+  const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * g)));
+  const __m512i sh = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0);
+  return _mm512_and_si512(_mm512_srlv_epi64(x, sh), _mm512_set1_epi8(3));
+}
+
+template <int BITS, int MB>
+TQ_INLINE void turbo_scores8_mb(const uint8_t* const* rp, const float* norm, int64_t nt, const int8_t* q8,
+                                const float* step, const int32_t* qsum, const float* qmu, int64_t D, __m512i tab,
+                                float* s, int64_t ld) {
+  const int64_t NG = D / 64;
+  for (int64_t j0 = 0; j0 < nt; j0 += 4) {
+    __m512i acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+    const int64_t nj = std::min<int64_t>(4, nt - j0);
+    for (int64_t g = 0; g < NG; ++g) {
+      __m512i qv[MB];
+      for (int m = 0; m < MB; ++m) qv[m] = _mm512_loadu_si512(q8 + m * D + 64 * g);
+      for (int jj = 0; jj < 4; ++jj) {
+        if (jj >= nj) break;
+        const __m512i x = _mm512_shuffle_epi8(tab, turbo_codes64<BITS>(rp[j0 + jj], g));
+        for (int m = 0; m < MB; ++m) acc[4 * m + jj] = _mm512_dpbusd_epi32(acc[4 * m + jj], x, qv[m]);
+      }
+    }
+    __m512 f[16];
+    for (int i = 0; i < 16; ++i) f[i] = _mm512_cvtepi32_ps(acc[i]);  // |sum| < 2^24 for D <= 512: exact
+    alignas(64) float r[16];
+    _mm512_store_ps(r, reduce16(f));
+    for (int m = 0; m < MB; ++m)
+      for (int64_t jj = 0; jj < nj; ++jj)
+        s[m * ld + j0 + jj] = norm[j0 + jj] * (step[m] * (r[4 * m + jj] - 128.0f * static_cast<float>(qsum[m]))) +
+                              (qmu ? qmu[m] : 0.f);
+  }
+}
+
+template <int BITS>
+void turbo_scores8(const uint8_t* const* rp, const float* norm, int64_t nt, const int8_t* q8, const float* step,
+                   const int32_t* qsum, const float* qmu, int64_t M, int64_t D, __m512i tab, float* s, int64_t ld) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int8_t* q = q8 + m0 * D;
+    const float* st = step + m0;
+    const int32_t* qs = qsum + m0;
+    const float* mu = qmu ? qmu + m0 : nullptr;
+    float* o = s + m0 * ld;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 4: turbo_scores8_mb<BITS, 4>(rp, norm, nt, q, st, qs, mu, D, tab, o, ld); break;
+      case 3: turbo_scores8_mb<BITS, 3>(rp, norm, nt, q, st, qs, mu, D, tab, o, ld); break;
+      case 2: turbo_scores8_mb<BITS, 2>(rp, norm, nt, q, st, qs, mu, D, tab, o, ld); break;
+      default: turbo_scores8_mb<BITS, 1>(rp, norm, nt, q, st, qs, mu, D, tab, o, ld); break;
+    }
+  }
+}
+
+template <>
+inline bool turbo_tile8<float>(const Side<float>& s, int64_t b, int64_t h, int64_t t, int64_t nt, const int8_t* q8,
+                               const float* step, const int32_t* qsum, const float* qmu, int64_t M, float* out,
+                               int64_t ld) {
+  if (t < s.nb || t + nt > s.nb + s.np) return false;  // rows outside the packed run: the float path
+  const int64_t n = t - s.nb;
+  const uint8_t* rp[TILE];
+  alignas(64) float norm[TILE];
+  const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + n * s.c_r;
+  const at::Half* a = s.a + b * s.a_b + h * s.a_h + n * s.a_r;
+  for (int64_t j = 0; j < nt; ++j) {
+    rp[j] = base + j * s.c_r;
+    norm[j] = static_cast<float>(a[j * s.a_r]);
+  }
+  const int64_t pf0 = n + nt + TILE, pf1 = std::min(s.np, pf0 + TILE), rb = (s.D * s.bits + 7) / 8;
+  for (int64_t j = pf0; j < pf1; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + (j - n) * s.c_r);
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+  }
+  const __m512i tab = _mm512_load_si512(s.cb8);
+  if (s.bits == 4) turbo_scores8<4>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
+  else turbo_scores8<2>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
+  return true;
 }
 #endif
 

@@ -129,7 +129,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("dense", &SideDesc::dense)
       .def_readwrite("widths", &SideDesc::widths)
       .def_readwrite("heads", &SideDesc::heads)
-      .def_readwrite("kv_heads", &SideDesc::kv_heads);
+      .def_readwrite("kv_heads", &SideDesc::kv_heads)
+      .def_readwrite("score_int8", &SideDesc::score_int8,
+                     "keys only: score in 8 bits (int8 query x uint8 codebook, exact int32 sums; turbo 4/2-bit, "
+                     "float32, head_dim % 64 == 0, AVX-512 VNNI); the error per score is bounded (attention.py)");
   m.def("attend", &attend, "fused decode attention of B sequences, each over its own packed + dense store (CPU)",
         py::arg("query"), py::arg("scale"), py::arg("k_sides"), py::arg("v_sides"), py::arg("masks"),
         py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"), py::arg("merge_into") = std::vector<int64_t>{});
@@ -161,6 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["blocks_per_thread"] = BLOCKS_PER_THREAD;
     d["simd_dim_multiple"] = SIMD_DIM_MULTIPLE;
     d["simd_turbo_bits"] = simd_turbo_bits();
+    d["score_int8_bits"] = TQ_VNNI ? std::vector<int64_t>{4, 2} : std::vector<int64_t>{};
     d["max_head_dim"] = MAX_HEAD_DIM;
     d["max_dense_chunks"] = MAX_DENSE_CHUNKS;
     return d;

@@ -1,6 +1,6 @@
 """The bytes an evicting layer holds beside its K/V rows, counted in its KV bytes (as a store's norms are): each
 held row's token position per KV head (int32; scores read it to mask a key after a query, the kept-token map
-reads it), and with ``score=h2o`` the attention mass each held row received (float32). The window of past queries
+reads it), and with a score that accumulates (``score=h2o``) the attention mass each held row received (float32). The window of past queries
 that ``snapkv``/``expected`` keep with ``every`` is working memory of one layer (it does not grow with the
 context) and is not counted, like attention's transient buffers."""
 
@@ -15,8 +15,10 @@ MASS_DTYPE = torch.float32
 
 
 def _row_bytes(score: str) -> int:
+    from tqbench.engine.cache.evict.scores import score_class
+
     n = torch.empty((), dtype=POSITION_DTYPE).element_size()
-    if score == "h2o":
+    if score_class(score).accumulates:  # (h2o's mass)
         n += torch.empty((), dtype=MASS_DTYPE).element_size()
     return n
 

@@ -27,7 +27,6 @@ EVICT_NO_CROP = ("speculative decoding cannot run with token eviction (keep): a 
                  "restore the rows an eviction dropped, and they are gone; decode without speculation, or use a "
                  "policy without keep")
 
-_QUERY_SCORES = ("snapkv", "expected")  # scores that read a window of past queries
 
 
 def select_kept(score: torch.Tensor, held: int, target: int, head: int, tail: int) -> torch.Tensor:
@@ -53,7 +52,13 @@ class Evictor:
         self.keep, self.sink, self.recent = plan.keep, plan.sink, plan.recent
         self.score, self.window, self.every = policy.score, policy.window, policy.every
         self.chunk = policy.chunk
-        if mode == "fused" and self.score == "h2o" and self.every:
+        #: the ranking (``scores.get_score``: the policy's score, chunked when ``chunk`` > 1)
+        self.ranker = scores.get_score(self.score, self.chunk)
+        #: a context-pass score's per-position scores [B, H, N] (``set_rows``; kvzip), else None
+        self.rows: torch.Tensor | None = None
+        #: no eviction point at a multi-row call (``freeze``: a compressed context whose questions append)
+        self.frozen = False
+        if mode == "fused" and self.ranker.accumulates and self.every:
             raise EvictionError(
                 "score=h2o with every= accumulates every decoded query's attention over the held rows, which the "
                 "fused kernel does not return: use score=tova or snapkv (they read the queries at each eviction), "
@@ -142,29 +147,38 @@ class Evictor:
             head_keeps(self.head_keep, heads, self.layer_index)
         if self.ragged and not isinstance(self.positions, HeadRows):
             self.positions = HeadRows(heads)
-            if self.score == "h2o":
+            if self.ranker.accumulates:
                 self.mass = HeadRows(heads)
         self.positions.append(pos)
-        if self.score == "h2o":
+        if self.ranker.accumulates:
             self.mass.append(torch.zeros(batch, heads, t, dtype=MASS_DTYPE, device=device))
         if t > 1:
             self.prefill_end = n0 + t
-            return True
+            return not self.frozen
         return bool(self.every and self.prefill_end and (n0 + t - self.prefill_end) % self.every == 0)
+
+    def set_rows(self, rows: torch.Tensor | None) -> None:
+        """A context-pass score's per-position scores ``[B, H, N]`` (kvzip), read at the next eviction point."""
+        self.rows = rows
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Frozen: a call of more than one row is no eviction point (the rows appended to a compressed context,
+        a question, stay; decode points with ``every`` still run)."""
+        self.frozen = frozen
 
     def observes(self, point: bool) -> bool:
         """Whether this call's queries are needed (an eviction point, or a score that accumulates them)."""
-        return point or (self.every > 0 and self.score in (*_QUERY_SCORES, "h2o"))
+        return point or (self.every > 0 and (self.ranker.reads_window or self.ranker.accumulates))
 
     def after_attention(self, layer, query: torch.Tensor, scaling: float, point: bool) -> None:
         """Read this call's queries; at an eviction point, evict and let the stores pack."""
         t = query.shape[2]
         seen = layer.cumulative_length
-        if self.score in _QUERY_SCORES:
+        if self.ranker.reads_window:
             q = query.detach() if self.queries is None else torch.cat([self.queries, query.detach()], dim=2)
             self.queries = q[:, :, -self.window :]
         keys = None
-        if self.score == "h2o" and (point or self.every):
+        if self.ranker.accumulates and (point or self.every):
             keys = layer.k_store.dense(query.dtype)
             q_pos = torch.arange(seen - t, seen, device=query.device)
             mass = scores.h2o_mass(query, keys, scaling, q_pos, self.held_positions())
@@ -254,26 +268,13 @@ class Evictor:
 
     def _score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
         """[B, H, held] scores (ragged: padding scored -inf, and masked out of every softmax by its position)."""
-        s = self._raw_score(query, keys, v_store, scaling, seen)
-        if self.chunk > 1:
-            s = scores.chunked(s, self.held_positions(), self.chunk)
+        x = scores.ScoreInput(query, keys, lambda: v_store.dense(query.dtype), scaling, seen, self.held_positions(),
+                              self.ragged, self.queries, self.mass.view() if self.ranker.accumulates else None,
+                              self.rows)
+        s = self.ranker(x)
         if self.ragged:
             s = s.float().masked_fill(self.held_positions() == PAD_POSITION, float("-inf"))
         return s
-
-    def _raw_score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
-        if self.score == "keynorm":
-            return scores.keynorm(keys)
-        if self.score == "tova":
-            return scores.tova(query, keys, scaling, self.held_positions() if self.ragged else None)
-        if self.score == "h2o":
-            return self.mass.view()
-        q = self.queries
-        if self.score == "snapkv":
-            q_pos = torch.arange(seen - q.shape[2], seen, device=q.device)
-            return scores.snapkv(q, keys, scaling, q_pos, self.held_positions())
-        return scores.expected(q, keys, v_store.dense(query.dtype), scaling,
-                               self.held_positions() if self.ragged else None)
 
     # -- batch ----------------------------------------------------------------------------------
     def map_batch(self, fn) -> None:
@@ -284,6 +285,8 @@ class Evictor:
                 buf.data = fn(buf.data)
         if self.queries is not None:
             self.queries = fn(self.queries)
+        if self.rows is not None:
+            self.rows = fn(self.rows)
         if self.demoted:
             raise EvictionError("demote= does not follow a batch reordered or repeated (beam search): decode "
                                 "without beams, or drop the evicted rows (no demote)")

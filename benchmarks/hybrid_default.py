@@ -1,0 +1,138 @@
+"""Which layers to compress in a hybrid (sliding-window + global) model: teacher-forced KL per candidate on
+held-out texts of several kinds, and the exact bytes at the lengths the model is used at (issue 39, item 2).
+
+Each candidate is a policy; ``{sliding}`` and ``{global}`` in its text stand for the model's sliding-window and
+full-attention layer indices (``5+11+17``), so one list runs on any model. A candidate that names a layer kind
+the model does not have (SmolLM2 has no sliding layers) is skipped with the reason. Per text: the dense baseline
+once (one causal forward), then each candidate through the cache (prefill over exact K/V, then single-token
+steps); KL(baseline || candidate) averaged over steps. Bytes come from ``estimate_kv`` (every byte counted) at
+each ``--lengths``, against the dense fp16 cache of the full context and against the model's own cache (its
+sliding layers hold the window only). The JSON is rewritten after every row, so a killed run keeps what it had.
+
+    python benchmarks/hybrid_default.py --model gemma3-270m --threads 1 \\
+        --json benchmarks/results/gemma/hybrid-gemma3-270m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+from _common import cpu_model, write_json
+from rich.console import Console
+
+from tqbench.engine.allocate.texts import resolve_texts
+from tqbench.engine.cache.estimate import estimate_kv
+from tqbench.engine.cache.geometry import KVGeometry
+from tqbench.engine.engine import Engine
+from tqbench.engine.validate import baseline_logprobs, teacher_forced
+
+#: name -> policy text ({sliding}/{global}: the model's layer indices of that kind)
+CANDIDATES = {  # in the order they are measured (the most informative first: a killed run keeps its rows)
+    "turbo4 everywhere": "turbo4,sliding=compress",
+    "turbo4 globals, windows fp16": "turbo4,sliding=dense",
+    "turbo4 globals, windows q8_0": "turbo4,sliding=compress,kv@{sliding}=q8_0",
+    "turbo4 globals, windows q5_0 (hadamard)": "turbo4,sliding=compress,rotation=hadamard,kv@{sliding}=q5_0",
+    "turbo4 everywhere (hadamard)": "turbo4,sliding=compress,rotation=hadamard",
+    "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@{global}=q8_0",
+    "turbo4 globals, windows int8": "turbo4,sliding=compress,kv@{sliding}=int8",
+}
+#: texts neither model was fitted on (the shipped transforms were fitted on tqbench/data/calibration/): prose,
+#: a maintenance manual, code. "tail:" takes the LAST n tokens, so the scored steps read the last text's kind.
+TEXTS = ("corpus:rivers", "heldout:technical", "tail:heldout:technical+code")
+
+
+def text_ids(tokenizer, name: str, n: int) -> torch.Tensor:
+    tail = name.startswith("tail:")
+    paths, _ = resolve_texts(name.removeprefix("tail:"))
+    ids = torch.cat([tokenizer(p.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0] for p in paths])
+    if ids.shape[0] < n:
+        raise SystemExit(f"error: {name} has {ids.shape[0]} tokens, fewer than the {n} needed")
+    return (ids[-n:] if tail else ids[:n])[None]
+
+
+def layer_sets(config) -> dict[str, str]:
+    types = list(getattr(config, "layer_types", None) or [])
+    n = config.num_hidden_layers
+    if not types or len(set(types)) == 1:
+        return {"sliding": "", "global": ""}  # not a hybrid model: every layer is the same kind
+    pick = lambda kind: "+".join(str(i) for i, t in enumerate(types) if t == kind)  # noqa: E731
+    assert len(types) == n
+    return {"sliding": pick("sliding_attention"), "global": pick("full_attention")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--candidates", default=None, help="';'-separated candidate names (default: all)")
+    ap.add_argument("--texts", default=",".join(TEXTS))
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--mode", default="simulate")
+    ap.add_argument("--lengths", default="1024,8192,32768")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    con = Console()
+    t0 = time.time()
+    engine = Engine.load(args.model, threads=args.threads)
+    sets = layer_sets(engine.model.config)
+    geo = KVGeometry.from_config(engine.model.config)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    names = args.candidates.split(";") if args.candidates else list(CANDIDATES)
+    cands: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        text = CANDIDATES.get(name, name)
+        if ("{sliding}" in text or "{global}" in text) and not sets["sliding"]:
+            skipped[name] = "the model has no sliding-window layers: the same as turbo4 everywhere"
+            continue
+        cands[name] = text.format(**sets)
+    bytes_rows = []
+    own = estimate_kv("fp16", geo, 1)  # warm
+    for name, pol in cands.items():
+        row = {"candidate": name, "policy": pol}
+        for n in lengths:
+            est = estimate_kv(pol, geo, n)
+            own = estimate_kv("fp16,sliding=dense", geo, n)  # the model's own cache: windows hold their rows
+            row[str(n)] = {"total_bytes": est.total_bytes, "dense_fp16_bytes": est.dense_fp16_bytes,
+                           "own_cache_bytes": own.total_bytes, "bits_per_element": round(est.bits_per_element, 3),
+                           "saved_pct": round(est.saved_pct, 2),
+                           "saved_vs_own_pct": round(100 * (1 - est.total_bytes / own.total_bytes), 2)}
+        bytes_rows.append(row)
+    out = {"model": engine.loaded.name, "threads": torch.get_num_threads(), "mode": args.mode,
+           "prefill": args.prefill, "steps": args.steps, "layer_sets": sets, "skipped": skipped,
+           "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                       "torch": torch.__version__, "load_start": os.getloadavg()},
+           "bytes": bytes_rows, "quality": []}
+    for text in args.texts.split(","):
+        ids = text_ids(engine.tokenizer, text, args.prefill + args.steps + 1)
+        base = baseline_logprobs(engine, ids, args.prefill)
+        for name, pol in cands.items():
+            t1 = time.time()
+            r = teacher_forced(engine, ids, args.prefill, pol, args.mode, baseline=base)
+            out["quality"].append({"text": text, "candidate": name, **r.to_dict(),
+                                   "wall_s": round(time.time() - t1, 1), "load": os.getloadavg()[0]})
+            con.print(f"{text:30s} {name:32s} bits@{args.prefill + args.steps}={r.bits_per_element:.3f} "
+                      f"KL={r.kl_mean:.5f} top1={r.top1_agreement:.3f} ppl={r.ppl_candidate:.3f}/"
+                      f"{r.ppl_baseline:.3f} ({time.time() - t1:.0f} s, load {os.getloadavg()[0]:.1f})")
+            out["wall_s"], out["load_end"] = round(time.time() - t0, 1), os.getloadavg()
+            write_json(args.json, out, console=con)
+    # mean KL over texts per candidate
+    summary = []
+    for name in cands:
+        rows = [q for q in out["quality"] if q["candidate"] == name]
+        summary.append({"candidate": name, "kl_mean": sum(q["kl_mean"] for q in rows) / len(rows),
+                        "kl_max_text": max(q["kl_mean"] for q in rows), "texts": len(rows)})
+        con.print(f"{name:32s} mean KL {summary[-1]['kl_mean']:.5f} (worst text {summary[-1]['kl_max_text']:.5f}) "
+                  + "  ".join(f"{n}: {b[str(n)]['bits_per_element']} bits, saved {b[str(n)]['saved_pct']}%"
+                              for b in bytes_rows if b["candidate"] == name for n in lengths))
+    out["summary"] = summary
+    write_json(args.json, out, console=con)
+
+
+if __name__ == "__main__":
+    main()

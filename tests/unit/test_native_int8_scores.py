@@ -1,0 +1,128 @@
+"""Turbo keys scored in 8 bits by the native kernel (``Side.score_int8``: int8 query x uint8 codebook, exact int32
+sums, AVX-512 VNNI): the kernel equals a float64 emulation of that arithmetic, every emulated score is within the
+stated bound (``int8_score_bound``) of the float score, and the attention output within what that bound allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+
+import pytest
+import torch
+
+if shutil.which("c++") is None:  # pragma: no cover - CI and this machine have g++
+    pytest.skip("no C++ compiler: the native kernel cannot build here", allow_module_level=True)
+
+from tests.unit.test_native_kernel import _packed  # noqa: E402
+from tqbench.kernels.cpu.attention import int8_score_bound, kernel_rules, kernel_side, native_attention_batch  # noqa: E402
+from tqbench.kernels.reference import dequantize_side  # noqa: E402
+
+needs_vnni = pytest.mark.skipif(not kernel_rules()["score_int8_bits"],
+                                reason="this CPU's build has no AVX-512 VNNI: score_int8 is refused (tested below)")
+
+
+def _case(spec, d, seed, n=70, before=0, after=0):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g = 1, 2, 3
+    k = torch.randn(b, h, before + n + after, d, generator=gen)
+    v = torch.randn(b, h, before + n + after, d, generator=gen)
+    q = torch.randn(b, h * g, 1, d, generator=gen) * 2
+    ks, _ = _packed(spec, "k", k[:, :, before:before + n], torch.float32)
+    vs, v_dec = _packed(spec, "v", v, torch.float32)
+    return q, k, ks, vs, v_dec, (b, h, g, d)
+
+
+def _scores(q, ks, dims):
+    """(float64 scores, emulated 8-bit scores, their bound), [b, h, g, n], from the side's codes."""
+    b, h, g, d = dims
+    nlev = 1 << ks.bits
+    as_index = dataclasses.replace(ks, levels=torch.arange(nlev, dtype=torch.float64), mu=None, _tables={},
+                                   payload={"idx": ks.payload["idx"], "norm": torch.ones_like(ks.payload["norm"])})
+    codes = dequantize_side(as_index, torch.float64).round().long()
+    lev, rot = ks.levels.double(), ks.rotation.double()
+    norm = ks.payload["norm"].double().squeeze(-1)[:, :, None, :]
+    qs = q.double().view(b, h, g, d) * d ** -0.5
+    qr = qs @ rot.T
+    qmu = qs @ ks.mu.double().transpose(-1, -2)
+    exact = norm * torch.einsum("bhgd,bhnd->bhgn", qr, lev[codes]) + qmu
+    step = qr.abs().amax(-1, keepdim=True) / 127
+    beta = lev.abs().max() / 127
+    q8 = torch.round(qr.float() / step.float()).double()
+    cb8 = torch.round(lev.float() / beta.float()).double()
+    emulated = norm * (step * beta) * torch.einsum("bhgd,bhnd->bhgn", q8, cb8[codes]) + qmu
+    return exact, emulated, int8_score_bound(qr, lev, ks.payload["norm"].squeeze(-1)[:, :, None, :])
+
+
+def _attend(q, ks, vs, d, int8, dense_k=()):
+    a, _ = kernel_side(ks, list(dense_k), 0, d, torch.float32)
+    c, _ = kernel_side(vs, [], 0, d, torch.float32)
+    a.score_int8 = int8
+    return native_attention_batch(q, [a], [c], d ** -0.5)[0].double()
+
+
+@needs_vnni
+@pytest.mark.parametrize("spec,d", [("turbo4", 64), ("turbo4", 128), ("turbo2", 64), ("turbo2", 256)])
+def test_int8_scores_are_the_emulated_arithmetic_and_within_their_bound(spec, d):
+    q, _, ks, vs, v_dec, dims = _case(spec, d, seed=d)
+    b, h, g, _ = dims
+    exact, emulated, bound = _scores(q, ks, dims)
+    err = (emulated - exact).abs()
+    assert (err <= bound).all(), f"worst error / bound {float((err / bound).max()):.3f}"
+    assert err.max() > 0  # the path is not exact: the bound is what it promises
+    out = _attend(q, ks, vs, d, True)
+    ref = (torch.softmax(emulated, -1) @ v_dec).reshape(b, h * g, 1, d)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # the whole output against the float path: weights move by a factor within exp(+-2 e)
+    float_out = _attend(q, ks, vs, d, False)
+    eps = float(bound.max())
+    assert float((out - float_out).abs().max()) <= (math.exp(2 * eps) - 1) * float(v_dec.abs().max())
+
+
+@needs_vnni
+def test_one_wrong_code_fails_the_int8_check():
+    q, _, ks, vs, v_dec, dims = _case("turbo4", 64, seed=3)
+    b, h, g, d = dims
+    _, emulated, _ = _scores(q, ks, dims)
+    ks.payload["idx"][0, 1, 5, 3] ^= 0x11
+    out = _attend(q, ks, vs, d, True)
+    ref = (torch.softmax(emulated, -1) @ v_dec).reshape(b, h * g, 1, d)
+    assert float((out - ref).abs().max()) > 1e-4
+
+
+@needs_vnni
+def test_dense_rows_beside_int8_rows_are_scored_in_float():
+    """Rows outside the packed run (a dense tail) take the float path; the packed rows stay 8-bit."""
+    q, k, ks, vs, v_dec, dims = _case("turbo4", 64, seed=11, n=64)
+    b, h, g, d = dims
+    tail = torch.randn(b, h, 5, d, generator=torch.Generator().manual_seed(1))
+    v_tail = torch.randn(b, h, 5, d, generator=torch.Generator().manual_seed(2))
+    a, _ = kernel_side(ks, [tail], 0, d, torch.float32)
+    c, _ = kernel_side(vs, [v_tail], 0, d, torch.float32)
+    a.score_int8 = True
+    out = native_attention_batch(q, [a], [c], d ** -0.5)[0]
+    a.score_int8 = False
+    ref = native_attention_batch(q, [a], [c], d ** -0.5)[0]
+    _, _, bound = _scores(q, ks, dims)
+    vmax = max(float(v_dec.abs().max()), float(v_tail.abs().max()))
+    assert 0 < float((out - ref).abs().max()) <= (math.exp(2 * float(bound.max())) - 1) * vmax
+
+
+@pytest.mark.parametrize("spec,role,d,dt,what", [
+    ("turbo3", "k", 64, torch.float32, "4- or 2-bit turbo codes"),
+    ("turbo4", "k", 48, torch.float32, "head_dim a multiple of 64"),
+    ("turbo4", "k", 64, torch.float64, "float32 queries"),
+    ("turbo4", "v", 64, torch.float32, "only keys are scored"),
+])
+def test_int8_scoring_is_refused_where_it_cannot_run_with_the_reason(spec, role, d, dt, what):
+    x = torch.randn(1, 2, 8, d, generator=torch.Generator().manual_seed(0))
+    side, _ = _packed(spec, role, x, dt)
+    other, _ = _packed("turbo4", "v" if role == "k" else "k", x, dt)
+    s, _ = kernel_side(side, [], 0, d, dt)
+    o, _ = kernel_side(other, [], 0, d, dt)
+    s.score_int8 = True
+    ks, vs = (s, o) if role == "k" else (o, s)
+    q = torch.randn(1, 4, 1, d, dtype=dt)
+    with pytest.raises(RuntimeError, match=what if kernel_rules()["score_int8_bits"] or role == "v" else "VNNI"):
+        native_attention_batch(q, [ks], [vs], 0.1)
