@@ -39,9 +39,9 @@ from functools import lru_cache
 import torch
 
 from .base import Codec, Encoded, compute_dtype
-from .names import VLLM_TQ_PRESETS  # torch-free: the policy grammar reads them
+from .names import BOUNDARY_LAYERS, VLLM_TQ_PRESETS  # torch-free: the policy grammar reads them
 
-__all__ = ["VLLM_TQ_PRESETS", "VllmTqKeyCodec", "VllmUniformCodec", "hadamard", "lloyd_max", "pack_bits",
+__all__ = ["BOUNDARY_LAYERS", "VLLM_TQ_PRESETS", "VllmTqKeyCodec", "VllmUniformCodec", "hadamard", "lloyd_max", "pack_bits",
            "unpack_bits"]
 
 
