@@ -41,7 +41,7 @@ def open_workbench(ctx: click.Context, screen: str = "run", run: dict | None = N
     params = None
     if run is not None or wb["policy"]:
         r = dict(prompt=DEFAULT_PROMPT, chat=True, max_new_tokens=48, temperature=0.0, top_p=1.0, seed=0,
-                 baseline="fp16", candidate=wb["policy"] or "turbo4", cache_mode="compressed")
+                 baseline="fp16", candidate=wb["policy"] or "turbo4", cache_mode=None)  # None: the device's mode
         r.update({k: v for k, v in (run or {}).items() if v is not None})
         params = RunParams(**r)
     run_workbench(WorkbenchOptions(model=wb["model"], device=wb["device"], dtype=wb["dtype"], threads=wb["threads"],

@@ -10,6 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, Select
 
+from tqbench.constants import DEFAULT_TASK_CONTEXT
 from tqbench.engine.tasks.spec import CONTEXT_CHOICES
 from tqbench.tui.panes.jobs import run_engine_job
 
@@ -74,7 +75,7 @@ class CompareTasks(Vertical):
 
         with Horizontal(classes="controls"):
             yield Label("tasks at")
-            yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=2048, id="cmp-tasks-context", compact=True,
+            yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=DEFAULT_TASK_CONTEXT, id="cmp-tasks-context", compact=True,
                          allow_blank=False, tooltip="the long-context task suite's context in tokens")
             yield Label("samples")
             yield Input(str(DEFAULT_SAMPLES), id="cmp-tasks-samples", compact=True, type="integer")
