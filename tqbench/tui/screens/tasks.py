@@ -142,6 +142,7 @@ class TasksScreen(ModalScreen):
             status.update("cancelled: nothing was kept")
         else:
             self.show_result(msg.result)
+            self.app.session.tasks.append(msg.result)  # saved with the session (ctrl+s)
 
     def show_result(self, result) -> None:
         self.result = result
