@@ -81,3 +81,35 @@ async def test_a_version_1_session_opens_once_the_model_has_loaded(data_dir, ste
         assert bview.token_ids == run.baseline.token_ids and cview.token_ids == run.candidate.token_ids
         assert pieces(bview) == run.baseline.token_texts and pieces(cview) == run.candidate.token_texts
         assert cview.divergent_steps == [2, 3, 4, 5, 6, 7]
+
+
+async def test_task_results_reopen_and_save_as_keeps_the_opened_file(data_dir, steady_engine, tmp_path):
+    """Issue 42: a session's task-suite table comes back when it is opened; "save as" writes another file and
+    ctrl+s over the opened session keeps the previous version as NAME.bak.json."""
+    from textual.widgets import DataTable, Input
+
+    from tqbench.engine.tasks.suite import TasksResult
+    from tqbench.tui.screens.sessions import SaveAsScreen
+
+    sample = {"task": "niah_single", "index": 0, "prompt_tokens": 900, "references": ["7"], "baseline_answer": "7",
+              "candidate_answer": "8", "baseline_score": 1.0, "candidate_score": 0.0, "agree": False,
+              "baseline_compression_ratio": 1.0, "candidate_compression_ratio": 3.5}
+    res = TasksResult("tiny", 1024, 0, "fp16", "turbo2", "compressed", 1, ["niah_single"], [sample], 0)
+    path = save_session(Session(tasks=[res]), tmp_path / "t.json", engine=steady_engine, model_spec="tiny")
+    app = WorkbenchApp(WorkbenchOptions(session=str(path)), engine=steady_engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        table = app.compare_pane.query_one("#cmp-tasks-table", DataTable)
+        assert table.row_count == 2 and [str(c) for c in table.get_row("turbo2")][:3] == ["turbo2", "3.500", "0.0"]
+        app.action_save_session_as()
+        await wait_for(pilot, lambda: isinstance(app.screen, SaveAsScreen) and app.screen.query("#save-as-path"),
+                       what="the save-as screen")
+        app.screen.query_one("#save-as-path", Input).value = str(tmp_path / "copy")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: (tmp_path / "copy.json").exists(), what="the copy to be written")
+        assert Session.load(tmp_path / "copy.json").tasks[0].to_dict() == res.to_dict()
+        assert app.session_path == tmp_path / "copy.json"
+        app.session_path = path  # back to the opened file: ctrl+s keeps its previous version
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: (tmp_path / "t.bak.json").exists(), what="the backup")
+        assert any("the previous version kept as t.bak.json" in m for m in notes(app))

@@ -115,3 +115,19 @@ async def test_the_candidate_defaults_to_the_fastest_quality_mode_and_says_what_
             assert str(note.render()) == CACHE_MODE_RESIDENT[m]
         app.run_pane.engine_ready("cpu")  # a mode the user chose is kept
         assert mode.value == CACHE_MODES[-1]
+
+
+async def test_a_policy_from_the_command_line_gets_the_same_mode_as_the_default_candidate(data_dir, steady_engine):
+    """``tqbench --kv-policy turbo4,keep=0.5`` (issue 42): the mode nobody chose is the device's, as for turbo4."""
+    from textual.widgets import Select
+
+    from tqbench.constants import DEFAULT_PROMPT, fastest_quality_mode
+    from tqbench.tui.app import RunParams
+
+    run = RunParams(prompt=DEFAULT_PROMPT, chat=True, max_new_tokens=48, temperature=0.0, top_p=1.0, seed=0,
+                    baseline="fp16", candidate="turbo4,keep=0.5", cache_mode=None)
+    app = WorkbenchApp(WorkbenchOptions(model="tiny", run=run), engine=steady_engine)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        assert app.run_pane.query_one("#mode", Select).value == fastest_quality_mode("cpu")
+        assert app.run_pane.query_one("#candidate").value == "turbo4,keep=0.5"

@@ -184,3 +184,72 @@ def test_kept_policies_round_trip_and_a_bad_file(tmp_path, monkeypatch):
     with pytest.raises(SessionError) as exc:
         load_kept_policies()
     assert str(exc.value) == f"{tmp_path / 'policies.json'} is not a {{name: policy}} object: fix or delete it"
+
+
+def test_saving_over_a_session_keeps_one_backup_and_never_replaces_another_file(tmp_path, session):
+    """The overwrite rule every front end follows (``sessions.store.keep_backup``)."""
+    path = session.save(tmp_path / "s.json")
+    assert session.backup is None
+    first = json.loads(path.read_text())
+    session.save(path)  # over a session: the previous version is kept, and opens as it was
+    assert session.backup == tmp_path / "s.bak.json"
+    kept = json.loads((tmp_path / "s.bak.json").read_text())
+    assert kept["arrays"]["file"] == "s.bak.safetensors" and kept["saved"] == first["saved"]
+    assert Session.load(tmp_path / "s.bak.json").runs[0].candidate.token_ids == session.runs[0].candidate.token_ids
+    assert Session.load(path).policies == session.policies
+    other = tmp_path / "notes.json"
+    other.write_text('{"mine": true}')
+    with pytest.raises(SessionError, match=r"notes.json exists and is not a tqbench session \(.*\): it is not "
+                                           r"overwritten; give another file name"):
+        session.save(other)
+    assert other.read_text() == '{"mine": true}' and not (tmp_path / "notes.safetensors").exists()
+
+
+def test_task_suite_results_are_saved_and_reopened(tmp_path, session):
+    import dataclasses
+
+    from tqbench.engine.tasks.suite import TasksResult
+
+    sample = {"task": "niah_single", "index": 0, "prompt_tokens": 900, "references": ["7"], "baseline_answer": "7",
+              "candidate_answer": "8", "baseline_score": 1.0, "candidate_score": 0.0, "agree": False,
+              "baseline_compression_ratio": 1.0, "candidate_compression_ratio": 3.5}
+    res = TasksResult("tiny", 1024, 0, "fp16", "turbo2", "compressed", 1, ["niah_single"], [sample], 1)
+    with_tasks = dataclasses.replace(session, tasks=[res])
+    back = Session.load(with_tasks.save(tmp_path / "t.json"))
+    assert [t.to_dict() for t in back.tasks] == [res.to_dict()]
+    assert back.tasks[0].task_row(None)["delta"] == -100.0
+    assert Session.load(session.save(tmp_path / "none.json")).tasks == []
+
+
+def test_long_policies_get_distinct_session_names(tmp_path, session, record):
+    import dataclasses
+
+    from tqbench.sessions.store import new_session_path
+
+    def named(policy):
+        rec = dataclasses.replace(record, candidate=dataclasses.replace(record.candidate, policy=policy))
+        return new_session_path(dataclasses.replace(session, runs=[rec]), tmp_path).name[16:]  # after the time
+
+    a = named("k=turbo4,v=turbo4,sink=4,recent=16,keep=0.5,score=snapkv")
+    b = named("k=turbo4,v=turbo4,sink=4,recent=16,keep=0.5,score=tova")
+    assert a != b and len(a) == len(b) == 40 + len(".json")
+    assert named("turbo4") == "turbo4.json"
+
+
+def test_save_session_flag_refuses_another_file_before_any_work_and_keeps_a_backup(tmp_path, session):
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
+    other = tmp_path / "notes.json"
+    other.write_text("[1, 2]")
+    r = CliRunner().invoke(main, ["--headless", "bench", "--model", "no-such-model", "--save-session", str(other)])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: --save-session {other}: that file exists and is not "
+                                                    "a tqbench session (")  # before the model (a bad one) loads
+    assert other.read_text() == "[1, 2]"
+    path = session.save(tmp_path / "mine.json")
+    r = CliRunner().invoke(main, ["--headless", "bench", "--model", "tiny", "--max-new-tokens", "2", "--threads", "1",
+                                  "--save-session", str(path)])
+    assert r.exit_code == 0, r.output
+    assert f"session saved to {path} (the previous version kept as {tmp_path / 'mine.bak.json'})" in r.stderr
+    assert Session.load(tmp_path / "mine.bak.json").policies == session.policies

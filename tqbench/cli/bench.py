@@ -126,12 +126,14 @@ def _generate(engine, text, policy, cache_mode, max_new_tokens, chat, sampling, 
 
 
 def save_headless_session(path: str, engine, model_spec: str, runs: list, **results) -> str:
-    """Write a session the workbench opens (``tqbench --session FILE``)."""
+    """Write a session the workbench opens (``tqbench --session FILE``); returns its path, and the backup kept
+    of the session it replaced (``sessions.store.keep_backup``)."""
     from tqbench.sessions import Session, environment
 
     session = Session(model=Session.model_info(engine, model_spec), runs=runs,
                       environment=environment(str(engine.loaded.device)), **results)
-    return str(session.save(path))
+    saved = str(session.save(path))
+    return saved + (f" (the previous version kept as {session.backup})" if session.backup else "")
 
 
 @click.command()

@@ -19,7 +19,7 @@ from tqbench.cli.options import (
     report_options,
     write_reports,
 )
-from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE
+from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE, DEFAULT_TASK_CONTEXT
 
 
 def _known_max_context(model: str) -> tuple[int | None, str]:
@@ -35,7 +35,7 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 
 @click.command()
 @model_options
-@click.option("--context", type=int, default=4096, show_default=True,
+@click.option("--context", type=int, default=DEFAULT_TASK_CONTEXT, show_default=True,
               help="Target context in tokens (prompt + answer) of every sample, e.g. 2048, 4096, 8192.")
 @policy_option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
 @policy_option("--baseline", default="fp16", show_default=True,

@@ -41,7 +41,7 @@ def open_workbench(ctx: click.Context, screen: str = "run", run: dict | None = N
     params = None
     if run is not None or wb["policy"]:
         r = dict(prompt=DEFAULT_PROMPT, chat=True, max_new_tokens=48, temperature=0.0, top_p=1.0, seed=0,
-                 baseline="fp16", candidate=wb["policy"] or "turbo4", cache_mode="compressed")
+                 baseline="fp16", candidate=wb["policy"] or "turbo4", cache_mode=None)  # None: the device's mode
         r.update({k: v for k, v in (run or {}).items() if v is not None})
         params = RunParams(**r)
     run_workbench(WorkbenchOptions(model=wb["model"], device=wb["device"], dtype=wb["dtype"], threads=wb["threads"],
@@ -81,8 +81,20 @@ def check_session_path(path: str | None) -> None:
 
     try:
         check_out_path(path, "--save-session")
+        if path:  # the overwrite rule (sessions.store.keep_backup), checked before any work is done
+            from pathlib import Path
+
+            from tqbench.sessions.store import SUFFIX, read_header
+
+            target = Path(path if path.endswith(SUFFIX) else path + SUFFIX)
+            if target.exists():
+                read_header(target)
     except ValueError as exc:
-        _fail(str(exc))
+        msg = str(exc)
+        if path and "session" in msg and "--save-session" not in msg:
+            msg = f"--save-session {path}: that file exists and is not a tqbench session ({msg}): it is not " \
+                  "overwritten; give another file name"
+        _fail(msg)
 
 
 def save_session_if_asked(engine, model_spec: str, **results) -> str | None:
@@ -103,7 +115,8 @@ def save_session_if_asked(engine, model_spec: str, **results) -> str | None:
         validations.append(report if isinstance(report, dict) else report.to_dict())
     session = Session(runs=runs, validations=validations, **results)
     saved = str(save_session(session, path, engine=engine, model_spec=model_spec))
-    click.echo(f"session saved to {saved}", err=True)
+    kept = f" (the previous version kept as {session.backup})" if session.backup else ""
+    click.echo(f"session saved to {saved}{kept}", err=True)
     return saved
 
 

@@ -86,9 +86,11 @@ class Session:
     scans: list[ScanResult] = field(default_factory=list)  # typed in memory, to_dict() in the file
     compares: list[CompareResult] = field(default_factory=list)
     validations: list[dict] = field(default_factory=list)
+    tasks: list = field(default_factory=list)  # engine.tasks.TasksResult: the long-context suite's results
     environment: dict = field(default_factory=dict)
     created: str = field(default_factory=now_iso)
     title: str = ""
+    backup: Path | None = field(default=None, repr=False, compare=False)  # set by save: the previous version kept
 
     @staticmethod
     def model_info(engine, spec: str | None = None) -> dict:
@@ -111,7 +113,7 @@ class Session:
             "title": self.title, "model": self.model, "environment": self.environment,
             "policies": self.policies, "runs": [run_to_json(rec) for rec in self.runs],
             "scans": [s.to_dict() for s in self.scans], "compares": [c.to_dict() for c in self.compares],
-            "validations": self.validations,
+            "validations": self.validations, "tasks": [t.to_dict() for t in self.tasks],
             "arrays": {"file": arrays_name, "sha256": arrays_sha256},
         }
 
@@ -131,6 +133,7 @@ class Session:
         path.parent.mkdir(parents=True, exist_ok=True)
         arrays_path = path.with_suffix(".safetensors")
         blob = save(self.arrays(), metadata={"format": FORMAT, "version": str(VERSION)})
+        self.backup = keep_backup(path)
         atomic_write(arrays_path, blob)
         doc = self.to_json(arrays_path.name, hashlib.sha256(blob).hexdigest())
         atomic_write(path, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
@@ -147,8 +150,9 @@ class Session:
             doc = migrate(doc)
             runs = [run_from(i, r, arr) for i, r in enumerate(doc["runs"])]
             scans, compares = _results_from(doc)
+            tasks = _tasks_from(doc)
             return cls(model=doc["model"], runs=runs, policies=dict(doc.get("policies", {})),
-                       scans=scans, compares=compares,
+                       scans=scans, compares=compares, tasks=tasks,
                        validations=list(doc.get("validations", [])), environment=doc.get("environment", {}),
                        created=doc.get("created", ""), title=doc.get("title", ""))
         except (KeyError, TypeError, ValueError) as exc:
@@ -165,6 +169,41 @@ def _results_from(doc: dict) -> tuple[list[ScanResult], list[CompareResult]]:
     from tqbench.engine.validate import CompareResult
 
     return [ScanResult.from_dict(d) for d in scans], [CompareResult.from_dict(d) for d in compares]
+
+
+def backup_path(path: Path) -> Path:
+    """Where ``keep_backup`` keeps the previous version of session ``path``: ``NAME.bak.json`` (+ its arrays)."""
+    return path.with_name(path.stem + ".bak" + SUFFIX)
+
+
+def keep_backup(path: Path) -> Path | None:
+    """The overwrite rule, for every front end (``--save-session``, ctrl+s, save as): a path that does not exist
+    is written; an existing tqbench session is moved to ``backup_path`` (its arrays too; one backup, replaced by
+    the next save) and its path returned; any other existing file is refused (``SessionError``), never replaced."""
+    if not path.exists():
+        return None
+    try:
+        read_header(path)
+    except SessionError as exc:
+        raise SessionError(f"{path} exists and is not a tqbench session ({exc}): it is not overwritten; give "
+                           "another file name") from None
+    bak = backup_path(path)
+    doc = json.loads(path.read_bytes())
+    arrays = path.parent / (doc.get("arrays") or {}).get("file", path.with_suffix(".safetensors").name)
+    if arrays.exists():  # the backup names its own arrays file, so it opens as it was
+        os.replace(arrays, bak.with_suffix(".safetensors"))
+        doc["arrays"]["file"] = bak.with_suffix(".safetensors").name
+    atomic_write(bak, (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode())
+    path.unlink()
+    return bak
+
+
+def _tasks_from(doc: dict) -> list:
+    if not doc.get("tasks"):
+        return []
+    from tqbench.engine.tasks.suite import TasksResult
+
+    return [TasksResult.from_dict(d) for d in doc["tasks"]]
 
 
 def save_session(session: Session, path: str | os.PathLike | None = None, *,
@@ -184,7 +223,9 @@ def new_session_path(session: Session, directory: str | os.PathLike | None = Non
     stem = "session"
     if session.runs:
         cand = session.runs[-1].candidate.policy
-        stem = "".join(c if c.isalnum() or c in "-." else "-" for c in cand)[:40] or "session"
+        stem = "".join(c if c.isalnum() or c in "-." else "-" for c in cand) or "session"
+        if len(stem) > 40:  # cut, with a hash of the whole policy so two long policies never share a name
+            stem = f"{stem[:31]}-{hashlib.sha1(cand.encode()).hexdigest()[:8]}"
     return default_session_path(directory, stem)
 
 

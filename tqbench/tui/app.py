@@ -207,6 +207,9 @@ class WorkbenchApp(App):
     def action_save_session(self) -> None:
         session_flow.save(self)
 
+    def action_save_session_as(self) -> None:
+        session_flow.save_as(self)
+
     def action_open_session(self) -> None:
         from tqbench.tui.screens.sessions import OpenSessionScreen
 
@@ -349,6 +352,7 @@ class WorkbenchApp(App):
         yield SystemCommand("Cancel run", f"Stop the running generation ({k('app.cancel')})", self.action_cancel)
         yield SystemCommand("Save session", f"Save everything to the data dir ({k('app.save')})",
                             self.action_save_session)
+        yield SystemCommand("Save session as", "Save to a file name you give", self.action_save_session_as)
         yield SystemCommand("Open session", f"Open a saved session from a list ({k('app.open')})",
                             self.action_open_session)
         yield SystemCommand("Re-run and diff", "Re-run the shown run and compare with the saved tokens "

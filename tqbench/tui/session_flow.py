@@ -58,7 +58,8 @@ def open_session(app, path) -> bool:
         warn_if_other_model(app)
     show_session(app, session)
     app.notify(f"opened {Path(path).name}: {len(session.runs)} run(s), {len(session.scans)} scan(s), "
-               f"{len(session.compares)} comparison(s), {len(session.validations)} validation(s)",
+               f"{len(session.compares)} comparison(s), {len(session.validations)} validation(s), "
+               f"{len(session.tasks)} task-suite result(s)",
                title="session opened")
     return True
 
@@ -70,13 +71,17 @@ def show_session(app, session: Session) -> None:
     if session.compares:
         app.compare_pane.show_result(session.compares[-1],
                                      note=f"saved comparison ({len(session.compares)} in the session)")
+    if session.tasks:
+        from tqbench.tui.panes.compare_tasks import CompareTasks
+
+        app.compare_pane.query_one(CompareTasks).show_saved(session.tasks)
     app.saved_record = session.runs[-1] if session.runs else None
     if session.runs:
         app.run_pane.show_record(app.saved_record)
         app.show_run()
     elif session.scans:
         app.action_tab("scan")
-    elif session.compares:
+    elif session.compares or session.tasks:
         app.action_tab("compare")
 
 
@@ -90,8 +95,17 @@ def warn_if_other_model(app) -> None:
                    title="different model", severity="warning", timeout=10)
 
 
-def save(app) -> None:
-    """ctrl+s: the session to its file (a new one in the session dir the first time)."""
+def save_as(app) -> None:
+    """"Save session as": ask for a file name (the current one, else a new one in the session dir), then save."""
+    from tqbench.tui.screens.sessions import SaveAsScreen
+
+    default = app.session_path or new_session_path(app.session, app.options.session_dir)
+    app.push_screen(SaveAsScreen(str(default)), lambda path: save(app, path) if path else None)
+
+
+def save(app, path=None) -> None:
+    """ctrl+s: the session to its file (a new one in the session dir the first time); ``path``: save as. An
+    existing session file is kept as ``NAME.bak.json`` (and said); any other existing file is refused."""
     if app.engine is None:
         app.notify("nothing to save yet: the model is still loading", severity="warning")
         return
@@ -99,11 +113,12 @@ def save(app) -> None:
         app.notify("work is going: wait for it or press escape, then save", severity="warning")
         return
     app.session.policies.update(app.policies_pane.kept)
-    path = app.session_path or new_session_path(app.session, app.options.session_dir)
+    path = path or app.session_path or new_session_path(app.session, app.options.session_dir)
     try:
         app.session_path = save_session(app.session, path, engine=app.engine, model_spec=app.model_spec)
     except (OSError, SessionError, ValueError) as exc:
         app.notify(f"could not save the session to {path}: {exc}", title="save failed", severity="error")
         return
-    app.notify(f"saved {len(app.session.runs)} run(s) to {app.session_path}", title="session saved")
+    kept = f"; the previous version kept as {app.session.backup.name}" if app.session.backup else ""
+    app.notify(f"saved {len(app.session.runs)} run(s) to {app.session_path}{kept}", title="session saved")
     app.sub_title = str(app.session_path)

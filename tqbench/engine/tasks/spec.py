@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tqbench.constants import DEFAULT_TASK_SAMPLES
 from tqbench.engine.request import RequestError
 
 SUITE = "tqbench-ruler"
@@ -19,7 +20,7 @@ SUITE = "tqbench-ruler"
 SUITE_VERSION = 1
 CONTEXTS = (2048, 4096, 8192)
 CONTEXT_CHOICES = (1024, *CONTEXTS)  # what a front end offers (1024: a quick look, below the sized lengths)
-DEFAULT_SAMPLES = 3
+DEFAULT_SAMPLES = DEFAULT_TASK_SAMPLES  # one definition, in tqbench.constants (every front end)
 MAX_SAMPLES = 64
 #: how a compressed cache meets the question: ``agnostic`` (the context is compressed once, before any question;
 #: the question is appended to the compressed cache: prefix caching, multi-turn chat, RAG; kvpress reports it first)

@@ -105,6 +105,13 @@ class TasksResult:
                                  "samples": r["samples"]})
         return rows
 
+    @classmethod
+    def from_dict(cls, d: dict) -> TasksResult:
+        """The result ``to_dict`` wrote (a saved session's): its samples hold every score, so the rows are the same."""
+        return cls(d["model"], int(d["context"]), int(d["seed"]), d["baseline"], d["candidate"], d["cache_mode"],
+                   int(d["samples_per_task"]), [t["task"] for t in d["tasks"]], list(d["samples"]),
+                   int(d.get("baseline_cached", 0)))
+
     def to_dict(self) -> dict:
         return {
             "suite": SUITE, "suite_version": SUITE_VERSION, "dataset": self.dataset, "model": self.model,

@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static, TextArea
 
-from tqbench.constants import COMPARE_PROMPTS
+from tqbench.constants import COMPARE_PROMPTS, DEFAULT_CACHE_MODE
 from tqbench.tui.panes.compare_tasks import CompareTasks
 from tqbench.tui.panes.jobs import (
     cancel_job,
@@ -147,7 +147,7 @@ class ComparePane(Vertical):
             yield Input(str(p.get("max_new_tokens", 32)), id="cmp-tokens", compact=True, type="integer")
             yield Label("cache mode")
             yield Select([(m, m) for m in ("compressed", "simulate", "dense-shadow", "fused")],
-                         value=p.get("cache_mode", "compressed"), id="cmp-mode", compact=True, allow_blank=False)
+                         value=p.get("cache_mode", DEFAULT_CACHE_MODE), id="cmp-mode", compact=True, allow_blank=False)
             yield Button("Compare ^r", id="cmp-button", compact=True, variant="primary")
         yield CompareTasks(self, id="cmp-tasks")
         yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")

@@ -10,6 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, DataTable, Input, Label, Select
 
+from tqbench.constants import DEFAULT_TASK_CONTEXT
 from tqbench.engine.tasks.spec import CONTEXT_CHOICES
 from tqbench.tui.panes.jobs import run_engine_job
 
@@ -74,7 +75,7 @@ class CompareTasks(Vertical):
 
         with Horizontal(classes="controls"):
             yield Label("tasks at")
-            yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=2048, id="cmp-tasks-context", compact=True,
+            yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=DEFAULT_TASK_CONTEXT, id="cmp-tasks-context", compact=True,
                          allow_blank=False, tooltip="the long-context task suite's context in tokens")
             yield Label("samples")
             yield Input(str(DEFAULT_SAMPLES), id="cmp-tasks-samples", compact=True, type="integer")
@@ -104,15 +105,29 @@ class CompareTasks(Vertical):
             self.app.notify(str(exc).splitlines()[0], title="cannot run the tasks", severity="error")
             return False
         self.running = True
+        self._table([t.name for t in specs], f"long-context tasks at {context} tokens vs {baseline} ({mode}): scores "
+                    "in points")
+        self._run(engine, policies, context, names or None, samples, baseline, mode, cancel)
+        return True
+
+    def _table(self, tasks: list[str], title: str) -> DataTable:
         self.results = []
         table = self.query_one("#cmp-tasks-table", DataTable)
         table.clear(columns=True)
-        for label, key in task_columns([t.name for t in specs]):
+        for label, key in task_columns(tasks):
             table.add_column(label, key=key)
-        table.border_title = f"long-context tasks at {context} tokens vs {baseline} ({mode}): scores in points"
+        table.border_title = title
         table.add_class("shown")
-        self._run(engine, policies, context, names or None, samples, baseline, mode, cancel)
-        return True
+        return table
+
+    def show_saved(self, results: list) -> None:
+        """A saved session's task-suite results (``TasksResult``), one row per policy after the baseline's."""
+        first = results[0]
+        self._table(first.tasks, f"saved: long-context tasks at {first.context} tokens vs {first.baseline} "
+                                 f"({first.cache_mode}): scores in points")
+        for r in results:
+            if r.tasks == first.tasks and r.baseline == first.baseline and r.context == first.context:
+                self.show_result(r)
 
     @work(thread=True, exclusive=True, group="compare-tasks", exit_on_error=False)
     def _run(self, engine, policies, context, names, samples, baseline, mode, cancel) -> None:
@@ -144,6 +159,7 @@ class CompareTasks(Vertical):
     @on(_Result)
     def _result(self, msg: _Result) -> None:
         self.show_result(msg.result)
+        self.app.session.tasks.append(msg.result)  # saved with the session (ctrl+s)
 
     def show_result(self, result) -> None:
         table = self.query_one("#cmp-tasks-table", DataTable)

@@ -30,7 +30,7 @@ class RunParams:
     seed: int
     baseline: str
     candidate: str
-    cache_mode: str
+    cache_mode: str | None  # None: the device's fastest quality-faithful mode, chosen once the model loads
 
     @property
     def sampling(self) -> dict:
@@ -59,9 +59,11 @@ def run_controls(p: RunParams | None):
         yield Label("candidate")
         yield Input(p.candidate if p else "turbo4", id="candidate", compact=True,
                     suggester=SuggestFromList(presets), tooltip="Candidate policy: a preset, k=...,v=... or a file")
-        mode = p.cache_mode if p else fastest_quality_mode("cpu")
+        mode = p.cache_mode if p and p.cache_mode else fastest_quality_mode("cpu")
         yield Select([(m, m) for m in CACHE_MODES], value=mode, id="mode", compact=True, allow_blank=False,
-                     tooltip="Candidate cache mode (default: the fastest mode whose quality claims hold here)")
+                     tooltip="Candidate cache mode. Default: the fastest mode whose quality claims hold on the loaded "
+                             "device (fused on CPU), whatever the policy; the headless CLI defaults to compressed, "
+                             "which needs no kernel")
         yield Label(CACHE_MODE_RESIDENT[mode], id="mode-note")
     with Horizontal(classes="controls"):
         yield Label("max tokens")
@@ -137,7 +139,7 @@ class RunControls:
 
     def engine_ready(self, device_type: str) -> None:
         """The model is loaded: a mode nobody chose becomes the fastest quality-faithful one on its device."""
-        if self.initial is None and not self._mode_chosen:
+        if (self.initial is None or self.initial.cache_mode is None) and not self._mode_chosen:
             with self.prevent(Select.Changed):
                 self.query_one("#mode", Select).value = fastest_quality_mode(device_type)
             self._show_mode_note()

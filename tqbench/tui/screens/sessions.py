@@ -48,3 +48,34 @@ class OpenSessionScreen(ModalScreen):
     def _chosen(self, event: OptionList.OptionSelected) -> None:
         if event.option.id and event.option.id.startswith("s"):
             self.dismiss(self.entries[int(event.option.id[1:])].path)
+
+
+class SaveAsScreen(ModalScreen):
+    """"Save session as": a file name (enter saves, escape closes). Dismisses with the path typed, or None. The
+    overwrite rule is the store's (``sessions.store.keep_backup``): an existing session is kept as a backup, any
+    other existing file is refused."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Close", id="saveas.close")]
+    AUTO_FOCUS = "#save-as-path"
+    DEFAULT_CSS = """
+    SaveAsScreen { align: center middle; }
+    SaveAsScreen > Vertical { width: 100; max-width: 95%; height: auto; border: thick $primary;
+        background: $surface; padding: 0 1; }
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def compose(self) -> ComposeResult:
+        from textual.widgets import Input
+
+        with Vertical():
+            yield Label("[b]save the session as[/b] (enter saves, escape closes; an existing session is kept as "
+                        "NAME.bak.json, any other file is not overwritten)")
+            yield Input(self.path, id="save-as-path")
+
+    def on_input_submitted(self, event) -> None:
+        value = event.value.strip()
+        if value:
+            self.dismiss(value)

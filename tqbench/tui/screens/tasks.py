@@ -13,6 +13,7 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Label, Select
 
+from tqbench.constants import DEFAULT_CACHE_MODE, DEFAULT_TASK_CONTEXT, DEFAULT_TASK_SAMPLES
 from tqbench.engine.tasks.spec import CONTEXT_CHOICES
 from tqbench.tui.panes.jobs import run_engine_job
 
@@ -52,7 +53,7 @@ class TasksScreen(ModalScreen):
             super().__init__()
             self.result, self.error, self.cancelled = result, error, cancelled
 
-    def __init__(self, candidate: str = "turbo4", baseline: str = "fp16", cache_mode: str = "compressed") -> None:
+    def __init__(self, candidate: str = "turbo4", baseline: str = "fp16", cache_mode: str = DEFAULT_CACHE_MODE) -> None:
         super().__init__()
         self.candidate, self.baseline, self.cache_mode = candidate, baseline, cache_mode
         self.running = False
@@ -67,10 +68,10 @@ class TasksScreen(ModalScreen):
                 yield Label("candidate")
                 yield Input(self.candidate, id="tasks-candidate", compact=True)
                 yield Label("context")
-                yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=2048, id="tasks-context", compact=True,
+                yield Select([(str(c), c) for c in CONTEXT_CHOICES], value=DEFAULT_TASK_CONTEXT, id="tasks-context", compact=True,
                              allow_blank=False)
                 yield Label("samples")
-                yield Input("2", id="tasks-samples", compact=True, type="integer")
+                yield Input(str(DEFAULT_TASK_SAMPLES), id="tasks-samples", compact=True, type="integer")
             with Horizontal():
                 yield Label("tasks")
                 yield Input("", placeholder="the default set (or e.g. niah_single,qa)", id="tasks-names", compact=True)
@@ -141,6 +142,7 @@ class TasksScreen(ModalScreen):
             status.update("cancelled: nothing was kept")
         else:
             self.show_result(msg.result)
+            self.app.session.tasks.append(msg.result)  # saved with the session (ctrl+s)
 
     def show_result(self, result) -> None:
         self.result = result
