@@ -35,8 +35,11 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings strict counts
 
+# the suite as TEST_SHARDS pytest processes at once (tests/run_shards.py: one per core of a 2-core machine; 1 runs it
+# in one process); it ends with the 20 slowest tests of the whole run
+TEST_SHARDS ?= 2
 test: lint docs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python tests/run_shards.py --shards $(TEST_SHARDS) -q
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
