@@ -44,9 +44,12 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings strict counts
 
-# gemma: the tests that run on the real Gemma-3 270M (tests/integration/test_gemma.py) run in CI too
+# gemma: the tests on the real Gemma-3 270M (tests/integration/test_gemma.py) run in CI too.
+# the suite as TEST_SHARDS pytest processes at once (tests/run_shards.py: one per core of a 2-core machine; 1 runs it
+# in one process); it ends with the 20 slowest tests of the whole run
+TEST_SHARDS ?= 2
 test: lint docs gemma
-	$(BIN)/python -m pytest -q
+	$(BIN)/python tests/run_shards.py --shards $(TEST_SHARDS) -q
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit

@@ -72,7 +72,24 @@ def test_help_does_not_import_torch():
 
 
 def cli(*args):
+    """The real entry point (``python -m tqbench.cli``) in a subprocess: for what only a fresh process shows."""
     return subprocess.run([sys.executable, "-m", "tqbench.cli", *args], capture_output=True, text=True)
+
+
+def cli_in_process(*args):
+    """The same command through click's ``CliRunner`` in this process (no interpreter and torch start per call):
+    exit code and the two streams, as ``cli`` gives them. An exception that escaped the CLI (which a subprocess
+    would print as a traceback, exit 1) is re-raised here."""
+    import types
+
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+
+    r = CliRunner().invoke(main, list(args))
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return types.SimpleNamespace(returncode=r.exit_code, stdout=r.stdout, stderr=r.stderr)
 
 
 def test_version():
@@ -98,7 +115,7 @@ def test_bench_json_on_tiny_model():
 def test_policies_json_lists_every_preset():
     from tqbench.engine.policy import PRESETS
 
-    r = cli("--headless", "policies", "--json")
+    r = cli_in_process("--headless", "policies", "--json")
     rows = json.loads(r.stdout)
     from tqbench.engine.policy import ENGINE_PRESETS, shipped_policy_names
 
@@ -122,12 +139,12 @@ def test_policies_json_lists_every_preset():
     (["--kv-policy", "kv=int8,protect=99"], "layer index 99 is out of range"),
 ])
 def test_bench_bad_input_is_one_line_exit_2(args, needle):
-    r = cli("--headless", "bench", "--model", "tiny", "--max-new-tokens", "2", *args)
+    r = cli_in_process("--headless", "bench", "--model", "tiny", "--max-new-tokens", "2", *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_missing_local_model_is_clear():
-    r = cli("--headless", "bench", "--model", "./no/such/folder", "--max-new-tokens", "2")
+    r = cli_in_process("--headless", "bench", "--model", "./no/such/folder", "--max-new-tokens", "2")
     assert r.returncode == 2 and "Traceback" not in r.stderr
