@@ -38,6 +38,8 @@ def print_validation(r) -> None:
               + (" (--cache-mode compressed)" if rec.status == "storage-only" else ""))
     if rec.savings is not None and not rec.savings.saves:
         t.add_row("savings", rec.savings.message)
+    if rec.savings is not None and rec.savings.lengths_message:
+        t.add_row("bytes at length", rec.savings.lengths_message)
     if rec.caveat:
         t.add_row("evidence", f"{rec.caveat} ({EVIDENCE_HINT['validate']})")
     t.add_row("cause hint", rec.cause_hint)
@@ -96,6 +98,8 @@ def validation_md(r) -> str:
     ]
     if rec.savings is not None and not rec.savings.saves:
         lines += [f"Savings: {rec.savings.message}.", ""]
+    if rec.savings is not None and rec.savings.lengths_message:
+        lines += [f"Bytes at the model's lengths: {rec.savings.lengths_message}.", ""]
     if rec.caveat:
         lines += [f"Evidence: {rec.caveat} ({EVIDENCE_HINT['validate']}).", ""]
     lines += [

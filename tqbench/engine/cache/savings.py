@@ -24,10 +24,13 @@ from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 
-__all__ = ["BREAK_EVEN_LIMIT", "Savings", "break_even_tokens", "saves", "savings", "stores_less"]
+__all__ = ["BREAK_EVEN_LIMIT", "USAGE_LENGTHS", "Savings", "break_even_tokens", "saves", "savings", "stores_less"]
 
 #: the longest length ``break_even_tokens`` searches when the model's context is unknown
 BREAK_EVEN_LIMIT = 1 << 20
+#: the lengths a model is used at, where every verdict also states its bytes (those within the model's context):
+#: a hybrid model's windows are a fixed cost, so its saving at the tested length is not its saving at 8K or 32K
+USAGE_LENGTHS = (1024, 8192, 32768)
 
 
 def stores_less(nbytes: int, baseline_bytes: int) -> bool:
@@ -111,6 +114,8 @@ class Savings:
     break_even_tokens: int | None
     searched_to: int
     reasons: tuple[str, ...] = ()  # why it saves nothing at ``seq_len`` (empty when it saves)
+    #: (tokens, bytes, baseline bytes) at each of ``USAGE_LENGTHS`` within the model's context (exact estimates)
+    at_lengths: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def saves(self) -> bool:
@@ -134,9 +139,18 @@ class Savings:
                 f"{self.baseline}")
         return "; ".join([head, *self.reasons, self.starts_to_save])
 
+    @property
+    def lengths_message(self) -> str:
+        """One line: the bytes and the saving at each usage length (``USAGE_LENGTHS``), or "" when none was asked."""
+        return "; ".join(f"{n} tokens: {b} B against {base} B ({100.0 * (1 - b / base):.1f}% saved)"
+                         for n, b, base in self.at_lengths if base)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["reasons"] = list(self.reasons)
+        d["at_lengths"] = [{"tokens": n, "bytes": b, "baseline_bytes": base,
+                            "saved_pct": round(100.0 * (1 - b / base), 2) if base else 0.0}
+                           for n, b, base in self.at_lengths]
         d["saves"] = self.saves
         d["message"] = self.message
         return d
@@ -144,21 +158,24 @@ class Savings:
     @classmethod
     def from_dict(cls, d: dict) -> Savings:
         return cls(d["policy"], d["baseline"], d["seq_len"], d["bytes"], d["baseline_bytes"],
-                   d["break_even_tokens"], d["searched_to"], tuple(d.get("reasons", ())))
+                   d["break_even_tokens"], d["searched_to"], tuple(d.get("reasons", ())),
+                   tuple((r["tokens"], r["bytes"], r["baseline_bytes"]) for r in d.get("at_lengths", ())))
 
 
 def savings(policy: Policy | str, baseline: Policy | str, geometry: KVGeometry, seq_len: int,
             limit: int | None = None) -> Savings:
     """``Savings`` of ``policy`` against ``baseline`` at ``seq_len`` tokens of ``geometry``; ``limit`` bounds the
-    break-even search (the model's context)."""
+    break-even search (the model's context) and the usage lengths stated beside it (``USAGE_LENGTHS``)."""
     pol, base = parse_policy(policy), parse_policy(baseline)
     est, base_est = estimate_kv(pol, geometry, seq_len), estimate_kv(base, geometry, seq_len)
     cap = max(1, limit or BREAK_EVEN_LIMIT)
     saving = stores_less(est.total_bytes, base_est.total_bytes)
     reasons = () if saving else _reasons(pol, geometry, est)
     # where it saves nothing, the break-even lies above this length (bytes need not be monotone below it)
+    at = tuple((n, estimate_kv(pol, geometry, n).total_bytes, estimate_kv(base, geometry, n).total_bytes)
+               for n in USAGE_LENGTHS if limit is None or n <= limit)
     return Savings(pol.label, base.label, seq_len, est.total_bytes, base_est.total_bytes,
-                   break_even_tokens(pol, base, geometry, cap, after=0 if saving else seq_len), cap, reasons)
+                   break_even_tokens(pol, base, geometry, cap, after=0 if saving else seq_len), cap, reasons, at)
 
 
 def _reasons(pol: Policy, g: KVGeometry, est) -> tuple[str, ...]:
