@@ -116,3 +116,21 @@ def test_kl_from_logits_is_kl_rows_of_the_log_softmaxes(dtype, tol):
         ref = kl_rows(lp.double(), torch.log_softmax(cand.double(), -1))
         got = kl_from_logits(lp.exp(), base, torch.logsumexp(base, -1), cand)
         assert torch.allclose(got.double(), ref, rtol=1e-4 if dtype == torch.float32 else 1e-9, atol=tol), scale
+
+
+def test_a_bounded_choice_is_measured_only_where_the_narrower_cell_is_large(tiny_engine, monkeypatch):
+    import tqbench.engine.allocate.sensitivity as sens
+    from tqbench.engine.allocate import measure_sensitivity
+    from tqbench.engine.allocate.texts import calibration_set
+
+    ids = calibration_set(tiny_engine.tokenizer, "corpus:bread", 32, 4).ids
+    pol = parse_policy("sink=2,recent=4")
+    full = measure_sensitivity(tiny_engine, ids, 32, ["turbo1", "turbo4"], pol)
+    cut = sorted(row["turbo1"] for row in full.kl.values())[len(full.kl) // 2]  # half the units above, half below
+    monkeypatch.setattr(sens, "BOUNDED", {"turbo4": ("turbo1", cut)})
+    persisted = {}
+    table = measure_sensitivity(tiny_engine, ids, 32, ["turbo1", "turbo4"], pol, on_cell=persisted.__setitem__)
+    below = [u for u, row in full.kl.items() if row["turbo1"] < cut]
+    assert below and len(table.bounded) == len(below) and not set(table.bounded) & set(persisted)
+    for u, row in table.kl.items():
+        assert row["turbo4"] == (row["turbo1"] if u in below else pytest.approx(full.kl[u]["turbo4"]))

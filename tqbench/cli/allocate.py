@@ -60,7 +60,8 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
 @click.option("--out", default=None, help="Write the policy artifact here (.toml, + .safetensors sidecar).")
 @click.option("--resume", "resume", default=None,
               help="Partial results file (read if present, updated per cell; default <out>.partial.json).")
-@click.option("--max-kl", type=float, default=None, help="Gate: exit 1 when the verified KL is above this.")
+@click.option("--max-kl", type=float, default=None,
+              help="Gate: exit 1 when the verified KL (the worse of the two texts) is above this.")
 @click.option("--min-speed", default="turbo4", show_default=True,
               help="Decode tokens/s relative to a dense cache at --context (fused mode, predicted by a cost model "
                    "measured on this machine once): a ratio above 0, turbo4 (no slower than uniform turbo4) or none.")

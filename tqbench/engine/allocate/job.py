@@ -49,7 +49,7 @@ from tqbench.engine.allocate.operating import (
     uniform_of_bytes,
     uniform_warning,
 )
-from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
+from tqbench.engine.allocate.sensitivity import BOUNDED, EXACT, SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.spec import DEFAULT_CODECS, DEFAULT_MEASUREMENTS, GRANULARITIES, AllocateSpec  # noqa: F401
 from tqbench.engine.allocate.speed import (
@@ -300,6 +300,9 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
     tk = time.perf_counter()
+    if table.bounded:
+        notes.append(f"{len(table.bounded)} q8_0 cells not measured: their unit's turbo4 cell is below "
+                     f"{BOUNDED['q8_0'][1]:g} KL, so q8_0 can gain at most that; taken as turbo4's (never chosen)")
     keep_cells = KeepCells(runner, base_pol.score, base_pol.window, base_pol.chunk) if runner is not None and "tokens" in axes else None
     keep_kl = {}
     keep_resumed = sum(1 for layer in table.layers for f in keep_choices
@@ -384,7 +387,7 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
     if speed is not None:
         speed_rep = speed.report(alloc, context, measure_speed(engine, alloc.policy, context) if verify_speed else None)
     keys = {k for k in cells if k in known}
-    n_cells = sum(len(table.choices(u[1])) for u in table.units())
+    n_cells = sum(1 for u in table.units() for c in table.choices(u[1]) if c not in EXACT) - len(table.bounded)
     resumed = sum(1 for u in table.units() for c in table.choices(u[1])
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     report = AllocationReport(
