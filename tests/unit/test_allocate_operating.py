@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tqbench.engine.allocate import SensitivityTable, solve_allocation
 from tqbench.engine.allocate.operating import (
@@ -36,6 +37,8 @@ def test_rotation_auto_pays_for_hadamard_only_where_the_qr_bytes_weigh():
     assert choose_rotation("hadamard", base, small, 2.5, 1024)[0].rotation == "hadamard"
     odd = KVGeometry(4, 2, 96)  # not a power of two: no Hadamard
     assert choose_rotation("auto", base, odd, 1.5, 16)[0].rotation == "qr"
+    tiny = KVGeometry(4, 2, 64)  # the rotation weighs (16% of the bytes) but a 64-wide Hadamard is not measured
+    assert choose_rotation("auto", base, tiny, 4.5, 96) == (base, None)
     with pytest.raises(ValueError, match="rotation 'givens' is invalid"):
         choose_rotation("givens", base, GEMMA, 2.5, 1024)
 
@@ -99,3 +102,35 @@ def test_a_model_without_transforms_gets_them_fitted_once_and_offered(tiny_engin
     # at 5 bits and 96 tokens no unit can hold fp16 rows (sink 2, window 4, turbo2 elsewhere): not measured
     assert "fp16" not in plain.table.choices("k") + plain.table.choices("v")
     assert any(n.startswith("not measured (no unit can afford them") and "K fp16" in n for n in plain.notes)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_kl_from_logits_is_kl_rows_of_the_log_softmaxes(dtype, tol):
+    from tqbench.engine.metrics import kl_from_logits, kl_rows
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 5, 4096, generator=gen, dtype=torch.float64).mul(4).to(dtype)
+    for scale in (1e-3, 0.1, 2.0):  # a candidate close to the exact side, and far from it
+        cand = base + scale * torch.randn(base.shape, generator=gen, dtype=torch.float64).to(dtype)
+        lp = torch.log_softmax(base, -1)
+        ref = kl_rows(lp.double(), torch.log_softmax(cand.double(), -1))
+        got = kl_from_logits(lp.exp(), base, torch.logsumexp(base, -1), cand)
+        assert torch.allclose(got.double(), ref, rtol=1e-4 if dtype == torch.float32 else 1e-9, atol=tol), scale
+
+
+def test_a_bounded_choice_is_measured_only_where_the_narrower_cell_is_large(tiny_engine, monkeypatch):
+    import tqbench.engine.allocate.sensitivity as sens
+    from tqbench.engine.allocate import measure_sensitivity
+    from tqbench.engine.allocate.texts import calibration_set
+
+    ids = calibration_set(tiny_engine.tokenizer, "corpus:bread", 32, 4).ids
+    pol = parse_policy("sink=2,recent=4")
+    full = measure_sensitivity(tiny_engine, ids, 32, ["turbo1", "turbo4"], pol)
+    cut = sorted(row["turbo1"] for row in full.kl.values())[len(full.kl) // 2]  # half the units above, half below
+    monkeypatch.setattr(sens, "BOUNDED", {"turbo4": ("turbo1", cut)})
+    persisted = {}
+    table = measure_sensitivity(tiny_engine, ids, 32, ["turbo1", "turbo4"], pol, on_cell=persisted.__setitem__)
+    below = [u for u, row in full.kl.items() if row["turbo1"] < cut]
+    assert below and len(table.bounded) == len(below) and not set(table.bounded) & set(persisted)
+    for u, row in table.kl.items():
+        assert row["turbo4"] == (row["turbo1"] if u in below else pytest.approx(full.kl[u]["turbo4"]))

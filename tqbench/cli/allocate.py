@@ -64,7 +64,8 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
               help="Write the policy artifact here (.toml, + .safetensors sidecar). Without it nothing is saved.")
 @click.option("--resume", "resume", default=None,
               help="Partial results file (read if present, updated per cell; default <out>.partial.json).")
-@click.option("--max-kl", type=float, default=None, help="Gate: exit 1 when the verified KL is above this.")
+@click.option("--max-kl", type=float, default=None,
+              help="Gate: exit 1 when the verified KL (the worse of the two texts) is above this.")
 @click.option("--min-speed", default="turbo4", show_default=True,
               help="Decode tokens/s relative to a dense cache at --context (fused mode, predicted by a cost model "
                    "measured on this machine once): a ratio above 0, turbo4 (no slower than uniform turbo4) or none.")
@@ -102,32 +103,14 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.allocate import print_allocation, print_phases
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
-    from tqbench.engine.allocate.demote import check_demote_codecs
-    from tqbench.engine.allocate.keeps import parse_axes, parse_keeps, speed_rule
-    from tqbench.engine.allocate.texts import check_text_names
+    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID
+    from tqbench.engine.allocate.spec import AllocateSpec
 
-    axes = parse_axes(axes)  # the engine's rules, before the model loads
-    parse_keeps(keeps)
-    from tqbench.engine.allocate.head_job import check_keep_granularity
-
-    check_keep_granularity(keep_granularity, axes, granularity)
-    kept = (csv(k_codecs) or csv(codecs) or [], csv(codecs) or []) if "bits" in axes else (["fp16"], ["fp16"])
-    check_demote_codecs(demote_codecs, axes, keep_granularity, kept=kept if all(kept) else None)
-    check_budget(budget, ((csv(codecs) or []) + (csv(k_codecs) or [])) if "tokens" not in axes else ())
     check_max_kl(max_kl)
-    resolve_min_speed(min_speed)
-    speed_rule(axes, min_speed)
-    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
     check_out_path(out, "--out", ".toml")
     if resume is None and out is not None:
         resume = out[: -len(".toml")] + ".partial.json"
     check_out_path(resume, "--resume")
-    verify = None if verify_text.lower() == "none" else verify_text
-    unseen = None if unseen_text.lower() == "none" else unseen_text
-    check_text_names(calibration, verify, unseen)
-    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID
-
     try:
         grid = None if sinks is None and recents is None else [
             (int(a), int(b)) for a in (list(SINK_GRID) if sinks is None else csv(sinks)) or []
@@ -137,25 +120,28 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
                          "e.g. 4,16,64") from None
     if any(a < 0 or b < 0 for a, b in grid or []):
         raise ValueError("--sinks and --recents must be 0 or more tokens")
-    base_policy = allocation_base(base, sink, recent)
+    policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
+    # the engine's rules, checked once, before the model loads
+    spec = AllocateSpec(
+        budget, calibration=calibration, calib_prefill=calib_prefill, calib_steps=calib_steps,
+        codecs=csv(codecs) or [], k_codecs=csv(k_codecs) if k_codecs else None, granularity=granularity,
+        base=allocation_base(base, sink, recent), context=context, protections=grid,
+        max_measurements=max_measurements, verify_text=None if verify_text.lower() == "none" else verify_text,
+        unseen_text=None if unseen_text.lower() == "none" else unseen_text, verify_prefill=verify_prefill,
+        verify_steps=verify_steps, name=policy_name, partial_path=resume, min_speed=min_speed,
+        verify_speed=verify_speed, axes=axes, keeps=keeps, keep_granularity=keep_granularity,
+        demote_codecs=demote_codecs, rotation=rotation, fit_transforms=fit_transforms,
+        compare_uniform=compare_uniform)
+    from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
+
     if not out:
         err.print(not_saved(resume), highlight=False, markup=False, soft_wrap=True)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
-    policy_name = name or (os.path.splitext(os.path.basename(out))[0] if out else None)
     try:
         # progress on stderr in every phase, --json too (stdout holds the report): plain lines when stderr is
         # not a terminal (a log file), where a live bar draws nothing
         with EventProgress(label="allocate", lines=not err.is_terminal) as prog:
-            rep = allocate_policy(
-                engine, budget, calibration=calibration, calib_prefill=calib_prefill, calib_steps=calib_steps,
-                codecs=csv(codecs) or [], k_codecs=csv(k_codecs) if k_codecs else None, granularity=granularity,
-                base=base_policy, context=context, protections=grid,
-                max_measurements=max_measurements, verify_text=verify, unseen_text=unseen,
-                verify_prefill=verify_prefill, verify_steps=verify_steps,
-                name=policy_name, partial_path=resume, on_event=prog, min_speed=min_speed,
-                verify_speed=verify_speed, axes=axes, keeps=keeps,
-                keep_granularity=keep_granularity, demote_codecs=demote_codecs, rotation=rotation,
-                fit_transforms=fit_transforms, compare_uniform=compare_uniform)
+            rep = allocate_policy(engine, budget, spec=spec, on_event=prog)
     except (Cancelled, KeyboardInterrupt):
         hint = f"; rerun with --resume {resume} to continue" if resume else ""
         click.echo(f"allocate cancelled{hint}", err=True)
@@ -164,7 +150,11 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     if not out:
         err.print(not_saved(resume), highlight=False, markup=False, soft_wrap=True)
     if out:
-        path = save_policy_artifact(rep.to_artifact(engine.geometry), out)
+        from tqbench.engine.calibrate import save_beside
+
+        artifact = rep.to_artifact(engine.geometry)
+        artifact.policy = save_beside(artifact.policy, out)[0]  # calibrated keys: their transforms beside the TOML
+        path = save_policy_artifact(artifact, out)
         payload["out"] = str(path)
         if not as_json:
             err.print(f"wrote {path}" + f" and {path.with_suffix('.safetensors').name}")

@@ -57,6 +57,16 @@ def kl_rows(lp, lq, valid=None):
     return terms.sum(-1)
 
 
+def kl_from_logits(p, base_logits, base_lse, logits):
+    """``kl_rows(log_softmax(base_logits), log_softmax(logits))`` for many candidates against one exact side:
+    ``p`` = its probabilities, ``base_lse`` its logsumexp (computed once). KL = (lse(logits) - base_lse) -
+    sum p (logits - base_logits): two passes over the vocabulary instead of a log-softmax and four, on the
+    differences of the logits (small where the candidate is close), in the logits' precision."""
+    import torch
+
+    return (torch.logsumexp(logits, -1) - base_lse) - (p * (logits - base_logits)).sum(-1)
+
+
 def logit_stats(base_logits, cand_logits) -> tuple[float, float]:
     """(KL(baseline || candidate) in nats, max |delta logit|) of one step (torch tensors, any dtype)."""
     import torch

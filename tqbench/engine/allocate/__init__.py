@@ -25,8 +25,9 @@ _SPEED = "tqbench.engine.allocate.speed"
 
 #: public name -> its module
 _LAZY: dict[str, str] = {
-    "DEFAULT_CODECS": _JOB,
-    "GRANULARITIES": _JOB,
+    "AllocateSpec": "tqbench.engine.allocate.spec",
+    "DEFAULT_CODECS": "tqbench.engine.allocate.spec",
+    "GRANULARITIES": "tqbench.engine.allocate.spec",
     "Allocation": _SOLVER,
     "DecodeCosts": _SPEED,
     "SpeedReport": _SPEED,

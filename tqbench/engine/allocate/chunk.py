@@ -37,7 +37,7 @@ from tqbench.engine.allocate.gqa import grouped_sdpa
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.codecs.calibrated import is_calibrated_spec
-from tqbench.engine.metrics import kl_rows
+from tqbench.engine.metrics import kl_from_logits
 from tqbench.engine.policy.spec import Policy
 
 
@@ -135,10 +135,14 @@ class ChunkRunner:
                 for layer in layers:
                     hooks.append(layer.register_forward_pre_hook(self._capture, with_kwargs=True))
             try:
-                self.base_lp = self._forward(self.keys, self.values, 0, full=True)
+                self._base_logits = self._forward(self.keys, self.values, 0, full=True)
             finally:
                 for h in hooks:
                     h.remove()
+            self.base_lp = torch.log_softmax(self._base_logits, -1)
+            # what every cell's KL reads of the exact side, computed once (``kl``)
+            self._p = self.base_lp.exp()
+            self._base_lse = torch.logsumexp(self._base_logits, -1)
         self.skip_note = self._check_skip()
 
     def _capture(self, module, args, kwargs):
@@ -152,8 +156,8 @@ class ChunkRunner:
         mid = n // 2
         try:
             with torch.inference_mode():
-                lp = self._forward(self.keys, self.values, mid)
-            same = torch.equal(lp, self.base_lp)
+                logits = self._forward(self.keys, self.values, mid)
+            same = torch.equal(logits, self._base_logits)
             why = "did not reproduce the full forward"
         except Exception as e:  # a decoder that does more between layers than hand the hidden state on
             same, why = False, f"failed ({type(e).__name__}: {e})"
@@ -270,14 +274,15 @@ class ChunkRunner:
                 self._decoder.layers = self._layers
                 hook.remove()
                 self._start_hidden = None
-        return torch.log_softmax(out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)), -1)
+        return out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
 
     def kl(self, keys: list, values: list, start: int = 0) -> float:
-        """Mean KL(exact || candidate) over the chunk, with layers ``< start`` holding the exact K/V."""
+        """Mean KL(exact || candidate) over the chunk, with layers ``< start`` holding the exact K/V
+        (``metrics.kl_from_logits``: the exact side's probabilities and log-normalizer computed once)."""
         with torch.inference_mode():
-            lp = self._forward(keys, values, start)
-        return float(kl_rows(self.base_lp.flatten(0, 1), lp.flatten(0, 1)).mean())
+            logits = self._forward(keys, values, start)
+            return float(kl_from_logits(self._p, self._base_logits, self._base_lse, logits).mean())
 
     def logprobs(self, keys: list, values: list, start: int = 0) -> torch.Tensor:
         with torch.inference_mode():
-            return self._forward(keys, values, start)
+            return torch.log_softmax(self._forward(keys, values, start), -1)

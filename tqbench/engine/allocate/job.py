@@ -29,24 +29,18 @@ from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.demote import (
     DemoteTier,
-    check_demote_codecs,
     demote_key,
     shared_specs,
     tier_options,
 )
 from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
 from tqbench.engine.allocate.head_job import NOTE as HEAD_NOTE
-from tqbench.engine.allocate.head_job import check_keep_granularity, head_keep_cells, needed_keys, solve_heads
+from tqbench.engine.allocate.head_job import head_keep_cells, needed_keys, solve_heads
 from tqbench.engine.allocate.head_keeps import head_axis_split
 from tqbench.engine.allocate.joint import axis_split, solve_joint
 from tqbench.engine.allocate.keeps import (
-    DEFAULT_AXES,
-    KEEP_CHOICES,
     KeepCells,
     keep_key,
-    parse_axes,
-    parse_keeps,
-    speed_rule,
 )
 from tqbench.engine.allocate.operating import (
     choose_rotation,
@@ -55,35 +49,29 @@ from tqbench.engine.allocate.operating import (
     uniform_of_bytes,
     uniform_warning,
 )
-from tqbench.engine.allocate.sensitivity import SensitivityTable, measure_sensitivity
+from tqbench.engine.allocate.sensitivity import BOUNDED, EXACT, SensitivityTable, measure_sensitivity
 from tqbench.engine.allocate.solver import Allocation
+from tqbench.engine.allocate.spec import DEFAULT_CODECS, DEFAULT_MEASUREMENTS, GRANULARITIES, AllocateSpec  # noqa: F401
 from tqbench.engine.allocate.speed import (
-    DecodeCosts,
     SpeedReport,
     measure_speed,
     resolve_min_speed,
     speed_constraint,
 )
-from tqbench.engine.allocate.texts import MIX, calibration_set, check_text_names, check_unseen
+from tqbench.engine.allocate.texts import MIX, calibration_set, check_unseen
 from tqbench.engine.allocate.verify import FrontierPoint, frontier_texts
 from tqbench.engine.atomic import atomic_write
 from tqbench.engine.codecs import canonical_spec, is_calibrated_spec
+from tqbench.engine.codecs.ggml import QK as GGML_BLOCK
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 from tqbench.engine.models.fingerprint import model_config_summary
 from tqbench.engine.policy.artifact import PolicyArtifact
-from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
-#: the choices per unit: turbo widths, an 8-bit engine format and the dense rows (where they are the cheapest
-#: quality: a sliding-window layer's fixed window at long context)
-DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4", "q8_0", "fp16")
 #: calibrated key codecs added to the K choices when the model has a fit (``pcaq``)
 CALIBRATED_K = ("pcaq2", "pcaq3", "pcaq4")
-GRANULARITIES = ("layer", "head")
 PARTIAL_FORMAT = "tqbench-allocate-partial/1"
-#: joint measurements (protection options + exchange steps) by default
-DEFAULT_MEASUREMENTS = 24
 
 
 @dataclass
@@ -215,82 +203,28 @@ def calibrated_k_choices(engine, base: Policy) -> tuple[list[str], str | None]:
     return list(CALIBRATED_K), None
 
 
-def allocate_policy(
-    engine,
-    budget: float,
-    *,
-    calibration: str = MIX,
-    calib_prefill: int = 1024,
-    calib_steps: int = 32,
-    codecs: list[str] | tuple[str, ...] = DEFAULT_CODECS,
-    k_codecs: list[str] | tuple[str, ...] | None = None,
-    granularity: str = "layer",
-    base: Policy | str = "sink=4,recent=16",
-    context: int = 1024,
-    protections: list[tuple[int, int]] | None = None,
-    max_measurements: int = DEFAULT_MEASUREMENTS,
-    verify_text: str | None = "rivers",
-    unseen_text: str | None = "heldout:technical",
-    verify_prefill: int = 1024,
-    verify_steps: int = 256,
-    name: str | None = None,
-    partial_path: str | None = None,
-    partial_dir: str | None = None,
-    on_event: OnEvent | None = None,
-    cancel: CancelFlag | None = None,
-    min_speed: float | str | None = None,
-    verify_speed: bool = False,
-    decode_costs: DecodeCosts | None = None,
-    axes: str | tuple[str, ...] = DEFAULT_AXES,
-    keeps: str | tuple[float, ...] = KEEP_CHOICES,
-    keep_granularity: str = "layer",
-    demote_codecs: str | tuple[str, ...] = (),
-    rotation: str = "auto",
-    fit_transforms: bool = False,
-    compare_uniform: bool = True,
-) -> AllocationReport:
-    """The least-KL policy within ``budget`` bits/element at ``context`` tokens, verified on two unseen texts.
-
-    ``base`` gives the token protection (sink, recent) the cells are measured at and the codec options every layer
-    shares; ``codecs`` the choices per unit (``k_codecs``: K's, default ``codecs`` plus the calibrated ``pcaq``
-    codecs when the model has a fit). ``protections``: (sink, recent) options searched (None: the default grid;
-    ``[]``: ``base``'s only; ``exchange.protection_grid``). ``max_measurements``: joint measurements (0: the additive solution only).
-    ``verify_text``/``unseen_text`` None skip that verification. ``partial_path``: the partial results file (read
-    if present, updated per cell); or ``partial_dir``: a folder holding one such file per setup.
-    ``min_speed``: decode tokens/s relative to a dense ``DynamicCache`` at ``context`` the policy must be predicted
-    to reach (``speed.py``): a ratio, ``"reference"`` (no slower than uniform turbo4 fused) or None (no minimum);
-    ``verify_speed``: also decode the chosen policy (fused) against dense and report the measured ratio;
-    ``decode_costs``: the cost table to predict with (default: measured on this machine, cached).
-    ``axes``: ``bits`` (codec widths), ``tokens`` (a keep fraction per layer among ``keeps``, evicted by
-    ``base``'s score and window: ``keeps.py``, ``joint.py``) or both; ``tokens`` alone keeps every row fp16.
-    ``keep_granularity``: ``layer`` (one keep per layer) or ``head`` (one per KV head, with ``granularity`` head:
-    ``head_job.py``, ``head_keeps.py``).
-    ``demote_codecs``: with the tokens axis, the codecs a layer's evicted rows may be kept at instead of dropped
-    (the demote tier, ``demote.py``; none by default), chosen per layer (``demote@layers=codec``).
-    ``rotation``: ``auto`` (the Hadamard rotation where the QR one's bytes weigh in the budget; ``operating.py``),
-    ``qr`` or ``hadamard``. ``fit_transforms``: fit this model's calibrated key transforms when it has none (the
-    ``calibrate`` phase). ``compare_uniform``: verify the uniform policy of no more bytes beside the allocation
-    (a warning when the allocation is far worse: ``report.warnings``).
-    """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity {granularity!r} is invalid: layer (one width per layer and role) or head "
-                         "(one width per KV head)")
-    specs = [canonical_spec(c) for c in codecs]
-    if len(set(specs)) != len(specs) or not specs:
-        raise RequestError("codecs", ",".join(codecs), "give distinct codecs, e.g. turbo1,turbo2,turbo4")
-    base_pol = parse_policy(base)
-    notes: list[str] = []
-    axes = parse_axes(axes)
-    keep_choices = parse_keeps(keeps) if "tokens" in axes else (1.0,)
-    check_keep_granularity(keep_granularity, axes, granularity)
-    per_head = keep_granularity == "head"
-    demotes = check_demote_codecs(demote_codecs, axes, keep_granularity)
-    if base_pol.evicts:
-        raise RequestError("base", base_pol.to_string(), "its keep values are the allocation's to choose: drop keep "
-                           "from the base and search the tokens axis")
-    min_speed, why = speed_rule(axes, min_speed)
-    if why:
-        notes.append(why)
+def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, cancel: CancelFlag | None = None,
+                    spec: AllocateSpec | None = None, **options) -> AllocationReport:
+    """Measure, solve, measure jointly, verify (the module doc): what ``spec`` asks for, or an ``AllocateSpec`` of
+    ``budget`` and ``options`` (its fields, checked once there). Events go to ``on_event``; ``cancel`` is checked
+    every step."""
+    spec = spec if spec is not None else AllocateSpec(budget, **options)
+    budget = spec.budget
+    (calibration, calib_prefill, calib_steps, k_codecs, granularity, context, protections, max_measurements,
+     verify_text, unseen_text, verify_prefill, verify_steps, name, partial_path, partial_dir, verify_speed,
+     decode_costs, rotation, fit_transforms, compare_uniform, min_speed) = (
+        spec.calibration, spec.calib_prefill, spec.calib_steps, spec.k_codecs, spec.granularity, spec.context,
+        spec.protections, spec.max_measurements, spec.verify_text, spec.unseen_text, spec.verify_prefill,
+        spec.verify_steps, spec.name, spec.partial_path, spec.partial_dir, spec.verify_speed, spec.decode_costs,
+        spec.rotation, spec.fit_transforms, spec.compare_uniform, spec.min_speed)
+    specs, base_pol, axes, keep_choices, demotes = (list(spec.specs), spec.base_policy, spec.axes,
+                                                    spec.keep_choices, spec.demotes)
+    per_head = spec.per_head_keeps
+    notes: list[str] = list(spec.notes)
+    if tuple(spec.codecs) == DEFAULT_CODECS and engine.geometry.head_dim % GGML_BLOCK:  # the default's q8_0
+        specs = [c for c in specs if c != "q8_0"]
+        notes.append(f"q8_0 not offered: head_dim {engine.geometry.head_dim} is not a multiple of GGML's "
+                     f"{GGML_BLOCK}-value block")
     base_pol, why = choose_rotation(rotation, base_pol, engine.geometry, budget, context)
     if why:
         notes.append(why)
@@ -311,7 +245,7 @@ def allocate_policy(
         kspecs = specs + [c for c in extra if c not in specs]
     else:
         kspecs = [canonical_spec(c) for c in k_codecs]
-    check_demote_codecs(demote_codecs, axes, keep_granularity, kept=(kspecs, specs))
+    check_demote_codecs(spec.demote_codecs, spec.axes, spec.keep_granularity, kept=(kspecs, specs))
     t_cal = time.perf_counter() - t_cal
     check_budget(budget, (specs + [c for c in kspecs if c not in specs]) if "tokens" not in axes else ())
     if "tokens" not in axes and "bits" in axes:  # choices no unit can afford within the budget: never measured
@@ -321,19 +255,6 @@ def allocate_policy(
             kspecs = [c for c in kspecs if c not in drop.get("k", ())] or kspecs
             notes.append("not measured (no unit can afford them within the budget at this context): "
                          + "; ".join(f"{r.upper()} {', '.join(cs)}" for r, cs in drop.items()))
-    check_text_names(calibration, verify_text, unseen_text)
-    if granularity == "head":
-        try:
-            canonical_spec("turbo2|turbo4")
-        except ValueError:
-            raise RequestError("granularity", granularity, "it needs per-KV-head codecs (head-list specs like "
-                               "turbo2|turbo4), which this build does not have: use layer") from None
-    for what, value in (("calib_prefill", calib_prefill), ("calib_steps", calib_steps)):
-        if value < 1:
-            raise RequestError(what, value, "use at least 1")
-    if max_measurements < 0:
-        raise RequestError("max_measurements", max_measurements, "use 0 or more")
-    resolve_min_speed(min_speed)  # checked before any measuring
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
     if protections is None:
@@ -380,6 +301,9 @@ def allocate_policy(
                                 on_event=on_event, cancel=cancel, granularity=granularity, k_codecs=kspecs,
                                 runner=runner)
     tk = time.perf_counter()
+    if table.bounded:
+        notes.append(f"{len(table.bounded)} q8_0 cells not measured: their unit's turbo4 cell is below "
+                     f"{BOUNDED['q8_0'][1]:g} KL, so q8_0 can gain at most that; taken as turbo4's (never chosen)")
     keep_cells = KeepCells(runner, base_pol.score, base_pol.window, base_pol.chunk) if runner is not None and "tokens" in axes else None
     keep_kl = {}
     keep_resumed = sum(1 for layer in table.layers for f in keep_choices
@@ -464,7 +388,7 @@ def allocate_policy(
     if speed is not None:
         speed_rep = speed.report(alloc, context, measure_speed(engine, alloc.policy, context) if verify_speed else None)
     keys = {k for k in cells if k in known}
-    n_cells = sum(len(table.choices(u[1])) for u in table.units())
+    n_cells = sum(1 for u in table.units() for c in table.choices(u[1]) if c not in EXACT) - len(table.bounded)
     resumed = sum(1 for u in table.units() for c in table.choices(u[1])
                   if (f"{u[0]}" + (f".{u[2]}" if len(u) == 3 else "") + f"/{u[1]}/{c}") in keys)
     report = AllocationReport(

@@ -4,7 +4,7 @@ itself, and the uniform policy of the same bytes its verified answer is compared
 - ``choose_rotation``: a dense QR rotation is stored as ``d x d`` fp32 (262,144 bytes for head_dim 256, counted once
   per kind and seed); the randomized Hadamard (``d`` random signs and the fixed Walsh-Hadamard matrix) is ``d / 8``
   bytes. Where the QR rotation would take more than ``ROTATION_SHARE`` of the budget at the stated context (and the
-  head dim is a power of two), the allocator measures and solves with ``rotation=hadamard`` and says so. Measured on
+  head dim is a power of two, ``HADAMARD_MIN_DIM`` or more), the allocator measures and solves with ``rotation=hadamard`` and says so. Measured on
   Gemma-3 270M K/V (``benchmarks/rotation_distortion.py``, docs/allocation.md): the same score and output errors as
   QR within a few percent at 1-4 bits.
 - ``own_transforms``: a model without a fitted ``pcaq`` key transform (the shipped one is SmolLM2's) gets one fitted
@@ -30,6 +30,9 @@ from tqbench.engine.policy.spec import Policy
 #: the QR rotation's share of the budget bytes above which the allocator pays for the Hadamard one instead
 ROTATION_SHARE = 0.02
 ROTATION_CHOICES = ("auto", "qr", "hadamard")
+#: ``auto`` picks the Hadamard rotation from this head dim up (measured equal or better than QR at 256; a smaller
+#: Walsh-Hadamard mixes coarser and is not measured, so QR stays there)
+HADAMARD_MIN_DIM = 128
 #: uniform policies compared with (each K and V at one width)
 UNIFORM_CODECS = ("turbo1", "turbo1.5", "turbo2", "turbo2.5", "turbo3", "turbo3.5", "turbo4", "q8_0")
 #: the allocation's verified KL over the uniform's above which the report warns
@@ -46,7 +49,7 @@ def choose_rotation(rotation: str, base: Policy, geometry, budget_bits: float, c
     if base.rotation != "qr":
         return base, None
     d = geometry.head_dim
-    if d & (d - 1):
+    if d & (d - 1) or d < HADAMARD_MIN_DIM:
         return base, None
     from tqbench.engine.allocate.solver import budget_bytes
 

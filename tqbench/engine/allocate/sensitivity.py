@@ -32,6 +32,9 @@ ROLES = ("k", "v")
 #: choices whose cells are not measured: KL 0 (the cells' reference reads the model's own rows; fp16 storage of
 #: fp32 rows differs from them by rounding alone)
 EXACT = ("fp16", "fp32")
+#: a wider choice measured only where the narrower one's cell is at least this KL; elsewhere its cell is taken as
+#: the narrower one's (it can gain at most that much, and at equal KL and more bytes the solver never picks it)
+BOUNDED = {"q8_0": ("turbo4", 1e-3)}
 
 __all__ = ["ROLES", "SensitivityTable", "allocatable_layers", "cell_key", "measure_sensitivity", "quantized_rows",
            "rank_correlation"]
@@ -62,6 +65,7 @@ class SensitivityTable:
     kl: dict[tuple, dict[str, float]] = field(default_factory=dict)
     heads: list[int] | None = None
     role_codecs: dict[str, list[str]] | None = None  # the choices per role (None: ``codecs`` for both)
+    bounded: list[str] = field(default_factory=list)  # cell keys taken from a narrower choice's (``BOUNDED``)
 
     def choices(self, role: str) -> list[str]:
         return list(self.role_codecs[role]) if self.role_codecs else list(self.codecs)
@@ -145,8 +149,17 @@ def measure_sensitivity(
         head = unit[2] if len(unit) == 3 else None
         key = cell_key(layer, role, spec, head)
         resumed = key in known
+        ref = BOUNDED.get(spec)
+        ref_key = cell_key(layer, role, ref[0], head) if ref else None
         if not resumed and spec in EXACT:  # the reference rows themselves: nothing to measure
             known[key] = 0.0
+        elif not resumed and ref and ref_key in known and known[ref_key] < ref[1]:
+            table.kl.setdefault(unit, {})[spec] = known[ref_key]  # bounded (not persisted: another run may measure)
+            table.bounded.append(key)
+            emit(on_event, SensitivityMeasured("sensitivity", i + 1, len(cells), f"layer {layer} {role.upper()} {spec}"
+                                               " (bounded)", layer=layer, role=role, codec=spec, kl=known[ref_key],
+                                               resumed=True, head=-1 if head is None else head))
+            continue
         elif not resumed:
             ks, vs = runner.cell(policy, layer, {(role, head): spec})
             kl = runner.kl(ks, vs, start=layer)

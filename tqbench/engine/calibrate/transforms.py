@@ -102,7 +102,8 @@ def save_beside(policy, toml_path) -> tuple:
     from tqbench.engine.codecs import is_calibrated_spec
     from tqbench.engine.codecs.transforms_file import resolve_transforms_path
 
-    if not any(is_calibrated_spec(s) for s in (policy.k, *(spec for _, _, spec in policy.overrides))):
+    specs = (policy.k, *(spec for role, _, spec in policy.overrides if role in ("k", "kv")))
+    if not any(is_calibrated_spec(part) for s in specs for part in str(s).split("|")):  # head lists too
         return policy, None
     src = resolve_transforms_path(policy.calib)
     dst = Path(toml_path).with_suffix(".transforms.safetensors")
