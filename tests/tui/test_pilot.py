@@ -322,7 +322,8 @@ async def test_policies_tab_shows_the_engine_export_of_the_policy_on_screen(data
         pane.query_one("#export-engine", Select).value = "vllm"
         await pilot.pause()
         text = plain(pane.query_one("#export", Static))
-        assert text.startswith("vllm serve MODEL --kv-cache-dtype fp8\n8.00 bits/element vs the policy's 2.48")
+        assert text.startswith("vllm serve MODEL --kv-cache-dtype turboquant_3bit_nc\n5.07 bits/element vs the policy's "
+                               "2.48")
         assert "--to vllm" in text
 
 

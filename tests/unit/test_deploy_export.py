@@ -123,6 +123,8 @@ def test_cli_export_measured_on_tiny_and_bad_input():
     mapped = d["measured"]["mapped"]
     assert d["measured"]["original"]["kv_policy"] == "turbo4" and mapped["kv_policy"] == "vllm:turboquant_4bit_nc"
     assert mapped["kl_mean"] >= 0 and any(n.startswith("storage-only") for n in d["notes"])
+    assert d["cost"]["kl_mean_delta"] == mapped["kl_mean"] - d["measured"]["original"]["kl_mean"]
+    assert abs(d["cost"]["bits_per_element_delta"] - (d["mapped_bits_per_element"] - d["original_bits_per_element"])) < 2e-4
     bad = run("export", "turbo9", "--to", "llamacpp", "--no-measure")
     assert bad.exit_code == 2 and "unknown policy preset 'turbo9'" in bad.stderr
 

@@ -87,6 +87,10 @@ def print_measured(rep) -> None:
     for row in _rows(rep):
         t.add_row(*row)
     out.print(t)
+    c = rep.cost
+    out.print(f"cost of the {s.engine_label} setting against the policy: KL {c['kl_mean_delta']:+.5f}, top-1 "
+              f"{c['top1_delta']:+.3f}, bits/element at {s.seq_len} tokens {c['bits_per_element_delta']:+.3f} "
+              f"({c['bytes_ratio']:.2f}x the bytes)", markup=False, highlight=False)
     if rep.llamacpp_kld_skipped:
         out.print(f"llama.cpp KLD: {rep.llamacpp_kld_skipped}", markup=False, highlight=False)
     if rep.llamacpp_kld is None:

@@ -43,6 +43,17 @@ class ExportReport:
     def mapped(self):
         return self.measured.results[1] if self.measured is not None else None
 
+    @property
+    def cost(self) -> dict | None:
+        """What deploying on the engine's setting costs against the policy, measured here: KL and bits/element
+        (at ``seq_len``) of the mapped setting minus the policy's (None when not measured)."""
+        if self.measured is None:
+            return None
+        o, m, s = self.original, self.mapped, self.setting
+        return {"kl_mean_delta": m.kl_mean - o.kl_mean, "top1_delta": m.top1_agreement - o.top1_agreement,
+                "bits_per_element_delta": s.mapped_bits - s.original_bits,
+                "bytes_ratio": s.mapped_bits / s.original_bits if s.original_bits else None}
+
     def to_dict(self) -> dict:
         out = {"model": self.model, **self.setting.to_dict(), "warning": self.warning,
                "engine_check": ENGINE_CHECK[self.setting.engine]}
@@ -52,6 +63,7 @@ class ExportReport:
                 "source": m.source, "cache_mode": m.cache_mode, "prefill_tokens": m.prefill_tokens,
                 "steps": m.steps, "original": self.original.to_dict(), "mapped": self.mapped.to_dict(),
             }
+            out["cost"] = self.cost
         if self.llamacpp_kld is not None:
             out["llamacpp_kld"] = self.llamacpp_kld.to_dict()
         elif self.llamacpp_kld_skipped:
