@@ -47,6 +47,12 @@ def test_chunked_wraps_any_score_one_value_per_chunk(name):
         assert torch.allclose(got[..., 4 * c : 4 * c + 4], want.expand(-1, -1, 4), atol=1e-6)
 
 
+def test_keynorm_is_kvpress_knorm_press():
+    """kvpress ``KnormPress.score``: ``-keys.norm(dim=-1)``; the rows a store keeps are its top rows."""
+    x = _input(seed=4)
+    assert torch.equal(scores.get_score("keynorm")(x), -x.keys.norm(dim=-1))
+
+
 def test_kvzip_chunk_score_is_kvpress_score_kvzip():
     """kvpress ``KVzipPress.score_kvzip``, written out: keys subsampled to the first ``min(n_sink, start)`` rows,
     the chunk's rows and the repeat's own ``q`` rows; the repeat block causal; softmax; the chunk's columns; the

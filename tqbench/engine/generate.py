@@ -90,13 +90,13 @@ class GenerationResult:
             "text": self.text,
             "stopped_by": self.stopped_by,
             "prefill_seconds": round(self.prefill_seconds, 6),
-            "context_pass_seconds": round(self.context_pass_seconds, 6),
             "decode_seconds": round(self.decode_seconds, 6),
             "elapsed_seconds": round(self.elapsed_seconds, 6),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "cache_report": self.cache_report.to_dict() if self.cache_report is not None else None,
-        } | ({"speculation": self.speculation.to_dict()} if self.speculation is not None else {})
+        } | ({"speculation": self.speculation.to_dict()} if self.speculation is not None else {}) | (
+            {"context_pass_seconds": round(self.context_pass_seconds, 6)} if self.context_pass_seconds else {})
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:

@@ -73,8 +73,8 @@ class TasksResult:
         the first run), each with its 95% interval (``spec.interval95``; overall: over every sample)."""
         protocol = protocol or self.protocols[0]
         ss = self._of(task, protocol)
-        ci = {"baseline_ci": interval95([s["baseline_score"] for s in ss]),
-              "candidate_ci": interval95([s["candidate_score"] for s in ss])}
+        ci = {"baseline_ci": list(interval95([s["baseline_score"] for s in ss])),
+              "candidate_ci": list(interval95([s["candidate_score"] for s in ss]))}
         if task is None:
             rows = [self.task_row(t, protocol) for t in self.tasks]
             mean = (lambda k: sum(r[k] for r in rows) / len(rows)) if rows else (lambda k: 0.0)
