@@ -240,6 +240,12 @@ def main(argv=None) -> int:
     if not ok:
         raise SystemExit(f"error: the native kernel cannot run here: {why}")
     mod = native_module()
+    skipped = {}
+    if not kernel_rules()["score_int8_bits"]:
+        for w in [w for w in a.ways if w.endswith("-int8")]:
+            skipped[w] = "this CPU's kernel build has no AVX-512 VNNI (keys are scored in float only)"
+            print(f"{w}: skipped, {skipped[w]}")
+        a.ways = [w for w in a.ways if w not in skipped]
     llc = last_level_cache_bytes("cpu")
     cold = min(4 * llc, a.cold_mib << 20)
     load0, t0 = os.getloadavg(), time.time()
@@ -281,7 +287,7 @@ def main(argv=None) -> int:
         "repeats": a.repeats, "seconds": round(time.time() - t0, 1),
         "loadavg_before": list(load0), "loadavg_after": list(load1),
         "time_vs_fp16": "median over interleaved rounds of (this way's call time / the fp16 kernel's in that round)",
-        "summary": summary, "rows": rows,
+        "summary": summary, "skipped_ways": skipped, "rows": rows,
     })
     return 0
 
