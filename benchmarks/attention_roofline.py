@@ -5,7 +5,8 @@ be stored, at real model shapes, beside the machine's copy bandwidth measured in
 
 Ways (``--ways``): ``fp16`` / ``bf16`` (the kernel over 16-bit rows as stored: ``dense-fp16-kernel``), ``turbo4``,
 ``turbo3``, ``turbo2`` (K centred, a norm per row, like the engine's turbo keys; V the same width),
-``turbo4-int8`` / ``turbo2-int8`` (the same, keys scored in 8 bits: ``Side.score_int8``), ``pcaq4``
+``turbo4-int8`` / ``turbo2-int8`` / ``turbo4-int16`` / ``turbo2-int16`` (the same, keys scored in integers:
+``Side.score_int8`` / ``score_int16``), ``pcaq4``
 (calibrated keys, 4 bits per coordinate on average over widths 2..6, turbo4 values) and ``per-head`` (a per-head
 layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call).
 Shapes (``--shapes``): ``smollm2`` (3 KV heads x 64, 9 query heads), ``llama3-8b`` (8 x 128, 32), ``gemma3``
@@ -38,7 +39,8 @@ from attention import last_level_cache_bytes
 #: Gemma-3-1B's attention (its config.json: 4 heads, 1 KV head, head_dim 256); tqbench ships no Gemma-3 config
 GEMMA3 = (1, 4, 256)
 SHAPE_NAMES = ("smollm2", "llama3-8b", "gemma3")
-WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "pcaq4", "per-head")
+WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "turbo4-int16", "turbo2-int16",
+        "pcaq4", "per-head")
 BASE = "fp16"
 
 
@@ -152,7 +154,8 @@ class Builder:
         if name.startswith("turbo"):
             bits = int(name[5])
             (k, bk, sk), (v, bv, sv) = self.turbo(bits, "k", all_heads), self.turbo(bits, "v", all_heads)
-            k.score_int8 = name.endswith("-int8")
+            if "-" in name:  # keys scored in integers: Side.score_int8 / score_int16
+                setattr(k, f"score_{name.split('-')[1]}", True)
             return [k], [v], bk + bv, sk + sv
         if name == "pcaq4":
             (k, bk, sk), (v, bv, sv) = self.pcaq(4, all_heads), self.turbo(4, "v", all_heads)
@@ -240,6 +243,12 @@ def main(argv=None) -> int:
     if not ok:
         raise SystemExit(f"error: the native kernel cannot run here: {why}")
     mod = native_module()
+    skipped = {}
+    if not kernel_rules()["score_int8_bits"]:
+        for w in [w for w in a.ways if w.endswith(("-int8", "-int16"))]:
+            skipped[w] = "this CPU's kernel build has no AVX-512 VNNI (keys are scored in float only)"
+            print(f"{w}: skipped, {skipped[w]}")
+        a.ways = [w for w in a.ways if w not in skipped]
     llc = last_level_cache_bytes("cpu")
     cold = min(4 * llc, a.cold_mib << 20)
     load0, t0 = os.getloadavg(), time.time()
@@ -281,7 +290,7 @@ def main(argv=None) -> int:
         "repeats": a.repeats, "seconds": round(time.time() - t0, 1),
         "loadavg_before": list(load0), "loadavg_after": list(load1),
         "time_vs_fp16": "median over interleaved rounds of (this way's call time / the fp16 kernel's in that round)",
-        "summary": summary, "rows": rows,
+        "summary": summary, "skipped_ways": skipped, "rows": rows,
     })
     return 0
 

@@ -247,3 +247,24 @@ def test_attention_dense16_benchmark_times_every_way_a_16_bit_cache_is_read(tmp_
     assert [r["way"] for r in data["rows"]] == ["kernel, float16 rows as stored (dense-fp16-kernel)",
                                                 "kernel, float32 rows", "upcast to float32 + SDPA (dense-fp16)"]
     assert data["rows"][0]["vs_fp16_kernel"] == 1.0 and data["threads"] == 1 and data["load_before"]
+
+
+def test_attention_roofline_gives_each_ways_ratio_to_the_fp16_kernel_and_its_bandwidth_fraction(tmp_path):
+    out = tmp_path / "roof.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "attention_roofline.py"), "--shapes", "smollm2,gemma3",
+           "--contexts", "64", "--threads", "1", "--repeats", "1", "--cold-mib", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    per_token = {(r["shape"], r["way"]): r["bytes_per_token"] for r in data["rows"]}
+    # K + V of every KV head, norms included: smollm2 3 x d64, gemma3 1 x d256
+    assert per_token[("smollm2", "fp16")] == 3 * 64 * 2 * 2
+    assert per_token[("smollm2", "turbo4")] == 3 * (32 + 2) * 2
+    assert per_token[("smollm2", "pcaq4")] == 3 * 32 + 3 * (32 + 2)
+    assert per_token[("smollm2", "per-head")] == 2 * (34 + 18) + 24 + 26  # heads 0, 2: turbo4/2; head 1: pcaq3/turbo3
+    assert per_token[("gemma3", "per-head")] == 130 + 66  # one KV head: the first group alone
+    cell = data["summary"]["smollm2"]["64"]["1"]
+    assert cell["fp16"]["time_vs_fp16"] == 1.0
+    assert cell["turbo4"]["time_vs_fp16"] > 0 and 0 < cell["turbo4"]["frac_copy_bw"]
+    assert data["copy_bandwidth_gbs"]["1"] > 0 and data["loadavg_before"] and data["cpu"]
+    assert ("smollm2", "turbo4-int8") in per_token or "turbo4-int8" in data["skipped_ways"]

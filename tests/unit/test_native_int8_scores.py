@@ -1,6 +1,7 @@
-"""Turbo keys scored in 8 bits by the native kernel (``Side.score_int8``: int8 query x uint8 codebook, exact int32
-sums, AVX-512 VNNI): the kernel equals a float64 emulation of that arithmetic, every emulated score is within the
-stated bound (``int8_score_bound``) of the float score, and the attention output within what that bound allows.
+"""Turbo keys scored in integers by the native kernel (``Side.score_int8``: int8 query x uint8 codebook;
+``Side.score_int16``: int16 x int16; exact int32 sums, AVX-512 VNNI): the kernel equals a float64 emulation of that
+arithmetic, every emulated score is within the stated bound (``int_score_bound``) of the float score, and the
+attention output within what that bound allows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ if shutil.which("c++") is None:  # pragma: no cover - CI and this machine have g
     pytest.skip("no C++ compiler: the native kernel cannot build here", allow_module_level=True)
 
 from tests.unit.test_native_kernel import _packed  # noqa: E402
-from tqbench.kernels.cpu.attention import int8_score_bound, kernel_rules, kernel_side, native_attention_batch  # noqa: E402
+from tqbench.kernels.cpu.attention import (  # noqa: E402
+    INT_SCORE_STEPS,
+    int_score_bound,
+    kernel_rules,
+    kernel_side,
+    native_attention_batch,
+)
 from tqbench.kernels.reference import dequantize_side  # noqa: E402
 
 needs_vnni = pytest.mark.skipif(not kernel_rules()["score_int8_bits"],
@@ -34,8 +41,9 @@ def _case(spec, d, seed, n=70, before=0, after=0):
     return q, k, ks, vs, v_dec, (b, h, g, d)
 
 
-def _scores(q, ks, dims):
-    """(float64 scores, emulated 8-bit scores, their bound), [b, h, g, n], from the side's codes."""
+def _scores(q, ks, dims, option="score_int8"):
+    """(float64 scores, emulated integer scores, their bound), [b, h, g, n], from the side's codes."""
+    steps = INT_SCORE_STEPS[option]
     b, h, g, d = dims
     nlev = 1 << ks.bits
     as_index = dataclasses.replace(ks, levels=torch.arange(nlev, dtype=torch.float64), mu=None, _tables={},
@@ -47,46 +55,49 @@ def _scores(q, ks, dims):
     qr = qs @ rot.T
     qmu = qs @ ks.mu.double().transpose(-1, -2)
     exact = norm * torch.einsum("bhgd,bhnd->bhgn", qr, lev[codes]) + qmu
-    step = qr.abs().amax(-1, keepdim=True) / 127
-    beta = lev.abs().max() / 127
-    q8 = torch.round(qr.float() / step.float()).double()
-    cb8 = torch.round(lev.float() / beta.float()).double()
-    emulated = norm * (step * beta) * torch.einsum("bhgd,bhnd->bhgn", q8, cb8[codes]) + qmu
-    return exact, emulated, int8_score_bound(qr, lev, ks.payload["norm"].squeeze(-1)[:, :, None, :])
+    step = (qr.abs().amax(-1, keepdim=True).float() / steps).double()
+    beta = (lev.abs().max().float() / steps).double()
+    q_int = torch.round(qr.float() / step.float()).double()
+    cb_int = torch.round(lev.float() / beta.float()).double()
+    emulated = norm * (step * beta) * torch.einsum("bhgd,bhnd->bhgn", q_int, cb_int[codes]) + qmu
+    return exact, emulated, int_score_bound(qr, lev, ks.payload["norm"].squeeze(-1)[:, :, None, :], steps)
 
 
-def _attend(q, ks, vs, d, int8, dense_k=()):
-    a, _ = kernel_side(ks, list(dense_k), 0, d, torch.float32)
+def _attend(q, ks, vs, d, option=None):
+    a, _ = kernel_side(ks, [], 0, d, torch.float32)
     c, _ = kernel_side(vs, [], 0, d, torch.float32)
-    a.score_int8 = int8
+    if option:
+        setattr(a, option, True)
     return native_attention_batch(q, [a], [c], d ** -0.5)[0].double()
 
 
 @needs_vnni
+@pytest.mark.parametrize("option", ["score_int8", "score_int16"])
 @pytest.mark.parametrize("spec,d", [("turbo4", 64), ("turbo4", 128), ("turbo2", 64), ("turbo2", 256)])
-def test_int8_scores_are_the_emulated_arithmetic_and_within_their_bound(spec, d):
+def test_int_scores_are_the_emulated_arithmetic_and_within_their_bound(spec, d, option):
     q, _, ks, vs, v_dec, dims = _case(spec, d, seed=d)
     b, h, g, _ = dims
-    exact, emulated, bound = _scores(q, ks, dims)
+    exact, emulated, bound = _scores(q, ks, dims, option)
     err = (emulated - exact).abs()
     assert (err <= bound).all(), f"worst error / bound {float((err / bound).max()):.3f}"
     assert err.max() > 0  # the path is not exact: the bound is what it promises
-    out = _attend(q, ks, vs, d, True)
+    out = _attend(q, ks, vs, d, option)
     ref = (torch.softmax(emulated, -1) @ v_dec).reshape(b, h * g, 1, d)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     # the whole output against the float path: weights move by a factor within exp(+-2 e)
-    float_out = _attend(q, ks, vs, d, False)
+    float_out = _attend(q, ks, vs, d)
     eps = float(bound.max())
     assert float((out - float_out).abs().max()) <= (math.exp(2 * eps) - 1) * float(v_dec.abs().max())
 
 
 @needs_vnni
-def test_one_wrong_code_fails_the_int8_check():
+@pytest.mark.parametrize("option", ["score_int8", "score_int16"])
+def test_one_wrong_code_fails_the_int_check(option):
     q, _, ks, vs, v_dec, dims = _case("turbo4", 64, seed=3)
     b, h, g, d = dims
-    _, emulated, _ = _scores(q, ks, dims)
+    _, emulated, _ = _scores(q, ks, dims, option)
     ks.payload["idx"][0, 1, 5, 3] ^= 0x11
-    out = _attend(q, ks, vs, d, True)
+    out = _attend(q, ks, vs, d, option)
     ref = (torch.softmax(emulated, -1) @ v_dec).reshape(b, h * g, 1, d)
     assert float((out - ref).abs().max()) > 1e-4
 
@@ -115,14 +126,34 @@ def test_dense_rows_beside_int8_rows_are_scored_in_float():
     ("turbo4", "k", 64, torch.float64, "float32 queries"),
     ("turbo4", "v", 64, torch.float32, "only keys are scored"),
 ])
-def test_int8_scoring_is_refused_where_it_cannot_run_with_the_reason(spec, role, d, dt, what):
+@pytest.mark.parametrize("option", ["score_int8", "score_int16"])
+def test_int_scoring_is_refused_where_it_cannot_run_with_the_reason(spec, role, d, dt, what, option):
     x = torch.randn(1, 2, 8, d, generator=torch.Generator().manual_seed(0))
     side, _ = _packed(spec, role, x, dt)
     other, _ = _packed("turbo4", "v" if role == "k" else "k", x, dt)
     s, _ = kernel_side(side, [], 0, d, dt)
     o, _ = kernel_side(other, [], 0, d, dt)
-    s.score_int8 = True
+    setattr(s, option, True)
     ks, vs = (s, o) if role == "k" else (o, s)
     q = torch.randn(1, 4, 1, d, dtype=dt)
     with pytest.raises(RuntimeError, match=what if kernel_rules()["score_int8_bits"] or role == "v" else "VNNI"):
         native_attention_batch(q, [ks], [vs], 0.1)
+
+
+@needs_vnni
+def test_int16_scores_are_far_closer_than_int8():
+    q, _, ks, _, _, dims = _case("turbo4", 128, seed=5)
+    exact, e8, _ = _scores(q, ks, dims, "score_int8")
+    _, e16, _ = _scores(q, ks, dims, "score_int16")
+    assert float((e16 - exact).abs().max()) < float((e8 - exact).abs().max()) / 10
+
+
+def test_int8_and_int16_are_exclusive():
+    x = torch.randn(1, 2, 8, 64, generator=torch.Generator().manual_seed(0))
+    k, _ = _packed("turbo4", "k", x, torch.float32)
+    v, _ = _packed("turbo4", "v", x, torch.float32)
+    a, _ = kernel_side(k, [], 0, 64, torch.float32)
+    c, _ = kernel_side(v, [], 0, 64, torch.float32)
+    a.score_int8 = a.score_int16 = True
+    with pytest.raises(RuntimeError, match="exclusive" if kernel_rules()["score_int8_bits"] else "VNNI"):
+        native_attention_batch(torch.randn(1, 4, 1, 64), [a], [c], 0.1)

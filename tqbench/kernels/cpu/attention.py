@@ -23,7 +23,7 @@ import torch
 from tqbench.kernels.cpu import native_module
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "dense_side", "int8_score_bound", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
+__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "int_score_bound", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
            "refresh_side", "simd_order"]
 
 #: per packed kind: the Side's fields that come from the packed payload (Side field, payload field)
@@ -70,19 +70,24 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
     return torch.tensor(native_module().simd_order(bits, d))
 
 
-def int8_score_bound(qr: torch.Tensor, levels: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """The most a key side's 8-bit scoring (``Side.score_int8``) moves each score from the float score, ``[..., M, N]``.
+#: integer steps each side of zero of a key side's integer scoring: ``Side.score_int8`` (int8 query, uint8
+#: codebook around 128) and ``Side.score_int16`` (int16 query and codebook; the C++ ``Q16``)
+INT_SCORE_STEPS = {"score_int8": 127, "score_int16": 4095}
+
+
+def int_score_bound(qr: torch.Tensor, levels: torch.Tensor, norms: torch.Tensor, steps: int) -> torch.Tensor:
+    """The most a key side's integer scoring moves each score from the float score, ``[..., M, N]``.
 
     ``qr`` ``[..., M, D]``: the scaled, rotated queries of one KV head (``scale * R q``); ``levels``: the codebook;
-    ``norms`` ``[..., N]``: the rows' norms. The kernel rounds each query to int8 in steps of ``a = max|qr| / 127``
-    and the codebook in steps of ``b = max|level| / 127`` (both half a step at most), then sums exactly, so
-    ``|s8 - s| <= norm * (a / 2 * D * (max|level| + b / 2) + b / 2 * |qr|_1)``. A softmax over scores each moved by
-    at most ``e`` moves each weight by a factor within ``exp(+-2e)``."""
+    ``norms`` ``[..., N]``: the rows' norms; ``steps``: ``INT_SCORE_STEPS[option]``. The kernel rounds each query
+    in steps of ``a = max|qr| / steps`` and the codebook in steps of ``b = max|level| / steps`` (both half a step at
+    most), then sums exactly, so ``|s_int - s| <= norm * (a / 2 * D * (max|level| + b / 2) + b / 2 * |qr|_1)``. A
+    softmax over scores each moved by at most ``e`` moves each weight by a factor within ``exp(+-2e)``."""
     qr, lev = qr.double(), levels.double()
     d = qr.shape[-1]
     lmax = lev.abs().max()
-    a = qr.abs().amax(-1, keepdim=True) / 127
-    b = lmax / 127
+    a = qr.abs().amax(-1, keepdim=True) / steps
+    b = lmax / steps
     per_query = a / 2 * d * (lmax + b / 2) + b / 2 * qr.abs().sum(-1, keepdim=True)  # [..., M, 1]
     return per_query * norms.double()[..., None, :]
 

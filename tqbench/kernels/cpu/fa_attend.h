@@ -43,8 +43,15 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
     any_mu = any_mu || (transformed(k.kind) && k.mu);
   }
   if (any_rot) c.qr.assign(B * H * M * D, T(0));
-  bool any_s8 = false;
-  for (const auto& k : c.K) any_s8 = any_s8 || k.s8;
+  bool any_s8 = false, any_s16 = false;
+  for (const auto& k : c.K) {
+    any_s8 = any_s8 || k.s8;
+    any_s16 = any_s16 || k.s16;
+  }
+  if (any_s16) {
+    c.q16.assign(B * H * M * D, 0);
+    c.q16step.assign(B * H * M, 0.f);
+  }
   if (any_s8) {
     c.q8.assign(B * H * M * D, 0);
     c.q8step.assign(B * H * M, 0.f);
@@ -81,6 +88,14 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
           c.q8step[bh * M + m] = step * k.cb8_scale;
           c.q8sum[bh * M + m] = sum;
         }
+        if (k.s16) {  // int16 query: round(r / step), step = max |r| / Q16
+          float amax = 0;
+          for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(r[i])));
+          const float step = amax > 0 ? amax / static_cast<float>(Q16) : 1.0f;
+          int16_t* o = c.q16.data() + (bh * M + m) * D;
+          for (int64_t i = 0; i < D; ++i) o[i] = static_cast<int16_t>(std::nearbyint(static_cast<float>(r[i]) / step));
+          c.q16step[bh * M + m] = step * k.cb16_scale;
+        }
       }
     }
   });
@@ -109,6 +124,9 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
   const T* qmb = (c.qmu.empty() || !Ks.mu) ? nullptr : c.qmu.data() + bh * M;
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {
     const int64_t nt = std::min(TILE, n - i0);
+    if (Ks.s16 && turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb,
+                               M, w.sbuf.data() + i0, blk))
+      continue;
     if (Ks.s8 && turbo_tile8(Ks, b, h, t0 + i0, nt, c.q8.data() + bh * M * c.D, c.q8step.data() + bh * M,
                              c.q8sum.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
       continue;

@@ -119,7 +119,13 @@ struct SideDesc {
   // turbo keys scored in 8 bits (see `score_int8_ok`): the query rounded to int8 per query row, the codebook to
   // uint8 around 128, products summed exactly in int32 (AVX-512 VNNI), 64 codes looked up by one byte shuffle
   bool score_int8 = false;
+  // the same in 16 bits (query and codebook rounded to +-Q16 steps, pairs summed exactly by VPDPWSSD): 32x finer
+  bool score_int16 = false;
 };
+
+// 16-bit scoring's steps: query and codebook each rounded to integers within +-Q16 (sums of D <= 512 products
+// stay below 2**31 in each int32 lane)
+constexpr int32_t Q16 = 4095;
 
 // Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes, head_dim a
 // multiple of 64, AVX-512 VNNI. The error this adds to each score is bounded (docs: kernels page; the bound is
@@ -167,6 +173,10 @@ struct Side {
   bool s8 = false;
   alignas(64) uint8_t cb8[64] = {0};
   float cb8_scale = 0;
+  // 16-bit scoring: the codebook as int16 (round(level / cb16_scale)), entries 0..15 of one 32-word table
+  bool s16 = false;
+  alignas(64) int16_t cb16[32] = {0};
+  float cb16_scale = 0;
 };
 
 inline void half_to(const at::Half* src, int64_t n, float* out) {

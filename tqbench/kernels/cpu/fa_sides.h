@@ -241,6 +241,20 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
               128 + static_cast<int>(std::nearbyint(static_cast<float>(s.lut[i]) / s.cb8_scale)));
       s.s8 = true;
     }
+    if (d.score_int16) {
+      TORCH_CHECK(!d.score_int8, nm, ": score_int8 and score_int16 are exclusive (pick one)");
+      TORCH_CHECK(nm.rfind("k_sides", 0) == 0, nm, ".score_int16: only keys are scored (values are summed in float)");
+      TORCH_CHECK(score_int8_ok(s.kind, bits, D, std::is_same<T, float>::value), nm,
+                  ".score_int16 needs float32 queries, 4- or 2-bit turbo codes and head_dim a multiple of 64 on a CPU "
+                  "with AVX-512 VNNI; this call: ", c10::toString(dt), ", ", bits, "-bit, head_dim ", D,
+                  ", this build ", TQ_VNNI ? "has" : "lacks", " VNNI (leave score_int16 off to score in float)");
+      float amax = 0;
+      for (int64_t i = 0; i < nlev; ++i) amax = std::max(amax, std::abs(static_cast<float>(s.lut[i])));
+      s.cb16_scale = amax > 0 ? amax / static_cast<float>(Q16) : 1.0f;
+      for (int64_t i = 0; i < nlev; ++i)
+        s.cb16[i] = static_cast<int16_t>(std::nearbyint(static_cast<float>(s.lut[i]) / s.cb16_scale));
+      s.s16 = true;
+    }
   } else {
     check_absent(d.widths, nm + ".widths", "an affine side");
     check_absent(d.norms, nm + ".norms", "an affine side");

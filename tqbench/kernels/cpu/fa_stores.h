@@ -53,6 +53,9 @@ struct Call {
   std::vector<int8_t> q8;
   std::vector<float> q8step;
   std::vector<int32_t> q8sum;
+  // 16-bit scoring (keys with s16): the transformed query as int16 [seq, kv head, M, D]; its step times the codebook's
+  std::vector<int16_t> q16;
+  std::vector<float> q16step;
   const T* sinkp = nullptr;
   T cap = 0, thr = 0;
 

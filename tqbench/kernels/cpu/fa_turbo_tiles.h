@@ -209,6 +209,12 @@ inline bool turbo_tile8(const Side<T>&, int64_t, int64_t, int64_t, int64_t, cons
   return false;
 }
 
+template <typename T>
+inline bool turbo_tile16(const Side<T>&, int64_t, int64_t, int64_t, int64_t, const int16_t*, const float*, const T*,
+                         int64_t, T*, int64_t) {
+  return false;
+}
+
 #if TQ_VNNI
 template <int BITS>
 TQ_INLINE __m512i turbo_codes64(const uint8_t* p, int64_t g) {
@@ -271,6 +277,73 @@ void turbo_scores8(const uint8_t* const* rp, const float* norm, int64_t nt, cons
   }
 }
 
+// 16 bits: 32 codes widened to 16-bit lanes become 32 int16 codebook values in one word permute; one VPDPWSSD per
+// query multiplies them with the int16 query and sums each pair in int32, exactly.
+template <int BITS>
+TQ_INLINE void turbo_codes64w(const uint8_t* p, int64_t g, __m512i& lo, __m512i& hi) {
+  if (BITS == 4) {  // words 0..31: the group's 32 bytes; lo = their low nibbles (positions 0..31), hi = high
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g)));
+    lo = _mm512_and_si512(x, _mm512_set1_epi16(15));
+    hi = _mm512_srli_epi16(x, 4);
+    return;
+  }
+  // 2 bits: words 0..15 and 16..31 both the group's 16 bytes; position 16k + i holds bits 2k..2k+1 of byte i
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * g));
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_set_m128i(b, b));
+  const __m512i s01 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+  const __m512i s23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  lo = _mm512_and_si512(_mm512_srlv_epi16(x, s01), _mm512_set1_epi16(3));
+  hi = _mm512_and_si512(_mm512_srlv_epi16(x, s23), _mm512_set1_epi16(3));
+}
+
+template <int BITS, int MB>
+TQ_INLINE void turbo_scores16_mb(const uint8_t* const* rp, const float* norm, int64_t nt, const int16_t* q16,
+                                 const float* step, const float* qmu, int64_t D, __m512i tab, float* s, int64_t ld) {
+  const int64_t NG = D / 64;
+  for (int64_t j0 = 0; j0 < nt; j0 += 4) {
+    __m512i acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+    const int64_t nj = std::min<int64_t>(4, nt - j0);
+    for (int64_t g = 0; g < NG; ++g) {
+      for (int jj = 0; jj < 4; ++jj) {
+        if (jj >= nj) break;
+        __m512i lo, hi;
+        turbo_codes64w<BITS>(rp[j0 + jj], g, lo, hi);
+        const __m512i vlo = _mm512_permutexvar_epi16(lo, tab), vhi = _mm512_permutexvar_epi16(hi, tab);
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* q = q16 + m * D + 64 * g;
+          acc[4 * m + jj] = _mm512_dpwssd_epi32(acc[4 * m + jj], vlo, _mm512_loadu_si512(q));
+          acc[4 * m + jj] = _mm512_dpwssd_epi32(acc[4 * m + jj], vhi, _mm512_loadu_si512(q + 32));
+        }
+      }
+    }
+    __m512 f[16];
+    for (int i = 0; i < 16; ++i) f[i] = _mm512_cvtepi32_ps(acc[i]);
+    alignas(64) float r[16];
+    _mm512_store_ps(r, reduce16(f));
+    for (int m = 0; m < MB; ++m)
+      for (int64_t jj = 0; jj < nj; ++jj)
+        s[m * ld + j0 + jj] = norm[j0 + jj] * (step[m] * r[4 * m + jj]) + (qmu ? qmu[m] : 0.f);
+  }
+}
+
+template <int BITS>
+void turbo_scores16(const uint8_t* const* rp, const float* norm, int64_t nt, const int16_t* q16, const float* step,
+                    const float* qmu, int64_t M, int64_t D, __m512i tab, float* s, int64_t ld) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int16_t* q = q16 + m0 * D;
+    const float* st = step + m0;
+    const float* mu = qmu ? qmu + m0 : nullptr;
+    float* o = s + m0 * ld;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 4: turbo_scores16_mb<BITS, 4>(rp, norm, nt, q, st, mu, D, tab, o, ld); break;
+      case 3: turbo_scores16_mb<BITS, 3>(rp, norm, nt, q, st, mu, D, tab, o, ld); break;
+      case 2: turbo_scores16_mb<BITS, 2>(rp, norm, nt, q, st, mu, D, tab, o, ld); break;
+      default: turbo_scores16_mb<BITS, 1>(rp, norm, nt, q, st, mu, D, tab, o, ld); break;
+    }
+  }
+}
+
 template <>
 inline bool turbo_tile8<float>(const Side<float>& s, int64_t b, int64_t h, int64_t t, int64_t nt, const int8_t* q8,
                                const float* step, const int32_t* qsum, const float* qmu, int64_t M, float* out,
@@ -293,6 +366,30 @@ inline bool turbo_tile8<float>(const Side<float>& s, int64_t b, int64_t h, int64
   const __m512i tab = _mm512_load_si512(s.cb8);
   if (s.bits == 4) turbo_scores8<4>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
   else turbo_scores8<2>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
+  return true;
+}
+
+template <>
+inline bool turbo_tile16<float>(const Side<float>& s, int64_t b, int64_t h, int64_t t, int64_t nt, const int16_t* q16,
+                                const float* step, const float* qmu, int64_t M, float* out, int64_t ld) {
+  if (t < s.nb || t + nt > s.nb + s.np) return false;  // rows outside the packed run: the float path
+  const int64_t n = t - s.nb;
+  const uint8_t* rp[TILE];
+  alignas(64) float norm[TILE];
+  const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + n * s.c_r;
+  const at::Half* a = s.a + b * s.a_b + h * s.a_h + n * s.a_r;
+  for (int64_t j = 0; j < nt; ++j) {
+    rp[j] = base + j * s.c_r;
+    norm[j] = static_cast<float>(a[j * s.a_r]);
+  }
+  const int64_t pf0 = n + nt + TILE, pf1 = std::min(s.np, pf0 + TILE), rb = (s.D * s.bits + 7) / 8;
+  for (int64_t j = pf0; j < pf1; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + (j - n) * s.c_r);
+    for (int64_t o = 0; o < rb; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+  }
+  const __m512i tab = _mm512_load_si512(s.cb16);
+  if (s.bits == 4) turbo_scores16<4>(rp, norm, nt, q16, step, qmu, M, s.D, tab, out, ld);
+  else turbo_scores16<2>(rp, norm, nt, q16, step, qmu, M, s.D, tab, out, ld);
   return true;
 }
 #endif

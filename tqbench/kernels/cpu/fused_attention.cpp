@@ -132,7 +132,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kv_heads", &SideDesc::kv_heads)
       .def_readwrite("score_int8", &SideDesc::score_int8,
                      "keys only: score in 8 bits (int8 query x uint8 codebook, exact int32 sums; turbo 4/2-bit, "
-                     "float32, head_dim % 64 == 0, AVX-512 VNNI); the error per score is bounded (attention.py)");
+                     "float32, head_dim % 64 == 0, AVX-512 VNNI); the error per score is bounded (attention.py)")
+      .def_readwrite("score_int16", &SideDesc::score_int16,
+                     "keys only: score in 16 bits (query and codebook rounded to +-4095 steps, exact int32 sums; "
+                     "same conditions as score_int8); the error per score is bounded (attention.py)");
   m.def("attend", &attend, "fused decode attention of B sequences, each over its own packed + dense store (CPU)",
         py::arg("query"), py::arg("scale"), py::arg("k_sides"), py::arg("v_sides"), py::arg("masks"),
         py::arg("softcap"), py::arg("sinks"), py::arg("sparse_v"), py::arg("merge_into") = std::vector<int64_t>{});

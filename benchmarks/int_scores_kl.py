@@ -1,0 +1,79 @@
+"""Teacher-forced KL of turbo keys scored in integers (``Side.score_int8`` / ``score_int16``) against the same policy
+scored in float, both in fused mode on the native kernel, in one process: within 1% relative KL?
+
+    python benchmarks/int_scores_kl.py --policy turbo4 --texts lighthouses,rivers --prefill 1024 --steps 128
+
+The engine does not turn 8-bit scoring on (it is a kernel option); this script does, for every key side the
+kernel can score in 8 bits (4/2-bit turbo keys, float32, head_dim % 64 == 0), by wrapping the fused glue's side
+builder; it says how many calls ran 8-bit. KL(fp baseline || candidate) per text, and the relative change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from _common import cpu_model, write_json
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--policy", default="turbo4")
+    ap.add_argument("--texts", default="lighthouses,rivers")
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--option", default="score_int8", choices=("score_int8", "score_int16"))
+    ap.add_argument("--json", default="benchmarks/results/int-scores-kl.json")
+    a = ap.parse_args(argv)
+    import torch
+
+    from tqbench.engine.cache.fused import native_glue
+    from tqbench.engine.engine import Engine
+    from tqbench.engine.validate import baseline_logprobs, corpus_ids, teacher_forced
+    from tqbench.kernels.cpu.attention import kernel_rules
+
+    if not kernel_rules()["score_int8_bits"]:
+        raise SystemExit("error: this CPU's kernel build has no AVX-512 VNNI, so it cannot score keys in 8 bits")
+    plain = native_glue.kernel_sides
+    state = {"on": False, "int8": 0, "float": 0}
+
+    def sides(kv, d, dt):
+        out = plain(kv, d, dt)
+        if not isinstance(out, str):
+            k = out[0]
+            ok = (state["on"] and dt == torch.float32 and k.kind == "turbo" and k.bits in kernel_rules()["score_int8_bits"]
+                  and d % 64 == 0)
+            setattr(k, a.option, ok)
+            state["int8" if ok else "float"] += 1
+        return out
+
+    native_glue.kernel_sides = sides
+    engine = Engine.load(a.model, threads=a.threads)
+    load0 = os.getloadavg()
+    rows = []
+    for text in a.texts.split(","):
+        ids = corpus_ids(engine.tokenizer, text, a.prefill + a.steps + 1)
+        base = baseline_logprobs(engine, ids, a.prefill)
+        kl = {}
+        for on in (False, True):
+            state["on"] = on
+            kl[on] = teacher_forced(engine, ids, a.prefill, a.policy, "fused", baseline=base).kl_mean
+        rows.append({"text": text, "kl_float_scores": kl[False], "kl_int8_scores": kl[True],
+                     "relative_change": (kl[True] - kl[False]) / kl[False]})
+        print(f"{text:12s} KL float scores {kl[False]:.6f}  {a.option} {kl[True]:.6f}  "
+              f"change {100 * rows[-1]['relative_change']:+.2f}%", flush=True)
+    state["on"] = False
+    print(f"side builds: {state['int8']} with 8-bit keys, {state['float']} in float")
+    write_json(a.json, {"command": [sys.executable, *sys.argv], "policy": a.policy, "option": a.option,
+                        "model": engine.name,
+                        "prefill": a.prefill, "steps": a.steps, "cpu": cpu_model(), "threads": a.threads,
+                        "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()),
+                        "side_builds": {"int8": state["int8"], "float": state["float"]}, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
