@@ -29,6 +29,7 @@ from tqbench.engine.allocate.budget import check_budget
 from tqbench.engine.allocate.chunk import ChunkRunner, build_codec
 from tqbench.engine.allocate.demote import (
     DemoteTier,
+    check_demote_codecs,
     demote_key,
     shared_specs,
     tier_options,
