@@ -100,17 +100,17 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     jointly, verify on two unseen texts, save (with --out)."""
     import json
 
+    check_max_kl(max_kl)  # the torch-free checks first: one line in well under a second
+    check_out_path(out, "--out", ".toml")
+    if resume is None and out is not None:
+        resume = out[: -len(".toml")] + ".partial.json"
+    check_out_path(resume, "--resume")
     from tqbench.cli.render.allocate import print_allocation, print_phases
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID
     from tqbench.engine.allocate.spec import AllocateSpec
 
-    check_max_kl(max_kl)
-    check_out_path(out, "--out", ".toml")
-    if resume is None and out is not None:
-        resume = out[: -len(".toml")] + ".partial.json"
-    check_out_path(resume, "--resume")
     try:
         grid = None if sinks is None and recents is None else [
             (int(a), int(b)) for a in (list(SINK_GRID) if sinks is None else csv(sinks)) or []

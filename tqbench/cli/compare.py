@@ -50,6 +50,8 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
                      max_new_tokens, quality_threshold, summary_only, require_exact, report_json, report_md,
                      as_json):
     """Several candidate policies against one baseline: a matrix and a recommendation."""
+    check_out_paths(report_json, report_md)  # paths (and the policies, at the door) before torch loads
+    texts = prompt_list(prompts, prompt_files)
     from tqbench.cli.render.compare import compare_md, print_compare
     from tqbench.cli.render.console import load_engine, warn_policies
     from tqbench.cli.render.progress import EventProgress
@@ -62,8 +64,6 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
     names = policy_list(policies) if policies else default_policies(base.label)
     for n in names:
         parse_policy(n)
-    texts = prompt_list(prompts, prompt_files)
-    check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     warn_policies(engine, base, *names)
     total = len(texts) * (len(names) + 1)
@@ -100,10 +100,7 @@ def compare_policies(model, device, dtype, threads, policies, baseline, cache_mo
 def niah(model, device, dtype, threads, policies, baseline, cache_mode, lengths, depths, max_context,
          max_new_tokens, chat, seed, report_json, report_md, as_json):
     """Needle in a haystack: recall of a hidden passphrase, baseline vs each policy, per length x depth."""
-    from tqbench.cli.render.compare import niah_md, print_niah
-    from tqbench.cli.render.console import load_engine
-    from tqbench.cli.render.progress import EventProgress
-    from tqbench.engine import check_max_new_tokens, needle_in_haystack, parse_policy
+    from tqbench.engine import check_max_new_tokens, parse_policy
 
     lens = ints(lengths, "--lengths")
     deps = floats(depths, "--depths")
@@ -113,7 +110,12 @@ def niah(model, device, dtype, threads, policies, baseline, cache_mode, lengths,
         if parse_policy(n).label == base.label:
             raise ValueError(f"policy {n!r} is the baseline: list only candidates in --policies")
     check_max_new_tokens(max_new_tokens)
-    check_out_paths(report_json, report_md)
+    check_out_paths(report_json, report_md)  # the torch-free checks first: one line in well under a second
+    from tqbench.cli.render.compare import niah_md, print_niah
+    from tqbench.cli.render.console import load_engine
+    from tqbench.cli.render.progress import EventProgress
+    from tqbench.engine import needle_in_haystack
+
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     total = len(lens) * len(deps) * (len(names) + 1)
     with EventProgress(enabled=not as_json, total=total, label="niah") as prog:

@@ -45,7 +45,7 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_p
     """KV bytes, bits per element and saving for a model geometry (config only, no weights)."""
     if list_models:
         return _list_models(as_json)
-    from tqbench.engine.request import check_estimate_args
+    from tqbench.engine.request import check_estimate_args, parse_bytes
 
     explicit = [x is not None for x in (layers, kv_heads, head_dim)]
     if model is not None and any(explicit):
@@ -57,13 +57,13 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_p
         check_estimate_args(n, batch, decoded)
     check_out_paths(report_json, report_md)
     policies = policy_list(kv_policy)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
     from tqbench.cli.render.estimate import kv_estimate_md, print_kv_estimate
-    from tqbench.engine.cache import explicit_geometry, parse_bytes
+    from tqbench.engine.cache import explicit_geometry
     from tqbench.engine.cache import kv_estimate as estimate_report
     from tqbench.engine.models import find_geometry
 
     geo = explicit_geometry(layers, kv_heads, head_dim) if all(explicit) else find_geometry(model or "default")
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
     reps = [estimate_report(geo, policies, n, batch, budget, decoded=decoded) for n in lengths]
     if len(reps) == 1:
         rep = reps[0]

@@ -48,21 +48,21 @@ from tqbench.cli.workbench import save_session_if_asked, scan_fields, workbench_
 def scan(model, device, dtype, threads, prompt, prompt_file, chat, layers, max_prompt_tokens, generated_tokens,
          codecs, preset, thresholds, calib, summary_table, fail_on_sensitive, report_json, report_md, as_json):
     """Capture real Q/K/V and measure each codec per layer and KV head; suggest a per-layer policy."""
+    text = prompt_text(prompt, prompt_file)  # the torch-free checks first: one line in well under a second
+    if max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} is invalid: use at least 1")
+    if generated_tokens < 0:
+        raise ValueError(f"--generated-tokens {generated_tokens} is invalid: use 0 or more")
+    check_out_paths(report_json, report_md)
     from tqbench.cli.render.console import load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.cli.render.scan import print_scan, scan_md
     from tqbench.engine import run_scan
     from tqbench.engine.scan import parse_thresholds, resolve_codecs
 
-    text = prompt_text(prompt, prompt_file)
     # no --codecs/--preset: the engine's default list (with the calibrated key codecs when this model has a fit)
     codec_list = resolve_codecs(csv(codecs), preset) if (codecs or preset) else None
     limits = parse_thresholds(thresholds)
-    if max_prompt_tokens < 1:
-        raise ValueError(f"--max-prompt-tokens {max_prompt_tokens} is invalid: use at least 1")
-    if generated_tokens < 0:
-        raise ValueError(f"--generated-tokens {generated_tokens} is invalid: use 0 or more")
-    check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     with EventProgress(enabled=not as_json, label="scan") as prog:
         res = run_scan(engine, text, layers=layers, codecs=codec_list, thresholds=limits,

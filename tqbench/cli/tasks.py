@@ -56,6 +56,9 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mode, task_names, samples, seed,
           protocol, no_cache, max_drop, report_json, report_md, as_json):
     """Long-context tasks (needles, variable tracking, common words, QA): baseline vs candidate scores."""
+    if max_drop is not None and not max_drop >= 0:  # the torch-free checks first: one line in well under a second
+        raise ValueError(f"--max-drop {max_drop:g} is invalid: give points, 0 or more (e.g. 2)")
+    check_out_paths(report_json, report_md)
     from tqbench.cli.render.console import check_policies, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.cli.render.tasks import print_tasks, tasks_md
@@ -69,9 +72,6 @@ def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mod
     protocols = check_protocols(protocol)
     parse_policy(candidate)
     parse_policy(baseline)
-    if max_drop is not None and not max_drop >= 0:
-        raise ValueError(f"--max-drop {max_drop:g} is invalid: give points, 0 or more (e.g. 2)")
-    check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     base_pol, cand_pol = check_policies(engine, baseline, candidate)
     import sys

@@ -10,7 +10,6 @@ the rest is packed in whole codec units, per-layer codec state is counted per la
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,7 +21,7 @@ from tqbench.engine.cache.store import window_start
 from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.keep import head_keeps, held_rows
 from tqbench.engine.policy.spec import Policy
-from tqbench.engine.request import RequestError, check_estimate_args
+from tqbench.engine.request import RequestError, check_estimate_args, parse_bytes  # noqa: F401 (re-exported)
 
 __all__ = [
     "KVEstimate",
@@ -303,15 +302,3 @@ def kv_estimate(model: ModelGeometry, policies: list[str], seq_len: int, batch: 
         est = estimate_kv(pol, model.geometry, seq_len, batch, prefill=seq_len - decoded)
         rep.rows.append(KVEstimateRow.of(est, pol.to_string(), **extra))
     return rep
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_bytes(text: str) -> int:
-    """``24GiB``, ``80GB``, ``512MiB``, ``1e9``: a byte count (GB = 10^9, GiB = 2^30)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory budget {text!r} is invalid: use a size like 24GiB, 80GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
