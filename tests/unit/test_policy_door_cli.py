@@ -101,7 +101,8 @@ def test_a_prompt_too_short_to_evict_from_is_said_not_blamed_on_the_codec():
                                   ["validate", "--candidate", "k=turbo4,k=turbo2"],
                                   ["tasks", "--candidate", "turbo4,keep=1.5"],
                                   ["compare-policies", "--policies", "turbo4;turbo4,keep=2"],
-                                  ["export", "turbo4,keep=0.5,keep=0.25", "--to", "llamacpp"]])
+                                  ["export", "turbo4,keep=0.5,keep=0.25", "--to", "llamacpp"],
+                                  ["--kv-policy", "turbo4,keep=2"]])  # the workbench's, before its UI starts
 def test_every_command_that_takes_a_policy_refuses_a_bad_one_at_the_door(args):
     r = run(*args)  # (serve would start silently with keep=2 before: issue 42)
     assert r.exit_code == 2 and r.output.startswith("error: ") and len(r.output.strip().splitlines()) == 1, r.output

@@ -17,6 +17,7 @@ from tqbench.cli.compare import compare_policies, niah
 from tqbench.cli.estimate import kv_estimate
 from tqbench.cli.export import export
 from tqbench.cli.llamacpp import llamacpp
+from tqbench.cli.options import policy_option
 from tqbench.cli.scan import scan
 from tqbench.cli.serve import serve
 from tqbench.cli.sweep import sweep
@@ -91,7 +92,7 @@ def _one_line(exc: click.UsageError) -> OneLineUsageError:
 @click.option("--device", "wb_device", default="auto", help="Workbench device: auto, cpu, cuda, mps.")
 @click.option("--dtype", "wb_dtype", default="auto", help="Workbench dtype.")
 @click.option("--threads", "wb_threads", type=click.IntRange(min=1), default=None, help="Workbench CPU threads.")
-@click.option("--kv-policy", "wb_policy", default=None, help="Workbench candidate policy (default turbo4).")
+@policy_option("--kv-policy", "wb_policy", default=None, help="Workbench candidate policy (default turbo4).")
 @click.option("--session", "wb_session", default=None, help="Open this saved session (.json) in the workbench.")
 @click.option("--session-dir", "wb_session_dir", default=None,
               help="Where sessions are saved and listed (default $TQBENCH_DATA_DIR/sessions or the user data dir).")
