@@ -70,9 +70,6 @@ def speed_suffix(speed) -> str:
 class AllocatePanel(Vertical):
     HELP_SCOPE = "Policies · allocation"
     BINDINGS = [
-        Binding("ctrl+t", "frontier", "Measure frontier",
-                tooltip="Measure every preset on the held-out text and plot it beside the allocations",
-                id="policies.frontier", priority=True),
         Binding("escape", "cancel", "Cancel", tooltip="Stop the running allocation or frontier",
                 id="policies.cancel_allocate"),
     ]
@@ -135,7 +132,7 @@ class AllocatePanel(Vertical):
             yield Button("Frontier ^t", id="frontier-button", compact=True)
             yield Select([(t, t) for t in FRONTIER_TEXTS], value=FRONTIER_TEXTS[0], id="frontier-text", compact=True,
                          allow_blank=False, tooltip="the text the frontier plot shows (ctrl+t measures the presets on it)")
-            yield ProgressBar(total=None, show_eta=False, id="alloc-bar")
+            yield ProgressBar(total=1, show_eta=False, id="alloc-bar")  # idle: an empty bar (no total animates)
         with Horizontal(classes="row"):
             yield Label("min speed")
             yield Input("none", id="min-speed", compact=True,

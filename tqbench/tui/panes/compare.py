@@ -152,7 +152,7 @@ class ComparePane(Vertical):
         yield CompareTasks(self, id="cmp-tasks")
         yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")
         with Horizontal(id="cmp-progress"):
-            yield ProgressBar(total=None, show_eta=False, id="cmp-bar")
+            yield ProgressBar(total=1, show_eta=False, id="cmp-bar")  # idle: an empty bar (no total animates)
             yield Label("ready: one prompt per line; ctrl+r compares every policy against the baseline",
                         id="cmp-status")
         yield CompareTable(id="cmp-table", cursor_type="row", zebra_stripes=True)
