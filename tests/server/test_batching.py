@@ -112,7 +112,9 @@ def test_fused_mode_batches_too():
 
 
 def test_metrics_is_prometheus_text(live_server):
+    assert live_server.request("GET", "/v1/nothing-here")[0] == 404  # refused requests are counted (issue 42)
     status, headers, text = live_server.request("GET", "/metrics")
+    assert re.search(r'^tqbench_error_responses_total\{status="404"\} [1-9]', text, re.M), text
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     sample = re.compile(r'^[a-z_:0-9]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
     names = set()

@@ -250,3 +250,33 @@ async def test_long_texts_wrap_instead_of_being_cut(data_dir, steady_engine, tab
         lines = widget.render_lines(widget.region.reset_offset)  # every row the widget draws
         drawn = " ".join("".join(seg.text for seg in strip) for strip in lines)
         assert all(w in drawn for w in words.split()), f"{selector} at {width} columns cut its text: {drawn!r}"
+
+
+async def test_policies_tab_keys_and_builder_words(data_dir, steady_engine, monkeypatch):
+    """Issue 42: ctrl+t measures the frontier from the builder too; a context beyond the model's is said; the
+    export panel forgets the previous policy when the built one turns invalid."""
+    from textual.widgets import Static
+
+    from tqbench.tui.panes.policies import PoliciesPane
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(160, 48)) as pilot:
+        pane = app.query_one(PoliciesPane)
+        panel = app.query_one(AllocatePanel)
+        asked = []
+        monkeypatch.setattr(panel, "action_frontier", lambda: asked.append(True))
+        context = pane.query_one("#context", Input)
+        await focus_in(app, pilot, "policies", context)
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert asked == [True]
+        assert pane.query_one("#policy-name", Input).placeholder == "a name to keep it as"
+        context.value = "1025624"
+        await wait_for(pilot, lambda: "beyond the model's context of" in str(pane.query_one("#estimate").render()),
+                       what="the context warning")
+        export = pane.query_one("#export", Static)
+        await wait_for(pilot, lambda: str(export.render()).strip() != "", what="the export mapping")
+        pane.query_one("#overrides", Input).value = "v@zz=nothing"
+        await wait_for(pilot, lambda: "invalid policy" in str(pane.query_one("#estimate").render()),
+                       what="the invalid policy")
+        assert str(export.render()).strip() == ""

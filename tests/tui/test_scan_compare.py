@@ -110,6 +110,8 @@ async def test_compare_sorts_recommends_and_opens_a_row_in_run(data_dir, steady_
         saved = [r.memory_saved_pct for r in pane.sorted_rows()]
         assert saved == sorted(saved, reverse=True)
         assert [str(k.value) for k in table.rows] == [r.policy for r in pane.sorted_rows()]
+        labels = [c.label.plain for c in table.columns.values()]
+        assert labels[2].endswith(" ↓") and sum(lab.endswith(("↑", "↓")) for lab in labels) == 1  # the sorted one
         table.focus()
         table.move_cursor(row=0)
         await pilot.press("enter")

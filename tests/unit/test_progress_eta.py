@@ -43,3 +43,17 @@ def test_progress_lines_say_units_and_time_left_per_phase():
         "tasks: baseline 4/4 [10 s]",
         "tasks: baseline 1/2 [11 s, about 1 s left]",
     ]
+
+
+def test_phase_eta_restarts_per_phase_and_when_a_count_starts_again():
+    from tqbench.engine.events import PhaseEta
+
+    clock = Clock()
+    eta = PhaseEta(clock)
+    clock.t = 110.0
+    assert eta.update("sensitivity", 1, 11) == "about 1 min 40 s left" and eta.new_phase
+    clock.t = 120.0
+    assert eta.update("sensitivity", 2, 11) == "about 1 min 30 s left" and not eta.new_phase
+    clock.t = 130.0
+    assert eta.update("measure", 1, 3) == "about 20 s left" and eta.new_phase  # paced from 120 s
+    assert eta.update("measure", 3, 3) == ""

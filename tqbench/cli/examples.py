@@ -40,10 +40,10 @@ COSTS: dict[str, str] = {
                 "phase's units and the time left; a rerun with the same --out (or --resume) reuses the measured "
                 "cells.",
     "tasks": "Cost of the defaults on a 2-core CPU (default model, 4096 tokens, 2 tasks x 3 samples, baseline and "
-             "candidate: 12 answers; baseline answers are cached for reruns): about 20 CPU s per answer at 1 thread "
-             "(the first 2 took 43 CPU s, but 7 min of wall time at load 13-20); issue 42 measured 12 min for "
-             "--context 2048 on a busy machine. Progress says the answers up front and the time left after the "
-             "first.",
+             "candidate: 12 answers; the baseline's are cached for reruns): the model load and the first 2 answers "
+             "took 43 CPU s at 1 thread but 7 min of wall time at load 13-20 (the run was stopped there; its ETA "
+             "said 35 min more); issue 42 measured 12 min for --context 2048 on a busy machine. Progress says the "
+             "answers up front and the time left after the first.",
     "validate": "Cost on a 2-core CPU, default model, --threads 1: --teacher-forced without --corpus (the prompt, "
                 "64 steps, baseline and candidate) took 1 min 40 s of wall time but 20 CPU s, model load included, at "
                 "load 17-20; with --corpus the defaults (256 + 128 tokens) cost a few times more. Progress counts the "

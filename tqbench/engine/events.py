@@ -56,6 +56,31 @@ def eta_text(elapsed: float, done: float, total: float | None) -> str:
     return "" if left is None else f"about {format_duration(left)} left"
 
 
+class PhaseEta:
+    """The time left of a long job's current phase, for front ends that draw its events: a phase is an event's
+    ``task`` name; a new name, or a count that starts again, is a new phase, whose pace starts where the previous
+    phase's last unit ended (the job's start for the first). ``update`` returns ``eta_text`` for the phase."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.clock = clock or time.monotonic
+        self.start = self.seen = self.phase_start = self.clock()
+        self.phase: str | None = None
+        self.done = 0.0
+        self.new_phase = False
+
+    def update(self, phase: str, done: float, total: float | None) -> str:
+        now = self.clock()
+        self.new_phase = phase != self.phase or done < self.done
+        if self.new_phase and self.phase is not None:
+            self.phase_start = self.seen
+        self.phase, self.done, self.seen = phase, done, now
+        if total is not None and done >= total:
+            return ""
+        return eta_text(now - self.phase_start, done, total)
+
+
 @dataclass(frozen=True)
 class GenerationStarted:
     run: str  # "baseline", "candidate" or a free label

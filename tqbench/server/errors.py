@@ -90,16 +90,25 @@ def validation_message(errors: list[dict], content_type: str = "application/json
     return 422, text + extra, param, "invalid_value" if first.get("type") != "missing" else "missing_field"
 
 
+def _counted(request: Request, response: JSONResponse) -> JSONResponse:
+    """Count the error response by status on the server (``/metrics``: ``tqbench_error_responses_total``)."""
+    counts = getattr(getattr(request.app.state, "server", None), "error_responses", None)
+    if counts is not None:
+        counts[response.status_code] = counts.get(response.status_code, 0) + 1
+    return response
+
+
 def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc)
+        return _counted(request, error_response(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         status, message, param, code = validation_message(list(exc.errors()),
                                                           request.headers.get("content-type", ""))
-        return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=status)
+        return _counted(request, JSONResponse(error_body(message, "invalid_request_error", param, code),
+                                              status_code=status))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -109,10 +118,11 @@ def install_error_handlers(app) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return JSONResponse(error_body(message, _default_type(exc.status_code), None, None),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return _counted(request, JSONResponse(error_body(message, _default_type(exc.status_code), None, None),
+                                              status_code=exc.status_code, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         message = f"internal error: {type(exc).__name__}: {exc}".splitlines()[0]
-        return JSONResponse(error_body(message, "server_error", None, "internal_error"), status_code=500)
+        return _counted(request, JSONResponse(error_body(message, "server_error", None, "internal_error"),
+                                              status_code=500))

@@ -44,6 +44,10 @@ def prometheus_text(server) -> str:
                    "Requests by outcome: completed, cancelled (client left or shutdown), failed (engine error), "
                    "rejected (429, queue full), skipped (client left while queued).",
                    [({"outcome": k}, v) for k, v in sorted(stats.items())])
+    errors = dict(server.error_responses)
+    lines += _line("tqbench_error_responses_total", "counter",
+                   "Error responses by HTTP status (4xx: the request was refused, with a message; 5xx: server errors).",
+                   [({"status": str(k)}, v) for k, v in sorted(errors.items())])
     lines += _line("tqbench_queue_depth", "gauge", "Requests waiting for the engine.", [({}, w.waiting)])
     lines += _line("tqbench_queue_capacity", "gauge", "Most requests allowed to wait (--max-queue).",
                    [({}, w.max_queue)])

@@ -43,6 +43,7 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         self.cache_mode = check_mode(cache_mode)
         self.max_new_tokens = max_new_tokens
         self.model_id = engine.name
+        self.error_responses: dict[int, int] = {}  # HTTP status -> error responses sent (errors.install_error_handlers)
         self.model_names = {engine.name, *[a for a in model_aliases if a]}
         if self.cache_mode == "fused":
             engine.enable_fused()

@@ -95,42 +95,33 @@ class EventProgress:
 class ProgressLines:
     """Engine progress as plain lines on stderr: one when a phase (the event's ``task``) starts or ends, otherwise
     at most one every ``every`` seconds, each with the units done of the total, the seconds since the job started
-    and, after the phase's first unit, the time left (``events.eta_text``)."""
+    and, after the phase's first unit, the time left (``events.PhaseEta``)."""
 
     def __init__(self, label: str, every: float = 10.0, stream=None, clock=None) -> None:
-        import time
+        from tqbench.engine.events import PhaseEta
 
         self.label = label
         self.every = every
         self.stream = stream
-        self.clock = clock or time.monotonic
-        self.start = self.last = self.seen = self.phase_start = self.clock()  # made as the job starts
-        self.phase: str | None = None
-        self.done = 0.0
+        self.eta = PhaseEta(clock)
+        self.last = self.eta.start
 
     def __call__(self, ev: object, total: float | None = None) -> None:
-        from tqbench.engine.events import eta_text
-
         unit = unit_of(ev, self.label, total)
         if unit is None:
             return
         phase, done, total, message = unit
-        now = self.clock()
-        new_phase = phase != self.phase or done < self.done  # a count that starts again is a new run
-        self.done = done
-        if new_phase and self.phase is not None:
-            self.phase_start = self.seen  # the new phase's work began when the previous phase's last unit ended
-        self.seen = now
+        eta = self.eta.update(phase, done, total)
+        now = self.eta.seen
         final = total is not None and done >= total
-        if not (new_phase or final or now - self.last >= self.every):
+        if not (self.eta.new_phase or final or now - self.last >= self.every):
             return
-        self.phase, self.last = phase, now
+        self.last = now
         count = f" {done:g}/{total:g}" if total is not None else ""
         name = "" if phase == self.label else f" {phase}"
         text = f" {message}" if message else ""
-        eta = "" if final else eta_text(now - self.phase_start, done, total)
         stream = self.stream or sys.stderr
-        stream.write(f"{self.label}:{name}{count}{text} [{now - self.start:.0f} s{', ' + eta if eta else ''}]\n")
+        stream.write(f"{self.label}:{name}{count}{text} [{now - self.eta.start:.0f} s{', ' + eta if eta else ''}]\n")
         stream.flush()
 
 

@@ -70,9 +70,6 @@ def speed_suffix(speed) -> str:
 class AllocatePanel(Vertical):
     HELP_SCOPE = "Policies · allocation"
     BINDINGS = [
-        Binding("ctrl+t", "frontier", "Measure frontier",
-                tooltip="Measure every preset on the held-out text and plot it beside the allocations",
-                id="policies.frontier", priority=True),
         Binding("escape", "cancel", "Cancel", tooltip="Stop the running allocation or frontier",
                 id="policies.cancel_allocate"),
     ]
@@ -111,6 +108,9 @@ class AllocatePanel(Vertical):
         self.running = False
         self.status = "idle"
         self.result = None  # the last AllocationReport
+        from tqbench.engine.events import PhaseEta
+
+        self._eta = PhaseEta()  # reset as each job starts
         #: text -> label -> (FrontierPoint, kind: "preset" / "layer" / "head", "+pcaq" with calibrated keys)
         self.points: dict[str, dict[str, tuple]] = {t: {} for t in FRONTIER_TEXTS}
         self.frontier = dict(FRONTIER)
@@ -132,7 +132,7 @@ class AllocatePanel(Vertical):
             yield Button("Frontier ^t", id="frontier-button", compact=True)
             yield Select([(t, t) for t in FRONTIER_TEXTS], value=FRONTIER_TEXTS[0], id="frontier-text", compact=True,
                          allow_blank=False, tooltip="the text the frontier plot shows (ctrl+t measures the presets on it)")
-            yield ProgressBar(total=None, show_eta=False, id="alloc-bar")
+            yield ProgressBar(total=1, show_eta=False, id="alloc-bar")  # idle: an empty bar (no total animates)
         with Horizontal(classes="row"):
             yield Label("min speed")
             yield Input("none", id="min-speed", compact=True,
@@ -207,6 +207,7 @@ class AllocatePanel(Vertical):
         self.running = True
         self.status = "running"
         self._cancel.clear()
+        self._eta = type(self._eta)()  # time left per phase, by the engine's one ETA rule (events.PhaseEta)
         self.query_one("#alloc-bar", ProgressBar).update(total=None, progress=0)
         self._forget_other_model(engine)
 
@@ -292,17 +293,20 @@ class AllocatePanel(Vertical):
         ev = msg.event
         bar = self.query_one("#alloc-bar", ProgressBar)
         status = self.query_one("#alloc-status", Label)
+        eta = self._eta.update(ev.task, ev.done, ev.total) if isinstance(ev, Progress) else ""
         if isinstance(ev, SensitivityMeasured):
             bar.update(total=ev.total, progress=ev.done)
-            status.update(f"sensitivity {ev.done}/{ev.total}: {ev.message}" + (" (resumed)" if ev.resumed else ""))
+            text = f"sensitivity {ev.done}/{ev.total}: {ev.message}" + (" (resumed)" if ev.resumed else "")
         elif isinstance(ev, TeacherForcedStep):
             bar.update(total=ev.total, progress=ev.done)
-            status.update(f"verifying: {ev.task} step {ev.done}/{ev.total}")
+            text = f"verifying: {ev.task} step {ev.done}/{ev.total}"
         elif isinstance(ev, Progress):  # setup, solve, measure (joint measurements), verify
             if ev.total:
                 bar.update(total=ev.total, progress=ev.done)
-            status.update(f"{ev.task} {ev.done:g}/{ev.total:g}: {ev.message}" if ev.total else
-                          f"{ev.task}: {ev.message}")
+            text = f"{ev.task} {ev.done:g}/{ev.total:g}: {ev.message}" if ev.total else f"{ev.task}: {ev.message}"
+        else:
+            return
+        status.update(f"{text} · {eta}" if eta else text)
 
     @on(Finished)
     def _finished(self, msg: Finished) -> None:

@@ -152,7 +152,7 @@ class ComparePane(Vertical):
         yield CompareTasks(self, id="cmp-tasks")
         yield PromptBox(p.get("prompts") or DEFAULT_PROMPTS, id="cmp-prompts")
         with Horizontal(id="cmp-progress"):
-            yield ProgressBar(total=None, show_eta=False, id="cmp-bar")
+            yield ProgressBar(total=1, show_eta=False, id="cmp-bar")  # idle: an empty bar (no total animates)
             yield Label("ready: one prompt per line; ctrl+r compares every policy against the baseline",
                         id="cmp-status")
         yield CompareTable(id="cmp-table", cursor_type="row", zebra_stripes=True)
@@ -336,8 +336,12 @@ class ComparePane(Vertical):
                                                                                              "kl_mean")
         self.sort_key = key
         label = next(label for label, k, _ in COLUMNS if k == key)
-        self.query_one("#cmp-table", DataTable).border_subtitle = \
-            f"sorted by {label} {'↓' if self.sort_reverse else '↑'}"
+        arrow = "↓" if self.sort_reverse else "↑"
+        table = self.query_one("#cmp-table", DataTable)
+        table.border_subtitle = f"sorted by {label} {arrow}"
+        for name, k, _ in COLUMNS:  # the sorted column's header carries the arrow
+            if k in table.columns:
+                table.columns[k].label = Text(f"{name} {arrow}" if k == key else name)
         self.fill_table()
 
     @on(DataTable.RowSelected, "#cmp-table")

@@ -26,6 +26,10 @@ class PoliciesPane(Horizontal):
                 "runs it)", id="policies.use", priority=True),
         Binding("ctrl+k", "keep", "Keep policy", tooltip="Name and keep the built policy (saved with the session)",
                 id="policies.keep", priority=True),
+        # from anywhere on the tab (it did nothing, without a word, unless the allocation panel had focus)
+        Binding("ctrl+t", "frontier", "Measure frontier",
+                tooltip="Measure every preset on the held-out text and plot it beside the allocations",
+                id="policies.frontier", priority=True),
     ]
 
     DEFAULT_CSS = """
@@ -144,7 +148,7 @@ class PoliciesPane(Horizontal):
                             placeholder="loaded model · Gemma-2-9B · path/to/config.json")
             with Horizontal(classes="row"):
                 yield Label("name")
-                yield Input("", id="policy-name", compact=True, placeholder="my-policy")
+                yield Input("", id="policy-name", compact=True, placeholder="a name to keep it as")
             yield Static("", id="estimate")
             with Horizontal(classes="row"):
                 yield Label("export to")
@@ -243,6 +247,21 @@ class PoliciesPane(Horizontal):
             return KVGeometry.from_config(engine.config)
         return default_geometry()
 
+    def _context_warning(self, tokens: int) -> str:
+        """The line kv-estimate's note gives when the context is beyond the model's (empty when it is not)."""
+        from tqbench.engine.cache import model_geometry
+
+        named = self.query_one("#geometry-model", Input).value.strip()
+        engine = getattr(self.app, "engine", None)
+        try:
+            limit = (model_geometry(named).max_context if named else engine.max_context if engine is not None
+                     else model_geometry("default").max_context)
+        except (ValueError, OSError, AttributeError):
+            return ""
+        if not limit or tokens <= limit:
+            return ""
+        return f"[b yellow]context {tokens} is beyond the model's context of {limit} tokens[/]\n"
+
     def context(self) -> int:
         try:
             return max(1, int(self.query_one("#context", Input).value or "1024"))
@@ -326,6 +345,7 @@ class PoliciesPane(Horizontal):
         except ValueError as exc:
             self.current, self.estimate = "", None
             out.update(f"[b red]no geometry for \"geometry of\"[/]: {exc}")
+            self.show_export()  # clears what the previous policy mapped to
             return
         try:
             pol = self.built_policy()
@@ -333,6 +353,7 @@ class PoliciesPane(Horizontal):
         except ValueError as exc:
             self.current, self.estimate = "", None
             out.update(f"[b red]invalid policy[/]: {exc}")
+            self.show_export()  # clears what the previous policy mapped to (or its error)
             return
         self.current, self.estimate = pol.to_string(), est
         g = geo
@@ -343,6 +364,7 @@ class PoliciesPane(Horizontal):
             f"[b]{est.bits_per_element:.2f}[/b] bits/element · KV at {est.seq_len} tokens: "
             f"[b]{_mib(est.total_bytes)}[/b] vs fp16 {_mib(est.dense_fp16_bytes)} "
             f"([b green]{est.saved_pct:.1f}% saved[/]) · shared {est.shared_bytes} B\n"
+            f"{self._context_warning(est.seq_len)}"
             f"{_eviction_line(pol, g, est.seq_len)}"
             f"[dim]geometry: {g.num_layers} layers{sliding} × {g.kv_heads} KV heads × head_dim {g.head_dim}"
             f"{f' (V {g.v_dim})' if g.v_dim != g.head_dim else ''}; every byte "
@@ -377,6 +399,9 @@ class PoliciesPane(Horizontal):
         out.update("\n".join(lines))
 
     # ---- actions ---------------------------------------------------------------------------------
+    def action_frontier(self) -> None:
+        self.query_one(AllocatePanel).action_frontier()
+
     @on(Button.Pressed, "#use")
     def action_use(self) -> None:
         if not self.current:

@@ -91,7 +91,7 @@ class ScanPane(Vertical):
             yield Input(str(p.get("max_prompt_tokens", 512)), id="scan-tokens", compact=True, type="integer")
             yield Button("Scan ^r", id="scan-button", compact=True, variant="primary")
         with Horizontal(id="scan-progress"):
-            yield ProgressBar(total=None, show_eta=False, id="scan-bar")
+            yield ProgressBar(total=1, show_eta=False, id="scan-bar")  # idle: an empty bar (no total animates)
             yield Label("ready: ctrl+r scans the prompt's K/V with every codec", id="scan-status")
         with Horizontal(classes="controls"):
             yield Label("heatmap")

@@ -52,14 +52,15 @@ class HelpScreen(ModalScreen):
     AUTO_FOCUS = "*"  # the app turns auto-focus off for its main screen only
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 96; max-width: 95%; height: auto; max-height: 90%;
+    HelpScreen > VerticalScroll { width: 150; max-width: 95%; height: auto; max-height: 90%;
         border: thick $primary; background: $surface; padding: 0 1; }
     """
 
     def compose(self) -> ComposeResult:
         t = Table(title="tqbench workbench · key bindings", expand=True, box=None, title_style="bold")
-        for col in ("where", "key", "action", "what it does"):
-            t.add_column(col, style="bold" if col == "key" else None)
+        for col in ("where", "key", "action", "what it does"):  # one line per binding where the width allows
+            t.add_column(col, style="bold" if col == "key" else None, no_wrap=col != "what it does",
+                         ratio=1 if col == "what it does" else None)
         for row in binding_rows(self.app):
             t.add_row(*row)
         key = self.app.key_for
