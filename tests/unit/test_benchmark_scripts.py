@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,39 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = ("dense-shadow", "simulate", "compressed", "fused")
 
 
-def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference_run(tmp_path):
+@pytest.fixture
+def script(monkeypatch, capsys):
+    """``script(cmd)``: a benchmark command line (``[sys.executable, benchmarks/NAME.py, *args]``) run in this process
+    through the script's ``main(argv)``, as a subprocess would give it: exit code (``sys.exit("message")``: 1, the
+    message on stderr), stdout, stderr. No interpreter or torch start per run; runs whose point is a fresh
+    process's environment (``TQBENCH_NATIVE=0``, ``TQBENCH_FUSED_IMPL``) stay subprocesses."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the scripts import their _common
+    monkeypatch.chdir(ROOT)
+
+    def run(cmd: list[str]):
+        path, argv = Path(cmd[1]), [str(a) for a in cmd[2:]]
+        spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        capsys.readouterr()
+        try:
+            code = module.main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        out = capsys.readouterr()
+        err = out.err
+        if isinstance(code, str):
+            err, code = err + code + "\n", 1
+        return types.SimpleNamespace(returncode=code or 0, stdout=out.out, stderr=err)
+
+    return run
+
+
+def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference_run(tmp_path, script):
     out = tmp_path / "dc.json"
     base = [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--model", "tiny", "--contexts", "48",
             "--steps", "2", "--rounds", "1", "--json", str(out)]
-    proc = subprocess.run(base + ["--policies", "turbo4;k=turbo4|turbo2,v=turbo3"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = script(base + ["--policies", "turbo4;k=turbo4|turbo2,v=turbo3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["baseline"] == "dense" and data["threads"] == 1
@@ -32,11 +61,11 @@ def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference
                           env={**os.environ, "TQBENCH_FUSED_IMPL": "torch"})
     assert proc.returncode != 0 and "did not run only the native kernel" in proc.stderr
 
-def test_decode_benchmark_quick_on_tiny(tmp_path):
+def test_decode_benchmark_quick_on_tiny(tmp_path, script):
     out = tmp_path / "decode.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--model", "tiny", "--quick",
            "--policies", "turbo4,q8k-int4v", "--threads", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert (data["contexts"], data["new_tokens"], data["repeats"], data["threads"]) == ([256], 8, 1, 1)
@@ -62,11 +91,11 @@ def test_decode_benchmark_quick_on_tiny(tmp_path):
     assert summ["turbo4"]["fused_vs_compressed"] > 0 and "fused / compressed" in proc.stdout
 
 
-def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tmp_path):
+def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tmp_path, script):
     out = tmp_path / "decode.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--model", "tiny", "--quick", "--policies", "turbo4",
            "--modes", "fused", "--threads", "1", "--baseline", "dense-fp16", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert (data["baseline"], data["baseline_kv_dtype"], data["dtype"]) == ("dense-fp16", "float16", "float32")
@@ -76,7 +105,7 @@ def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tm
     out = tmp_path / "dc.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--model", "tiny", "--contexts", "48",
            "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--baseline", "dense-bf16", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["baseline"] == "dense-bf16" and data["baseline_kv_dtype"] == "bfloat16"
@@ -84,12 +113,12 @@ def test_decode_benchmarks_take_a_16_bit_dense_baseline_and_name_its_kv_dtype(tm
     assert [r["policy"] for r in data["rows"]] == ["dense-bf16", "turbo4"]
 
 
-def test_decode_cpu_times_the_kernel_baseline_beside_the_others_in_one_process(tmp_path):
+def test_decode_cpu_times_the_kernel_baseline_beside_the_others_in_one_process(tmp_path, script):
     out = tmp_path / "dc.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_cpu.py"), "--model", "tiny", "--contexts", "48",
            "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--baseline", "dense-fp16-kernel",
            "--compare-baselines", "dense,dense-fp16,dense-fp16-kernel", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [r["policy"] for r in data["rows"]] == ["dense-fp16-kernel", "dense", "dense-fp16", "turbo4"]
@@ -104,11 +133,11 @@ def test_decode_cpu_times_the_kernel_baseline_beside_the_others_in_one_process(t
            "TQBENCH_NATIVE=0" in proc.stderr
 
 
-def test_engines_benchmark_on_tiny_times_tqbench_and_skips_llamacpp_with_its_reason(tmp_path):
+def test_engines_benchmark_on_tiny_times_tqbench_and_skips_llamacpp_with_its_reason(tmp_path, script):
     out = tmp_path / "engines.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "engines.py"), "--model", "tiny", "--contexts", "64",
            "--threads", "1", "--steps", "2", "--rounds", "1", "--policies", "turbo4", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     reason = "tiny-random is not a GGUF model: llama-bench runs GGUF files (pass the default model or a .gguf)"
@@ -184,12 +213,12 @@ def test_frontier_benchmark_puts_joint_eviction_and_quantization_side_by_side(tm
     assert "best no-evict" in proc.stdout
 
 
-def test_attention_benchmark_at_a_shape_preset_reports_ratio_and_copy_bandwidth(tmp_path):
+def test_attention_benchmark_at_a_shape_preset_reports_ratio_and_copy_bandwidth(tmp_path, script):
     out = tmp_path / "att.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--shape", "smollm2", "--contexts", "512",
            "--queries", "1,4", "--codecs", "turbo4:turbo4", "--impls", "native-cpu,torch-reference",
            "--sparsev", "0.001", "--repeats", "1", "--threads", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["shape"] == "smollm2" and data["shape_fields"]["num_key_value_heads"] == 3
@@ -209,12 +238,12 @@ def test_attention_benchmark_at_a_shape_preset_reports_ratio_and_copy_bandwidth(
     assert "speedup" in proc.stdout and "fused % copy bw" in proc.stdout and "COLD" in proc.stdout
 
 
-def test_decode_benchmark_at_a_shape_preset_fills_the_caches(tmp_path):
+def test_decode_benchmark_at_a_shape_preset_fills_the_caches(tmp_path, script):
     out = tmp_path / "dec.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--shape", "smollm2", "--layers", "2",
            "--contexts", "300", "--new-tokens", "3", "--repeats", "1", "--policies", "turbo4", "--modes", "fused",
            "--threads", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["shape"] == "smollm2" and data["layers"] == 2 and data["intermediate_size"] == 1536
@@ -237,11 +266,11 @@ def test_allocate_table_reads_a_committed_allocate_report():
     assert row.startswith("| 2.5 | head | 2.500 | 0.0412 | 0.0889 | 2.16 | 0.0331 | 0.80 | 0.0331 | 6/19 | 4/16 |")
 
 
-def test_attention_dense16_benchmark_times_every_way_a_16_bit_cache_is_read(tmp_path):
+def test_attention_dense16_benchmark_times_every_way_a_16_bit_cache_is_read(tmp_path, script):
     out = tmp_path / "att.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "attention_dense16.py"), "--contexts", "32", "--calls", "1",
            "--repeats", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = script(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [r["way"] for r in data["rows"]] == ["kernel, float16 rows as stored (dense-fp16-kernel)",

@@ -277,29 +277,31 @@ def test_additive_bias_runs_the_reference_and_says_so(tiny_engine):
     assert bool_mask(m, 1, 5).tolist() == [[[True, True, False, True, True]]]
 
 
-def test_disabled_native_kernel_says_why_in_the_report():
-    code = ("import torch; from tqbench.engine.engine import Engine; e = Engine.tiny(); "
-            "r = e.generate(torch.randint(5, 200, (1, 30)), 'turbo4', 'fused', max_new_tokens=3, stop_at_eos=False); "
-            "print(list(r.cache_report.fused_impl))")
+@pytest.fixture(scope="module")
+def disabled_native_reports():
+    """One fresh process with ``TQBENCH_NATIVE=0`` (a process builds or loads the kernel once: the switch needs its
+    own): a fused run's ``fused_impl`` and a compressed run's quantize-and-pack notes, as JSON."""
+    import json
     import os
 
+    code = ("import json, torch; from tqbench.engine.engine import Engine; e = Engine.tiny(); "
+            "f = e.generate(torch.randint(5, 200, (1, 30)), 'turbo4', 'fused', max_new_tokens=3, stop_at_eos=False); "
+            "c = e.generate(torch.randint(5, 200, (1, 40)), 'turbo4', 'compressed', max_new_tokens=3, "
+            "stop_at_eos=False); print(json.dumps({'fused_impl': list(f.cache_report.fused_impl), "
+            "'append_notes': [n for n in c.cache_report.notes if n.startswith('quantize-and-pack')]}))")
     env = dict(os.environ, TQBENCH_NATIVE="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "['torch-reference (TQBENCH_NATIVE=0)']"
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_disabled_native_append_path_says_so_in_the_report():
-    code = ("import torch; from tqbench.engine.engine import Engine; e = Engine.tiny(); "
-            "r = e.generate(torch.randint(5, 200, (1, 40)), 'turbo4', 'compressed', max_new_tokens=3, "
-            "stop_at_eos=False); print([n for n in r.cache_report.notes if n.startswith('quantize-and-pack')])")
-    import os
+def test_disabled_native_kernel_says_why_in_the_report(disabled_native_reports):
+    assert disabled_native_reports["fused_impl"] == ["torch-reference (TQBENCH_NATIVE=0)"]
 
-    env = dict(os.environ, TQBENCH_NATIVE="0")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ("['quantize-and-pack ran in torch (the native CPU kernel is unavailable: "
-                                  "TQBENCH_NATIVE=0)']")
+
+def test_disabled_native_append_path_says_so_in_the_report(disabled_native_reports):
+    assert disabled_native_reports["append_notes"] == [
+        "quantize-and-pack ran in torch (the native CPU kernel is unavailable: TQBENCH_NATIVE=0)"]
 
 
 def test_the_build_runs_the_instruction_set_asked_for():
