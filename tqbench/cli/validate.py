@@ -29,7 +29,9 @@ from tqbench.constants import CACHE_MODES
 @workbench_command("run", validate_fields)
 @model_options
 @click.option("--baseline", default="fp16", show_default=True, help="Baseline policy.")
-@click.option("--candidate", default=None, help="Candidate policy (default turbo4).")
+@click.option("--candidate", default=None,
+              help="Candidate policy (default: the model's default policy: turbo4, or on a model that mixes "
+                   "sliding-window and global layers turbo4 with the windows and the global keys at q8_0).")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True,
               help="Candidate mode; dense-shadow reads exact K/V (storage-only report).")
 @click.option("--baseline-mode", type=click.Choice(CACHE_MODES), default="compressed", show_default=True)
@@ -69,11 +71,14 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
         check_teacher_forced_flags(corpus, tf_context, tf_tokens)
     request = GenerationRequest(max_new_tokens, temperature=temperature, seed=seed)
     check_generation_args(max_new_tokens, quality_threshold)
-    candidate = candidate or "turbo4"
-    base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate)
+    base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate) if candidate else None
     text = prompt_text(prompt, prompt_file)
     check_out_paths(report_json, report_md)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    if cand_pol is None:  # the model's default: turbo4, or the measured hybrid default (engine.policy.default)
+        from tqbench.engine.policy import default_policy
+
+        cand_pol = default_policy(engine.geometry.layer_types)
     cand_pol, base_pol = check_policies(engine, cand_pol, base_pol)  # once: the runs take them as they are
     reports = dict(report_json=report_json, report_md=report_md, as_json=as_json)
     if teacher_forced:
