@@ -35,9 +35,12 @@ CANDIDATES = {  # in the order they are measured (the most informative first: a 
     "turbo4 everywhere": "turbo4,sliding=compress",
     "turbo4 globals, windows fp16": "turbo4,sliding=dense",
     "turbo4 globals, windows q8_0": "turbo4,sliding=compress,kv@{sliding}=q8_0",
+    "windows q8_0, globals K q8_0 + V turbo4": "turbo4,sliding=compress,kv@{sliding}=q8_0,k@{global}=q8_0",
+    "windows q8_0, globals K turbo4 + V q8_0": "turbo4,sliding=compress,kv@{sliding}=q8_0,v@{global}=q8_0",
+    "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@{global}=q8_0",
+    "windows q5_0, globals K q5_0 + V turbo4": "turbo4,sliding=compress,kv@{sliding}=q5_0,k@{global}=q5_0",
     "turbo4 globals, windows q5_0 (hadamard)": "turbo4,sliding=compress,rotation=hadamard,kv@{sliding}=q5_0",
     "turbo4 everywhere (hadamard)": "turbo4,sliding=compress,rotation=hadamard",
-    "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@{global}=q8_0",
     "turbo4 globals, windows int8": "turbo4,sliding=compress,kv@{sliding}=int8",
 }
 #: texts neither model was fitted on (the shipped transforms were fitted on tqbench/data/calibration/): prose,

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from tqbench.engine.cache import estimate_kv, model_geometry
 from tqbench.engine.cache.savings import USAGE_LENGTHS, Savings, savings
 
@@ -21,3 +25,50 @@ def test_savings_state_the_bytes_at_the_usage_lengths_within_the_context():
     assert d["at_lengths"][1] == {"tokens": 8192, "bytes": 9145428, "baseline_bytes": 33014784, "saved_pct": 72.3}
     assert Savings.from_dict(d) == s
     assert [n for n, _, _ in savings("turbo4", "fp16", GEMMA, 100, limit=4096).at_lengths] == [1024]
+
+
+# ---- the layer-kind selectors and the default policy of a hybrid model ------------------------------------------
+def test_kind_selectors_name_the_windows_and_the_globals_of_a_hybrid_model_only():
+    from tqbench.engine.policy import select_layers, validate_selector
+
+    types = GEMMA.layer_types
+    assert select_layers("global", 18, types) == {5, 11, 17}
+    assert select_layers("sliding", 18, types) == set(range(18)) - {5, 11, 17}
+    assert select_layers("sliding+global", 18, types) == set(range(18))
+    uniform = ("full_attention",) * 4
+    assert select_layers("global", 4, uniform) == select_layers("sliding", 4, uniform) == set()
+    assert select_layers("global", 4) == set()  # no layer types known: no kind
+    assert validate_selector(" Sliding+first2 ") == "sliding+first2"
+    with pytest.raises(ValueError, match="bad layer selector part 'globals': .*sliding or global"):
+        validate_selector("globals")
+
+
+def test_the_default_is_turbo4_without_sliding_layers_and_the_measured_mix_on_a_hybrid_model():
+    from tqbench.engine.policy import DEFAULT_POLICY, HYBRID_DEFAULT_POLICY, default_policy, parse_policy
+
+    smol = model_geometry("default").geometry
+    assert default_policy(smol.layer_types) == parse_policy("turbo4") and DEFAULT_POLICY == "turbo4"
+    # the hybrid default stores exactly turbo4's bytes on a model without sliding layers
+    for n in (1, 1024, 8192):
+        assert estimate_kv(HYBRID_DEFAULT_POLICY, smol, n).total_bytes == estimate_kv("turbo4", smol, n).total_bytes
+    pol = default_policy(GEMMA.layer_types)
+    assert pol == parse_policy(HYBRID_DEFAULT_POLICY)
+    plans = pol.plan(GEMMA.num_layers, list(GEMMA.layer_types))
+    assert {(p.k, p.v) for p in plans if p.sliding} == {("q8_0", "q8_0")}
+    assert [(p.layer, p.k, p.v) for p in plans if not p.sliding] == [(i, "q8_0", "turbo4") for i in (5, 11, 17)]
+    assert [estimate_kv(pol, GEMMA, n).total_bytes for n in USAGE_LENGTHS] == [5819432, 14464040, 44102696]
+
+
+def test_validate_without_a_candidate_runs_the_models_default():
+    from click.testing import CliRunner
+
+    from tqbench.cli import main
+    from tqbench.engine.policy import HYBRID_DEFAULT_POLICY, parse_policy
+
+    args = ["--headless", "validate", "--prompt", "Hi there", "--max-new-tokens", "2", "--threads", "1", "--json"]
+    r = CliRunner().invoke(main, [*args, "--model", "tiny-gemma3_text"])
+    assert r.exit_code in (0, 1), r.output
+    d = json.loads(r.stdout)
+    assert d["candidate_policy"] == parse_policy(HYBRID_DEFAULT_POLICY).to_string()
+    r = CliRunner().invoke(main, [*args, "--model", "tiny"])
+    assert json.loads(r.stdout)["candidate_policy"] == parse_policy("turbo4").to_string()

@@ -30,7 +30,9 @@ from tqbench.constants import CACHE_MODE_HELP, CACHE_MODES, DEFAULT_CACHE_MODE
 @workbench_command("run", validate_fields)
 @model_options
 @policy_option("--baseline", default="fp16", show_default=True, help="Baseline policy.")
-@policy_option("--candidate", default=None, help="Candidate policy (default turbo4).")
+@policy_option("--candidate", default=None,
+               help="Candidate policy (default: the model's default policy: turbo4, or on a model that mixes "
+                    "sliding-window and global layers turbo4 with the windows and the global keys at q8_0).")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
               help=CACHE_MODE_HELP)
 @click.option("--baseline-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
@@ -66,8 +68,7 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
     _check_flags(candidate, self_test, teacher_forced, corpus, max_kl, tf_context, tf_tokens)
     check_max_kl(max_kl)
     request = GenerationRequest(max_new_tokens, temperature=temperature, seed=seed)
-    candidate = candidate or "turbo4"
-    base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate)
+    base_pol, cand_pol = parse_policy(baseline), parse_policy(candidate) if candidate else None
     text = prompt_text(prompt, prompt_file)
     check_out_paths(report_json, report_md)  # the torch-free checks first: a bad path or number in well under 1 s
     from tqbench.cli.render.console import check_policies, load_engine
@@ -77,6 +78,10 @@ def validate(model, device, dtype, threads, baseline, candidate, cache_mode, bas
         check_teacher_forced_flags(corpus, tf_context, tf_tokens)
     check_generation_args(max_new_tokens, quality_threshold)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    if cand_pol is None:  # the model's default: turbo4, or the measured hybrid default (engine.policy.default)
+        from tqbench.engine.policy import default_policy
+
+        cand_pol = default_policy(engine.geometry.layer_types)
     cand_pol, base_pol = check_policies(engine, cand_pol, base_pol)  # once: the runs take them as they are
     reports = dict(report_json=report_json, report_md=report_md, as_json=as_json)
     if teacher_forced:

@@ -1,11 +1,24 @@
-"""Layer selectors: ``first2``, ``last8``, ``3``, ``-1``, ``4-7``, joined with ``+`` (``first2+last2``)."""
+"""Layer selectors: ``first2``, ``last8``, ``3``, ``-1``, ``4-7``, joined with ``+`` (``first2+last2``); and by kind in
+a hybrid model: ``sliding`` (its sliding-window layers) and ``global`` (its full-attention layers), both empty in a
+model with no sliding layers (there every layer is global and none is set apart: ``all`` names them)."""
 
 from __future__ import annotations
 
 import re
 
-_SELECTOR_HELP = "use first<N>, last<N>, an index (negative counts from the end), a range a-b, joined with '+'"
-_TOKEN = re.compile(r"^(first(\d+)|last(\d+)|(-?\d+)|(\d+)-(\d+)|all|none)$")
+_SELECTOR_HELP = ("use first<N>, last<N>, an index (negative counts from the end), a range a-b, sliding or global "
+                  "(the layer kinds of a hybrid model), joined with '+'")
+_TOKEN = re.compile(r"^(first(\d+)|last(\d+)|(-?\d+)|(\d+)-(\d+)|all|none|sliding|global)$")
+SLIDING, GLOBAL = "sliding_attention", "full_attention"  # transformers' layer_types
+
+
+def kind_layers(kind: str, layer_types) -> set[int]:
+    """``sliding`` / ``global``: the layers of that kind in a model with sliding layers (else none)."""
+    types = list(layer_types or ())
+    if SLIDING not in types:
+        return set()
+    want = SLIDING if kind == "sliding" else GLOBAL
+    return {i for i, t in enumerate(types) if t == want}
 
 
 def validate_selector(text: str) -> str:
@@ -19,8 +32,9 @@ def validate_selector(text: str) -> str:
     return "+".join(p.strip() for p in text.split("+"))
 
 
-def select_layers(text: str, num_layers: int) -> set[int]:
-    """Resolve a selector against a model with ``num_layers`` layers. Unknown indices raise."""
+def select_layers(text: str, num_layers: int, layer_types=None) -> set[int]:
+    """Resolve a selector against a model with ``num_layers`` layers (and its ``layer_types``, which ``sliding`` and
+    ``global`` read; without them both are empty). Unknown indices raise."""
     out: set[int] = set()
     for part in validate_selector(text).split("+"):
         m = _TOKEN.match(part)
@@ -29,6 +43,8 @@ def select_layers(text: str, num_layers: int) -> set[int]:
             out.update(range(num_layers))
         elif part == "none":
             continue
+        elif part in ("sliding", "global"):
+            out.update(kind_layers(part, layer_types))
         elif m.group(2) is not None:
             out.update(range(min(int(m.group(2)), num_layers)))
         elif m.group(3) is not None:

@@ -259,7 +259,7 @@ class Policy:
         demote = [self.demote] * num_layers
         reason: list[str | None] = [None] * num_layers
         for role, sel, spec in self.overrides:
-            for i in sorted(select_layers(sel, num_layers)):
+            for i in sorted(select_layers(sel, num_layers, layer_types)):
                 if role == "keep":
                     keep[i] = parse_keep(spec)
                     continue
@@ -272,7 +272,7 @@ class Policy:
                     v[i] = spec
                 reason[i] = f"override {role}@{sel}={spec}"
         if self.protect:
-            for i in select_layers(self.protect, num_layers):
+            for i in select_layers(self.protect, num_layers, layer_types):
                 k[i] = v[i] = FULL_PRECISION
                 reason[i] = f"protected ({self.protect}): fp16 K and V"
         window = [False] * num_layers
