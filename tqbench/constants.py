@@ -119,3 +119,7 @@ def auto_prefill_chunk(prompt_tokens: int, cache_mode: str | None, chunk: int | 
 FUSED_NATIVE = "native-cpu"
 FUSED_TRITON = "triton"
 FUSED_KERNELS = (FUSED_NATIVE, FUSED_TRITON)
+
+#: ``allocate``'s choices per unit by default: turbo widths, an 8-bit engine format and dense rows (where they are
+#: the cheapest quality: a sensitive layer, a sliding-window layer's fixed window at long context)
+ALLOCATE_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4", "q8_0", "fp16")
