@@ -137,3 +137,6 @@ DEFAULT_TASK_SAMPLES = 3
 CACHE_MODE_HELP = ("How the candidate's cache is read: compressed (the packed store, one layer decoded per step), "
                    "fused (attention reads the codes; native kernel on CPU), simulate (a dense dequantized copy) or "
                    "dense-shadow (exact K/V: a storage-only report). The same default in every front end.")
+#: ``allocate``'s choices per unit by default: turbo widths, an 8-bit engine format and dense rows (where they are
+#: the cheapest quality: a sensitive layer, a sliding-window layer's fixed window at long context)
+ALLOCATE_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4", "q8_0", "fp16")

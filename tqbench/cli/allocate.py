@@ -12,6 +12,7 @@ import sys
 import click
 
 from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendly_errors, gate, model_options
+from tqbench.constants import ALLOCATE_CODECS
 
 
 @click.command()
@@ -32,8 +33,9 @@ from tqbench.cli.options import check_max_kl, check_out_path, csv, fail, friendl
               help="Tokens after the prefill (per calibration sequence) whose next-token KL scores each cell.")
 @click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
               help="One codec per layer and role, or per KV head.")
-@click.option("--codecs", default="turbo1,turbo2,turbo3,turbo4", show_default=True,
-              help="Codec choices per unit (V; K too unless --k-codecs).")
+@click.option("--codecs", default=",".join(ALLOCATE_CODECS), show_default=True,
+              help="Codec choices per unit (V; K too unless --k-codecs). q8_0 is dropped from the default where "
+                   "the head dim is not a multiple of 32; choices no unit can afford are not measured.")
 @click.option("--k-codecs", default=None,
               help="K choices (default: --codecs plus pcaq2,pcaq3,pcaq4 when the model has a calibrated fit).")
 @click.option("--sink", type=click.IntRange(min=0), default=4, show_default=True,

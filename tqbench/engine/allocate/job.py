@@ -236,7 +236,7 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
     elif k_codecs is None:
         extra, why = calibrated_k_choices(engine, base_pol)
         if why and fit_transforms and not base_pol.calib:  # calibration is part of allocating
-            path, fitted, c_cal = own_transforms(engine, on_event, cancel)
+            path, fitted, c_cal = own_transforms(engine, on_event, cancel, calib_prefill)
             base_pol = replace(base_pol, calib=path)
             extra, why2 = calibrated_k_choices(engine, base_pol)
             why = why2 or (f"pcaq key codecs: transforms {'fitted now' if fitted else 'fitted before'} on the "

@@ -70,9 +70,10 @@ def transforms_cache_path(engine) -> Path:
     return cache_dir() / "transforms" / f"{stem}-{engine.loaded.fingerprint}.safetensors"
 
 
-def own_transforms(engine, on_event=None, cancel=None) -> tuple[str, bool, float]:
+def own_transforms(engine, on_event=None, cancel=None, max_tokens: int = 1024) -> tuple[str, bool, float]:
     """(path of this model's fitted transforms, whether they were fitted now, CPU seconds): read from the user
-    cache when fitted before, else fitted on the calibration mix and stored there."""
+    cache when fitted before, else fitted on the calibration mix (``max_tokens`` of each text, at most the model's
+    context) and stored there."""
     path = transforms_cache_path(engine)
     if path.is_file():
         return str(path), False, 0.0
@@ -80,7 +81,8 @@ def own_transforms(engine, on_event=None, cancel=None) -> tuple[str, bool, float
     from tqbench.engine.codecs.transforms_file import save_transforms
 
     c0 = time.process_time()
-    tr = fit_transforms(engine, on_event=on_event, cancel=cancel)
+    tr = fit_transforms(engine, max_tokens=max(16, min(max_tokens, engine.max_context - 1)), on_event=on_event,
+                        cancel=cancel)
     os.makedirs(path.parent, exist_ok=True)
     save_transforms(tr, path)
     return str(path), True, time.process_time() - c0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tqbench.constants import ALLOCATE_CODECS
 from tqbench.engine.allocate.budget import check_budget, resolve_min_speed
 from tqbench.engine.allocate.demote import check_demote_codecs
 from tqbench.engine.allocate.head_job import check_keep_granularity
@@ -22,9 +23,7 @@ from tqbench.engine.policy.files import parse_policy
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError
 
-#: the choices per unit: turbo widths, an 8-bit engine format and the dense rows (where they are the cheapest
-#: quality: a sensitive layer, a sliding-window layer's fixed window at long context)
-DEFAULT_CODECS = ("turbo1", "turbo2", "turbo3", "turbo4", "q8_0", "fp16")
+DEFAULT_CODECS = ALLOCATE_CODECS
 GRANULARITIES = ("layer", "head")
 #: joint measurements (protection options + exchange steps) by default
 DEFAULT_MEASUREMENTS = 24
