@@ -101,3 +101,14 @@ def test_cli_must_show_shape_on_the_tiny_model(tmp_path, monkeypatch):
     assert d["protocols"] == ["agnostic"]
     assert all(row["protocol"] == "agnostic" for row in [*d["tasks"], *d["leaderboard"], d["overall"]])
     assert d["samples"][0]["candidate_context_pass_seconds"] > 0
+    # the docs' table script reads it back: one row, the protocol's
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "tasks_protocols_table.py"
+    spec = importlib.util.spec_from_file_location("tasks_protocols_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "r.json").write_text(r.output)
+    (row,) = mod.rows_of(tmp_path / "r.json")
+    assert row["protocol"] == "agnostic" and row["samples"] == 1 and row["context_pass_seconds_mean"] >= 0
