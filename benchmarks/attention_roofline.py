@@ -8,7 +8,9 @@ Ways (``--ways``): ``fp16`` / ``bf16`` (the kernel over 16-bit rows as stored: `
 ``turbo4-int8`` / ``turbo2-int8`` / ``turbo4-int16`` / ``turbo2-int16`` (the same, keys scored in integers:
 ``Side.score_int8`` / ``score_int16``), ``pcaq4``
 (calibrated keys, 4 bits per coordinate on average over widths 2..6, turbo4 values) and ``per-head`` (a per-head
-layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call).
+layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call;
+its turbo keys scored as the engine scores them, ``attention.key_scoring``). The engine's fused turbo4/turbo2
+layers are the ``-int16`` rows (``KEY_INT_SCORING``); ``turbo4`` / ``turbo2`` are the same keys scored in float.
 Shapes (``--shapes``): ``smollm2`` (3 KV heads x 64, 9 query heads), ``llama3-8b`` (8 x 128, 32), ``gemma3``
 (Gemma-3-1B: 1 x 256, 4).
 
@@ -146,6 +148,8 @@ class Builder:
         """([k sides], [v sides], bytes per token, state bytes): one side per group of heads."""
         import torch
 
+        from tqbench.kernels.cpu.attention import key_scoring
+
         all_heads = list(range(self.h))
         if name in ("fp16", "bf16"):
             dt = torch.float16 if name == "fp16" else torch.bfloat16
@@ -167,6 +171,7 @@ class Builder:
             if not heads:  # one KV head (gemma3): the layer is its first group alone
                 continue
             (k, bk, sk), (v, bv, sv) = kf(heads), vf(heads)
+            key_scoring(k, torch.float32)  # as the engine scores a group's keys (16-bit for turbo 4/2-bit)
             for s in (k, v):
                 s.heads, s.kv_heads = heads, self.h
             ks.append(k)

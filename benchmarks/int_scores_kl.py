@@ -3,9 +3,9 @@ scored in float, both in fused mode on the native kernel, in one process: within
 
     python benchmarks/int_scores_kl.py --policy turbo4 --texts lighthouses,rivers --prefill 1024 --steps 128
 
-The engine does not turn 8-bit scoring on (it is a kernel option); this script does, for every key side the
-kernel can score in 8 bits (4/2-bit turbo keys, float32, head_dim % 64 == 0), by wrapping the fused glue's side
-builder; it says how many calls ran 8-bit. KL(fp baseline || candidate) per text, and the relative change.
+The engine scores eligible keys in 16 bits (``attention.KEY_INT_SCORING``); this script replaces that choice
+(``attention.key_scoring``) with float or ``--option`` for every key side the kernel can score in integers
+(4/2-bit turbo keys, float32, head_dim % 64 == 0) and says how many sides were scored each way. KL(fp baseline || candidate) per text, and the relative change.
 """
 
 from __future__ import annotations
@@ -37,20 +37,17 @@ def main(argv=None) -> int:
 
     if not kernel_rules()["score_int8_bits"]:
         raise SystemExit("error: this CPU's kernel build has no AVX-512 VNNI, so it cannot score keys in 8 bits")
-    plain = native_glue.kernel_sides
-    state = {"on": False, "int8": 0, "float": 0}
+    state = {"on": False, "int": 0, "float": 0}
 
-    def sides(kv, d, dt):
-        out = plain(kv, d, dt)
-        if not isinstance(out, str):
-            k = out[0]
-            ok = (state["on"] and dt == torch.float32 and k.kind == "turbo" and k.bits in kernel_rules()["score_int8_bits"]
-                  and d % 64 == 0)
-            setattr(k, a.option, ok)
-            state["int8" if ok else "float"] += 1
-        return out
+    def scoring(side, dt):  # the engine's key_scoring, with the option forced on or off for this run
+        ok = (state["on"] and dt == torch.float32 and side.kind == "turbo"
+              and side.bits in kernel_rules()["score_int8_bits"] and side.head_dim % 64 == 0)
+        for option in ("score_int8", "score_int16"):
+            setattr(side, option, ok and option == a.option)
+        state["int" if ok else "float"] += 1
+        return ok
 
-    native_glue.kernel_sides = sides
+    native_glue.native.key_scoring = scoring
     engine = Engine.load(a.model, threads=a.threads)
     load0 = os.getloadavg()
     rows = []
@@ -66,12 +63,12 @@ def main(argv=None) -> int:
         print(f"{text:12s} KL float scores {kl[False]:.6f}  {a.option} {kl[True]:.6f}  "
               f"change {100 * rows[-1]['relative_change']:+.2f}%", flush=True)
     state["on"] = False
-    print(f"side builds: {state['int8']} with 8-bit keys, {state['float']} in float")
+    print(f"key sides: {state['int']} scored in integers, {state['float']} in float")
     write_json(a.json, {"command": [sys.executable, *sys.argv], "policy": a.policy, "option": a.option,
                         "model": engine.name,
                         "prefill": a.prefill, "steps": a.steps, "cpu": cpu_model(), "threads": a.threads,
                         "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg()),
-                        "side_builds": {"int8": state["int8"], "float": state["float"]}, "rows": rows})
+                        "key_sides": {"int": state["int"], "float": state["float"]}, "rows": rows})
     return 0
 
 

@@ -297,3 +297,16 @@ def test_attention_roofline_gives_each_ways_ratio_to_the_fp16_kernel_and_its_ban
     assert cell["turbo4"]["time_vs_fp16"] > 0 and 0 < cell["turbo4"]["frac_copy_bw"]
     assert data["copy_bandwidth_gbs"]["1"] > 0 and data["loadavg_before"] and data["cpu"]
     assert ("smollm2", "turbo4-int8") in per_token or "turbo4-int8" in data["skipped_ways"]
+
+
+def test_step_cost_splits_a_fused_step_into_append_glue_kernel_and_the_rest(tmp_path):
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_cost.py"), "--model", "tiny-random", "--contexts", "24",
+           "--steps", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["context"] == 24 and row["fused_impl"] == {"native-cpu": row["fused_impl"]["native-cpu"]}
+    parts = sum(row[f"{k}_ms_per_step"] for k in ("append", "glue", "kernel", "rest"))
+    assert row["kernel_ms_per_step"] > 0 and row["append_ms_per_step"] > 0
+    assert abs(parts - row["total_ms_per_step"]) < 0.01 + 0.05 * row["total_ms_per_step"]

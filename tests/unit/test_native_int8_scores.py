@@ -157,3 +157,18 @@ def test_int8_and_int16_are_exclusive():
     a.score_int8 = a.score_int16 = True
     with pytest.raises(RuntimeError, match="exclusive" if kernel_rules()["score_int8_bits"] else "VNNI"):
         native_attention_batch(torch.randn(1, 4, 1, 64), [a], [c], 0.1)
+
+
+@pytest.mark.parametrize("spec,role,d,dt,expect", [
+    ("turbo4", "k", 64, torch.float32, True), ("turbo2", "k", 128, torch.float32, True),
+    ("turbo3", "k", 64, torch.float32, False), ("turbo4", "k", 48, torch.float32, False),
+    ("turbo4", "k", 64, torch.float64, False), ("int4", "k", 64, torch.float32, False),
+])
+def test_the_engine_scores_in_16_bits_exactly_the_keys_the_kernel_can(spec, role, d, dt, expect):
+    from tqbench.kernels.cpu.attention import KEY_INT_SCORING, key_scoring
+
+    x = torch.randn(1, 2, 8, d, generator=torch.Generator().manual_seed(0))
+    side, _ = kernel_side(_packed(spec, role, x, dt)[0], [], 0, d, dt)
+    assert KEY_INT_SCORING == "score_int16"
+    assert key_scoring(side, dt) is (expect and bool(kernel_rules()["score_int8_bits"]))
+    assert side.score_int16 is (expect and bool(kernel_rules()["score_int8_bits"])) and side.score_int8 is False

@@ -105,6 +105,10 @@ class CacheReport:
             if ran_in_kernels(fused_impl, fallbacks):
                 notes.append(f"fused: {ran}; the kernels read the packed codes in place and hold only split-K "
                              "partials (+ the call's full-precision rows), counted in resident")
+                if "native-cpu" in fused_impl and native_int_scoring():
+                    notes.append("native-cpu scores packed 4/2-bit turbo keys (float32, head_dim % 64 == 0) in "
+                                 "16-bit integers: each score within a stated bound of the float score "
+                                 "(tqbench.kernels.cpu.attention.int_score_bound)")
             elif transient_layer_bytes:
                 notes.append(
                     f"fused: {ran}; the torch reference decodes one side of one layer (codes to rotated-domain "
@@ -161,3 +165,11 @@ class CacheReport:
         d["layers"] = [asdict(r) | {"total_bytes": r.total_bytes, "head_tokens": list(r.head_tokens)}
                        for r in self.layers]
         return d
+
+
+def native_int_scoring() -> bool:
+    """Whether the loaded native kernel scores eligible turbo keys in integers (its build has AVX-512 VNNI)."""
+    from tqbench.kernels.cpu.attention import kernel_rules
+
+    return bool(kernel_rules()["score_int8_bits"])
+

@@ -23,7 +23,7 @@ import torch
 from tqbench.kernels.cpu import native_module
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "int_score_bound", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
+__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "KEY_INT_SCORING", "int_score_bound", "key_scoring", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
            "refresh_side", "simd_order"]
 
 #: per packed kind: the Side's fields that come from the packed payload (Side field, payload field)
@@ -73,6 +73,20 @@ def simd_order(bits: int, d: int) -> torch.Tensor:
 #: integer steps each side of zero of a key side's integer scoring: ``Side.score_int8`` (int8 query, uint8
 #: codebook around 128) and ``Side.score_int16`` (int16 query and codebook; the C++ ``Q16``)
 INT_SCORE_STEPS = {"score_int8": 127, "score_int16": 4095}
+
+
+#: how the engine's fused calls score the packed turbo keys the kernel can score in integers (float32, 4/2-bit,
+#: head_dim % 64 == 0, AVX-512 VNNI): 16 bits (teacher-forced KL within 1% of float scoring on the default model;
+#: 8 bits is not: +8-11%; docs/measured.md)
+KEY_INT_SCORING = "score_int16"
+
+
+def key_scoring(side, dt: torch.dtype) -> bool:
+    """Set a K side's integer scoring (``KEY_INT_SCORING``) where this build can score it so; whether it did."""
+    ok = (dt == torch.float32 and side.kind == "turbo" and side.bits in kernel_rules()["score_int8_bits"]
+          and side.head_dim % 64 == 0)
+    setattr(side, KEY_INT_SCORING, ok)
+    return ok
 
 
 def int_score_bound(qr: torch.Tensor, levels: torch.Tensor, norms: torch.Tensor, steps: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from tqbench.engine.cache.fused.groups import group_label_of, group_stores, is_p
 from tqbench.engine.cache.fused.layout import kernel_sides, store_side
 from tqbench.engine.cache.fused.masks import bool_mask
 from tqbench.engine.codecs.heads import HeadSplitCodec
+from tqbench.kernels.cpu import attention as native
 from tqbench.kernels.cpu.attention import dense_chunks, dense_side, native_attention_batch, refresh_side
 
 
@@ -40,7 +41,16 @@ def _record(layer, call, seq: slice) -> None:
 def store_sides(kv, d: int, dt: torch.dtype):
     """``(k_sides, v_sides, total_rows, extra_bytes)`` of one ``FusedKV`` for the kernel, or ``str`` (why not): one
     side per side of a plain layer; one per group of heads of a per-head layer, each naming its KV heads (the
-    kernel takes a store's groups the way it takes a batch's sequences: each its own codec description)."""
+    kernel takes a store's groups the way it takes a batch's sequences: each its own codec description). Packed
+    turbo keys the kernel can score in integers are scored so (``attention.key_scoring``)."""
+    out = _store_sides(kv, d, dt)
+    if not isinstance(out, str):
+        for side in out[0]:
+            native.key_scoring(side, dt)
+    return out
+
+
+def _store_sides(kv, d: int, dt: torch.dtype):
     if not is_per_head(kv):
         sides = kernel_sides(kv, d, dt)
         if isinstance(sides, str):
