@@ -46,7 +46,7 @@ def test_missing_package_says_both_install_commands_on_one_line(cache, monkeypat
     monkeypatch.setitem(sys.modules, GEMMA3_270M.module, None)  # import fails as when not installed
     with pytest.raises(ModelNotFoundError) as err:
         resolve_model("gemma3-270m")
-    assert str(err.value) == f"gemma-3-270m (--model gemma3-270m) is not installed: run {INSTALL}"
+    assert str(err.value) == f"gemma-3-270m (model name gemma3-270m) is not installed: run {INSTALL}"
     assert "\n" not in str(err.value)
 
 

@@ -72,6 +72,7 @@ FOREIGN_FLAGS = {
                            "--model-path", "--extra_llm_api_options"}, "the deploy targets' own flags"),
     "codecs/engine_formats.py": ({"--kv-cache-dtype"}, "vLLM's and SGLang's flag that selects the format"),
     "models/resolve.py": ({"--no-deps", "--force-reinstall"}, "pip's flags in an install hint"),
+    "models/named.py": ({"--no-deps"}, "pip's flag in an install hint"),
     "deploy/llamacpp.py": ({"--build", "--target", "--install", "--no-repack", "--repack"},
                            "cmake's flags, xcode-select's in a hint, llama.cpp tools' own flags"),
     "deploy/llamacpp_kld.py": ({"--kl-divergence", "--kl-divergence-base", "--chunks"},

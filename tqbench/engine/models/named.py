@@ -32,7 +32,7 @@ class NamedModel:
                 f"`python -c \"import {self.module} as g; g.assemble()\"` (or `make {self.make_target}`)")
 
     def missing(self, why: str) -> ModelNotFoundError:
-        return ModelNotFoundError(f"{self.display_name} (--model {self.name}) {why}: run {self.install_commands}")
+        return ModelNotFoundError(f"{self.display_name} (model name {self.name}) {why}: run {self.install_commands}")
 
 
 GEMMA3_270M = NamedModel(
@@ -68,7 +68,7 @@ def named_gguf_path(named: NamedModel, stamp_dir: Path) -> Path:
         raise named.missing(f"is only partly installed ({exc})") from None
     except (OSError, ValueError) as exc:  # a part's file missing, or the assembled file's sha256 is wrong
         raise ModelNotFoundError(
-            f"{named.display_name} (--model {named.name}) could not be assembled ({type(exc).__name__}: {exc}): "
+            f"{named.display_name} (model name {named.name}) could not be assembled ({type(exc).__name__}: {exc}): "
             f"run `python -c \"import {named.module} as g; g.assemble(overwrite=True)\"`, or reinstall: "
             f"{named.install_commands}") from None
     with contextlib.suppress(OSError):
