@@ -64,6 +64,10 @@ def scan(model, device, dtype, threads, prompt, prompt_file, chat, layers, max_p
     codec_list = resolve_codecs(csv(codecs), preset) if (codecs or preset) else None
     limits = parse_thresholds(thresholds)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    if layers is not None:  # a bad index is refused before the job's progress starts
+        from tqbench.engine.scan.capture import resolve_layers
+
+        resolve_layers(layers, engine.geometry.num_layers)
     with EventProgress(enabled=not as_json, label="scan") as prog:
         res = run_scan(engine, text, layers=layers, codecs=codec_list, thresholds=limits,
                        max_prompt_tokens=max_prompt_tokens, generated_tokens=generated_tokens, chat=chat,
