@@ -1,13 +1,12 @@
 """Which layers to compress in a hybrid (sliding-window + global) model: teacher-forced KL per candidate on
 held-out texts of several kinds, and the exact bytes at the lengths the model is used at (issue 39, item 2).
 
-Each candidate is a policy; ``{sliding}`` and ``{global}`` in its text stand for the model's sliding-window and
-full-attention layer indices (``5+11+17``), so one list runs on any model. A candidate that names a layer kind
-the model does not have (SmolLM2 has no sliding layers) is skipped with the reason. Per text: the dense baseline
+Each candidate is a policy; the layer-kind selectors ``sliding`` and ``global`` name the model's sliding-window and
+full-attention layers, so one list runs on any model. On a model without sliding layers they name no layer, so a
+candidate that uses them is the same as turbo4 there: it is skipped with that reason. Per text: the dense baseline
 once (one causal forward), then each candidate through the cache (prefill over exact K/V, then single-token
 steps); KL(baseline || candidate) averaged over steps. Bytes come from ``estimate_kv`` (every byte counted) at
-each ``--lengths``, against the dense fp16 cache of the full context and against the model's own cache (its
-sliding layers hold the window only). The JSON is rewritten after every row, so a killed run keeps what it had.
+each ``--lengths``, against the model's own fp16 cache (its sliding layers hold the window only). The JSON is rewritten after every row, so a killed run keeps what it had.
 
     python benchmarks/hybrid_default.py --model gemma3-270m --threads 1 \\
         --json benchmarks/results/gemma/hybrid-gemma3-270m.json
@@ -28,20 +27,22 @@ from tqbench.engine.allocate.texts import resolve_texts
 from tqbench.engine.cache.estimate import estimate_kv
 from tqbench.engine.cache.geometry import KVGeometry
 from tqbench.engine.engine import Engine
+from tqbench.engine.policy import is_hybrid
 from tqbench.engine.validate import baseline_logprobs, teacher_forced
 
 #: name -> policy text ({sliding}/{global}: the model's layer indices of that kind)
-CANDIDATES = {  # in the order they are measured (the most informative first: a killed run keeps its rows)
+CANDIDATES = {  # in the order they were added (issue 39: each round chose the next from the last one's numbers)
     "turbo4 everywhere": "turbo4,sliding=compress",
     "turbo4 globals, windows fp16": "turbo4,sliding=dense",
-    "turbo4 globals, windows q8_0": "turbo4,sliding=compress,kv@{sliding}=q8_0",
-    "windows q8_0, globals K q8_0 + V turbo4": "turbo4,sliding=compress,kv@{sliding}=q8_0,k@{global}=q8_0",
-    "windows q8_0, globals K turbo4 + V q8_0": "turbo4,sliding=compress,kv@{sliding}=q8_0,v@{global}=q8_0",
-    "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@{global}=q8_0",
-    "windows q5_0, globals K q5_0 + V turbo4": "turbo4,sliding=compress,kv@{sliding}=q5_0,k@{global}=q5_0",
-    "turbo4 globals, windows q5_0 (hadamard)": "turbo4,sliding=compress,rotation=hadamard,kv@{sliding}=q5_0",
+    "turbo4 globals, windows q8_0": "turbo4,sliding=compress,kv@sliding=q8_0",
+    "windows q8_0, globals K q8_0 + V turbo4": "turbo4,sliding=compress,kv@sliding=q8_0,k@global=q8_0",
+    "turbo4 windows, globals K q4_0 + V turbo4": "turbo4,sliding=compress,k@global=q4_0",
+    "windows q8_0, globals K q4_0 + V turbo4": "turbo4,sliding=compress,kv@sliding=q8_0,k@global=q4_0",
+    "turbo4 windows, globals K q8_0 + V turbo4": "turbo4,sliding=compress,k@global=q8_0",
+    "windows q5_0, globals K q4_0 + V turbo4": "turbo4,sliding=compress,kv@sliding=q5_0,k@global=q4_0",
+    "windows q8_0, globals K turbo4 + V q8_0": "turbo4,sliding=compress,kv@sliding=q8_0,v@global=q8_0",
+    "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@global=q8_0",
     "turbo4 everywhere (hadamard)": "turbo4,sliding=compress,rotation=hadamard",
-    "turbo4 globals, windows int8": "turbo4,sliding=compress,kv@{sliding}=int8",
 }
 #: texts neither model was fitted on (the shipped transforms were fitted on tqbench/data/calibration/): prose,
 #: a maintenance manual, code. "tail:" takes the LAST n tokens, so the scored steps read the last text's kind.
@@ -55,16 +56,6 @@ def text_ids(tokenizer, name: str, n: int) -> torch.Tensor:
     if ids.shape[0] < n:
         raise SystemExit(f"error: {name} has {ids.shape[0]} tokens, fewer than the {n} needed")
     return (ids[-n:] if tail else ids[:n])[None]
-
-
-def layer_sets(config) -> dict[str, str]:
-    types = list(getattr(config, "layer_types", None) or [])
-    n = config.num_hidden_layers
-    if not types or len(set(types)) == 1:
-        return {"sliding": "", "global": ""}  # not a hybrid model: every layer is the same kind
-    pick = lambda kind: "+".join(str(i) for i, t in enumerate(types) if t == kind)  # noqa: E731
-    assert len(types) == n
-    return {"sliding": pick("sliding_attention"), "global": pick("full_attention")}
 
 
 def main() -> None:
@@ -82,32 +73,28 @@ def main() -> None:
     con = Console()
     t0 = time.time()
     engine = Engine.load(args.model, threads=args.threads)
-    sets = layer_sets(engine.model.config)
     geo = KVGeometry.from_config(engine.model.config)
+    hybrid = is_hybrid(geo.layer_types)
     lengths = [int(x) for x in args.lengths.split(",")]
     names = args.candidates.split(";") if args.candidates else list(CANDIDATES)
     cands: dict[str, str] = {}
     skipped: dict[str, str] = {}
     for name in names:
         text = CANDIDATES.get(name, name)
-        if ("{sliding}" in text or "{global}" in text) and not sets["sliding"]:
+        if any(w in text for w in ("@sliding", "@global", "sliding=dense")) and not hybrid:
             skipped[name] = "the model has no sliding-window layers: the same as turbo4 everywhere"
             continue
-        cands[name] = text.format(**sets)
+        cands[name] = text
     bytes_rows = []
-    own = estimate_kv("fp16", geo, 1)  # warm
     for name, pol in cands.items():
         row = {"candidate": name, "policy": pol}
         for n in lengths:
-            est = estimate_kv(pol, geo, n)
-            own = estimate_kv("fp16,sliding=dense", geo, n)  # the model's own cache: windows hold their rows
+            est = estimate_kv(pol, geo, n)  # against the model's own fp16 cache (its windows hold their rows)
             row[str(n)] = {"total_bytes": est.total_bytes, "dense_fp16_bytes": est.dense_fp16_bytes,
-                           "own_cache_bytes": own.total_bytes, "bits_per_element": round(est.bits_per_element, 3),
-                           "saved_pct": round(est.saved_pct, 2),
-                           "saved_vs_own_pct": round(100 * (1 - est.total_bytes / own.total_bytes), 2)}
+                           "bits_per_element": round(est.bits_per_element, 3), "saved_pct": round(est.saved_pct, 2)}
         bytes_rows.append(row)
     out = {"model": engine.loaded.name, "threads": torch.get_num_threads(), "mode": args.mode,
-           "prefill": args.prefill, "steps": args.steps, "layer_sets": sets, "skipped": skipped,
+           "prefill": args.prefill, "steps": args.steps, "hybrid": hybrid, "skipped": skipped,
            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__, "load_start": os.getloadavg()},
            "bytes": bytes_rows, "quality": []}
