@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tqbench.engine.generate import GenerationResult
+from tqbench.engine.generate import GenerationResult, prefill
 
 
 @dataclass
@@ -54,3 +54,31 @@ class CompressedContext:
 
     def generate(self, question, **kwargs) -> GenerationResult:
         return self.engine.generate(question, context=self, **kwargs)
+
+
+def compress(engine, context, policy, cache_mode: str = "compressed", *, prefill_chunk: int | None = None):
+    """``Engine.compress``: prefill ``context`` once under ``policy`` (its context pass first, for kvzip), freeze
+    the cache's eviction, and return the ``CompressedContext``."""
+    import time
+
+    from tqbench.constants import auto_prefill_chunk
+    from tqbench.engine.cache.dense_baseline import is_dense_baseline
+    from tqbench.engine.cache.tqcache import TQCache
+    from tqbench.engine.request import check_context
+
+    ids = context if isinstance(context, torch.Tensor) else engine.tokenizer(context, return_tensors="pt")["input_ids"]
+    check_context(int(ids.shape[1]), 1, engine.max_context, engine.name)
+    dense = policy is None or is_dense_baseline(policy)
+    pol = None if dense else engine.check_policy(policy)
+    cache = engine.make_cache(policy if dense else pol, cache_mode)
+    pass_seconds = engine._context_pass(cache, ids)
+    mode = cache_mode if pol is not None else "dynamic"
+    t0 = time.perf_counter()
+    prefill(engine.model, ids.to(next(engine.model.parameters()).device), cache,
+            chunk=auto_prefill_chunk(int(ids.shape[1]), mode, prefill_chunk))
+    seconds = time.perf_counter() - t0
+    if isinstance(cache, TQCache):
+        cache.freeze_eviction()
+    label = pol.label if pol is not None else (policy or "dynamic-cache")
+    return CompressedContext(engine, ids, cache, pol if pol is not None else policy, label, mode, seconds,
+                             pass_seconds)

@@ -282,29 +282,9 @@ class Engine:
         evicting policy keeps its rows at the end of the context, before any question (query-agnostic). Returns a
         ``CompressedContext`` whose ``stream``/``generate`` append a question to a copy of it, as many times as
         asked, without prefilling or scoring the context again (``tqbench.engine.context``)."""
-        import time
+        from tqbench.engine.context import compress
 
-        from tqbench.constants import auto_prefill_chunk
-        from tqbench.engine.context import CompressedContext
-        from tqbench.engine.generate import prefill
-
-        ids = context if isinstance(context, torch.Tensor) else self.tokenizer(
-            context, return_tensors="pt")["input_ids"]
-        check_context(int(ids.shape[1]), 1, self.max_context, self.name)
-        dense = policy is None or is_dense_baseline(policy)
-        pol = None if dense else self.check_policy(policy)
-        cache = self.make_cache(policy if dense else pol, cache_mode)
-        pass_seconds = self._context_pass(cache, ids)
-        t0 = time.perf_counter()
-        prefill(self.model, ids.to(next(self.model.parameters()).device), cache,
-                chunk=auto_prefill_chunk(int(ids.shape[1]), cache_mode if pol is not None else "dynamic",
-                                         prefill_chunk))
-        seconds = time.perf_counter() - t0
-        if isinstance(cache, TQCache):
-            cache.freeze_eviction()
-        label = pol.label if pol is not None else (policy or "dynamic-cache")
-        return CompressedContext(self, ids, cache, pol if pol is not None else policy, label,
-                                 cache_mode if pol is not None else "dynamic", seconds, pass_seconds)
+        return compress(self, context, policy, cache_mode, prefill_chunk=prefill_chunk)
 
     def sequence(
         self,

@@ -2,7 +2,10 @@
 
 - ``compact.py``: ``compact_store`` keeps given rows of a ``KVStore`` per KV head (codes gathered, never
   re-quantized; rows packed after the cut encoded from their exact values).
-- ``scores.py``: the scores (SnapKV, key norm, expected attention, H2O, TOVA) from the call's queries.
+- ``scores/``: the scores, one class per module in a registry (SnapKV, key norm, expected attention, H2O, TOVA,
+  KVzip), a ``score()`` hook each, and the ``Chunked`` wrapper (``chunk=N``); the Evictor, the allocator's keep
+  cells and the byte estimate build them by name.
+- ``reconstruct.py``: KVzip's context-reconstruction pass (the scores ``score=kvzip`` reads).
 - ``state.py``: ``Evictor``, one layer's eviction state (positions held, query window, accumulated mass,
   counts) and the eviction points.
 - ``ragged.py``: a ragged layer (``heads=ada``, or a per-head keep list ``keep=0.5|1|0.25``): one store per KV
