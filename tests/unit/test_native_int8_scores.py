@@ -26,8 +26,15 @@ from tqbench.kernels.cpu.attention import (  # noqa: E402
 )
 from tqbench.kernels.reference import dequantize_side  # noqa: E402
 
-needs_vnni = pytest.mark.skipif(not kernel_rules()["score_int8_bits"],
-                                reason="this CPU's build has no AVX-512 VNNI: score_int8 is refused (tested below)")
+
+@pytest.fixture
+def vnni():
+    """Skip where this CPU's build has no AVX-512 VNNI (integer scoring is then refused: tested below)."""
+    if not kernel_rules()["score_int8_bits"]:
+        pytest.skip("this CPU's build has no AVX-512 VNNI: score_int8 / score_int16 are refused (tested below)")
+
+
+needs_vnni = pytest.mark.usefixtures("vnni")
 
 
 def _case(spec, d, seed, n=70, before=0, after=0):
