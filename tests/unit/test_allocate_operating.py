@@ -92,7 +92,8 @@ def test_a_model_without_transforms_gets_them_fitted_once_and_offered(tiny_engin
     assert first.seconds["transforms_fitted"] is True and first.seconds["cpu"]["calibrate"] > 0
     assert {"pcaq2", "pcaq3", "pcaq4"} <= set(first.table.choices("k")) and "pcaq2" not in first.table.choices("v")
     assert any("fitted now on the calibration mix" in n for n in first.notes)
-    assert str(tmp_path) in first.allocation.policy.calib  # the policy names its transforms file
+    pol = first.allocation.policy  # names its transforms file where it uses calibrated keys, else none
+    assert (str(tmp_path) in pol.calib) == ("pcaq" in pol.to_string().replace(f"calib={pol.calib}", ""))
     # fp16 cells are the reference rows: KL 0, not measured
     assert all(row["fp16"] == 0.0 for row in first.table.kl.values())
     again = allocate_policy(tiny_engine, 9.0, fit_transforms=True, **small)

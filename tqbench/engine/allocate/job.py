@@ -372,6 +372,8 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
         solve = joint or (speed.solve if speed is not None else solve_allocation)
         alloc = solve(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
         measured, steps = None, []
+    if alloc.policy.calib and not _uses_calibrated(alloc.policy):  # the fit was offered, not chosen: no reference
+        alloc = replace(alloc, policy=replace(alloc.policy, calib=""))
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
     t2, c2 = time.perf_counter(), time.process_time()
     texts = [t for t in (verify_text, unseen_text) if t is not None]
@@ -427,6 +429,11 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
         report.seconds.update(speed=round(t_speed - t1, 2), speed_costs_cached=costs_cached,
                               verify_speed=round(time.perf_counter() - t3, 2))
     return report
+
+
+def _uses_calibrated(policy: Policy) -> bool:
+    specs = (policy.k, *(spec for role, _, spec in policy.overrides if role in ("k", "kv")))
+    return any(is_calibrated_spec(part) for s in specs for part in str(s).split("|"))
 
 
 def _transforms_digest(base: Policy, kspecs) -> str:
