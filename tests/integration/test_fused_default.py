@@ -38,7 +38,7 @@ def test_cli_bench_fused_equals_compressed_in_float64(policy):
     for mode in ("compressed", "fused"):
         cmd = [sys.executable, "-m", "tqbench", "--headless", "bench", "--dtype", "float64", "--threads", "1",
                "--kv-policy", policy, "--cache-mode", mode, "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         data = json.loads(proc.stdout)
         tokens[mode] = data["token_ids"]
@@ -105,7 +105,7 @@ def test_shipped_per_head_policies_run_fused_with_no_torch_reference_call(policy
         pytest.skip(native_status()[1])
     cmd = [sys.executable, "-m", "tqbench", "--headless", "bench", "--threads", "1", "--kv-policy", policy,
            "--cache-mode", "fused", "--prompt", PROMPT, "--max-new-tokens", "8", "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rep = json.loads(proc.stdout)["cache_report"]
     assert rep["fused_calls"] > 0 and rep["fused_impl"] == {"native-cpu": rep["fused_calls"]}, rep["fused_impl"]

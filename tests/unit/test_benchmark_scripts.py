@@ -57,7 +57,7 @@ def test_decode_cpu_benchmark_on_tiny_names_its_baseline_and_refuses_a_reference
     assert [r["policy"] for r in data["rows"]] == ["dense", "turbo4", "k=turbo4|turbo2,v=turbo3"]
     assert all(r["cpu_ms_per_step"] > 0 for r in data["rows"]) and data["rows"][0]["cpu_ratio_vs_dense"] == 1.0
     # a run that is not all native kernel is not a kernel figure: refused, saying what ran
-    proc = subprocess.run(base + ["--policies", "turbo4"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(base + ["--policies", "turbo4"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "TQBENCH_FUSED_IMPL": "torch"})
     assert proc.returncode != 0 and "did not run only the native kernel" in proc.stderr
 
@@ -126,7 +126,7 @@ def test_decode_cpu_times_the_kernel_baseline_beside_the_others_in_one_process(t
     assert "native CPU kernel reading the 16-bit rows as stored" in data["baseline_label"]
     assert "x dense-fp16-kernel (wall)" in proc.stdout
     # where the kernel cannot run, the kernel baseline is refused with the reason (no silent fallback)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ,
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ,
                           "TQBENCH_NATIVE": "0"})
     assert proc.returncode == 2
     assert "the dense-fp16-kernel baseline needs tqbench's native CPU kernel, which cannot run here: " \
@@ -260,7 +260,7 @@ def test_allocate_table_reads_a_committed_allocate_report():
     """The measured head allocation at 2.5 bits (committed JSON): its row, as docs/allocation.md shows it."""
     report = "benchmarks/results/allocate/i21/head-2.5bit.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "allocate_table.py"), report], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = proc.stdout.splitlines()[2]
     assert row.startswith("| 2.5 | head | 2.500 | 0.0412 | 0.0889 | 2.16 | 0.0331 | 0.80 | 0.0331 | 6/19 | 4/16 |")

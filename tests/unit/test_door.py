@@ -273,7 +273,7 @@ def test_policies_imports_no_transformers():
             "try:\n    main(['--headless', 'policies', '--json'])\nexcept SystemExit:\n    pass\n"
             "print('LOADED' if 'transformers' in sys.modules else 'CLEAN', file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip().splitlines()[-1] == "CLEAN"
     assert json.loads(out.stdout)[0]["name"] == "fp16"
@@ -298,5 +298,5 @@ def test_a_folder_named_tqbench_no_longer_shadows_the_package(tmp_path):
     code = f"import sys; sys.path.append({str(REPO)!r}); from tqbench import Engine, __version__; print(__version__)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
-                         timeout=300)
+                         timeout=900)
     assert out.returncode == 0, out.stderr

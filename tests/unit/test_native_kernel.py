@@ -290,7 +290,7 @@ def disabled_native_reports():
             "stop_at_eos=False); print(json.dumps({'fused_impl': list(f.cache_report.fused_impl), "
             "'append_notes': [n for n in c.cache_report.notes if n.startswith('quantize-and-pack')]}))")
     env = dict(os.environ, TQBENCH_NATIVE="0")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -115,7 +115,7 @@ def test_validation_benchmark_quick_on_tiny(tmp_path):
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, str(root / "benchmarks" / "validation.py"), "--model", "tiny", "--quick", "--threads", "1",
            "--policies", "turbo4;q8k-q8v", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cmp = json.loads((tmp_path / "validation-compare.json").read_text())
     tf = json.loads((tmp_path / "validation-teacher-forced.json").read_text())
