@@ -45,11 +45,11 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site  # not --quiet: it hides the warnings strict counts
 
 # gemma: the tests on the real Gemma-3 270M (tests/integration/test_gemma.py) run in CI too.
-# the suite as TEST_SHARDS pytest processes at once (tests/run_shards.py: one per core of a 2-core machine; 1 runs it
-# in one process); it ends with the 20 slowest tests of the whole run
-TEST_SHARDS ?= 2
+# the suite on TEST_WORKERS pytest-xdist workers (one per core of a 2-core machine; a test file stays on one worker,
+# so its module fixtures load once; TEST_WORKERS=0 runs it in one process); it ends with the 20 slowest tests
+TEST_WORKERS ?= 2
 test: lint docs gemma
-	$(BIN)/python tests/run_shards.py --shards $(TEST_SHARDS) -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit

@@ -23,7 +23,7 @@ pytestmark = [
 def test_export_verify_q8_0_in_llamacpp_on_a_short_text():
     r = CliRunner().invoke(main, ["--headless", "export", "llamacpp:q8_0/q8_0", "--to", "llamacpp", "--verify",
                                   "--kld-ctx", "256", "--kld-text", "heldout:code", "--tf-context", "32",
-                                  "--tf-tokens", "4", "--threads", "2", "--json"])
+                                  "--tf-tokens", "4", "--threads", "1", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     k = d["llamacpp_kld"]
