@@ -27,6 +27,8 @@ class Clock:
 def test_progress_lines_say_units_and_time_left_per_phase():
     clock, stream = Clock(), io.StringIO()
     lines = ProgressLines("tasks", every=10.0, stream=stream, clock=clock)
+    lines(Progress("tasks", 0, None, "building 9 samples"))  # held until the job goes on
+    assert stream.getvalue() == ""
     clock.t = 104.0
     lines(Progress("tasks", 1, 18, "niah_single"))  # the job's own phase: its name is not repeated
     clock.t = 106.0
@@ -38,6 +40,7 @@ def test_progress_lines_say_units_and_time_left_per_phase():
     clock.t = 111.0
     lines(Progress("baseline", 1, 2))  # the count starts again: a new run
     assert stream.getvalue().splitlines() == [
+        "tasks: building 9 samples [0 s]",
         "tasks: 1/18 niah_single [4 s, about 1 min 08 s left]",
         "tasks: baseline 1/4 [8 s, about 6 s left]",
         "tasks: baseline 4/4 [10 s]",

@@ -78,9 +78,9 @@ def kv_estimate(model, layers, kv_heads, head_dim, seq_len, batch, decoded, kv_p
         if not as_json:
             print_kv_curve(reps)
     if budget is not None:
-        over = sorted({f"{r.kv_policy} at {rep.seq_len} tokens" for rep in reps for r in rep.rows
-                       if r.total_bytes > budget})
-        gate(not over, f"{', '.join(over)}: do(es) not fit {memory_budget}")
+        for rep in reps:
+            over = [r.kv_policy for r in rep.rows if r.total_bytes > budget]
+            gate(not over, f"{', '.join(over)} do(es) not fit {memory_budget} at {rep.seq_len} tokens")
 
 
 def seq_lens(text: str) -> list[int]:

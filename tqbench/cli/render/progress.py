@@ -105,6 +105,7 @@ class ProgressLines:
         self.stream = stream
         self.eta = PhaseEta(clock)
         self.last = self.eta.start
+        self.pending = ""  # a count-less opening message: written once the job goes on (an input error stays one line)
 
     def __call__(self, ev: object, total: float | None = None) -> None:
         unit = unit_of(ev, self.label, total)
@@ -114,14 +115,19 @@ class ProgressLines:
         eta = self.eta.update(phase, done, total)
         now = self.eta.seen
         final = total is not None and done >= total
-        if not (self.eta.new_phase or final or now - self.last >= self.every):
+        if not (self.eta.new_phase or final or self.pending or now - self.last >= self.every):
             return
         self.last = now
         count = f" {done:g}/{total:g}" if total is not None else ""
         name = "" if phase == self.label else f" {phase}"
         text = f" {message}" if message else ""
+        line = f"{self.label}:{name}{count}{text} [{now - self.eta.start:.0f} s{', ' + eta if eta else ''}]\n"
+        if total is None and done == 0:
+            self.pending = line
+            return
         stream = self.stream or sys.stderr
-        stream.write(f"{self.label}:{name}{count}{text} [{now - self.eta.start:.0f} s{', ' + eta if eta else ''}]\n")
+        stream.write(self.pending + line)
+        self.pending = ""
         stream.flush()
 
 
