@@ -16,9 +16,9 @@ What a command is changed to run here, and why (nothing else is):
   file of the repository are made absolute;
 - a prompt file is cut to 2,000 characters (the tiny model's byte-level tokenizer makes about 4x the tokens
   of SmolLM2's, past its 4,096-token context); a sweep spec runs on ``models = ["tiny"]``;
-- a ``tasks`` command runs at ``--context`` 2048 at most (the largest context any task needs) and one sample
-  per task: the command, its options and its report are what is checked, not the scores, and a 4K suite on the
-  tiny model costs minutes of CPU;
+- a ``tasks`` command runs at ``--context`` 1024 at most, on one task (``niah_single``, which needs 512) and
+  one sample: the command, its options and its report are what is checked, not the scores, and a 4K suite on
+  the tiny model costs minutes of CPU;
 - ``tqbench serve ... &`` starts as a real server process on a free port; the ``curl`` commands and the
   ``openai`` snippets of the docs then talk to it (port and model name replaced).
 
@@ -198,7 +198,7 @@ def subcommand(argv: list[str]) -> str:
     return found or ("--version" if "--version" in argv else "")
 
 
-TASKS_CONTEXT = 2048  # the cap on a documented tasks command's --context here (see the module docstring)
+TASKS_CONTEXT = 1024  # the cap on a documented tasks command's --context here (see the module docstring)
 
 
 def rewrite(argv: list[str], tmp: Path) -> list[str]:
@@ -227,11 +227,15 @@ def rewrite(argv: list[str], tmp: Path) -> list[str]:
             value = str(min(int(value), TASKS_CONTEXT))
         elif sub == "tasks" and opt == "--samples":
             value = "1"
+        elif sub == "tasks" and opt == "--tasks":
+            value = "niah_single"
         else:
             value = _input_path(value, tmp, sub)
         out += [opt, value]
-    if sub == "tasks" and "--samples" not in out:
-        out += ["--samples", "1"]
+    if sub == "tasks":
+        for flag, value in (("--samples", "1"), ("--tasks", "niah_single")):
+            if flag not in out:
+                out += [flag, value]
     if sub in MODEL_COMMANDS or not sub:  # "": the workbench, whose --model/--threads are the group's
         out += ["--model", "tiny", "--threads", "1"]
     return out

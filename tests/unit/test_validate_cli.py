@@ -103,7 +103,7 @@ def test_kv_estimate_cli_exact_bytes_and_budget_gate():
     assert rows["fp16"]["total_bytes"] == 4_294_967_296 and rows["turbo4"]["total_bytes"] == 1_109_438_528
     r = run("kv-estimate", "--model", "Llama-3.1-8B", "--seq-len", "131072", "--kv-policy", "fp16,turbo3",
             "--memory-budget", "8GiB")
-    assert r.exit_code == 1 and "gate failed: fp16 at 131072 tokens: do(es) not fit 8GiB" in r.stderr
+    assert r.exit_code == 1 and "gate failed: fp16 do(es) not fit 8GiB at 131072 tokens" in r.stderr
     assert "turbo3" in r.stdout
 
 
