@@ -147,3 +147,20 @@ def test_keep_cells_rank_with_the_stores_objects(tiny_engine):
             pol = parse_policy(pol_text)
             idx = cells.index(layer, 0.5, pol.sink, pol.recent)
             assert idx.tolist() == la.evictor.positions.view().long().tolist(), (score, layer)
+
+
+def test_kvzip_on_a_sliding_window_family_past_its_window():
+    """Gemma-3's layout (tiny-gemma3_text: window 8, full attention every few layers): the reconstruction pass reads
+    the full-attention layers (the only ones keep= evicts) while the sliding ones keep their window; every mode
+    gives the same tokens in float64 and the fused one runs only native calls."""
+    from tqbench.engine.engine import Engine
+
+    eng = Engine.load("tiny-gemma3_text", dtype="float64", threads=1)
+    ids = eng.encode_prompt(PROMPT, chat=False)
+    assert ids.shape[1] > 8 * 4  # well past the window
+    runs = {m: eng.generate(ids, "turbo4,keep=0.5,score=kvzip", m, max_new_tokens=6, stop_at_eos=False)
+            for m in ("simulate", "compressed", "fused")}
+    assert runs["fused"].token_ids == runs["compressed"].token_ids == runs["simulate"].token_ids
+    rep = runs["fused"].cache_report
+    assert rep.fused_impl == {"native-cpu": rep.fused_calls} and rep.fused_calls > 0
+    assert all(r.context_pass_seconds > 0 for r in runs.values())

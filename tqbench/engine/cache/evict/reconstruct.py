@@ -74,6 +74,8 @@ def _hook(module, query, key, kwargs) -> None:
         return
     n = rec["n"]
     if key.shape[2] != n + query.shape[2]:
+        if getattr(module, "sliding_window", None):  # a sliding-window layer keeps its window and never evicts
+            return  # (keep= evicts on full-attention layers only: a sliding layer has no evictor), so no score
         raise ValueError(f"score=kvzip reads every context row in each layer, and layer {layer} attends over "
                          f"{key.shape[2] - query.shape[2]} of {n} (a sliding-window layer): use another score")
     s = kwargs.get("scaling")
@@ -141,6 +143,8 @@ def context_scores(model, tokenizer, ids: torch.Tensor, chunk: int = CHUNK,
                     prompt = torch.cat([prompt, ids[:, max(0, start - POSTFIX) : start]], dim=1)
                 repeat = torch.cat([prompt.expand(b, -1), suffix.expand(b, -1), ids[:, start:end]], dim=1)
                 _state["rec"] = {"n": n, "start": start, "end": end, "scores": scores}
+                if hasattr(cache, "activate_past_recording"):  # sliding layers keep rows until the repeat is cropped
+                    cache.activate_past_recording()
                 model(input_ids=repeat, cache=cache, use_cache=True, logits_to_keep=1)
                 cache.crop(-int(repeat.shape[1]))  # (transformers 5.x: a negative count removes rows)
         finally:
