@@ -44,12 +44,17 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="KV bytes the running requests may reserve together (512MiB, 2GB, ...): a request is admitted when "
                    "its cache at prompt + max_tokens under its own policy fits beside the running ones, else it "
                    f"waits. auto: {DEFAULT_KV_SHARE:.0%} of the memory available after loading the model.")
+@click.option("--prefix-cache", default="256MiB", show_default=True,
+              help="Bytes of compressed shared prefixes kept (0: off). A request names its prefix with "
+                   "'cache_prefix' (a chat's system messages, a prompt's leading text or tokens): it is compressed "
+                   "once under the request's policy and read by every request that starts with it; the least "
+                   "recently used prefixes are evicted past the cap.")
 @click.option("--api-key", default=None, envvar="TQBENCH_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 (env TQBENCH_API_KEY).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="Server log verbosity.")
 def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_new_tokens, max_queue, max_batch,
-          prefill_chunk, kv_budget, api_key, log_level):
+          prefill_chunk, kv_budget, prefix_cache, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API with a chosen KV policy."""
     from tqbench.engine import ModelLoadError
 
@@ -59,6 +64,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         from tqbench.engine import check_max_new_tokens, parse_policy
         from tqbench.server import create_app
         from tqbench.server.admission import KVBudget
+        from tqbench.server.prefix import PrefixCache
     except ImportError as exc:
         fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
     try:
@@ -66,6 +72,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         parse_policy(kv_policy)
         if kv_budget != "auto":
             KVBudget.resolve(kv_budget)
+        PrefixCache(prefix_cache)
     except (ValueError, FileNotFoundError) as exc:
         fail(spelled(exc).splitlines()[0])
     _check_port(host, port)  # before the model load, so a taken port fails at once
@@ -78,7 +85,7 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
             click.echo(f"warning: kv_policy {parse_policy(kv_policy).label}: {warning}", err=True)
         app = create_app(engine, kv_policy=kv_policy, cache_mode=cache_mode, kv_budget=kv_budget, max_new_tokens=max_new_tokens,
                          max_queue=max_queue, api_key=api_key, model_aliases=(model,), max_batch=max_batch,
-                         prefill_chunk=prefill_chunk)
+                         prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
     except (ValueError, ModelLoadError, FileNotFoundError) as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     if host not in LOOPBACK:
@@ -92,6 +99,9 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
     click.echo(f"  cache mode {app.state.server.cache_mode}: {app.state.server.mode_reason}", err=True)
     click.echo(f"  KV budget {budget.bytes} bytes ({budget.bytes / 2**20:.1f} MiB): {budget.source}", err=True)
     click.echo(f"  {app.state.server.break_even_line()}", err=True)
+    cap = app.state.server.prefix_cache.cap
+    click.echo(f"  prefix cache {cap} bytes ({cap / 2**20:.1f} MiB): --prefix-cache {prefix_cache}" if cap else
+               "  prefix cache off (--prefix-cache 0): requests may not name a cache_prefix", err=True)
     click.echo(f"  OpenAI base URL: http://{_url_host(host)}:{port}/v1", err=True)
     worker = app.state.server.worker
 

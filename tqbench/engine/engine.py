@@ -301,19 +301,33 @@ class Engine:
         logprobs: int | None = None,
         echo: bool = False,
         prefill_chunk: int | None = None,
+        context=None,
     ) -> Sequence:
         """The step machine behind ``stream`` (its own ``TQCache``), for a driver that batches decode steps
-        across sequences (``tqbench.engine.batch.decode_step``); same arguments as ``stream``."""
-        pol = self.check_policy(policy)
-        cache = self.make_cache(pol, cache_mode)
-        pass_seconds = self._context_pass(cache, ids)
+        across sequences (``tqbench.engine.batch.decode_step``); same arguments as ``stream``.
+
+        ``context``: a ``CompressedContext`` (``compress``): ``ids`` are appended to a copy of its compressed
+        cache under its policy and cache mode (``policy``/``cache_mode`` unused), as ``stream(context=)`` does;
+        ``result.prefix_tokens`` counts the context's tokens (read, not prefilled)."""
+        if context is not None:
+            check_context(context.tokens + int(ids.shape[1]), max_new_tokens, self.max_context, self.name)
+            if echo:
+                raise ValueError("echo cannot run on a compressed context (its tokens are not scored again)")
+            cache, label, cache_mode = context.fork(), context.label, context.cache_mode
+            pass_seconds = 0.0
+        else:
+            pol = self.check_policy(policy)
+            cache, label = self.make_cache(pol, cache_mode), pol.label
+            pass_seconds = self._context_pass(cache, ids)
         seq = Sequence(
-            self.model, self.tokenizer, ids, cache, run=run, kv_policy=pol.label, cache_mode=cache_mode,
+            self.model, self.tokenizer, ids, cache, run=run, kv_policy=label, cache_mode=cache_mode,
             max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=self.eos_ids if stop_at_eos else None,
             stop=stop, cancel=cancel, report=cache.report, logprobs=logprobs, echo=echo,
             prefill_chunk=prefill_chunk,
         )
         seq.result.context_pass_seconds = pass_seconds
+        if context is not None:
+            seq.result.prefix_tokens = context.tokens
         return seq
 
     def decode_step(self, seqs: list[Sequence]) -> float:

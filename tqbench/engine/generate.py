@@ -57,6 +57,8 @@ class GenerationResult:
     cache_report: object | None = None
     speculation: SpeculationStats | None = None  # prompt-lookup decoding's drafts (``Engine.stream(prompt_lookup=)``)
     context_pass_seconds: float = 0.0  # a context-pass score's scoring pass before the prefill (score=kvzip)
+    #: tokens of a compressed context (``Engine.compress``) the run read before ``input_tokens`` (not prefilled)
+    prefix_tokens: int = 0
 
     @property
     def output_tokens(self) -> int:
@@ -96,7 +98,8 @@ class GenerationResult:
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "cache_report": self.cache_report.to_dict() if self.cache_report is not None else None,
         } | ({"speculation": self.speculation.to_dict()} if self.speculation is not None else {}) | (
-            {"context_pass_seconds": round(self.context_pass_seconds, 6)} if self.context_pass_seconds else {})
+            {"context_pass_seconds": round(self.context_pass_seconds, 6)} if self.context_pass_seconds else {}) | (
+            {"prefix_tokens": self.prefix_tokens} if self.prefix_tokens else {})
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator | None) -> int:

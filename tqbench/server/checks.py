@@ -120,3 +120,70 @@ class RequestChecks:
         except ValueError as exc:
             raise APIError(400, f"cache_mode={mode!r} is invalid: {exc}", param="cache_mode",
                            code="invalid_value") from None
+
+    def prefix_length(self, req, chat: bool, prompt, ids, echo: bool) -> tuple[int, bool]:
+        """(the named prefix's token count, reuse the longest stored prefix) for the ``cache_prefix`` extension.
+
+        chat: ``true`` (the leading system/developer messages) or N (the first N messages), rendered by the chat
+        template; completions: the prompt's leading text or its first N tokens; ``false``: no prefix cache;
+        absent: reuse the longest stored prefix (when the server has a prefix cache), name none."""
+        value = req.cache_prefix
+        enabled = self.prefix_cache.enabled
+        if value is None:
+            return 0, enabled and not echo  # echo scores every prompt token: a stored prefix has no scores
+        if value is False:
+            return 0, False
+        if not enabled:
+            raise APIError(400, "cache_prefix needs the server's prefix cache, which is off (tqbench serve "
+                           "--prefix-cache 0): remove cache_prefix or start the server with --prefix-cache SIZE",
+                           param="cache_prefix", code="unsupported_parameter")
+        if echo:
+            raise APIError(400, "cache_prefix cannot run with echo=true (a stored prefix's tokens are not scored "
+                           "again): remove one of them", param="cache_prefix", code="invalid_value")
+        n = int(ids.shape[1])
+        if chat:
+            if isinstance(value, str):
+                raise APIError(400, "cache_prefix on chat completions is true (the leading system messages) or a "
+                               "message count, not text", param="cache_prefix", code="invalid_value")
+            if value is True:
+                value = next((i for i, m in enumerate(prompt) if m["role"] != "system"), len(prompt))
+                if value == 0:
+                    raise APIError(400, "cache_prefix=true names the leading system messages, and messages starts "
+                                   f"with a {prompt[0]['role']!r} message: send the number of leading messages "
+                                   "to share instead", param="cache_prefix", code="invalid_value")
+            elif not 1 <= value <= len(prompt):
+                raise APIError(400, f"cache_prefix={value} is invalid: send a message count from 1 to "
+                               f"{len(prompt)} (the leading messages every request shares)", param="cache_prefix",
+                               code="invalid_value")
+            head = self.message_ids(prompt[:value])
+            what = f"the first {value} message{'s' if value > 1 else ''}"
+        elif isinstance(value, str):
+            if isinstance(prompt, list) or not prompt.startswith(value) or not value:
+                raise APIError(400, "cache_prefix text must be a non-empty start of the prompt string: send the "
+                               "prompt's leading text (or, for a token-id prompt, a token count)",
+                               param="cache_prefix", code="invalid_value")
+            head = list(self.engine.tokenizer(value)["input_ids"])
+            what = f"the text {value[:24]!r}{'...' if len(value) > 24 else ''}"
+        elif isinstance(value, bool):
+            raise APIError(400, "cache_prefix=true names a chat's system messages: on /v1/completions send the "
+                           "prompt's leading text or a token count", param="cache_prefix", code="invalid_value")
+        else:
+            if not 1 <= value < n:
+                raise APIError(400, f"cache_prefix={value} is invalid: send a token count from 1 to {n - 1} (at "
+                               "least one prompt token follows the prefix)", param="cache_prefix",
+                               code="invalid_value")
+            return value, False
+        if not head or len(head) >= n or ids[0, :len(head)].tolist() != head:
+            raise APIError(400, f"cache_prefix: {what} tokenize to {len(head)} tokens that are not a proper start "
+                           f"of the prompt's {n} tokens (the template or tokenizer joins them with what follows): "
+                           "send the prefix as a token count on /v1/completions (POST /tokenize shows the ids)",
+                           param="cache_prefix", code="invalid_value")
+        return len(head), False
+
+    def message_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of ``messages`` as a chat prompt renders them, without the generation prompt."""
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):  # Engine.encode_prompt joins the contents with newlines
+            return list(tok("\n".join(m["content"] for m in messages))["input_ids"])
+        enc = tok.apply_chat_template(messages, add_generation_prompt=False)
+        return list(enc["input_ids"] if not isinstance(enc, list) else enc)

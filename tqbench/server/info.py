@@ -70,6 +70,7 @@ class ServerInfo:
                       "unbatched_reason": self.worker.unbatched_reason},
             "kv_budget": self.kv_usage(),
             "prefill_chunk": self.prefill_chunk,
+            "prefix_cache": self.prefix_cache.stats(),
             "requests": dict(self.worker.stats),
             "version": __version__,
         }

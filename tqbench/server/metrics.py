@@ -80,6 +80,7 @@ def prometheus_text(server) -> str:
                    [({}, kv["packed"])])
     lines += _line("tqbench_kv_dense_fp16_bytes", "gauge",
                    "What the running requests' K/V would take as dense fp16.", [({}, kv["dense_fp16"])])
+    lines += _prefix_lines(server.prefix_cache.stats())
     lines += _vllm_named(server)
     return "\n".join(lines) + "\n"
 
@@ -104,4 +105,23 @@ def _vllm_named(server) -> list[str]:
                  "KV bytes reserved by the running requests (each its cache at prompt + max_tokens, exact estimate).",
                  [({**model, "kv_policy": k}, v["reserved_bytes"]) for k, v in by.items()])
     out += _line("tqbench:kv_cache_budget_bytes", "gauge", "The KV byte budget (--kv-budget).", [(model, budget)])
+    return out
+
+
+def _prefix_lines(p: dict) -> list[str]:
+    """The prefix cache (``server.prefix``): a stored prefix's bytes count once, however many requests read it."""
+    out: list[str] = []
+    out += _line("tqbench_prefix_cache_entries", "gauge", "Compressed prefixes stored.", [({}, p["entries"])])
+    out += _line("tqbench_prefix_cache_bytes", "gauge",
+                 "Bytes of the stored compressed prefixes (each counted once; cache report storage bytes).",
+                 [({}, p["bytes"])])
+    out += _line("tqbench_prefix_cache_capacity_bytes", "gauge", "The prefix cache's byte cap (--prefix-cache; 0: off).",
+                 [({}, p["cap_bytes"])])
+    out += _line("tqbench_prefix_cache_requests_total", "counter",
+                 "Requests that named or matched a prefix: hit (read a stored one), miss (compressed it).",
+                 [({"outcome": "hit"}, p["hits"]), ({"outcome": "miss"}, p["misses"])])
+    out += _line("tqbench_prefix_cache_hit_tokens_total", "counter",
+                 "Prompt tokens read from stored compressed prefixes instead of prefilled.", [({}, p["hit_tokens"])])
+    out += _line("tqbench_prefix_cache_evictions_total", "counter",
+                 "Prefixes evicted to fit the cap (least recently used first).", [({}, p["evicted"])])
     return out

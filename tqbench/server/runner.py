@@ -8,6 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tqbench.engine.policy import parse_policy
 from tqbench.engine.events import GenerationFinished, GenerationStarted, PromptScored, TokenGenerated
 from tqbench.server.admission import request_kv_bytes
 from tqbench.server.errors import APIError, error_body
@@ -43,10 +44,11 @@ class RequestRunner:
         mode = self.request_mode(req.cache_mode)
         detail = req.report_detail()
         ids, budget = self.encode(prompt, chat, budget, param)
+        prefix, auto = self.prefix_length(req, chat, prompt, ids, echo)
         job = Job(ids, policy, mode, budget, sampling, stop, not req.ignore_eos,
-                  asyncio.get_running_loop(), logprobs=top, echo=echo, prefill_chunk=self.prefill_chunk)
-        job.kv_bytes = request_kv_bytes(policy, self.engine.geometry, int(ids.shape[1]) + budget,
-                                        prompt=int(ids.shape[1]))
+                  asyncio.get_running_loop(), logprobs=top, echo=echo, prefill_chunk=self.prefill_chunk,
+                  prefix=prefix, prefix_auto=auto)
+        job.kv_bytes = self.reserved_bytes(job, budget)
         if job.kv_bytes > self.kv_budget.bytes:
             raise APIError(400, f"this request's KV cache at {int(ids.shape[1]) + budget} tokens (prompt + "
                            f"{param}) under kv_policy {policy.label!r} takes {job.kv_bytes} bytes, more than the "
@@ -82,6 +84,21 @@ class RequestRunner:
         if echo:
             echo_text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
         return await self._collect(job, request, chat, stop, seed, waited, detail, top, echo_text, warning)
+
+    def reserved_bytes(self, job: Job, budget: int) -> int:
+        """The admission's reservation: the request's cache at prompt + ``budget`` tokens (``request_kv_bytes``).
+        From a compressed prefix an evicting policy keeps its rows at the prefix's end and every row after it,
+        so it reserves the larger of that and the whole-prompt figure (bytes of a policy that keeps every row
+        depend on the token count alone)."""
+        n = int(job.ids.shape[1])
+        out = request_kv_bytes(job.policy, self.engine.geometry, n + budget, prompt=n)
+        if parse_policy(job.policy).evicts and (job.prefix or job.prefix_auto):
+            entry = None if job.prefix else self.prefix_cache.longest(
+                job.policy.label, job.cache_mode, tuple(job.ids[0].tolist()), touch=False)
+            cut = job.prefix or (len(entry.ids) if entry is not None else 0)
+            if cut:
+                out = max(out, request_kv_bytes(job.policy, self.engine.geometry, n + budget, prompt=cut))
+        return out
 
     def savings_of(self, policy, result):
         """``Engine.savings`` of the request's policy against fp16 at the length its cache held (None without a
@@ -156,7 +173,7 @@ class RequestRunner:
         text = trimmer.final_text if echo_text is None else echo_text + trimmer.final_text
         body = full_response(chat=chat, rid=rid, model=self.model_id, created=created, text=text,
                              result=result, ext=extension(result, seed, waited, detail, self.prefill_chunk, warning,
-                                                          self.savings_of(job.policy, result)),
+                                                          self.savings_of(job.policy, result), job.prefix_use),
                              logprobs=logprobs)
         return JSONResponse(body, headers=warning_header(warning))
 
@@ -182,7 +199,8 @@ class RequestRunner:
                     self.last = (writer.id, writer.created, item.result)
                     yield writer.finish(item.result, extension(item.result, seed, waited, detail,
                                                                self.prefill_chunk, warning,
-                                                               self.savings_of(job.policy, item.result)))
+                                                               self.savings_of(job.policy, item.result),
+                                                               job.prefix_use))
                 elif isinstance(item, JobFailed):
                     yield writer.error(_engine_error(item.error).body())
             yield writer.done()

@@ -2,7 +2,8 @@
 
 Fields tqbench cannot honour (penalties, tools, n > 1 ...) are accepted only at their neutral
 value; any other value is refused with a message, never silently ignored. Unknown fields are refused.
-Extensions: ``kv_policy`` (a preset name or compact policy), ``cache_mode`` (one of the cache modes), ``ignore_eos`` and ``cache_report``
+Extensions: ``kv_policy`` (a preset name or compact policy), ``cache_mode`` (one of the cache modes), ``ignore_eos``,
+``cache_prefix`` (the shareable prefix a request starts with: ``server.prefix``) and ``cache_report``
 (``"summary"``, the default, or ``"layers"`` to add the per-layer rows to the response's cache report).
 
 ``messages[].content`` is a string or a list of content parts (any role). Text parts are joined in order
@@ -107,6 +108,9 @@ class _Common(_Strict):
     cache_mode: StrictStr | None = None  # one of tqbench.constants.CACHE_MODES (default: the server's)
     ignore_eos: StrictBool = False
     cache_report: StrictStr | None = None  # "summary" (default) or "layers"
+    # the shareable prefix (server.prefix): chat: true (the leading system messages) or N messages; completions:
+    # the prompt's leading text or its first N tokens; false: no prefix cache; absent: the longest stored prefix
+    cache_prefix: StrictBool | StrictInt | StrictStr | None = None
     # accepted and ignored: they change nothing about the output
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None

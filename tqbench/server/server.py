@@ -14,6 +14,7 @@ from tqbench.server.admission import KVBudget
 from tqbench.server.checks import RequestChecks
 from tqbench.server.info import ServerInfo
 from tqbench.server.modes import auto_mode
+from tqbench.server.prefix import DEFAULT_PREFIX_CACHE, PrefixCache
 from tqbench.server.runner import RequestRunner
 from tqbench.server.stream import TokenTexts
 from tqbench.server.worker import DEFAULT_MAX_BATCH, Worker
@@ -24,7 +25,8 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
 
     def __init__(self, engine, *, kv_policy: str | Policy, cache_mode: str, max_new_tokens: int,
                  max_queue: int, model_aliases: tuple[str, ...] = (), max_batch: int = DEFAULT_MAX_BATCH,
-                 prefill_chunk: int = 0, kv_budget: KVBudget | str | int | None = None) -> None:
+                 prefill_chunk: int = 0, kv_budget: KVBudget | str | int | None = None,
+                 prefix_cache: PrefixCache | str | int | None = DEFAULT_PREFIX_CACHE) -> None:
         check_max_new_tokens(max_new_tokens)
         check_prefill_chunk(prefill_chunk)
         self.prefill_chunk = prefill_chunk
@@ -50,7 +52,9 @@ class Server(RequestChecks, RequestRunner, ServerInfo):
         if not isinstance(kv_budget, KVBudget):
             kv_budget = KVBudget.resolve(kv_budget, _device_type(engine))
         self.kv_budget = kv_budget
-        self.worker = Worker(engine, max_queue, max_batch, kv_budget=kv_budget.bytes)
+        #: compressed shared prefixes (``server.prefix``): a byte cap, least recently used evicted first
+        self.prefix_cache = prefix_cache if isinstance(prefix_cache, PrefixCache) else PrefixCache(prefix_cache)
+        self.worker = Worker(engine, max_queue, max_batch, kv_budget=kv_budget.bytes, prefix_cache=self.prefix_cache)
         self.started = int(time.time())
         self.last: tuple[str, int, object] | None = None  # (response id, created, result) of the last finish
 

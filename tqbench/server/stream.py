@@ -59,12 +59,20 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(result) -> dict:
-    return {
-        "prompt_tokens": result.input_tokens,
+def usage(result, prefix: dict | None = None) -> dict:
+    """OpenAI's usage; a request that read a compressed prefix (``server.prefix``) counts the prefix in
+    ``prompt_tokens`` and, when it was stored before (not prefilled for this request), in
+    ``prompt_tokens_details.cached_tokens`` (OpenAI's field for prompt-cache hits); ``prefix``: the extension's
+    ``prefix_cache`` object."""
+    prompt = result.input_tokens + result.prefix_tokens
+    out = {
+        "prompt_tokens": prompt,
         "completion_tokens": result.output_tokens,
-        "total_tokens": result.input_tokens + result.output_tokens,
+        "total_tokens": prompt + result.output_tokens,
     }
+    if prefix is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": prefix["tokens"] if prefix["hit"] else 0}
+    return out
 
 
 PER_LAYER_FIELDS = ("layers", "bypassed_layers")  # CacheReport fields that grow with the layer count
@@ -98,7 +106,7 @@ def warning_header(warning: str | None) -> dict[str, str]:
 
 
 def extension(result, seed: int | None, waited: float, detail: str = "summary", prefill_chunk: int = 0,
-              policy_warning: str | None = None, savings=None) -> dict:
+              policy_warning: str | None = None, savings=None, prefix_use=None) -> dict:
     """The ``tqbench`` extension field: the request's KV policy, its cache report and timings,
     ``policy_warning`` (None, or why the policy may not suit this model: fitted on another one) and
     ``savings`` (``engine.cache.savings.Savings`` against fp16 at the length the cache held: whether the policy
@@ -117,6 +125,8 @@ def extension(result, seed: int | None, waited: float, detail: str = "summary", 
         "cache_report": cache_report_body(result.cache_report, detail),
         "prefill_chunk": prefill_chunk,  # prompt tokens per prefill forward call (0: the whole prompt in one)
         "savings": savings.to_dict() if savings is not None else None,
+        # the compressed prefix the request started from (server.prefix.PrefixUse), None: none
+        "prefix_cache": prefix_use.to_dict() if prefix_use is not None else None,
     }
 
 
@@ -188,7 +198,7 @@ def full_response(*, chat: bool, rid: str, model: str, created: int, text: str, 
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(result),
+        "usage": usage(result, ext.get("prefix_cache")),
         "tqbench": ext,
     }
 
@@ -258,9 +268,10 @@ class ChunkWriter:
         """
         finish = FINISH_REASONS.get(result.stopped_by, "stop")
         choice = [self._choice(None if self.chat else "", finish)]
+        used = usage(result, ext.get("prefix_cache"))
         if not self.include_usage:
-            return self._chunk(choice, usage=usage(result), tqbench=ext)
-        return self._chunk(choice, tqbench=ext) + self._chunk([], usage=usage(result), tqbench=ext)
+            return self._chunk(choice, usage=used, tqbench=ext)
+        return self._chunk(choice, tqbench=ext) + self._chunk([], usage=used, tqbench=ext)
 
     @staticmethod
     def error(body: dict) -> str:

@@ -62,6 +62,11 @@ class Job:
     echo: bool = False  # score the prompt's tokens too
     prefill_chunk: int = 0
     kv_bytes: int = 0  # its cache at prompt + max_new_tokens under its policy (the admission's reservation)
+    #: the prefix cache (``server.prefix``): ``prefix`` > 0 names the shareable prefix's length (its first tokens,
+    #: compressed once and stored); ``prefix_auto``: reuse the longest stored prefix of ``ids``, store nothing
+    prefix: int = 0
+    prefix_auto: bool = False
+    prefix_use: object = None  # the PrefixUse the worker recorded (read once the job's GenerationFinished arrives)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
@@ -98,7 +103,8 @@ class _Running:
 class Worker:
     """A daemon thread that runs queued jobs on ``engine``, decoding compatible ones in one batch."""
 
-    def __init__(self, engine, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int | None = None) -> None:
+    def __init__(self, engine, max_queue: int, max_batch: int = DEFAULT_MAX_BATCH, kv_budget: int | None = None,
+                 prefix_cache=None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue={max_queue} is invalid: allow at least 1 waiting request")
         if max_batch < 1:
@@ -107,6 +113,7 @@ class Worker:
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.kv_budget = kv_budget  # bytes the running requests' caches may reserve together (None: no bound)
+        self.prefix_cache = prefix_cache  # server.prefix.PrefixCache (None: no prefix cache)
         self.kv_reserved = 0  # bytes reserved by the running requests (their kv_bytes)
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
@@ -272,10 +279,13 @@ class Worker:
         try:
             if job.cache_mode == "fused":  # installs the fused attention once (plain tensors keep the old path)
                 self.engine.enable_fused()
+            context = self._prefix_context(job)
+            ids = job.ids if context is None else job.ids[:, context.tokens:]
             r.seq = self.engine.sequence(
-                job.ids, job.policy, job.cache_mode, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
+                ids, job.policy, job.cache_mode, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
                 stop=job.stop, stop_at_eos=job.stop_at_eos, cancel=job.cancelled.is_set,
                 run=f"request-{job.number}", logprobs=job.logprobs, echo=job.echo, prefill_chunk=job.prefill_chunk,
+                context=context,
             )
             if len(self._running) == 1 or self.batch_key != job.batch_key:
                 self.batch_key = job.batch_key
@@ -284,9 +294,27 @@ class Worker:
         except Exception as exc:  # a failed request never takes the worker down
             self._fail(r, exc)
             return
-        self.counters["prompt_tokens"] += int(job.ids.shape[1])
-        self.counters["prefill_seconds"] += r.seq.result.prefill_seconds
+        use = job.prefix_use
+        fresh = use is not None and not use.hit  # its prefix was compressed for it: prefilled tokens and time
+        self.counters["prompt_tokens"] += int(r.seq.ids.shape[1]) + (use.tokens if fresh else 0)
+        self.counters["prefill_seconds"] += r.seq.result.prefill_seconds + (use.compress_seconds if fresh else 0.0)
         self._push(r, events)
+
+    def _prefix_context(self, job: Job):
+        """The compressed prefix ``job`` starts from (a ``CompressedContext``), or None; records ``job.prefix_use``.
+        A named prefix is compressed now when it is not stored (its time is the request's prefill's)."""
+        cache = self.prefix_cache
+        if cache is None or not cache.enabled or not (job.prefix or job.prefix_auto):
+            return None
+        if job.prefix:
+            entry, job.prefix_use = cache.get_or_compress(self.engine, job.policy, job.cache_mode,
+                                                          job.ids[:, :job.prefix], job.prefill_chunk)
+            return entry.context
+        entry = cache.longest(job.policy.label, job.cache_mode, tuple(job.ids[0].tolist()))
+        if entry is None:
+            return None
+        job.prefix_use = cache.used(entry)
+        return entry.context
 
     def _step(self) -> None:
         """Each running sequence picks its next token; then one forward call over those that go on."""
