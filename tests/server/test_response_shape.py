@@ -15,7 +15,7 @@ CHOICE_KEYS = ["index", "message", "logprobs", "finish_reason"]
 CHUNK_CHOICE_KEYS = ["index", "delta", "logprobs", "finish_reason"]
 USAGE_KEYS = ["prompt_tokens", "completion_tokens", "total_tokens"]
 TQBENCH_KEYS = ["kv_policy", "policy_warning", "cache_mode", "stopped_by", "seed", "token_ids", "queue_seconds", "prefill_seconds",
-                "decode_seconds", "decode_tokens_per_second", "cache_report", "prefill_chunk", "savings"]
+                "decode_seconds", "decode_tokens_per_second", "cache_report", "prefill_chunk", "savings", "prefix_cache"]
 #: the summary cache report (no per-layer rows)
 CACHE_REPORT_KEYS = [
     "cache_mode", "kv_policy", "policy_string", "tokens", "compressed_storage_bytes", "dense_fp16_bytes",

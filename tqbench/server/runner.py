@@ -8,8 +8,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tqbench.engine.policy import parse_policy
 from tqbench.engine.events import GenerationFinished, GenerationStarted, PromptScored, TokenGenerated
+from tqbench.engine.policy import parse_policy
 from tqbench.server.admission import request_kv_bytes
 from tqbench.server.errors import APIError, error_body
 from tqbench.server.schemas import chat_messages, completion_prompt
