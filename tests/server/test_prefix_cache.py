@@ -57,20 +57,29 @@ def in_process(engine, ids, cut: int, policy: str, mode: str = "compressed") -> 
     return ctx.generate(ids[:, cut:], max_new_tokens=NEW, stop_at_eos=False).token_ids
 
 
-@pytest.mark.parametrize("policy", ["turbo4", EVICTING])
-def test_cached_prefix_answers_as_compress_then_generate(live, engine64, ids, policy):
+@pytest.mark.parametrize(("policy", "mode"), [("turbo4", "compressed"), ("turbo4", "fused"),
+                                              (EVICTING, "compressed")])
+def test_cached_prefix_answers_as_compress_then_generate(live, engine64, ids, policy, mode):
+    from tqbench.engine.cache import estimate_kv
+
     live.state.prefix_cache.clear()
     cut = 40
     full = ids[0].tolist()
-    first = complete(live, full[:60], cache_prefix=cut, kv_policy=policy)
-    second = complete(live, full[:55], cache_prefix=cut, kv_policy=policy)
-    auto = complete(live, full[:50], kv_policy=policy)  # names no prefix: the longest stored one is reused
+    first = complete(live, full[:60], cache_prefix=cut, kv_policy=policy, cache_mode=mode)
+    second = complete(live, full[:55], cache_prefix=cut, kv_policy=policy, cache_mode=mode)
+    auto = complete(live, full[:50], kv_policy=policy, cache_mode=mode)  # no prefix named: the longest stored
     p1, p2, p3 = (r["tqbench"]["prefix_cache"] for r in (first, second, auto))
     assert (p1["hit"], p2["hit"], p3["hit"]) == (False, True, True)
     assert p1["key"] == p2["key"] == p3["key"] and p1["tokens"] == cut and p1["stored"]
     for r, n in ((first, 60), (second, 55), (auto, 50)):
-        assert r["tqbench"]["token_ids"] == in_process(engine64, ids[:, :n], cut, policy)
+        assert r["tqbench"]["token_ids"] == in_process(engine64, ids[:, :n], cut, policy, mode)
         assert r["usage"]["prompt_tokens"] == n
+        # bytes to the byte: the estimate of a cache prefilled up to the prefix, every later row appended
+        report = r["tqbench"]["cache_report"]
+        assert report["compressed_storage_bytes"] == estimate_kv(policy, engine64.geometry, n + NEW - 1,
+                                                                 prefill=cut).total_bytes
+        if mode == "fused":
+            assert report["fused_calls"] > 0 and not report["fallbacks"]
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # it compressed the prefix itself
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cut}
     # the request's cache holds the prefix's rows + its own: its report counts every token
