@@ -30,7 +30,9 @@ from tqbench.constants import (
 
 @click.command()
 @model_options
-@policy_option("--kv-policy", default="turbo4", show_default=True, help="Preset name, compact policy or .json/.toml file.")
+@policy_option("--kv-policy", default=None,
+               help="Preset name, compact policy or .json/.toml file. Default: the model's (turbo4; on a model mixing "
+                    "sliding-window and global layers, the hybrid default: tqbench.engine.policy.default).")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
               help=CACHE_MODE_HELP)
 @click.option("--prompt", default=None, help="Prompt text.")
@@ -65,10 +67,14 @@ def bench(ctx, model, device, dtype, threads, kv_policy, cache_mode, prompt, pro
     from tqbench.engine import GenerationRequest, parse_policy
 
     request = GenerationRequest(max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    policy = parse_policy(kv_policy)
+    policy = parse_policy(kv_policy) if kv_policy is not None else None
     text = read_prompt(prompt, prompt_file)
     check_session_path(save_session)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    if policy is None:  # the model's default: turbo4, or the measured hybrid default (engine.policy.default)
+        from tqbench.engine.policy import default_policy
+
+        policy = default_policy(engine.geometry.layer_types)
     if baseline in KERNEL_BASELINES:  # refused before the policy's run, with the reason
         from tqbench.engine.cache.dense_kernel import check_kernel_baseline
 

@@ -10,6 +10,7 @@ import click
 from tqbench.cli.flags import spelled
 from tqbench.cli.options import fail, policy_option
 from tqbench.constants import CACHE_MODE_RESIDENT, CACHE_MODES, DEFAULT_KV_SHARE
+from tqbench.engine.policy.default import DEFAULT_POLICY, HYBRID_DEFAULT_POLICY
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -21,8 +22,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--dtype", default="auto", show_default=True,
               help="auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16, bfloat16, float64.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads for torch.")
-@policy_option("--kv-policy", default="turbo4", show_default=True,
-              help="Default KV policy (preset or compact form); requests may override it with \"kv_policy\".")
+@policy_option("--kv-policy", default=None,
+              help="Default KV policy (preset or compact form); requests may override it with \"kv_policy\". "
+                   f"Default: the model's ({DEFAULT_POLICY}; on a model mixing sliding-window and global layers, "
+                   f"{HYBRID_DEFAULT_POLICY}).")
 @click.option("--cache-mode", type=click.Choice(("auto", *CACHE_MODES)), default="auto", show_default=True,
               help="What stays resident during decode: " + "; ".join(f"{m}: {CACHE_MODE_RESIDENT[m]}" for m in CACHE_MODES)
               + ". auto: fused where its kernel runs (native C++ on CPU, Triton on CUDA), else compressed; the "
@@ -69,7 +72,8 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         fail(f"the server needs fastapi and uvicorn ({exc}): pip install 'fastapi>=0.110' 'uvicorn>=0.29'")
     try:
         check_max_new_tokens(max_new_tokens)
-        parse_policy(kv_policy)
+        if kv_policy is not None:
+            parse_policy(kv_policy)
         if kv_budget != "auto":
             KVBudget.resolve(kv_budget)
         PrefixCache(prefix_cache)
@@ -80,6 +84,10 @@ def serve(model, device, dtype, threads, kv_policy, cache_mode, host, port, max_
         from tqbench.cli.render.console import load_engine
 
         engine = load_engine(model, device, dtype, threads)
+        if kv_policy is None:  # the model's default: turbo4, or the measured hybrid default (engine.policy.default)
+            from tqbench.engine.policy import default_policy
+
+            kv_policy = default_policy(engine.geometry.layer_types).label
         warning = engine.policy_warning(kv_policy)  # also in every response: tqbench.policy_warning + a header
         if warning:
             click.echo(f"warning: kv_policy {parse_policy(kv_policy).label}: {warning}", err=True)

@@ -37,7 +37,9 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 @model_options
 @click.option("--context", type=int, default=DEFAULT_TASK_CONTEXT, show_default=True,
               help="Target context in tokens (prompt + answer) of every sample, e.g. 2048, 4096, 8192.")
-@policy_option("--candidate", default="turbo4", show_default=True, help="The policy under test (one policy).")
+@policy_option("--candidate", default=None,
+               help="The policy under test (one policy). Default: the model's (turbo4; on a model mixing sliding-window "
+                    "and global layers, the hybrid default: tqbench.engine.policy.default).")
 @policy_option("--baseline", default="fp16", show_default=True,
               help="The reference policy (or dense cache) the candidate is scored against; its answers are cached.")
 @click.option("--cache-mode", type=click.Choice(CACHE_MODES), default=DEFAULT_CACHE_MODE, show_default=True,
@@ -70,9 +72,14 @@ def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mod
     limit, shown = _known_max_context(model)
     check_tasks(names, context, samples, limit, shown)
     protocols = check_protocols(protocol)
-    parse_policy(candidate)
+    if candidate is not None:
+        parse_policy(candidate)
     parse_policy(baseline)
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
+    if candidate is None:  # the model's default: turbo4, or the measured hybrid default (engine.policy.default)
+        from tqbench.engine.policy import default_policy
+
+        candidate = default_policy(engine.geometry.layer_types)
     base_pol, cand_pol = check_policies(engine, baseline, candidate)
     import sys
 
