@@ -10,7 +10,7 @@ Prints per question the server's prefill seconds (a miss adds its prefix's compr
 seconds, the prefix tokens read, and whether the answer's tokens equal ``Engine.compress(context)`` then generating
 in-process; then the mean prefill ratio (whole prompt / hit) and the prefix cache's stored bytes from
 ``/metrics`` (once, however many requests read it). Records threads and the load average; writes JSON
-(default ``benchmarks/results/serve_prefix.json``). The machine is shared: compare ratios, not seconds.
+(default ``benchmarks/results/serve_prefix-MODEL-POLICY-MODE.json``). The machine is shared: compare ratios, not seconds.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serve_prefix.json"))
+    p.add_argument("--json", default=None, help="default: benchmarks/results/serve_prefix-MODEL-POLICY-MODE.json")
     return p.parse_args(argv)
 
 
@@ -108,6 +108,9 @@ def main(argv=None) -> int:
                        "prefix_tokens": use["tokens"] if use else 0, "hit": bool(use and use["hit"]),
                        "prefill_seconds": round(prefill, 4), "wall_seconds": round(wall, 4),
                        "prefix_bytes": use["bytes"] if use else None, "token_ids": ext["token_ids"]}
+                if cached:  # the same question prefilled whole (cache_prefix false) above: the same answer?
+                    whole_row = next(r for r in rows if not r["cache_prefix"] and r["question"] == q)
+                    row["same_as_whole_prompt"] = whole_row["token_ids"] == ext["token_ids"]
                 if cached:  # the in-process reference: compress the context, then generate the question
                     ids = engine.encode_prompt(messages, chat=True)
                     ctx = engine.compress(ids[:, : use["tokens"]], args.kv_policy, args.cache_mode, prefill_chunk=0)
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
                 print(f"cache_prefix={str(cached):5}  prompt {row['prompt_tokens']:5}  prefix read "
                       f"{row['prefix_tokens']:5} ({'hit ' if row['hit'] else 'miss' if cached else '-   '})  prefill "
                       f"{row['prefill_seconds']:8.3f} s  wall {row['wall_seconds']:8.3f} s"
-                      + (f"  same as in-process: {row['same_as_in_process']}" if cached else ""), flush=True)
+                      + (f"  same as in-process: {row['same_as_in_process']}, as the whole prompt: "
+                         f"{row['same_as_whole_prompt']}" if cached else ""), flush=True)
         metrics = _get(port, "/metrics")
     finally:
         server.should_exit = True
@@ -131,7 +135,9 @@ def main(argv=None) -> int:
           f"{sum(hits) / max(1, len(hits)):.3f} s (x{ratio:.1f} less)" if ratio else "no hits")
     print(f"prefix cache: {stored} bytes stored once for {len(hits) + 1} requests; threads {args.threads}, load "
           f"average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: compare ratios, not seconds)")
-    write_json(args.json, {
+    out = args.json or str(ROOT / "benchmarks" / "results" / re.sub(
+        r"[^A-Za-z0-9_.=-]+", "_", f"serve_prefix-{args.model}-{args.kv_policy}-{args.cache_mode}.json"))
+    write_json(out, {
         "benchmark": "serve_prefix", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": engine.name, "kv_policy": args.kv_policy, "cache_mode": args.cache_mode,
         "context_tokens": args.context, "max_tokens": args.max_tokens, "threads": args.threads,
