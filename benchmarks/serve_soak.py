@@ -7,6 +7,10 @@ a mix: cache modes (``--modes``, default compressed and fused, sent as the ``cac
 (the server's default = the artifact, a preset, a compact string, and ``--extra-policy`` values), stream and
 non-stream, and every ``--disconnect-every``-th streamed request is dropped by the client after its first
 content chunk. After each request it reads the server's RSS from ``/proc/<pid>/status`` (VmRSS).
+``--shared-prefix WORDS`` starts every request with a system message of that many words, named as the shared
+prefix (``cache_prefix: true``: compressed once, read by the others), cycling through ``--prefixes`` different
+ones under the server's ``--prefix-cache`` cap (a cap below their total evicts); the prefix cache's entries,
+bytes, hits and evictions from ``/health`` are reported at the end.
 
 Reports: RSS after the warm-up (``--warmup`` requests), at the end, the growth over the run, and the least-squares
 slope in MB per request after the warm-up; writes JSON (default ``benchmarks/results/serve_soak.json``) with every
@@ -49,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sends none (the server's --kv-policy)")
     p.add_argument("--disconnect-every", type=int, default=7, help="drop every N-th streamed request mid-stream")
     p.add_argument("--max-slope-mb", type=float, default=None, help="exit 1 when the MB/request slope is above")
+    p.add_argument("--shared-prefix", type=int, default=0, help="words of a shared system prefix (0: none)")
+    p.add_argument("--prefixes", type=int, default=1, help="different shared prefixes to cycle through")
+    p.add_argument("--prefix-cache", default="256MiB", help="the server's --prefix-cache")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "serve_soak.json"))
@@ -78,7 +85,7 @@ def spawn(a) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "tqbench", "serve", "--model", a.model, "--kv-policy", a.kv_policy,
            "--cache-mode", a.mode_list[0], "--threads", str(a.threads), "--port", str(port),
-           "--max-new-tokens", str(a.max_tokens), "--log-level", "warning"]
+           "--max-new-tokens", str(a.max_tokens), "--log-level", "warning", "--prefix-cache", a.prefix_cache]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + a.start_timeout
     while time.monotonic() < deadline:
@@ -103,6 +110,10 @@ def one_request(port: int, i: int, a) -> dict:
     drop = stream and a.disconnect_every > 0 and i % a.disconnect_every == 0
     body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": a.max_tokens,
             "cache_mode": mode, "ignore_eos": True, "stream": stream}
+    if a.shared_prefix:
+        words = " ".join(f"fact{(i % a.prefixes) * 7 + k}" for k in range(a.shared_prefix))
+        body["messages"].insert(0, {"role": "system", "content": f"Context {i % a.prefixes}: {words}"})
+        body["cache_prefix"] = True
     if policy != "default":
         body["kv_policy"] = policy
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=a.request_timeout)
@@ -146,6 +157,10 @@ def main(argv=None) -> int:
             samples.append((i + 1, rss_mb(proc.pid)))
             if (i + 1) % 50 == 0:
                 print(f"{i + 1:5d} requests  RSS {samples[-1][1]:8.1f} MB", flush=True)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", "/health")
+        prefix = json.loads(conn.getresponse().read()).get("prefix_cache") or {}
+        prefix.pop("prefixes", None)
     finally:
         proc.terminate()
         try:
@@ -166,12 +181,16 @@ def main(argv=None) -> int:
         "rss_after_warmup_mb": round(base, 1), "rss_end_mb": round(end, 1), "rss_peak_mb": round(peak, 1),
         "rss_growth_after_warmup_mb": round(end - base, 1), "slope_mb_per_request": round(per_request, 4),
         "dropped": sum(r["dropped"] for r in rows), "streamed": sum(r["stream"] for r in rows),
+        "shared_prefix_words": a.shared_prefix, "prefixes": a.prefixes, "prefix_cache": prefix,
         "samples": samples,
     }
     print(f"{'requests':>9} {'warm-up':>8} {'RSS@warm MB':>12} {'RSS end MB':>11} {'growth MB':>10} "
           f"{'MB/request':>11} {'dropped':>8} {'threads':>8} {'load':>6}")
     print(f"{a.requests:>9} {a.warmup:>8} {base:>12.1f} {end:>11.1f} {end - base:>10.1f} {per_request:>11.4f} "
           f"{out['dropped']:>8} {a.threads:>8} {load_before[0]:>6.2f}")
+    if a.shared_prefix:
+        print(f"prefix cache: {prefix.get('entries')} entries, {prefix.get('bytes')} of {prefix.get('cap_bytes')} "
+              f"bytes; {prefix.get('hits')} hits, {prefix.get('misses')} misses, {prefix.get('evicted')} evicted")
     write_json(a.json, out)
     if a.max_slope_mb is not None and per_request > a.max_slope_mb:
         print(f"FAIL: RSS grows {per_request:.3f} MB per request after the warm-up (bound {a.max_slope_mb})")
