@@ -10,7 +10,9 @@ number of requests; a byte cap evicts the least recently used prefix.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import threading
 
 import pytest
@@ -50,6 +52,19 @@ def complete(server, ids: list[int], **extra):
     status, _, data = server.request("POST", "/v1/completions", body)
     assert status == 200, data
     return data
+
+
+@contextlib.contextmanager
+def _logged(log: logging.Logger):
+    """The INFO lines ``log`` emits meanwhile (LiveServer runs uvicorn at log level warning)."""
+    handler, level = _Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def in_process(engine, ids, cut: int, policy: str, mode: str = "compressed") -> list[int]:
@@ -135,11 +150,21 @@ def test_bytes_count_once_and_nothing_grows_with_requests(live, engine64, ids):
                                                    "kv_policy": "turbo4", "cache_mode": "compressed", "hits": 14}]
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_byte_cap_evicts_the_least_recently_used(engine64, ids):
     full = ids[0].tolist()
     one = engine64.compress(ids[:, :30], "turbo4", "compressed", prefill_chunk=0).report().compressed_storage_bytes
     app = create_app(engine64, kv_policy="turbo4", max_new_tokens=64, max_queue=4, prefix_cache=one * 2 + 100)
-    with LiveServer(app) as server:
+    log = logging.getLogger("uvicorn.error")  # the server's log (uvicorn prints it at --log-level info)
+    with LiveServer(app) as server, _logged(log) as lines:
         cache = server.state.prefix_cache
         a = complete(server, full[:40], cache_prefix=30)
         complete(server, full[10:50], cache_prefix=30)  # another prefix: both fit
@@ -153,6 +178,11 @@ def test_byte_cap_evicts_the_least_recently_used(engine64, ids):
         assert not b_again["tqbench"]["prefix_cache"]["hit"]  # compressed again after its eviction
         _, _, text = server.request("GET", "/metrics")
         assert "tqbench_prefix_cache_evictions_total 2\n" in text
+    a_key = a["tqbench"]["prefix_cache"]["key"]
+    assert f"prefix cache: stored {a_key} (30 tokens, {one} bytes, turbo4, compressed, compressed in" in lines[0]
+    assert lines[0].endswith(f"1 entries, {one} of {one * 2 + 100} bytes")
+    assert lines[2].startswith(f"prefix cache: hit {a_key} (30 tokens, {one} bytes, turbo4, compressed; hit 1 times)")
+    assert sum(x.startswith("prefix cache: evicted ") and "least recently used" in x for x in lines) == 2
     small = create_app(engine64, kv_policy="turbo4", max_new_tokens=64, max_queue=4, prefix_cache=one - 1)
     with LiveServer(small) as server:
         r = complete(server, full[:40], cache_prefix=30)
