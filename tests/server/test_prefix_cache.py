@@ -210,20 +210,21 @@ def test_chat_system_prompt_is_the_prefix(live, engine64):
     assert answers[1]["tqbench"]["token_ids"] == in_process(engine64, ids, len(head), "turbo4")
 
 
-def test_concurrent_requests_share_one_prefix_and_batch(live, engine64, ids):
+@pytest.mark.parametrize("mode", ["compressed", "fused"])
+def test_concurrent_requests_share_one_prefix_and_batch(live, engine64, ids, mode):
     """Requests queued together (held by a gate) decode in one batch, each from its own copy of one stored prefix."""
     live.state.prefix_cache.clear()
     full = ids[0].tolist()
     cut = 36
-    complete(live, full[:cut + 2], cache_prefix=cut)  # stored
+    complete(live, full[:cut + 2], cache_prefix=cut, cache_mode=mode)  # stored
     worker = live.state.worker
     gated = GatedEngine(engine64)
     worker.engine = gated
     results: dict[int, dict] = {}
     lengths = (40, 47, 44, 52)
     try:
-        threads = [threading.Thread(target=lambda i=i, n=n: results.__setitem__(i, complete(live, full[:n])))
-                   for i, n in enumerate(lengths)]
+        threads = [threading.Thread(target=lambda i=i, n=n: results.__setitem__(
+            i, complete(live, full[:n], cache_mode=mode))) for i, n in enumerate(lengths)]
         for t in threads:
             t.start()
         assert wait_for(lambda: worker.waiting >= len(lengths) - 1)
@@ -235,7 +236,7 @@ def test_concurrent_requests_share_one_prefix_and_batch(live, engine64, ids):
         worker.engine = engine64
     for i, n in enumerate(lengths):
         assert results[i]["tqbench"]["prefix_cache"]["hit"]
-        assert results[i]["tqbench"]["token_ids"] == in_process(engine64, ids[:, :n], cut, "turbo4")
+        assert results[i]["tqbench"]["token_ids"] == in_process(engine64, ids[:, :n], cut, "turbo4", mode)
     assert worker.counters["decode_steps"] - steps < len(lengths) * (NEW - 1)  # some steps ran them together
     assert live.state.prefix_cache.stats()["entries"] == 1
 
