@@ -282,3 +282,49 @@ def test_prefix_cache_off_refuses_cache_prefix_and_reuses_nothing(engine64, ids)
         assert status == 400 and "--prefix-cache SIZE" in data["error"]["message"]
         r = complete(server, ids[0, :20].tolist())
         assert r["tqbench"]["prefix_cache"] is None and "prompt_tokens_details" not in r["usage"]
+
+
+def test_evicting_policy_reserves_its_cache_from_the_prefix_it_reads(live, engine64, ids):
+    """Admission reserves an evicting policy's cache from the prefix (its keep at the prefix's end, every row after
+    it kept); a request whose stored prefix appeared after it was admitted gets its reservation raised at start."""
+    from tqbench.server.admission import request_kv_bytes
+
+    live.state.prefix_cache.clear()
+    full = ids[0].tolist()
+    cut, n = 40, 56
+    worker = live.state.worker
+    seen: dict[str, tuple[int, bool]] = {}
+
+    class Recording(GatedEngine):
+        def compress(self, *args, **kwargs):  # the named prefix is stored only once the gate opens
+            self.gate.wait()
+            return self.engine.compress(*args, **kwargs)
+
+        def sequence(self, *args, **kwargs):
+            job = next(r.job for r in worker._running if f"request-{r.job.number}" == kwargs["run"])
+            seen[kwargs["run"]] = (job.kv_bytes, kwargs.get("context") is not None)
+            return self.engine.sequence(*args, **kwargs)
+
+    gated = Recording(engine64)
+    worker.engine = gated
+    out: dict[str, dict] = {}
+    try:
+        named = threading.Thread(target=lambda: out.__setitem__("named", complete(
+            live, full[:n], cache_prefix=cut, kv_policy=EVICTING)))
+        named.start()
+        assert wait_for(lambda: worker.running is not None)
+        auto = threading.Thread(target=lambda: out.__setitem__("auto", complete(live, full[:n], kv_policy=EVICTING)))
+        auto.start()  # admitted while nothing is stored: its reservation is the whole prompt's
+        assert wait_for(lambda: worker.waiting == 1)
+        gated.gate.set()
+        named.join()
+        auto.join()
+    finally:
+        worker.engine = engine64
+    whole = request_kv_bytes(EVICTING, engine64.geometry, n + NEW, prompt=n)
+    from_prefix = request_kv_bytes(EVICTING, engine64.geometry, n + NEW, prompt=n, prefix=cut)
+    assert from_prefix > whole
+    assert sorted(seen.values()) == [(from_prefix, True), (from_prefix, True)]  # auto's raised from ``whole``
+    assert out["auto"]["tqbench"]["prefix_cache"]["hit"]
+    assert out["auto"]["tqbench"]["cache_report"]["compressed_storage_bytes"] <= from_prefix
+    assert worker.kv_reserved == 0  # every reservation was given back

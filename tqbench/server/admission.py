@@ -64,13 +64,18 @@ def available_memory(device_type: str = "cpu") -> tuple[int, str]:
     return int(pages), "sysconf available pages"
 
 
-def request_kv_bytes(policy, geometry, tokens: int, prompt: int | None = None) -> int:
+def request_kv_bytes(policy, geometry, tokens: int, prompt: int | None = None, prefix: int = 0) -> int:
     """The most bytes one sequence's cache holds on its way to ``tokens`` tokens under ``policy``, ``prompt`` of
     them prefilled (default: all). A policy that evicts tokens (keep) holds its evicted size: decoded rows add
-    up until the next eviction point (``every``), so the peak is at the end or just before the last point."""
+    up until the next eviction point (``every``), so the peak is at the end or just before the last point.
+    ``prefix`` > 0: the prompt is appended to a compressed prefix of that many tokens (``server.prefix``), where an
+    evicting policy kept its rows at the prefix's end and keeps every row after it: the larger of the two figures
+    (a policy that keeps every row: its bytes depend on the token count alone)."""
     tokens = max(1, tokens)
     prompt = tokens if prompt is None else max(1, min(prompt, tokens))
     pol = parse_policy(policy)
+    if prefix and pol.evicts:
+        return max(request_kv_bytes(pol, geometry, tokens, prompt), request_kv_bytes(pol, geometry, tokens, prefix))
     ends = {tokens}
     if pol.evicts and pol.every and tokens - prompt >= pol.every:
         ends.add(prompt + (tokens - prompt) // pol.every * pol.every - 1)

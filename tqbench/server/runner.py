@@ -9,7 +9,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tqbench.engine.events import GenerationFinished, GenerationStarted, PromptScored, TokenGenerated
-from tqbench.engine.policy import parse_policy
 from tqbench.server.admission import request_kv_bytes
 from tqbench.server.errors import APIError, error_body
 from tqbench.server.schemas import chat_messages, completion_prompt
@@ -86,19 +85,15 @@ class RequestRunner:
         return await self._collect(job, request, chat, stop, seed, waited, detail, top, echo_text, warning)
 
     def reserved_bytes(self, job: Job, budget: int) -> int:
-        """The admission's reservation: the request's cache at prompt + ``budget`` tokens (``request_kv_bytes``).
-        From a compressed prefix an evicting policy keeps its rows at the prefix's end and every row after it,
-        so it reserves the larger of that and the whole-prompt figure (bytes of a policy that keeps every row
-        depend on the token count alone)."""
+        """The admission's reservation: the request's cache at prompt + ``budget`` tokens (``request_kv_bytes``),
+        appended to its named prefix or the longest one stored now (the worker raises it if it finds another)."""
         n = int(job.ids.shape[1])
-        out = request_kv_bytes(job.policy, self.engine.geometry, n + budget, prompt=n)
-        if parse_policy(job.policy).evicts and (job.prefix or job.prefix_auto):
-            entry = None if job.prefix else self.prefix_cache.longest(
-                job.policy.label, job.cache_mode, tuple(job.ids[0].tolist()), touch=False)
-            cut = job.prefix or (len(entry.ids) if entry is not None else 0)
-            if cut:
-                out = max(out, request_kv_bytes(job.policy, self.engine.geometry, n + budget, prompt=cut))
-        return out
+        cut = job.prefix
+        if not cut and job.prefix_auto:
+            entry = self.prefix_cache.longest(job.policy.label, job.cache_mode, tuple(job.ids[0].tolist()),
+                                              touch=False)
+            cut = len(entry.ids) if entry is not None else 0
+        return request_kv_bytes(job.policy, self.engine.geometry, n + budget, prompt=n, prefix=cut)
 
     def savings_of(self, policy, result):
         """``Engine.savings`` of the request's policy against fp16 at the length its cache held (None without a

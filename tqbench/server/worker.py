@@ -280,6 +280,8 @@ class Worker:
             if job.cache_mode == "fused":  # installs the fused attention once (plain tensors keep the old path)
                 self.engine.enable_fused()
             context = self._prefix_context(job)
+            if context is not None:
+                self._reserve_from(job, context.tokens)
             ids = job.ids if context is None else job.ids[:, context.tokens:]
             r.seq = self.engine.sequence(
                 ids, job.policy, job.cache_mode, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
@@ -315,6 +317,18 @@ class Worker:
             return None
         job.prefix_use = cache.used(entry)
         return entry.context
+
+    def _reserve_from(self, job: Job, cut: int) -> None:
+        """Raise the job's reservation to its cache appended to a ``cut``-token prefix when that holds more (an
+        evicting policy's: ``request_kv_bytes(prefix=)``; the prefix found may not be the one admission saw)."""
+        from tqbench.server.admission import request_kv_bytes
+
+        n = int(job.ids.shape[1])
+        need = request_kv_bytes(job.policy, self.engine.geometry, n + job.max_new_tokens, prompt=n, prefix=cut)
+        if need > job.kv_bytes:
+            with self._cond:
+                self.kv_reserved += need - job.kv_bytes
+                job.kv_bytes = need
 
     def _step(self) -> None:
         """Each running sequence picks its next token; then one forward call over those that go on."""
