@@ -13,13 +13,14 @@ class GrowBuffer:
     rows past the new end writable again: views of them taken before the crop must not be read after it.
     ``state()`` / ``restore()`` take the buffer back to an earlier point (its tensor, start and length)."""
 
-    __slots__ = ("_bytes", "data", "n", "start")
+    __slots__ = ("_bytes", "_view", "data", "n", "start")
 
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
         self.n = 0
         self.start = 0
         self._bytes: tuple | None = None  # (data, its bytes): ``alloc_bytes`` is asked every decode step
+        self._view: tuple | None = None  # (data, start, n, the view): a buffer that did not change (sinks) is not sliced again
 
     def append(self, x: torch.Tensor) -> None:
         t = x.shape[2]
@@ -46,7 +47,13 @@ class GrowBuffer:
         return end
 
     def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[:, :, self.start : self.start + self.n]
+        data = self.data
+        if data is None:
+            return None
+        hit = self._view
+        if hit is None or hit[0] is not data or hit[1] != self.start or hit[2] != self.n:
+            hit = self._view = (data, self.start, self.n, data[:, :, self.start : self.start + self.n])
+        return hit[3]
 
     def drop_front(self, t: int) -> None:
         if t <= 0:

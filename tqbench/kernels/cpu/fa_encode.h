@@ -267,6 +267,88 @@ struct HeadsEncoder {
   // centred, quantized and packed row by row (`encode_row` / `pcaq_encode_row`, the arithmetic of `encode`) straight
   // into the packed buffers `dsts` (one per field, in the groups' field order: turbo codes, norms; pcaq codes; each
   // [B, Hg, capacity, width] with unit last stride) at row offset `offsets[i]` of each: no tensor is allocated.
+  // What encode_into reads of one group, checked once per (compute dtype, batch, heads, head_dim): the tables stand
+  // while the encoder does (it holds them), so a decode step checks only its rows and buffers.
+  struct GroupPlan {
+    bool turbo;
+    int64_t Hg, nbytes, nb, bits;
+    bool normfix;
+    const int64_t* heads;
+    const at::Half* mu;
+    const void* t0;
+    const void* t1;
+    const void* t2;
+    const uint8_t* widths;
+  };
+  mutable std::vector<GroupPlan> plans;
+  mutable std::array<int64_t, 4> planned{-1, -1, -1, -1};  // (compute dtype, B, H, D) the plans were checked for
+
+  void prepare(at::ScalarType cd, int64_t B, int64_t H, int64_t D) const {
+    const std::array<int64_t, 4> key{static_cast<int64_t>(cd), B, H, D};
+    if (key == planned) return;
+    planned = {-1, -1, -1, -1};
+    plans.clear();
+    for (size_t g = 0; g < kinds.size(); ++g) {
+      const std::string gn = "group " + std::to_string(g);
+      const auto& hs = heads[g];
+      const int64_t Hg = static_cast<int64_t>(hs.size());
+      TORCH_CHECK(Hg >= 1, gn, " names no heads");
+      for (int64_t h : hs) TORCH_CHECK(h >= 0 && h < H, gn, " names kv head ", h, ", outside 0..", H - 1);
+      const auto& mu = mus[g];
+      if (mu.has_value())
+        TORCH_CHECK(mu->device().is_cpu() && mu->scalar_type() == torch::kHalf && mu->is_contiguous() &&
+                        mu->sizes().equals({B, Hg, 1, D}),
+                    gn, ": its centring mean must be a contiguous CPU float16 [", B, ", ", Hg, ", 1, ", D,
+                    "] tensor, got ", c10::toString(mu->scalar_type()), " ", mu->sizes());
+      const auto& tb = tables[g];
+      TORCH_CHECK(tb.size() == 3, gn, ": a group's tables are three tensors, got ", tb.size());
+      const bool turbo = kinds[g] == "turbo";
+      TORCH_CHECK(turbo || kinds[g] == "pcaq", gn, ": kind must be turbo or pcaq, got ", kinds[g]);
+      GroupPlan p{turbo, Hg, 0, 0, bits[g], static_cast<bool>(normfix[g]), hs.data(),
+                  mu.has_value() ? mu->data_ptr<at::Half>() : nullptr, tb[0].data_ptr(), tb[1].data_ptr(),
+                  tb[2].data_ptr(), nullptr};
+      if (turbo) {
+        TORCH_CHECK(bits[g] >= 1 && bits[g] <= 8, gn, ": bits must be in 1..8, got ", bits[g]);
+        const int64_t nlev = int64_t(1) << bits[g];
+        check_const(tb[0], "rotation", cd, {D, D});
+        check_const(tb[1], "levels", cd, {nlev});
+        check_const(tb[2], "bounds", cd, {nlev - 1});
+        p.nbytes = (D * bits[g] + 7) / 8;
+        p.nb = nlev - 1;
+      } else {
+        check_const(tb[0], "transform", cd, {Hg, D, D});
+        TORCH_CHECK(tb[1].dim() == 3 && tb[1].size(2) >= 1, gn, ": bounds must be [", Hg, ", ", D, ", levels - 1]");
+        p.nb = tb[1].size(2);
+        check_const(tb[1], "bounds", cd, {Hg, D, p.nb});
+        TORCH_CHECK(tb[2].device().is_cpu() && tb[2].scalar_type() == torch::kUInt8 && tb[2].is_contiguous() &&
+                        tb[2].sizes().equals({Hg, D}),
+                    gn, ": widths must be a contiguous CPU uint8 [", Hg, ", ", D, "] tensor");
+        const uint8_t* wp = tb[2].data_ptr<uint8_t>();
+        int64_t total = -1;
+        for (int64_t h = 0; h < Hg; ++h) {
+          int64_t b = 0;
+          for (int64_t j = 0; j < D; ++j) {
+            TORCH_CHECK(wp[h * D + j] <= 8 && (int64_t(1) << wp[h * D + j]) - 1 <= p.nb, gn, ": widths[", h, ", ",
+                        j, "] is above 8 bits or above what bounds cover");
+            b += wp[h * D + j];
+          }
+          TORCH_CHECK(total < 0 || b == total, gn, ": widths: head ", h, " packs ", b, " bits per row, head 0 ",
+                      total);
+          total = b;
+        }
+        p.nbytes = (total + 7) / 8;
+        p.widths = wp;
+      }
+      plans.push_back(p);
+    }
+    planned = key;
+  }
+
+  // The decode step's append path: rows [start, start + n) of a store's row buffer `src` ([B, H, capacity, D], unit
+  // last stride; float32 / float64, or 16-bit rows computed in float32 as the codecs' torch path computes them)
+  // centred, quantized and packed row by row (`encode_row` / `pcaq_encode_row`, the arithmetic of `encode`) straight
+  // into the packed buffers `dsts` (one per field, in the groups' field order: turbo codes, norms; pcaq codes; each
+  // [B, Hg, capacity, width] with unit last stride) at row offset `offsets[i]` of each: no tensor is allocated.
   void encode_into(const torch::Tensor& src, int64_t start, int64_t n, const std::vector<torch::Tensor>& dsts,
                    const std::vector<int64_t>& offsets) const {
     TORCH_CHECK(src.device().is_cpu(), "src must be a CPU tensor, got one on ", src.device());
@@ -280,109 +362,72 @@ struct HeadsEncoder {
     const int64_t B = src.size(0), H = src.size(1), D = src.size(3);
     TORCH_CHECK(D >= 1 && D <= MAX_HEAD_DIM, "src has head_dim ", D, ", outside 1..", MAX_HEAD_DIM);
     const at::ScalarType cd = st == torch::kDouble ? torch::kDouble : torch::kFloat;
-    const size_t G = kinds.size();
+    prepare(cd, B, H, D);
     size_t fields = 0;
-    for (const auto& kd : kinds) fields += kd == "turbo" ? 2 : 1;
+    for (const auto& p : plans) fields += p.turbo ? 2 : 1;
     TORCH_CHECK(dsts.size() == fields && offsets.size() == fields, "dsts and offsets must have one entry per packed "
                 "field (", fields, "), got ", dsts.size(), " and ", offsets.size());
+    const std::array<int64_t, 3> ss{src.stride(0), src.stride(1), src.stride(2)};
     size_t k = 0;
-    for (size_t g = 0; g < G; ++g) {
-      const std::string gn = "group " + std::to_string(g);
-      const auto& hs = heads[g];
-      const int64_t Hg = static_cast<int64_t>(hs.size());
-      for (int64_t h : hs) TORCH_CHECK(h >= 0 && h < H, gn, " names kv head ", h, ", outside 0..", H - 1);
-      const auto& mu = mus[g];
-      if (mu.has_value())
-        TORCH_CHECK(mu->scalar_type() == torch::kHalf && mu->is_contiguous() && mu->sizes().equals({B, Hg, 1, D}),
-                    gn, ": its centring mean must be a contiguous float16 [", B, ", ", Hg, ", 1, ", D, "] tensor, got ",
-                    c10::toString(mu->scalar_type()), " ", mu->sizes());
-      const at::Half* mp = mu.has_value() ? mu->data_ptr<at::Half>() : nullptr;
-      const auto& tb = tables[g];
-      TORCH_CHECK(tb.size() == 3, gn, ": a group's tables are three tensors, got ", tb.size());
-      const bool turbo = kinds[g] == "turbo";
-      TORCH_CHECK(turbo || kinds[g] == "pcaq", gn, ": kind must be turbo or pcaq, got ", kinds[g]);
-      int64_t nbytes = 0, nb = 0;
-      const uint8_t* wp = nullptr;
-      if (turbo) {
-        TORCH_CHECK(bits[g] >= 1 && bits[g] <= 8, gn, ": bits must be in 1..8, got ", bits[g]);
-        const int64_t nlev = int64_t(1) << bits[g];
-        check_const(tb[0], "rotation", cd, {D, D});
-        check_const(tb[1], "levels", cd, {nlev});
-        check_const(tb[2], "bounds", cd, {nlev - 1});
-        nbytes = (D * bits[g] + 7) / 8;
-        nb = nlev - 1;
-      } else {
-        check_const(tb[0], "transform", cd, {Hg, D, D});
-        TORCH_CHECK(tb[1].dim() == 3 && tb[1].size(2) >= 1, gn, ": bounds must be [", Hg, ", ", D, ", levels - 1]");
-        nb = tb[1].size(2);
-        check_const(tb[1], "bounds", cd, {Hg, D, nb});
-        TORCH_CHECK(tb[2].scalar_type() == torch::kUInt8 && tb[2].is_contiguous() && tb[2].sizes().equals({Hg, D}),
-                    gn, ": widths must be a contiguous uint8 [", Hg, ", ", D, "] tensor");
-        wp = tb[2].data_ptr<uint8_t>();
-        int64_t total = -1;
-        for (int64_t h = 0; h < Hg; ++h) {
-          int64_t b = 0;
-          for (int64_t j = 0; j < D; ++j) {
-            TORCH_CHECK(wp[h * D + j] <= 8 && (int64_t(1) << wp[h * D + j]) - 1 <= nb, gn, ": widths[", h, ", ", j,
-                        "] is above 8 bits or above what bounds cover");
-            b += wp[h * D + j];
-          }
-          TORCH_CHECK(total < 0 || b == total, gn, ": widths: head ", h, " packs ", b, " bits per row, head 0 ", total);
-          total = b;
-        }
-        nbytes = (total + 7) / 8;
-      }
+    for (size_t g = 0; g < plans.size(); ++g) {
+      const GroupPlan& p = plans[g];
+      const int64_t Hg = p.Hg;
       auto check_dst = [&](const torch::Tensor& d, int64_t at, at::ScalarType dt, int64_t width, size_t i) {
         TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == dt && d.dim() == 4 && d.size(0) == B &&
                         d.size(1) == Hg && d.size(3) == width && d.stride(3) == 1,
-                    "dsts[", i, "] (", gn, ") must be a CPU ", c10::toString(dt), " [", B, ", ", Hg, ", capacity, ",
-                    width, "] buffer with unit last stride, got ", c10::toString(d.scalar_type()), " ", d.sizes());
+                    "dsts[", i, "] (group ", g, ") must be a CPU ", c10::toString(dt), " [", B, ", ", Hg,
+                    ", capacity, ", width, "] buffer with unit last stride, got ", c10::toString(d.scalar_type()), " ",
+                    d.sizes());
         TORCH_CHECK(at >= 0 && at + n <= d.size(2), "offsets[", i, "] = ", at, ": rows [", at, ", ", at + n,
                     ") do not fit dsts[", i, "]'s ", d.size(2), " rows");
       };
       const auto& cdst = dsts[k];
       const int64_t coff = offsets[k];
-      check_dst(cdst, coff, torch::kUInt8, nbytes, k);
+      check_dst(cdst, coff, torch::kUInt8, p.nbytes, k);
       uint8_t* cp = cdst.data_ptr<uint8_t>();
+      const std::array<int64_t, 3> cs{cdst.stride(0), cdst.stride(1), cdst.stride(2)};
       at::Half* np = nullptr;
       int64_t noff = 0;
       std::array<int64_t, 3> ns{0, 0, 0};
-      if (turbo) {
-        check_dst(dsts[k + 1], offsets[k + 1], torch::kHalf, 1, k + 1);
-        np = dsts[k + 1].data_ptr<at::Half>();
+      if (p.turbo) {
+        const auto& nd = dsts[k + 1];
+        check_dst(nd, offsets[k + 1], torch::kHalf, 1, k + 1);
+        np = nd.data_ptr<at::Half>();
         noff = offsets[k + 1];
-        ns = {dsts[k + 1].stride(0), dsts[k + 1].stride(1), dsts[k + 1].stride(2)};
+        ns = {nd.stride(0), nd.stride(1), nd.stride(2)};
       }
-      const std::array<int64_t, 3> cs{cdst.stride(0), cdst.stride(1), cdst.stride(2)};
-      const std::array<int64_t, 3> ss{src.stride(0), src.stride(1), src.stride(2)};
-      const bool normfix_g = normfix[g];
-      const int64_t bits_g = bits[g];
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "encode_into", [&] {
         using S = scalar_t;
         using T = std::conditional_t<std::is_same_v<S, double>, double, float>;
         const S* sp = src.data_ptr<S>();
-        const T* t0 = tb[0].data_ptr<T>();
-        const T* t1 = tb[1].data_ptr<T>();
-        const T* t2 = turbo ? tb[2].data_ptr<T>() : nullptr;
-        at::parallel_for(0, B * Hg * n, 16, [&](int64_t r0, int64_t r1) {
-          std::vector<T> xr(D), u(D);
+        const T* t0 = static_cast<const T*>(p.t0);
+        const T* t1 = static_cast<const T*>(p.t1);
+        const T* t2 = static_cast<const T*>(p.t2);
+        const auto body = [&](int64_t r0, int64_t r1) {
+          std::array<T, MAX_HEAD_DIM> xr, u;
           for (int64_t r = r0; r < r1; ++r) {
             const int64_t b = r / (Hg * n), j = (r / n) % Hg, t = r % n;
-            const S* row = sp + b * ss[0] + hs[j] * ss[1] + (start + t) * ss[2];
-            const at::Half* m = mp == nullptr ? nullptr : mp + (b * Hg + j) * D;
+            const S* row = sp + b * ss[0] + p.heads[j] * ss[1] + (start + t) * ss[2];
+            const at::Half* m = p.mu == nullptr ? nullptr : p.mu + (b * Hg + j) * D;
             for (int64_t i = 0; i < D; ++i)
               xr[i] = m == nullptr ? static_cast<T>(row[i])
                                    : static_cast<T>(row[i]) - static_cast<T>(static_cast<float>(m[i]));
             uint8_t* out = cp + b * cs[0] + j * cs[1] + (coff + t) * cs[2];
-            if (turbo)
-              encode_row(xr.data(), D, t0, t1, t2, nb, bits_g, normfix_g, u.data(), out, nbytes,
+            if (p.turbo)
+              encode_row(xr.data(), D, t0, t1, t2, p.nb, p.bits, p.normfix, u.data(), out, p.nbytes,
                          np + b * ns[0] + j * ns[1] + (noff + t) * ns[2]);
             else
-              pcaq_encode_row(xr.data(), D, t0 + j * D * D, t1 + j * D * nb, nb, wp + j * D, out, nbytes);
+              pcaq_encode_row(xr.data(), D, t0 + j * D * D, t1 + j * D * p.nb, p.nb, p.widths + j * D, out,
+                              p.nbytes);
           }
-        });
+        };
+        const int64_t rows = B * Hg * n;
+        if (rows <= 16)  // (a decode step: inline, no pool round trip)
+          body(0, rows);
+        else
+          at::parallel_for(0, rows, 16, body);
       });
-      k += turbo ? 2 : 1;
+      k += p.turbo ? 2 : 1;
     }
   }
 };
