@@ -23,35 +23,34 @@ from .base import Codec, native_encoder
 __all__ = ["heads_encoder", "native_append_codec"]
 
 
+def _groups(codec: Codec, state: dict[str, torch.Tensor], heads: int):
+    """``(sub-codecs, heads per group, states, field prefixes)``: a per-head codec's own groups (``append_groups``),
+    else one group of every head."""
+    own = getattr(codec, "append_groups", None)
+    if own is not None:
+        return own(state)
+    return [codec], [list(range(heads))], [state], [""]
+
+
 def native_append_codec(codec: Codec) -> bool:
     """Whether ``codec``'s family has a native encode (TurboQuant-MSE, calibrated keys, per-head layers of them)."""
     from .calibrated import PcaKeyCodec
-    from .heads import HeadSplitCodec
     from .turbo import TurboCodec
 
-    if type(codec) is HeadSplitCodec:
-        return all(type(c) in (TurboCodec, PcaKeyCodec) for c in codec.subs)
-    return type(codec) in (TurboCodec, PcaKeyCodec)
+    subs = getattr(codec, "subs", None) if hasattr(codec, "append_groups") else [codec]
+    return all(type(c) in (TurboCodec, PcaKeyCodec) for c in subs)
 
 
 def heads_encoder(codec: Codec, state: dict[str, torch.Tensor], dtype: torch.dtype, d: int, batch: int,
                   heads: int):
     """``(field names, HeadsEncoder)`` for ``codec`` under ``state`` (rows of ``dtype``, ``head_dim`` ``d``, ``batch``
     sequences, ``heads`` KV heads), or ``str``: why there is none."""
-    from .heads import HeadSplitCodec
-
     if not native_append_codec(codec):
         return f"no native encoder for {codec.spec}"
     if not dtype.is_floating_point:
         return f"{dtype} rows"
     cd = torch.float64 if dtype == torch.float64 else torch.float32  # (16-bit rows compute in float32)
-    if type(codec) is HeadSplitCodec:
-        groups = [list(g) for g in codec.groups]
-        subs = list(codec.subs)
-        states = [HeadSplitCodec.sub_fields(state, g) for g in range(len(subs))]
-        prefixes = [HeadSplitCodec.field_prefix(g) for g in range(len(subs))]
-    else:
-        groups, subs, states, prefixes = [list(range(heads))], [codec], [state], [""]
+    subs, groups, states, prefixes = _groups(codec, state, heads)
     return _build(subs, groups, states, prefixes, cd, d, batch)
 
 

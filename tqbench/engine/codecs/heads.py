@@ -78,6 +78,13 @@ class HeadSplitCodec(Codec):
         prefix = HeadSplitCodec.field_prefix(g)
         return {k[len(prefix):]: v for k, v in d.items() if k.startswith(prefix)}
 
+    def append_groups(self, state: dict[str, torch.Tensor]) -> tuple[list, list, list, list]:
+        """``(sub-codecs, heads per group, sub-states, field prefixes)``: what the native encoder of new rows reads
+        (``codecs.appender``)."""
+        n = len(self.subs)
+        return (list(self.subs), [list(g) for g in self.groups], [self.sub_fields(state, g) for g in range(n)],
+                [self.field_prefix(g) for g in range(n)])
+
     @property
     def encoder_fallback(self) -> str | None:
         return next((w for c in self.subs if (w := getattr(c, "encoder_fallback", None))), None)
