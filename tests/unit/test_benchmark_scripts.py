@@ -305,8 +305,12 @@ def test_step_cost_splits_a_fused_step_into_append_glue_kernel_and_the_rest(tmp_
            "--steps", "2", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(out.read_text())["rows"][0]
+    row, base = json.loads(out.read_text())["rows"]
     assert row["context"] == 24 and row["fused_impl"] == {"native-cpu": row["fused_impl"]["native-cpu"]}
-    parts = sum(row[f"{k}_ms_per_step"] for k in ("append", "glue", "kernel", "rest"))
-    assert row["kernel_ms_per_step"] > 0 and row["append_ms_per_step"] > 0
-    assert abs(parts - row["total_ms_per_step"]) < 0.01 + 0.05 * row["total_ms_per_step"]
+    assert row["notes"] == []  # the step's new rows were packed in place, natively
+    assert base["cache"] == "dense-fp16-kernel" and base["context"] == 24
+    assert row["step_time_vs_baseline"] == round(row["total_ms_per_step"] / base["total_ms_per_step"], 3)
+    for r in (row, base):
+        parts = sum(r[f"{k}_ms_per_step"] for k in ("append", "glue", "kernel", "rest"))
+        assert r["kernel_ms_per_step"] > 0 and r["append_ms_per_step"] > 0
+        assert abs(parts - r["total_ms_per_step"]) < 0.01 + 0.05 * r["total_ms_per_step"]

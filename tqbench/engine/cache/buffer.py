@@ -13,12 +13,14 @@ class GrowBuffer:
     rows past the new end writable again: views of them taken before the crop must not be read after it.
     ``state()`` / ``restore()`` take the buffer back to an earlier point (its tensor, start and length)."""
 
-    __slots__ = ("data", "n", "start")
+    __slots__ = ("_bytes", "_view", "data", "n", "start")
 
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
         self.n = 0
         self.start = 0
+        self._bytes: tuple | None = None  # (data, its bytes): ``alloc_bytes`` is asked every decode step
+        self._view: tuple | None = None  # (data, start, n, the view): a buffer that did not change (sinks) is not sliced again
 
     def append(self, x: torch.Tensor) -> None:
         t = x.shape[2]
@@ -28,18 +30,30 @@ class GrowBuffer:
             shape = list(x.shape)
             shape[2] = max(t, 16)
             self.data, self.start = x.new_empty(shape), 0
-        elif self.start + self.n + t > self.data.shape[2]:
+        end = self.reserve(t)
+        self.data[:, :, end : end + t] = x
+
+    def reserve(self, t: int) -> int:
+        """Room for ``t`` more rows (the buffer exists): they now count as held; returns the offset in ``data`` of
+        the first, for the caller to write them there (the native append path writes packed rows in place)."""
+        if self.start + self.n + t > self.data.shape[2]:
             shape = list(self.data.shape)
             shape[2] = max(self.n + t, 2 * shape[2]) if self.start == 0 else max(16, 2 * (self.n + t))
             grown = self.data.new_empty(shape)
             grown[:, :, : self.n] = self.data[:, :, self.start : self.start + self.n]
             self.data, self.start = grown, 0
         end = self.start + self.n
-        self.data[:, :, end : end + t] = x
         self.n += t
+        return end
 
     def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[:, :, self.start : self.start + self.n]
+        data = self.data
+        if data is None:
+            return None
+        hit = self._view
+        if hit is None or hit[0] is not data or hit[1] != self.start or hit[2] != self.n:
+            hit = self._view = (data, self.start, self.n, data[:, :, self.start : self.start + self.n])
+        return hit[3]
 
     def drop_front(self, t: int) -> None:
         if t <= 0:
@@ -59,7 +73,13 @@ class GrowBuffer:
 
     def alloc_bytes(self) -> int:
         """Bytes of the tensor allocated (its capacity, not just the rows in use)."""
-        return 0 if self.data is None else self.data.numel() * self.data.element_size()
+        data = self.data
+        if data is None:
+            return 0
+        hit = self._bytes
+        if hit is None or hit[0] is not data:
+            hit = self._bytes = (data, data.numel() * data.element_size())
+        return hit[1]
 
     def nbytes(self) -> int:
         if self.data is None:

@@ -194,8 +194,9 @@ class TQLayer(CacheLayerMixin):
                 dk, dv = evictor.demoted
                 handle.tier = Tier(dk, dv, snapshot(dk), snapshot(dv))
             first_held = (self.k_store.dropped, self.v_store.dropped)
-            ck, cuts_k = self.k_store.append_points(key_states, points)
-            cv, cuts_v = self.v_store.append_points(value_states, points)
+            keep = points is not None  # (only a verification call's plan reads the chunks packed)
+            ck, cuts_k = self.k_store.append_points(key_states, points, keep)
+            cv, cuts_v = self.v_store.append_points(value_states, points, keep)
             plan = self._plan(n0, first, cut0, (cuts_k, cuts_v), points, n0 - handle.k_store_tokens)
             if plan is not None:
                 base = tuple(

@@ -9,6 +9,7 @@ from tqbench.engine.cache.fused.groups import GroupStore
 from tqbench.engine.cache.geometry import dense_fp16_bytes, fp16_row_bytes, window_rows
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
+from tqbench.engine.cache.store import APPEND_IN_PLACE
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, HeadSplitCodec, TurboCodec
 from tqbench.engine.policy.keep import fmt_keep
 from tqbench.engine.policy.spec import Policy
@@ -104,6 +105,8 @@ def build_report(cache) -> CacheReport:
     slow = sorted({why for la in layers for c in (la.k_codec, la.v_codec)
                    if (why := getattr(c, "encoder_fallback", None))})
     rep.notes.extend(slow)  # the append path's fast path did not run: say so, and why
+    rep.notes.extend(sorted({why for la in layers for s in (la.k_store, la.v_store)
+                             if (why := getattr(s, "append_path", None)) and why != APPEND_IN_PLACE}))
     if windowed:
         rep.notes.append(
             f"{len(windowed)} sliding-window layers hold only their window ({window_rows(cache.sliding_window)} tokens, "

@@ -37,7 +37,10 @@ from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.geometry import FP_BYTES, fp16_row_bytes
 from tqbench.engine.codecs.base import Codec
 
-__all__ = ["FP_BYTES", "GrowBuffer", "KVStore", "window_start"]
+__all__ = ["APPEND_IN_PLACE", "FP_BYTES", "GrowBuffer", "KVStore", "window_start"]
+
+#: ``KVStore.append_path`` when new rows are packed by one native call straight into the packed buffers
+APPEND_IN_PLACE = "native-in-place"
 
 _STATE_VERSIONS = itertools.count(1)  # a calibration's identity (``id()`` of a freed dict can come back)
 
@@ -87,6 +90,11 @@ class KVStore:
         #: the most bytes of dense (unpacked) rows this store held at once: the caller's incoming rows + the
         #: sink and tail buffers' capacity (+ the old tail buffer while it grows), in the rows' own dtype
         self.peak_dense_bytes = 0
+        #: (state version, tail buffer, the native encoder of this state or why none): ``_encode_in_place``
+        self._appender: tuple | None = None
+        #: how new rows were last packed: "native-in-place", None (not yet, or a codec without a native encode),
+        #: or why the native path could not run (the cache report says it)
+        self.append_path: str | None = None
 
     # -- sizes and positions ----------------------------------------------------------------------
     @property
@@ -119,29 +127,34 @@ class KVStore:
         packed by this call, ``position`` the absolute token position of its first row."""
         return self.append_points(x)[0]
 
-    def append_points(self, x: torch.Tensor, points: list[int] | None = None) -> tuple[list, list[int]]:
+    def append_points(self, x: torch.Tensor, points: list[int] | None = None,
+                      chunks: bool = True) -> tuple[list, list[int]]:
         """Add rows, evicting and packing at ``points`` (increasing row counts within ``x``, the last one
-        ``x.shape[2]``; None: one point at the end). Returns (the chunks packed, as ``append``; ``tail_start``
-        after each point)."""
+        ``x.shape[2]``; None: one point at the end). Returns (the chunks packed, as ``append``, or ``[]`` when
+        ``chunks`` is False: the caller does not read them; ``tail_start`` after each point)."""
         t = x.shape[2]
         if t == 0 and not points:
             return [], [self.tail_start]
+        if points is None and self._mark is None:  # one point (a decode step): the loop below, for its one point
+            self._add(x, x.numel() * x.element_size())
+            self.last_evicted = self._evict() if self.window is not None else 0
+            return ([] if self.defer else self._flush(chunks)), [self.tail_start]
         points = [t] if points is None else points
         if not points or points[-1] != t or any(b <= a for a, b in zip([0, *points], points)):
             raise ValueError(f"points {points} must increase and end at the {t} rows appended")
         if self._mark is not None:
             self._mark.rows.append((x, points))
         incoming = x.numel() * x.element_size()
-        chunks, cuts, evicted, prev = [], [], 0, 0
+        out, cuts, evicted, prev = [], [], 0, 0
         for p in points:
-            self._add(x[:, :, prev:p], incoming)
+            self._add(x if p == t and prev == 0 else x[:, :, prev:p], incoming)
             prev = p
             evicted += self._evict() if self.window is not None else 0
             if not self.defer:
-                chunks += self._flush()
+                out += self._flush(chunks)
             cuts.append(self.tail_start)
         self.last_evicted = evicted
-        return chunks, cuts
+        return out, cuts
 
     def _add(self, x: torch.Tensor, incoming: int) -> None:
         self.seen += x.shape[2]
@@ -182,7 +195,7 @@ class KVStore:
         self.state_version = next(_STATE_VERSIONS)
         self.calibrated_at = self.seen
 
-    def _flush(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    def _flush(self, chunks: bool = True) -> list[tuple[int, dict[str, torch.Tensor]]]:
         if self.codec.lossless:
             return []
         tpu = self.codec.tokens_per_unit
@@ -193,14 +206,48 @@ class KVStore:
             # calibrate (key centering mean, outlier channels) on every full-precision row seen so far
             seen = [t for t in (self.head.view(), self.tail.view()) if t is not None and t.shape[2]]
             self._set_state(self.codec.calibrate(torch.cat(seen, dim=2)))
-        rows = self.tail.view()[:, :, :n]
-        enc = self.codec.encode(rows, self.state)
-        for name, t in enc.items():
-            self.packed.setdefault(name, GrowBuffer()).append(t)
         start = self.tail_start
+        placed = self._encode_in_place(n)
+        if placed is None:
+            enc = self.codec.encode(self.tail.view()[:, :, :n], self.state)
+            for name, t in enc.items():
+                self.packed.setdefault(name, GrowBuffer()).append(t)
         self.n_packed += n
         self.tail.drop_front(n)
+        if not chunks:
+            return []
+        if placed is not None:
+            enc = {name: buf.data[:, :, at : at + n] for name, buf, at in placed}
         return [(start, enc)]
+
+    def _encode_in_place(self, n: int) -> list | None:
+        """The decode step's append path: the tail's first ``n`` rows quantized + packed by one native call straight
+        into the packed buffers (``codecs.appender``); ``(name, buffer, offset)`` per field, or None when the codec's
+        ``encode`` must run instead (no packed buffers yet, or no native encoder: ``append_path`` says why)."""
+        data = self.tail.data
+        hit = self._appender  # (kept while the state and the row buffer stand: its dtype, batch, heads, head_dim)
+        if hit is None or hit[0] != self.state_version or hit[1] is not data:
+            if data.device.type != "cpu":
+                return None
+            from tqbench.engine.codecs.appender import heads_encoder, native_append_codec
+
+            made = heads_encoder(self.codec, self.state, data.dtype, data.shape[3], data.shape[0], data.shape[1])
+            if isinstance(made, str):
+                self.append_path = (f"{self.codec.spec}: new rows packed through the codec's encode, not in place "
+                                    f"({made})") if native_append_codec(self.codec) else None
+            else:
+                self.append_path = APPEND_IN_PLACE
+            hit = self._appender = (self.state_version, data, made)
+        made = hit[2]
+        if isinstance(made, str):
+            return None
+        names, encoder = made
+        bufs = [(name, self.packed.get(name)) for group in names for name in group]
+        if any(buf is None for _, buf in bufs):  # the first packed rows make the buffers (their shapes, dtypes)
+            return None
+        placed = [(name, buf, buf.reserve(n)) for name, buf in bufs]
+        encoder.encode_into(data, self.tail.start, n, [buf.data for _, buf, _ in placed], [at for *_, at in placed])
+        return placed
 
     # -- rollback -----------------------------------------------------------------------------
     def mark(self) -> None:

@@ -78,6 +78,13 @@ class HeadSplitCodec(Codec):
         prefix = HeadSplitCodec.field_prefix(g)
         return {k[len(prefix):]: v for k, v in d.items() if k.startswith(prefix)}
 
+    def append_groups(self, state: dict[str, torch.Tensor]) -> tuple[list, list, list, list]:
+        """``(sub-codecs, heads per group, sub-states, field prefixes)``: what the native encoder of new rows reads
+        (``codecs.appender``)."""
+        n = len(self.subs)
+        return (list(self.subs), [list(g) for g in self.groups], [self.sub_fields(state, g) for g in range(n)],
+                [self.field_prefix(g) for g in range(n)])
+
     @property
     def encoder_fallback(self) -> str | None:
         return next((w for c in self.subs if (w := getattr(c, "encoder_fallback", None))), None)
@@ -126,43 +133,10 @@ class HeadSplitCodec(Codec):
         return plan
 
     def _build_plan(self, dtype: torch.dtype, d: int, batch: int, state: dict[str, torch.Tensor]):
-        from .base import native_encoder
-        from .calibrated import PcaKeyCodec
-        from .turbo import TurboCodec
+        from .appender import heads_encoder
 
-        kinds, mus, tables, bits, normfix, names = [], [], [], [], [], []
-        for g, c in enumerate(self.subs):
-            sub = self.sub_fields(state, g)
-            n = len(self.groups[g])
-            if type(c) is TurboCodec:
-                mu = c._mu(sub)
-                if mu is None and c.encode_problem(d):
-                    return None
-                rot, levels, bounds = c._tables(d, "cpu", dtype)
-                kinds.append("turbo")
-                tables.append([rot.contiguous(), levels.contiguous(), bounds.contiguous()])
-                bits.append(c.bits)
-                normfix.append(bool(c.norm_correction))
-                names.append((f"g{g}.idx", f"g{g}.norm"))
-            elif type(c) is PcaKeyCodec:
-                widths, _, enc, _, bounds = c._layer_tables(d, "cpu", dtype)
-                if widths.shape[0] != n:
-                    return None
-                mu = c._mu(sub)
-                kinds.append("pcaq")
-                tables.append([enc.contiguous(), bounds.contiguous(), c.fused_tables(d, "cpu", dtype)[0]])
-                bits.append(0)
-                normfix.append(False)
-                names.append((f"g{g}.idx",))
-            else:
-                return None
-            if mu is not None and tuple(mu.shape) != (batch, n, 1, d):
-                return None
-            mus.append(None if mu is None else mu.to(torch.float16).contiguous())
-        mod = native_encoder(self.subs[0])
-        if mod is None:
-            return None
-        return names, mod.HeadsEncoder(kinds, [list(h) for h in self.groups], mus, tables, bits, normfix)
+        plan = heads_encoder(self, state, dtype, d, batch, self.heads)
+        return None if isinstance(plan, str) else plan
 
     def decode(self, enc: Encoded, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         out = None

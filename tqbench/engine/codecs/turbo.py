@@ -34,6 +34,9 @@ from .rotation import ROTATIONS, gaussian_matrix, gaussian_matrix_bytes, rotatio
 __all__ = ["TurboCodec", "TurboProdCodec", "TurboSplitCodec"]
 
 _FP16_MAX = torch.finfo(torch.float16).max
+#: (rotation kind, seed, head_dim, device, dtype) -> the rotation matrix: a constant, never written, one copy per
+#: process (a model's layers and sides read the same 16 KB+ table: fewer bytes for the decode step's caches to hold)
+_SHARED_ROTATIONS: dict[tuple, torch.Tensor] = {}
 _Device = torch.device | str | None
 
 
@@ -108,10 +111,13 @@ class TurboCodec(_Centered):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (head_dim, str(torch.device(device) if device is not None else "cpu"), dtype)
         if key not in self._consts:
-            rot = rotation_matrix(head_dim, self.rotation, self.seed).to(device=device, dtype=dtype)
+            shared = (self.rotation, self.seed, *key)  # codecs of one rotation share one copy (every layer's K, V)
+            if shared not in _SHARED_ROTATIONS:
+                _SHARED_ROTATIONS[shared] = rotation_matrix(head_dim, self.rotation, self.seed).to(device=device,
+                                                                                                  dtype=dtype)
             levels = lloyd_max_codebook(head_dim, self.bits)
             bounds = (0.5 * (levels[1:] + levels[:-1])).to(device=device, dtype=dtype)
-            self._consts[key] = (rot, levels.to(device=device, dtype=dtype), bounds)
+            self._consts[key] = (_SHARED_ROTATIONS[shared], levels.to(device=device, dtype=dtype), bounds)
             self._dims.add(head_dim)
         return self._consts[key]
 

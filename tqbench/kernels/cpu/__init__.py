@@ -185,8 +185,11 @@ def native_module():
 
 def native_status() -> tuple[bool, str]:
     """``(usable, why)``; builds or loads the kernel the first time it is asked."""
-    try:
-        native_module()
-    except NativeUnavailable as exc:
-        return False, str(exc)
-    return True, f"native CPU kernel (C++, -march=native, {native_module().rules()['isa']})"
+    status = _state.get("status")  # (asked by every fused call: answered once per process)
+    if status is None:
+        try:
+            mod = native_module()
+        except NativeUnavailable as exc:
+            return False, str(exc)
+        status = _state["status"] = (True, f"native CPU kernel (C++, -march=native, {mod.rules()['isa']})")
+    return status

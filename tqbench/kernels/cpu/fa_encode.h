@@ -5,45 +5,52 @@
 #include "fa_rules.h"
 #include "fa_tiles.h"
 
+#include <array>
+#include <type_traits>
+
 namespace {
 
 // TurboQuant quantize + pack of new rows (the append path): per row, norm, unit row rotated by R, codes by
 // bucketize against the codebook's midpoints (index = number of bounds strictly below), least-squares norm
 // correction onto the dequantized direction, LSB-first packing. Rows are centred by the caller.
+// One centred row: its norm, the unit row rotated by R, codes by bucketize against the codebook's midpoints (index =
+// number of bounds strictly below), the least-squares norm correction onto the dequantized direction, LSB-first
+// packing into `out` (nbytes) and the fp16 norm into `norm`. `u` is scratch of D values.
+template <typename T>
+inline void encode_row(const T* xr, int64_t D, const T* R, const T* levels, const T* bounds, int64_t nb,
+                       int64_t bits, bool normfix, T* u, uint8_t* out, int64_t nbytes, at::Half* norm_out) {
+  T ss = 0;
+  for (int64_t j = 0; j < D; ++j) ss += xr[j] * xr[j];
+  const T n = std::sqrt(ss);
+  const T nc = std::max(n, std::numeric_limits<T>::min());
+  for (int64_t j = 0; j < D; ++j) u[j] = xr[j] / nc;
+  T dotc = 0, cc = 0;
+  std::memset(out, 0, nbytes);
+  for (int64_t i = 0; i < D; ++i) {
+    const T v = dot(R + i * D, u, D);
+    int64_t k = 0;
+    while (k < nb && bounds[k] < v) ++k;
+    dotc += v * levels[k];
+    cc += levels[k] * levels[k];
+    const int64_t bit = i * bits;
+    const uint8_t c = static_cast<uint8_t>(k);
+    out[bit >> 3] |= static_cast<uint8_t>(c << (bit & 7));
+    if ((bit & 7) + bits > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(c >> (8 - (bit & 7)));
+  }
+  T norm = normfix ? n * dotc / cc : n;
+  norm = std::min<T>(std::max<T>(norm, T(0)), T(65504));
+  *norm_out = at::Half(static_cast<float>(norm));
+}
+
+// TurboQuant quantize + pack of new rows (the append path): `encode_row` per row. Rows are centred by the caller.
 template <typename T>
 void encode_rows(const T* x, int64_t rows, int64_t D, const T* R, const T* levels, const T* bounds, int64_t nb,
                  int64_t bits, bool normfix, uint8_t* codes, int64_t nbytes, at::Half* norms) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<T> u(D), ur(D);
-    std::vector<uint8_t> idx(D);
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * D;
-      T ss = 0;
-      for (int64_t j = 0; j < D; ++j) ss += xr[j] * xr[j];
-      const T n = std::sqrt(ss);
-      const T nc = std::max(n, std::numeric_limits<T>::min());
-      for (int64_t j = 0; j < D; ++j) u[j] = xr[j] / nc;
-      T dotc = 0, cc = 0;
-      for (int64_t i = 0; i < D; ++i) {
-        const T v = dot(R + i * D, u.data(), D);
-        ur[i] = v;
-        int64_t k = 0;
-        while (k < nb && bounds[k] < v) ++k;
-        idx[i] = static_cast<uint8_t>(k);
-        dotc += v * levels[k];
-        cc += levels[k] * levels[k];
-      }
-      T norm = normfix ? n * dotc / cc : n;
-      norm = std::min<T>(std::max<T>(norm, T(0)), T(65504));
-      norms[r] = at::Half(static_cast<float>(norm));
-      uint8_t* out = codes + r * nbytes;
-      std::memset(out, 0, nbytes);
-      for (int64_t i = 0; i < D; ++i) {
-        const int64_t bit = i * bits;
-        out[bit >> 3] |= static_cast<uint8_t>(idx[i] << (bit & 7));
-        if ((bit & 7) + bits > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(idx[i] >> (8 - (bit & 7)));
-      }
-    }
+    std::vector<T> u(D);
+    for (int64_t r = r0; r < r1; ++r)
+      encode_row(x + r * D, D, R, levels, bounds, nb, bits, normfix, u.data(), codes + r * nbytes, nbytes,
+                 norms + r);
   });
 }
 
@@ -90,29 +97,37 @@ std::vector<torch::Tensor> turbo_encode(torch::Tensor x, torch::Tensor rotation,
 // pcaq quantize + pack of new rows (the append path of calibrated keys): per row and head, z = E_h x (the rows are
 // centred by the caller), code j = the number of bounds[h, j] strictly below z_j (bounds past 2**widths[h, j] - 1
 // are +inf), packed LSB-first at the sum of the widths before it.
+// One centred row of head h: z = E_h x, code j = the number of bounds[h, j] strictly below z_j (bounds past
+// 2**widths[h, j] - 1 are +inf), packed LSB-first at the sum of the widths before it. `E`, `bounds`, `w` are head h's.
+template <typename T>
+inline void pcaq_encode_row(const T* xr, int64_t D, const T* E, const T* bounds, int64_t nb, const uint8_t* w,
+                            uint8_t* out, int64_t nbytes) {
+  std::memset(out, 0, nbytes);
+  int64_t bit = 0;
+  for (int64_t j = 0; j < D; ++j) {
+    const int64_t wj = w[j];
+    if (wj == 0) continue;
+    const T z = dot(E + j * D, xr, D);
+    const T* bj = bounds + j * nb;
+    int64_t k = 0;
+    while (k < nb && bj[k] < z) ++k;
+    const uint32_t c = static_cast<uint32_t>(std::min<int64_t>(k, (int64_t(1) << wj) - 1));
+    out[bit >> 3] |= static_cast<uint8_t>(c << (bit & 7));
+    if ((bit & 7) + wj > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(c >> (8 - (bit & 7)));
+    bit += wj;
+  }
+}
+
+// pcaq quantize + pack of new rows (the append path of calibrated keys): `pcaq_encode_row` per row and head (the
+// rows are centred by the caller).
 template <typename T>
 void pcaq_encode_rows(const T* x, int64_t B, int64_t H, int64_t N, int64_t D, const T* E, const T* bounds,
                       int64_t nb, const uint8_t* widths, uint8_t* codes, int64_t nbytes) {
   at::parallel_for(0, B * H * N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t h = (r / N) % H;
-      const T* xr = x + r * D;
-      const uint8_t* w = widths + h * D;
-      uint8_t* out = codes + r * nbytes;
-      std::memset(out, 0, nbytes);
-      int64_t bit = 0;
-      for (int64_t j = 0; j < D; ++j) {
-        const int64_t wj = w[j];
-        if (wj == 0) continue;
-        const T z = dot(E + (h * D + j) * D, xr, D);
-        const T* bj = bounds + (h * D + j) * nb;
-        int64_t k = 0;
-        while (k < nb && bj[k] < z) ++k;
-        const uint32_t c = static_cast<uint32_t>(std::min<int64_t>(k, (int64_t(1) << wj) - 1));
-        out[bit >> 3] |= static_cast<uint8_t>(c << (bit & 7));
-        if ((bit & 7) + wj > 8) out[(bit >> 3) + 1] |= static_cast<uint8_t>(c >> (8 - (bit & 7)));
-        bit += wj;
-      }
+      pcaq_encode_row(x + r * D, D, E + h * D * D, bounds + h * D * nb, nb, widths + h * D, codes + r * nbytes,
+                      nbytes);
     }
   });
 }
@@ -246,6 +261,174 @@ struct HeadsEncoder {
   std::vector<bool> normfix;
   std::vector<std::vector<torch::Tensor>> encode(torch::Tensor x) const {
     return heads_encode(std::move(x), kinds, heads, mus, tables, bits, normfix);
+  }
+  // The decode step's append path: rows [start, start + n) of a store's row buffer `src` ([B, H, capacity, D], unit
+  // last stride; float32 / float64, or 16-bit rows computed in float32 as the codecs' torch path computes them)
+  // centred, quantized and packed row by row (`encode_row` / `pcaq_encode_row`, the arithmetic of `encode`) straight
+  // into the packed buffers `dsts` (one per field, in the groups' field order: turbo codes, norms; pcaq codes; each
+  // [B, Hg, capacity, width] with unit last stride) at row offset `offsets[i]` of each: no tensor is allocated.
+  // What encode_into reads of one group, checked once per (compute dtype, batch, heads, head_dim): the tables stand
+  // while the encoder does (it holds them), so a decode step checks only its rows and buffers.
+  struct GroupPlan {
+    bool turbo;
+    int64_t Hg, nbytes, nb, bits;
+    bool normfix;
+    const int64_t* heads;
+    const at::Half* mu;
+    const void* t0;
+    const void* t1;
+    const void* t2;
+    const uint8_t* widths;
+  };
+  mutable std::vector<GroupPlan> plans;
+  mutable std::array<int64_t, 4> planned{-1, -1, -1, -1};  // (compute dtype, B, H, D) the plans were checked for
+
+  void prepare(at::ScalarType cd, int64_t B, int64_t H, int64_t D) const {
+    const std::array<int64_t, 4> key{static_cast<int64_t>(cd), B, H, D};
+    if (key == planned) return;
+    planned = {-1, -1, -1, -1};
+    plans.clear();
+    for (size_t g = 0; g < kinds.size(); ++g) {
+      const std::string gn = "group " + std::to_string(g);
+      const auto& hs = heads[g];
+      const int64_t Hg = static_cast<int64_t>(hs.size());
+      TORCH_CHECK(Hg >= 1, gn, " names no heads");
+      for (int64_t h : hs) TORCH_CHECK(h >= 0 && h < H, gn, " names kv head ", h, ", outside 0..", H - 1);
+      const auto& mu = mus[g];
+      if (mu.has_value())
+        TORCH_CHECK(mu->device().is_cpu() && mu->scalar_type() == torch::kHalf && mu->is_contiguous() &&
+                        mu->sizes().equals({B, Hg, 1, D}),
+                    gn, ": its centring mean must be a contiguous CPU float16 [", B, ", ", Hg, ", 1, ", D,
+                    "] tensor, got ", c10::toString(mu->scalar_type()), " ", mu->sizes());
+      const auto& tb = tables[g];
+      TORCH_CHECK(tb.size() == 3, gn, ": a group's tables are three tensors, got ", tb.size());
+      const bool turbo = kinds[g] == "turbo";
+      TORCH_CHECK(turbo || kinds[g] == "pcaq", gn, ": kind must be turbo or pcaq, got ", kinds[g]);
+      GroupPlan p{turbo, Hg, 0, 0, bits[g], static_cast<bool>(normfix[g]), hs.data(),
+                  mu.has_value() ? mu->data_ptr<at::Half>() : nullptr, tb[0].data_ptr(), tb[1].data_ptr(),
+                  tb[2].data_ptr(), nullptr};
+      if (turbo) {
+        TORCH_CHECK(bits[g] >= 1 && bits[g] <= 8, gn, ": bits must be in 1..8, got ", bits[g]);
+        const int64_t nlev = int64_t(1) << bits[g];
+        check_const(tb[0], "rotation", cd, {D, D});
+        check_const(tb[1], "levels", cd, {nlev});
+        check_const(tb[2], "bounds", cd, {nlev - 1});
+        p.nbytes = (D * bits[g] + 7) / 8;
+        p.nb = nlev - 1;
+      } else {
+        check_const(tb[0], "transform", cd, {Hg, D, D});
+        TORCH_CHECK(tb[1].dim() == 3 && tb[1].size(2) >= 1, gn, ": bounds must be [", Hg, ", ", D, ", levels - 1]");
+        p.nb = tb[1].size(2);
+        check_const(tb[1], "bounds", cd, {Hg, D, p.nb});
+        TORCH_CHECK(tb[2].device().is_cpu() && tb[2].scalar_type() == torch::kUInt8 && tb[2].is_contiguous() &&
+                        tb[2].sizes().equals({Hg, D}),
+                    gn, ": widths must be a contiguous CPU uint8 [", Hg, ", ", D, "] tensor");
+        const uint8_t* wp = tb[2].data_ptr<uint8_t>();
+        int64_t total = -1;
+        for (int64_t h = 0; h < Hg; ++h) {
+          int64_t b = 0;
+          for (int64_t j = 0; j < D; ++j) {
+            TORCH_CHECK(wp[h * D + j] <= 8 && (int64_t(1) << wp[h * D + j]) - 1 <= p.nb, gn, ": widths[", h, ", ",
+                        j, "] is above 8 bits or above what bounds cover");
+            b += wp[h * D + j];
+          }
+          TORCH_CHECK(total < 0 || b == total, gn, ": widths: head ", h, " packs ", b, " bits per row, head 0 ",
+                      total);
+          total = b;
+        }
+        p.nbytes = (total + 7) / 8;
+        p.widths = wp;
+      }
+      plans.push_back(p);
+    }
+    planned = key;
+  }
+
+  // The decode step's append path: rows [start, start + n) of a store's row buffer `src` ([B, H, capacity, D], unit
+  // last stride; float32 / float64, or 16-bit rows computed in float32 as the codecs' torch path computes them)
+  // centred, quantized and packed row by row (`encode_row` / `pcaq_encode_row`, the arithmetic of `encode`) straight
+  // into the packed buffers `dsts` (one per field, in the groups' field order: turbo codes, norms; pcaq codes; each
+  // [B, Hg, capacity, width] with unit last stride) at row offset `offsets[i]` of each: no tensor is allocated.
+  void encode_into(const torch::Tensor& src, int64_t start, int64_t n, const std::vector<torch::Tensor>& dsts,
+                   const std::vector<int64_t>& offsets) const {
+    TORCH_CHECK(src.device().is_cpu(), "src must be a CPU tensor, got one on ", src.device());
+    TORCH_CHECK(src.dim() == 4, "src must be 4-D [batch, kv_heads, capacity, head_dim], got shape ", src.sizes());
+    const auto st = src.scalar_type();
+    TORCH_CHECK(st == torch::kFloat || st == torch::kDouble || st == torch::kHalf || st == torch::kBFloat16,
+                "src must be float32, float64, float16 or bfloat16, got ", c10::toString(st));
+    TORCH_CHECK(src.stride(3) == 1, "src's rows must be contiguous (unit last stride), got strides ", src.strides());
+    TORCH_CHECK(n >= 0 && start >= 0 && start + n <= src.size(2), "rows [", start, ", ", start + n,
+                ") are outside src's ", src.size(2), " rows");
+    const int64_t B = src.size(0), H = src.size(1), D = src.size(3);
+    TORCH_CHECK(D >= 1 && D <= MAX_HEAD_DIM, "src has head_dim ", D, ", outside 1..", MAX_HEAD_DIM);
+    const at::ScalarType cd = st == torch::kDouble ? torch::kDouble : torch::kFloat;
+    prepare(cd, B, H, D);
+    size_t fields = 0;
+    for (const auto& p : plans) fields += p.turbo ? 2 : 1;
+    TORCH_CHECK(dsts.size() == fields && offsets.size() == fields, "dsts and offsets must have one entry per packed "
+                "field (", fields, "), got ", dsts.size(), " and ", offsets.size());
+    const std::array<int64_t, 3> ss{src.stride(0), src.stride(1), src.stride(2)};
+    size_t k = 0;
+    for (size_t g = 0; g < plans.size(); ++g) {
+      const GroupPlan& p = plans[g];
+      const int64_t Hg = p.Hg;
+      auto check_dst = [&](const torch::Tensor& d, int64_t at, at::ScalarType dt, int64_t width, size_t i) {
+        TORCH_CHECK(d.device().is_cpu() && d.scalar_type() == dt && d.dim() == 4 && d.size(0) == B &&
+                        d.size(1) == Hg && d.size(3) == width && d.stride(3) == 1,
+                    "dsts[", i, "] (group ", g, ") must be a CPU ", c10::toString(dt), " [", B, ", ", Hg,
+                    ", capacity, ", width, "] buffer with unit last stride, got ", c10::toString(d.scalar_type()), " ",
+                    d.sizes());
+        TORCH_CHECK(at >= 0 && at + n <= d.size(2), "offsets[", i, "] = ", at, ": rows [", at, ", ", at + n,
+                    ") do not fit dsts[", i, "]'s ", d.size(2), " rows");
+      };
+      const auto& cdst = dsts[k];
+      const int64_t coff = offsets[k];
+      check_dst(cdst, coff, torch::kUInt8, p.nbytes, k);
+      uint8_t* cp = cdst.data_ptr<uint8_t>();
+      const std::array<int64_t, 3> cs{cdst.stride(0), cdst.stride(1), cdst.stride(2)};
+      at::Half* np = nullptr;
+      int64_t noff = 0;
+      std::array<int64_t, 3> ns{0, 0, 0};
+      if (p.turbo) {
+        const auto& nd = dsts[k + 1];
+        check_dst(nd, offsets[k + 1], torch::kHalf, 1, k + 1);
+        np = nd.data_ptr<at::Half>();
+        noff = offsets[k + 1];
+        ns = {nd.stride(0), nd.stride(1), nd.stride(2)};
+      }
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "encode_into", [&] {
+        using S = scalar_t;
+        using T = std::conditional_t<std::is_same_v<S, double>, double, float>;
+        const S* sp = src.data_ptr<S>();
+        const T* t0 = static_cast<const T*>(p.t0);
+        const T* t1 = static_cast<const T*>(p.t1);
+        const T* t2 = static_cast<const T*>(p.t2);
+        const auto body = [&](int64_t r0, int64_t r1) {
+          std::array<T, MAX_HEAD_DIM> xr, u;
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t b = r / (Hg * n), j = (r / n) % Hg, t = r % n;
+            const S* row = sp + b * ss[0] + p.heads[j] * ss[1] + (start + t) * ss[2];
+            const at::Half* m = p.mu == nullptr ? nullptr : p.mu + (b * Hg + j) * D;
+            for (int64_t i = 0; i < D; ++i)
+              xr[i] = m == nullptr ? static_cast<T>(row[i])
+                                   : static_cast<T>(row[i]) - static_cast<T>(static_cast<float>(m[i]));
+            uint8_t* out = cp + b * cs[0] + j * cs[1] + (coff + t) * cs[2];
+            if (p.turbo)
+              encode_row(xr.data(), D, t0, t1, t2, p.nb, p.bits, p.normfix, u.data(), out, p.nbytes,
+                         np + b * ns[0] + j * ns[1] + (noff + t) * ns[2]);
+            else
+              pcaq_encode_row(xr.data(), D, t0 + j * D * D, t1 + j * D * p.nb, p.nb, p.widths + j * D, out,
+                              p.nbytes);
+          }
+        };
+        const int64_t rows = B * Hg * n;
+        if (rows <= 16)  // (a decode step: inline, no pool round trip)
+          body(0, rows);
+        else
+          at::parallel_for(0, rows, 16, body);
+      });
+      k += p.turbo ? 2 : 1;
+    }
   }
 };
 

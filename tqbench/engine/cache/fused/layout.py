@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, PcaKeyCodec, TurboCodec
-from tqbench.kernels.cpu.attention import dense_chunks, kernel_side, refresh_side
+from tqbench.kernels.cpu.attention import dense_chunks, kernel_side, key_scoring, refresh_side
 from tqbench.kernels.reference import PackedSide
 
 
@@ -63,16 +63,21 @@ def cat_rows(rows: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
 _SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def store_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype, extra=None):
+def store_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype, extra=None, score: bool = False):
+    """``(Side, extra_bytes)`` of one store's side for the native kernel, or ``str`` (why not). ``score``: a K side,
+    its integer key scoring set when the side is built (``attention.key_scoring``; a kept side keeps it)."""
     before, packed, after = layout(parts)
     chunks = [*before, *after, new] + ([] if extra is None else [extra])
     if packed is None:
-        return kernel_side(None, chunks, 0, dim, dt)
+        out = kernel_side(None, chunks, 0, dim, dt)
+        if score:
+            key_scoring(out[0], dt)
+        return out
     n_before = sum(x.shape[2] for x in before)
     payload = packed[2]
-    key = (packed[1], dim, dt, store.state_version, [t.data_ptr() for t in payload.values()])
+    key = (packed[1], dim, dt, store.state_version, score, [t.data_ptr() for t in payload.values()])
     hit = _SIDES.get(store)
-    if hit is not None and hit[0][1:4] == key[1:4]:  # same dim, dtype, state: at most the run grew or moved
+    if hit is not None and hit[0][1:5] == key[1:5]:  # same dim, dtype, state, scoring: at most the run grew or moved
         side = hit[1]
         if hit[0] != key:
             refresh_side(side, payload, packed[1])
@@ -83,18 +88,21 @@ def store_side(store, parts: tuple, new: torch.Tensor, dim: int, dt: torch.dtype
     if (desc := packed_side(store, payload, packed[1], dim, dt)) is None:
         return f"no native kernel for {store.codec.spec}"
     side, extra = kernel_side(desc, chunks, n_before, dim, dt)
+    if score:
+        key_scoring(side, dt)
     _SIDES[store] = (key, side)
     return side, extra
 
 
-def kernel_sides(kv, d: int, dt: torch.dtype):
+def kernel_sides(kv, d: int, dt: torch.dtype, score: bool = False):
     """``(k_side, v_side, total_rows, extra_bytes)`` of a ``FusedKV`` for the native kernel, or ``str`` (why not).
 
     The dense chunks are ``[sinks..., tail..., new rows]`` in token order (then a verification call's column
     sets, ``FusedKV.extra_k``), passed as they are stored
     (converted to ``dt`` only where they are in another dtype; ``extra_bytes`` counts those copies). The packed
-    run's description is kept per store and rebuilt only when the run changes."""
-    ks = store_side(kv.k_store, kv.k_parts, kv.new_k, d, dt, kv.extra_k)
+    run's description is kept per store and rebuilt only when the run changes. ``score``: the K side's integer
+    key scoring is set where the kernel can score it so (``attention.key_scoring``)."""
+    ks = store_side(kv.k_store, kv.k_parts, kv.new_k, d, dt, kv.extra_k, score)
     if isinstance(ks, str):
         return ks
     vs = store_side(kv.v_store, kv.v_parts, kv.new_v, kv.new_v.shape[-1], dt, kv.extra_v)

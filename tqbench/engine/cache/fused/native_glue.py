@@ -43,23 +43,19 @@ def store_sides(kv, d: int, dt: torch.dtype):
     side per side of a plain layer; one per group of heads of a per-head layer, each naming its KV heads (the
     kernel takes a store's groups the way it takes a batch's sequences: each its own codec description). Packed
     turbo keys the kernel can score in integers are scored so (``attention.key_scoring``)."""
-    out = _store_sides(kv, d, dt)
-    if not isinstance(out, str):
-        for side in out[0]:
-            native.key_scoring(side, dt)
-    return out
-
-
-def _store_sides(kv, d: int, dt: torch.dtype):
-    if not is_per_head(kv):
-        sides = kernel_sides(kv, d, dt)
+    if not is_per_head(kv):  # (the K side's scoring is set when it is built: layout.store_side)
+        sides = kernel_sides(kv, d, dt, score=True)
         if isinstance(sides, str):
             return sides
         for side in sides[:2]:  # the whole store (a group's kept side may carry its heads from a one-call try)
             if side.kv_heads:
                 side.heads, side.kv_heads = [], 0
         return [sides[0]], [sides[1]], sides[2], sides[3]
-    return _group_sides(kv, d, dt)
+    out = _group_sides(kv, d, dt)
+    if not isinstance(out, str):
+        for side in out[0]:
+            native.key_scoring(side, dt)
+    return out
 
 
 def _group_parts(parts: tuple, codec: HeadSplitCodec, g: int) -> tuple:
