@@ -96,6 +96,13 @@ class KVStore:
         #: or why the native path could not run (the cache report says it)
         self.append_path: str | None = None
 
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy``: a compressed context forked per question) and pickles leave out the native
+        encoder, which is not copyable and is rebuilt on the copy's first append."""
+        state = self.__dict__.copy()
+        state["_appender"] = None
+        return state
+
     # -- sizes and positions ----------------------------------------------------------------------
     @property
     def n_tokens(self) -> int:

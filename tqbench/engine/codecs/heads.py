@@ -116,6 +116,12 @@ class HeadSplitCodec(Codec):
         return {f"g{g}.{k}": t for g, c in enumerate(self.subs)
                 for k, t in c.encode(self.take(x, g), self.sub_fields(state, g)).items()}
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the native encode plan (not copyable; rebuilt on first use)."""
+        state = self.__dict__.copy()
+        state["_plan"] = None
+        return state
+
     def _native_plan(self, x: torch.Tensor, state: dict[str, torch.Tensor]):
         """``(field names per group, a native ``HeadsEncoder``)``: every group encoded in one native call, each
         reading its heads of ``x`` by index (no slicing here); kept while the state, dtype, head_dim and batch
