@@ -128,7 +128,7 @@ def test_a_tight_min_speed_forces_cheaper_to_attend_choices(heads):
         assert alloc.predicted_kl == pytest.approx(sum(table.kl[u][s] for u, s in alloc.choice.items()))
         if want > slow:
             assert set(alloc.choice.values()) != {"turbo4"}
-            assert c.unconstrained[(BASE.sink, BASE.recent)] == (pytest.approx(slow), True)
+            assert c.unconstrained[(BASE.sink, BASE.recent, -1)] == (pytest.approx(slow), True)
     # the tighter the minimum, the more KL it costs
     kls = [SpeedConstraint(model, w).solve(table, GEO, 4.5, CONTEXT, BASE).predicted_kl for w in (1.0, 1.2)]
     assert kls[0] <= kls[1]
@@ -151,7 +151,7 @@ def test_the_default_rule_gives_way_to_the_best_reachable_ratio():
     best = model.ratio(_all(table, "turbo1"))
     c = SpeedConstraint(model, best + 0.05, source="reference")  # (a reference out of reach within this budget)
     alloc = c.solve(table, GEO, 4.5, CONTEXT, BASE)
-    assert model.ratio(alloc.choice) == pytest.approx(best) and c.relaxed == {(4, 16): pytest.approx(best)}
+    assert model.ratio(alloc.choice) == pytest.approx(best) and c.relaxed == {(4, 16, -1): pytest.approx(best)}
     rep = c.report(alloc, CONTEXT)
     assert rep.relaxed_to == pytest.approx(best) and rep.min_ratio == pytest.approx(best)
     assert rep.to_dict()["relaxed_to"] == pytest.approx(best)

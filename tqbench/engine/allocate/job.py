@@ -34,7 +34,7 @@ from tqbench.engine.allocate.demote import (
     shared_specs,
     tier_options,
 )
-from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
+from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, as_protection, improve, protection_grid
 from tqbench.engine.allocate.head_job import NOTE as HEAD_NOTE
 from tqbench.engine.allocate.head_job import head_keep_cells, needed_keys, solve_heads
 from tqbench.engine.allocate.head_keeps import head_axis_split
@@ -258,9 +258,11 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
                          + "; ".join(f"{r.upper()} {', '.join(cs)}" for r, cs in drop.items()))
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
+    staged = protections is None  # the default grid: one coordinate at a time (exchange.improve)
     if protections is None:
         protections = protection_grid(base_pol, engine.geometry)
-    options = list(dict.fromkeys([(base_pol.sink, base_pol.recent), *protections]))
+    options = list(dict.fromkeys(as_protection(o) for o in [(base_pol.sink, base_pol.recent, base_pol.srecent),
+                                                            *protections]))
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
              "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": _codec_options(base_pol),
@@ -365,7 +367,7 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
                                          name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel,
-                                         speed=speed, solver=joint)
+                                         speed=speed, solver=joint, staged=staged)
     else:
         from tqbench.engine.allocate.solver import solve_allocation
 

@@ -156,21 +156,21 @@ class SpeedReport:
 # ---- the constrained solve ---------------------------------------------------------------------------------
 class SpeedConstraint:
     """``min_ratio`` (None: none, the prediction only) under ``model``: the solve and the exchange steps' test.
-    ``unconstrained``: per (sink, recent) solved, the least-KL solution's predicted ratio and whether the
+    ``unconstrained``: per (sink, recent, srecent) solved, the least-KL solution's predicted ratio and whether the
     constraint changed the solution. The default rule (``source`` ``"reference"``) gives way where the budget
-    cannot reach it: ``relaxed`` holds, per (sink, recent), the best reachable ratio it kept instead (a given
+    cannot reach it: ``relaxed`` holds, per (sink, recent, srecent), the best reachable ratio it kept instead (a given
     minimum never gives way: ``SpeedUnreachable``)."""
 
     def __init__(self, model: SpeedModel, min_ratio: float | None, source: str = "given") -> None:
         self.model = model
         self.min_ratio = min_ratio
         self.source = source
-        self.unconstrained: dict[tuple[int, int], tuple[float, bool]] = {}
-        self.relaxed: dict[tuple[int, int], float] = {}
+        self.unconstrained: dict[tuple[int, int, int], tuple[float, bool]] = {}
+        self.relaxed: dict[tuple[int, int, int], float] = {}
 
     def limit(self, policy: Policy | None = None) -> float | None:
         """The minimum in force under ``policy``'s protection (the relaxed one where the default gave way)."""
-        key = (policy.sink, policy.recent) if policy is not None else None
+        key = protection_key(policy) if policy is not None else None
         return self.relaxed.get(key, self.min_ratio) if self.min_ratio is not None else None
 
     def admits(self, choice: dict, policy: Policy | None = None) -> bool:
@@ -182,11 +182,16 @@ class SpeedConstraint:
         return solve_with_speed(table, geometry, budget_bits, context, base, name, self)
 
     def report(self, alloc: Allocation, context: int, measured: dict | None = None) -> SpeedReport:
-        r0, changed = self.unconstrained.get((alloc.policy.sink, alloc.policy.recent), (None, False))
+        r0, changed = self.unconstrained.get(protection_key(alloc.policy), (None, False))
         ref = self.model.reference_ratio()
         return SpeedReport(context, self.model.ratio(alloc.choice), self.limit(alloc.policy), self.source,
                            self.model.costs.reference, ref, r0, changed, self.model.costs, measured,
-                           self.relaxed.get((alloc.policy.sink, alloc.policy.recent)))
+                           self.relaxed.get(protection_key(alloc.policy)))
+
+
+def protection_key(policy: Policy) -> tuple[int, int, int]:
+    """(sink, recent, srecent): what a protection option of the allocator sets."""
+    return policy.sink, policy.recent, policy.srecent
 
 
 def _penalized(table: SensitivityTable, model: SpeedModel, lam: float, kl_weight: float = 1.0) -> SensitivityTable:
@@ -201,7 +206,7 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
     model = constraint.model
     alloc = solve_allocation(table, geometry, budget_bits, context, base, name)
     r0 = model.ratio(alloc.choice)
-    key = (base.sink, base.recent)
+    key = protection_key(base)
     constraint.unconstrained[key] = (r0, False)
     if constraint.admits(alloc.choice, base):
         return alloc
