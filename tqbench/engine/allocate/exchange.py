@@ -212,19 +212,19 @@ def _moves(choice: dict, table: SensitivityTable, ub: dict, room: int) -> list[t
 
 def _protection_order(options: list[Protection], staged: bool, best: Callable[[], Protection | None]):
     """The options in the order they are measured. ``staged``: every recent window of the options at the first
-    option's sink, then each other sink of the options at the best of those (``best()``, asked between stages),
+    option's sink (and ``srecent``), then each other sink of the options at the best of those (``best()``, asked between stages),
     then each sliding-window recent (``srecent``) of the options at the best (sink, recent) so far; a stage with
     nothing measured before it (nothing fitted) falls back to every remaining option."""
     if not staged:
         yield from options
         return
-    first = options[0][0]
-    recents = list(dict.fromkeys((first, r, -1) for _, r, _ in options))
+    first, _, first_sr = options[0]
+    recents = list(dict.fromkeys((first, r, first_sr) for _, r, _ in options))
     yield from recents
     done = set(recents)
     at = best()
     sinks = [o for o in options if o[0] != first and o[2] < 0]
-    sinks = list(dict.fromkeys((s, at[1], -1) for s, _, _ in sinks)) if at else sinks
+    sinks = list(dict.fromkeys((s, at[1], at[2]) for s, _, _ in sinks)) if at else sinks
     yield from (o for o in sinks if o not in done)
     done.update(sinks)
     at = best()
