@@ -34,7 +34,13 @@ from tqbench.engine.allocate.demote import (
     shared_specs,
     tier_options,
 )
-from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, as_protection, improve, protection_grid
+from tqbench.engine.allocate.exchange import (
+    ExchangeStep,
+    JointMeasure,
+    as_protection,
+    improve,
+    protection_grid,
+)
 from tqbench.engine.allocate.head_job import NOTE as HEAD_NOTE
 from tqbench.engine.allocate.head_job import head_keep_cells, needed_keys, solve_heads
 from tqbench.engine.allocate.head_keeps import head_axis_split
