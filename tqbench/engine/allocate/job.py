@@ -60,8 +60,10 @@ from tqbench.engine.allocate.sensitivity import BOUNDED, EXACT, SensitivityTable
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.spec import DEFAULT_CODECS, DEFAULT_MEASUREMENTS, GRANULARITIES, AllocateSpec  # noqa: F401
 from tqbench.engine.allocate.speed import (
+    DEFAULT_RULE_KL,
     SpeedReport,
     measure_speed,
+    protection_key,
     resolve_min_speed,
     speed_constraint,
 )
@@ -380,6 +382,10 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
         solve = joint or (speed.solve if speed is not None else solve_allocation)
         alloc = solve(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
         measured, steps = None, []
+    if speed is not None and (gave := speed.gave_way.get(protection_key(alloc.policy))):
+        notes.append(f"min speed: the default rule (no slower than {speed.model.costs.reference}) gave way: keeping "
+                     f"it raised the additive KL from {gave[1]:.4f} to {gave[0]:.4f}, over {DEFAULT_RULE_KL}x; the "
+                     "allocation is kept no slower than the least-KL solution instead (--min-speed to insist)")
     if alloc.policy.calib and not _uses_calibrated(alloc.policy):  # the fit was offered, not chosen: no reference
         alloc = replace(alloc, policy=replace(alloc.policy, calib=""))
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))

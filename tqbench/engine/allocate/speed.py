@@ -54,6 +54,11 @@ from tqbench.engine.request import RequestError
 
 #: bisection steps of the speed penalty
 PENALTY_STEPS = 14
+#: the default rule (no slower than the reference) gives way where keeping it would raise the additive KL above
+#: this factor of the least-KL solution's: a preference, not a price in quality. On Gemma-3 270M at 2.5 bits
+#: (1,024 tokens, costs measured under load) the rule kept 1-bit keys everywhere for a predicted 5% of speed:
+#: verified KL 0.70 / 1.20 where the unconstrained solve verifies near 0.1 (docs/allocation.md)
+DEFAULT_RULE_KL = 1.25
 
 
 class SpeedUnreachable(RequestError):
@@ -158,7 +163,8 @@ class SpeedConstraint:
     """``min_ratio`` (None: none, the prediction only) under ``model``: the solve and the exchange steps' test.
     ``unconstrained``: per (sink, recent, srecent) solved, the least-KL solution's predicted ratio and whether the
     constraint changed the solution. The default rule (``source`` ``"reference"``) gives way where the budget
-    cannot reach it: ``relaxed`` holds, per (sink, recent, srecent), the best reachable ratio it kept instead (a given
+    cannot reach it, or where keeping it would cost more than ``DEFAULT_RULE_KL`` times the least-KL solution's
+    additive KL (``gave_way``): ``relaxed`` holds, per (sink, recent, srecent), the ratio it kept instead (a given
     minimum never gives way: ``SpeedUnreachable``)."""
 
     def __init__(self, model: SpeedModel, min_ratio: float | None, source: str = "given") -> None:
@@ -167,6 +173,8 @@ class SpeedConstraint:
         self.source = source
         self.unconstrained: dict[tuple[int, int, int], tuple[float, bool]] = {}
         self.relaxed: dict[tuple[int, int, int], float] = {}
+        #: where the default rule gave way for quality: (the constrained additive KL, the least-KL one's)
+        self.gave_way: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     def limit(self, policy: Policy | None = None) -> float | None:
         """The minimum in force under ``policy``'s protection (the relaxed one where the default gave way)."""
@@ -238,6 +246,10 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
                 found = real
         else:
             lo = mid
+    if constraint.source == "reference" and found.predicted_kl > DEFAULT_RULE_KL * alloc.predicted_kl:
+        constraint.relaxed[key] = min(r0, constraint.relaxed.get(key, r0))  # the default gives way: no slower
+        constraint.gave_way[key] = (found.predicted_kl, alloc.predicted_kl)  # than the least-KL solution
+        return alloc
     constraint.unconstrained[key] = (r0, True)
     return found
 
