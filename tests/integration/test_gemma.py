@@ -68,3 +68,24 @@ def test_the_hybrid_default_holds_where_turbo4_everywhere_does_not(gemma):
     default, turbo4 = (teacher_forced(gemma, ids, 600, p, "simulate", baseline=base) for p in (pol, "turbo4"))
     assert default.kl_mean < 0.01 and default.kl_mean * 3 < turbo4.kl_mean, (default, turbo4)
     assert default.compressed_storage_bytes == estimate_kv(pol, gemma.geometry, 616).total_bytes
+
+
+@pytest.mark.parametrize("name, budget", [("gemma3-270m-head-2.5bit", 2.5), ("gemma3-270m-head-3.5bit", 3.5)])
+def test_the_shipped_allocations_fit_and_belong_to_this_model(gemma, name, budget):
+    """The shipped Gemma allocations (docs/gemma3-270m.md): fitted on this model, within their budget at the
+    1,024 tokens they were solved at, the cache's own bytes equal to the estimate past the window, and no
+    warning that they belong to another model."""
+    import warnings
+
+    from tqbench.engine.allocate import frontier
+    from tqbench.engine.policy import load_policy_artifact, shipped_policy_path
+
+    art = load_policy_artifact(shipped_policy_path(name))
+    assert art.model["fingerprint"] == gemma.loaded.fingerprint and art.verified["text"] == "corpus:rivers"
+    assert art.allocation["bits_per_element"] <= budget and art.allocation["context_tokens"] == 1024
+    assert art.allocation["calibration"] == "mix:prose+code+legal+chat"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gemma.policy_warning(str(shipped_policy_path(name))) is None
+        (p,) = frontier(gemma, [name], prefill=600, steps=4, context=1024)
+    assert p.bits_per_element <= budget and p.kl_mean < 0.5

@@ -19,7 +19,7 @@ from tqbench.engine.policy import parse_policy
 SMALL = dict(calib_prefill=48, calib_steps=8, verify_prefill=48, verify_steps=6, context=96, base="sink=2,recent=4",
              codecs=["turbo1", "turbo2", "turbo4"], protections=[], max_measurements=0)
 STEP_KEYS = {"step", "kind", "move", "predicted_kl", "measured_kl", "bits_per_element", "total_bytes", "sink",
-             "recent", "accepted"}
+             "recent", "accepted", "srecent"}
 
 
 def _ids(batch=2, n=56, seed=0):
@@ -200,3 +200,38 @@ def test_head_cells_solve_within_the_exact_budget_with_protection_options():
         assert all(s.bits_per_element is None or s.bits_per_element <= budget for s in steps)
         assert any("|" in spec for spec in alloc.k + alloc.v) or len(set(alloc.choice.values())) == 1
         assert len(alloc.choice) == 3 * 2 * 2 and measured == min(s.measured_kl for s in steps if s.accepted)
+
+
+def test_staged_protection_search_measures_windows_then_sinks_at_the_best_window():
+    """The default grid is searched one coordinate at a time: every recent window at the base's sink, then the
+    other sinks at the best window only (options that do not fit are skipped, not measured)."""
+    geo, base, table = KVGeometry(3, 2, 64), parse_policy("sink=4,recent=16"), _table()
+    seen = []
+
+    def measure(choice, pol):
+        seen.append((pol.sink, pol.recent))
+        return abs(pol.recent - 32) + pol.sink / 100  # recent=32 measures best, then the fewest sinks
+
+    opts = list(dict.fromkeys([(4, 16), *((s, r) for s in (4, 16, 64) for r in (8, 16, 32, 64, 2048))]))
+    alloc, measured, steps = improve(table, geo, 3.0, 2048, base, measure, protections=opts, max_measurements=8,
+                                     staged=True)
+    assert seen[:6] == [(4, 16), (4, 8), (4, 32), (4, 64), (16, 32), (64, 32)]
+    assert [s.move for s in steps if s.measured_kl is None] == ["sink=4,recent=2048: does not fit the budget"]
+    assert (alloc.policy.sink, alloc.policy.recent) == (4, 32) and measured == pytest.approx(0.04)
+    assert len(seen) == 8  # the rest of the measurements went to exchange steps
+    full = []
+    improve(table, geo, 3.0, 2048, base, lambda c, p: full.append((p.sink, p.recent)) or 1.0, protections=opts,
+            max_measurements=1)
+    assert len(full) == 12  # unstaged: every option that fits is measured
+
+
+def test_staged_order_ends_with_the_sliding_layers_recent_rows_at_the_best_protection():
+    from tqbench.engine.allocate.exchange import _protection_order, as_protection
+
+    opts = [as_protection(o) for o in [(4, 16), (4, 8), (16, 16), (64, 16), (4, 16, 0), (4, 16, 32), (4, 16, 8)]]
+    best = iter([(4, 8, -1), (16, 8, -1)])
+    order = list(_protection_order(opts, True, lambda: next(best)))
+    assert order == [(4, 16, -1), (4, 8, -1), (16, 8, -1), (64, 8, -1), (16, 8, 0), (16, 8, 32)]  # srecent=8: as recent
+    assert list(_protection_order(opts, False, lambda: None)) == opts
+    with pytest.raises(ValueError, match="give \\(sink, recent\\) or \\(sink, recent, srecent\\)"):
+        as_protection((4,))

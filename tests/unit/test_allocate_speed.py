@@ -128,7 +128,7 @@ def test_a_tight_min_speed_forces_cheaper_to_attend_choices(heads):
         assert alloc.predicted_kl == pytest.approx(sum(table.kl[u][s] for u, s in alloc.choice.items()))
         if want > slow:
             assert set(alloc.choice.values()) != {"turbo4"}
-            assert c.unconstrained[(BASE.sink, BASE.recent)] == (pytest.approx(slow), True)
+            assert c.unconstrained[(BASE.sink, BASE.recent, -1)] == (pytest.approx(slow), True)
     # the tighter the minimum, the more KL it costs
     kls = [SpeedConstraint(model, w).solve(table, GEO, 4.5, CONTEXT, BASE).predicted_kl for w in (1.0, 1.2)]
     assert kls[0] <= kls[1]
@@ -147,14 +147,36 @@ def test_an_unreachable_min_speed_names_the_best_reachable_ratio():
 
 def test_the_default_rule_gives_way_to_the_best_reachable_ratio():
     table = _table()
+    for u in table.units():  # near-flat KL: the fastest choice costs little quality, so the rule holds
+        table.kl[u] = {"turbo1": 0.0105, "turbo2": 0.0102, "turbo4": 0.01}
     model = SpeedModel(_costs(), table.layers)
     best = model.ratio(_all(table, "turbo1"))
     c = SpeedConstraint(model, best + 0.05, source="reference")  # (a reference out of reach within this budget)
     alloc = c.solve(table, GEO, 4.5, CONTEXT, BASE)
-    assert model.ratio(alloc.choice) == pytest.approx(best) and c.relaxed == {(4, 16): pytest.approx(best)}
+    assert model.ratio(alloc.choice) == pytest.approx(best) and c.relaxed == {(4, 16, -1): pytest.approx(best)}
     rep = c.report(alloc, CONTEXT)
     assert rep.relaxed_to == pytest.approx(best) and rep.min_ratio == pytest.approx(best)
     assert rep.to_dict()["relaxed_to"] == pytest.approx(best)
+
+
+def test_the_default_rule_gives_way_where_it_would_cost_more_than_its_kl_limit():
+    """The default rule is a preference: where keeping turbo4's speed would raise the additive KL over
+    DEFAULT_RULE_KL x the least-KL solution's, the least-KL solution stands (no slower than itself from then on);
+    a given minimum never gives way."""
+    from tqbench.engine.allocate.speed import DEFAULT_RULE_KL
+
+    table = _table()  # KL falls 50x from turbo1 to turbo4, turbo4 is the slowest
+    model = SpeedModel(_costs(), table.layers)
+    free = solve_allocation(table, GEO, 4.5, CONTEXT, BASE)
+    r0 = model.ratio(free.choice)
+    c = SpeedConstraint(model, r0 + 0.02, source="reference")
+    alloc = c.solve(table, GEO, 4.5, CONTEXT, BASE)
+    assert alloc.choice == free.choice and c.relaxed == {(4, 16, -1): pytest.approx(r0)}
+    kept, least = c.gave_way[(4, 16, -1)]
+    assert least == pytest.approx(free.predicted_kl) and kept > DEFAULT_RULE_KL * least
+    assert c.admits(free.choice, BASE) and c.report(alloc, CONTEXT).relaxed_to == pytest.approx(r0)
+    given = SpeedConstraint(model, r0 + 0.02).solve(table, GEO, 4.5, CONTEXT, BASE)
+    assert model.ratio(given.choice) >= r0 + 0.02 - 1e-12 and given.predicted_kl > DEFAULT_RULE_KL * free.predicted_kl
 
 
 def test_exchange_steps_admit_only_moves_that_keep_the_speed():

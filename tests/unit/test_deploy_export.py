@@ -11,6 +11,7 @@ from tqbench.cli import main
 from tqbench.engine.cache import KVGeometry, default_geometry
 from tqbench.engine.deploy import export_policy, map_policy
 from tqbench.engine.engine import Engine
+from tqbench.engine.policy import parse_policy
 
 ALLOC = "tqbench/data/policies/smollm2-alloc-2.5bit.toml"
 
@@ -159,3 +160,9 @@ def test_llamacpp_kld_prediction_runs_only_the_chunks_asked_for():
     assert kld_plan(("a", "b"), 1) == (4, "2 text(s) x 1 chunk(s) x (f16 baseline + the flags) = 4 forward passes")
     with pytest.raises(ValueError, match="chunks=0: give 1 or more"):
         llamacpp_kld_report(engine, "q8_0", "q8_0", chunks=0)
+
+
+def test_the_sliding_layers_recent_rows_are_named_among_what_is_not_mapped():
+    s = map_policy(parse_policy("k=turbo2,v=turbo2,sink=4,srecent=32"), "llamacpp", default_geometry())
+    assert "sink=4 / recent=0 / srecent=32 full-precision tokens: llama.cpp stores every token in its cache type" \
+        in s.unmapped

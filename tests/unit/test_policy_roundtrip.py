@@ -34,7 +34,7 @@ overrides = st.lists(st.one_of(
 #: one strategy per Policy field: a field the grammar gains must be drawn here too (test_every_field_is_drawn)
 FIELDS = {
     "k": st.sampled_from(KEPT + K_ONLY), "v": st.sampled_from(KEPT),
-    "sink": st.integers(0, 16), "recent": st.integers(0, 64),
+    "sink": st.integers(0, 16), "recent": st.integers(0, 64), "srecent": st.integers(-1, 64),
     "protect": st.sampled_from(["", *SELECTORS]), "overrides": overrides,
     "bypass": st.sampled_from(BYPASS_CHOICES), "sliding": st.sampled_from(SLIDING_CHOICES),
     "rotation": st.sampled_from(ROTATION_CHOICES), "center": st.booleans(), "vcenter": st.booleans(),

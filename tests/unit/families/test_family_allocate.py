@@ -383,12 +383,14 @@ def test_cli_allocate_base_takes_no_codecs_or_protection(base):
 
 def test_the_default_protection_grid_follows_the_layers():
     """recent=0 joins the grid where sliding layers are compressed; an all-sliding model searches no sinks."""
-    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, protection_grid
+    from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID, SRECENT_GRID, protection_grid
 
     base = parse_policy("sink=4,recent=16")
     full = [(s, r) for s in SINK_GRID for r in RECENT_GRID]
     assert protection_grid(base, engine("llama").geometry) == full
-    assert protection_grid(base, engine("gemma3_text").geometry) == [(s, r) for s in SINK_GRID for r in (*RECENT_GRID, 0)]
+    # a mixed model: the sliding layers' own recent rows too, at the base's sink and recent
+    assert protection_grid(base, engine("gemma3_text").geometry) == [(s, r) for s in SINK_GRID for r in (*RECENT_GRID, 0)] \
+        + [(4, 16, sr) for sr in SRECENT_GRID]
     assert protection_grid(replace(base, sliding="bypass"), engine("gemma3_text").geometry) == full
     assert protection_grid(base, engine("mistral").geometry) == [(4, r) for r in (*RECENT_GRID, 0)]
 
@@ -448,3 +450,26 @@ def test_grouped_sdpa_switches_one_model_for_the_block_only():
         assert recorded_previous(eng.config) == "sdpa"
         with grouped_sdpa(eng.model, "cuda"):  # off the CPU: nothing switched
             assert recorded_previous(eng.config) == "sdpa"
+
+
+def test_srecent_gives_the_sliding_layers_their_own_recent_rows_to_the_byte():
+    """``srecent``: the fp16 recent rows of the compressed sliding-window layers, ``recent`` the full layers'; the
+    plan, the estimate and a real cache's report agree to the byte, and the compact form reads back equal."""
+    eng = engine("gemma3_text")
+    g = eng.geometry
+    pol = parse_policy(f"k=turbo2,v=turbo1,{BASE.replace('recent=2', 'recent=1')},srecent=4")
+    assert parse_policy(pol.to_string()) == pol and "srecent=4" in pol.to_string()
+    plans = pol.plan(g.num_layers, list(g.layer_types))
+    assert {(p.sliding, p.sink, p.recent) for p in plans} == {(True, 0, 4), (False, 2, 1)}
+    same = replace(pol, srecent=-1)
+    assert "srecent" not in same.to_string()
+    assert [p.recent for p in same.plan(g.num_layers, list(g.layer_types))] == [1] * g.num_layers
+    cache = eng.make_cache(pol, "compressed")
+    with torch.inference_mode():
+        eng.model(input_ids=_ids(batch=1, n=PREFILL), cache=cache, use_cache=True)
+    rep = cache.report()
+    est = estimate_kv(pol, g, PREFILL)
+    assert rep.compressed_storage_bytes == est.total_bytes
+    assert est.total_bytes > estimate_kv(same, g, PREFILL).total_bytes  # 3 more fp16 rows per sliding layer
+    with pytest.raises(ValueError, match="srecent=-2 is invalid"):
+        replace(pol, srecent=-2)

@@ -5,7 +5,10 @@ that. Here every candidate policy is measured as a whole (``JointMeasure``: all 
 one chunk forward over the calibration sequences) and kept only when the measured total falls:
 
 1. protection options: for each (sink, recent) of a small grid, the additive solve at that protection (it costs
-   bytes inside the budget), measured jointly; the best by measured KL is kept;
+   bytes inside the budget), measured jointly; the best by measured KL is kept. ``staged`` (the default grid):
+   one coordinate at a time, each option one measurement: the recent windows at the first option's sink, then the
+   other sinks at the best window, then (models mixing sliding-window and full-attention layers) the sliding
+   layers' own recent rows (``srecent``) at the best (sink, recent);
 2. exchange steps from it: upgrade one unit and downgrade one or more others so the exact bytes stay within the
    budget (``estimate_kv``), candidates ranked by their additive change, each measured; accepted when the measured
    total falls; at most ``max_measurements`` joint measurements in all.
@@ -35,22 +38,44 @@ from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_
 from tqbench.engine.policy.spec import Policy
 
 JOB = "allocate"
-#: the default grid of full-precision sink tokens x recent window (at the stated context)
+#: the default grid of full-precision sink tokens x recent window (at the stated context). 8 and 32: where fixed
+#: bytes are large (Gemma-3 270M at 2.5 bits, 1,024 tokens), recent=16 is 15% of the budget (0.375 bits/element)
 SINK_GRID = (4, 16, 64)
-RECENT_GRID = (16, 64, 128)
+RECENT_GRID = (8, 16, 32, 64, 128)
+#: the sliding-window layers' own recent rows (``srecent``) searched where a model mixes compressed sliding-window
+#: and full-attention layers: on Gemma-3 270M the windows' recent rows carry most of the recent window's value
+#: (docs/allocation.md)
+SRECENT_GRID = (0, 8, 16, 32, 64)
+
+Protection = tuple[int, int, int]  # (sink, recent, srecent); srecent -1: as recent
 
 
-def protection_grid(base: Policy, geometry: KVGeometry) -> list[tuple[int, int]]:
+def protection_grid(base: Policy, geometry: KVGeometry) -> list[tuple[int, ...]]:
     """The default (sink, recent) options of ``base`` on a model: ``SINK_GRID`` x ``RECENT_GRID``. Where ``base``
     compresses sliding-window layers, recent=0 too: a window-bounded store holds ``window - 1`` rows and a recent
     tail of fp16 rows is a large share of a short window (all of it when the window is shorter than the tail).
     Where every layer slides, only ``base``'s sink: window-bounded stores keep no sinks, so the sink options would
-    all be the same policy."""
+    all be the same policy. Where compressed sliding-window layers and full-attention layers mix, (sink, recent,
+    srecent) options too: the windows' own recent rows (``SRECENT_GRID``) at ``base``'s sink and recent."""
     plans = base.plan(geometry.num_layers, list(geometry.layer_types) if geometry.layer_types else None)
     sliding = [p.sliding for p in plans]
     recents = RECENT_GRID + ((0,) if any(sliding) else ())
     sinks = (base.sink,) if all(sliding) else SINK_GRID
-    return [(s, r) for s in sinks for r in recents]
+    grid: list[tuple[int, ...]] = [(s, r) for s in sinks for r in recents]
+    if any(sliding) and not all(sliding):
+        grid += [(base.sink, base.recent, sr) for sr in SRECENT_GRID]
+    return grid
+
+
+def as_protection(option: tuple[int, ...]) -> Protection:
+    """A (sink, recent) or (sink, recent, srecent) option as (sink, recent, srecent)."""
+    if len(option) not in (2, 3):
+        raise ValueError(f"protection option {option!r}: give (sink, recent) or (sink, recent, srecent)")
+    return (int(option[0]), int(option[1]), int(option[2]) if len(option) == 3 else -1)
+
+
+def protection_text(sink: int, recent: int, srecent: int = -1) -> str:
+    return f"sink={sink},recent={recent}" + (f",srecent={srecent}" if srecent >= 0 else "")
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,7 @@ class ExchangeStep:
     sink: int
     recent: int
     accepted: bool
+    srecent: int = -1  # the sliding-window layers' recent rows (-1: as recent)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,6 +210,30 @@ def _moves(choice: dict, table: SensitivityTable, ub: dict, room: int) -> list[t
     return out
 
 
+def _protection_order(options: list[Protection], staged: bool, best: Callable[[], Protection | None]):
+    """The options in the order they are measured. ``staged``: every recent window of the options at the first
+    option's sink (and ``srecent``), then each other sink of the options at the best of those (``best()``, asked between stages),
+    then each sliding-window recent (``srecent``) of the options at the best (sink, recent) so far; a stage with
+    nothing measured before it (nothing fitted) falls back to every remaining option."""
+    if not staged:
+        yield from options
+        return
+    first, _, first_sr = options[0]
+    recents = list(dict.fromkeys((first, r, first_sr) for _, r, _ in options))
+    yield from recents
+    done = set(recents)
+    at = best()
+    sinks = [o for o in options if o[0] != first and o[2] < 0]
+    sinks = list(dict.fromkeys((s, at[1], at[2]) for s, _, _ in sinks)) if at else sinks
+    yield from (o for o in sinks if o not in done)
+    done.update(sinks)
+    at = best()
+    slides = [o for o in options if o[2] >= 0]
+    if at:
+        slides = [(at[0], at[1], sr) for sr in dict.fromkeys(o[2] for o in slides) if sr != at[1]]
+    yield from (o for o in dict.fromkeys(slides) if o not in done)
+
+
 def improve(
     table: SensitivityTable,
     geometry: KVGeometry,
@@ -199,6 +249,7 @@ def improve(
     cancel: CancelFlag | None = None,
     speed=None,
     solver=None,
+    staged: bool = False,
 ) -> tuple[Allocation, float, list[ExchangeStep]]:
     """The best allocation found by measuring (see the module doc): (allocation, its measured joint KL, steps).
 
@@ -207,18 +258,23 @@ def improve(
     ``max_measurements`` times (at least once per fitting protection option). ``speed``: a
     ``speed.SpeedConstraint`` (its solve at every protection option; exchange moves it does not admit are skipped).
     ``solver``: the solve at each option instead (the joint tokens-and-bits solve); its policy's keep values are
-    kept by the exchange steps, which move codecs."""
+    kept by the exchange steps, which move codecs. ``staged``: the recent windows at the first option's sink first,
+    then the other sinks at the best of them only (the module doc)."""
     solve = solver or (speed.solve if speed is not None else solve_allocation)
-    options = protections or [(base.sink, base.recent)]
+    options = [as_protection(o) for o in (protections or [(base.sink, base.recent, base.srecent)])]
     steps: list[ExchangeStep] = []
     best: tuple[Allocation, float, Policy] | None = None
     count = 0
     total = max(max_measurements, len(options))
     first_error: ValueError | None = None
     slow_error = None  # the speed refusal of the option with the best reachable speed
-    for sink, recent in options:
+    def best_option():
+        return (best[2].sink, best[2].recent, best[2].srecent) if best else None
+
+    for sink, recent, srecent in _protection_order(options, staged, best_option):
         raise_if_cancelled(cancel, JOB)
-        pol = replace(base, sink=sink, recent=recent)
+        pol = replace(base, sink=sink, recent=recent, srecent=srecent)
+        where = protection_text(sink, recent, srecent)
         try:
             alloc = solve(table, geometry, budget_bits, context, pol, name)
         except ValueError as exc:
@@ -227,19 +283,19 @@ def improve(
                 slow_error = exc
             first_error = first_error or exc
             why = "does not meet the minimum speed" if slow else "does not fit the budget"
-            steps.append(ExchangeStep(len(steps), "protection", f"sink={sink},recent={recent}: {why}", None, None,
-                                      None, 0, sink, recent, False))
+            steps.append(ExchangeStep(len(steps), "protection", f"{where}: {why}", None, None,
+                                      None, 0, sink, recent, False, srecent))
             continue
         # the exchange steps keep the layers' keep values (the tokens axis) and move codecs
         pol = replace(pol, keep=alloc.policy.keep, demote=alloc.policy.demote,
                       overrides=tuple(o for o in alloc.policy.overrides if o[0] in ("keep", "demote")))
-        emit(on_event, Progress("measure", count, total, f"sink={sink} recent={recent}"))
+        emit(on_event, Progress("measure", count, total, where.replace(",", " ")))
         m = measure(alloc.choice, pol)
         count += 1
         better = best is None or m < best[1]
-        steps.append(ExchangeStep(len(steps), "protection", f"solve at sink={sink},recent={recent}",
+        steps.append(ExchangeStep(len(steps), "protection", f"solve at {where}",
                                   alloc.predicted_kl, m, alloc.bits_per_element, alloc.estimate.total_bytes, sink,
-                                  recent, better))
+                                  recent, better, srecent))
         if better:
             best = (alloc, m, pol)
     if best is None:  # the first option's message says what fits
@@ -271,7 +327,7 @@ def improve(
         count += 1
         accepted = mt < m
         steps.append(ExchangeStep(len(steps), "exchange", desc, trial.predicted_kl, mt, trial.bits_per_element,
-                                  trial.estimate.total_bytes, pol.sink, pol.recent, accepted))
+                                  trial.estimate.total_bytes, pol.sink, pol.recent, accepted, pol.srecent))
         if accepted:
             alloc, m = trial, mt
     emit(on_event, Progress("measure", total, total, f"{count} joint measurements"))

@@ -34,7 +34,13 @@ from tqbench.engine.allocate.demote import (
     shared_specs,
     tier_options,
 )
-from tqbench.engine.allocate.exchange import ExchangeStep, JointMeasure, improve, protection_grid
+from tqbench.engine.allocate.exchange import (
+    ExchangeStep,
+    JointMeasure,
+    as_protection,
+    improve,
+    protection_grid,
+)
 from tqbench.engine.allocate.head_job import NOTE as HEAD_NOTE
 from tqbench.engine.allocate.head_job import head_keep_cells, needed_keys, solve_heads
 from tqbench.engine.allocate.head_keeps import head_axis_split
@@ -54,8 +60,10 @@ from tqbench.engine.allocate.sensitivity import BOUNDED, EXACT, SensitivityTable
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.spec import DEFAULT_CODECS, DEFAULT_MEASUREMENTS, GRANULARITIES, AllocateSpec  # noqa: F401
 from tqbench.engine.allocate.speed import (
+    DEFAULT_RULE_KL,
     SpeedReport,
     measure_speed,
+    protection_key,
     resolve_min_speed,
     speed_constraint,
 )
@@ -258,9 +266,11 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
                          + "; ".join(f"{r.upper()} {', '.join(cs)}" for r, cs in drop.items()))
     calib = calibration_set(engine.tokenizer, calibration, calib_prefill, calib_steps)
     check_unseen(calib, [verify_text, unseen_text])
+    staged = protections is None  # the default grid: one coordinate at a time (exchange.improve)
     if protections is None:
         protections = protection_grid(base_pol, engine.geometry)
-    options = list(dict.fromkeys([(base_pol.sink, base_pol.recent), *protections]))
+    options = list(dict.fromkeys(as_protection(o) for o in [(base_pol.sink, base_pol.recent, base_pol.srecent),
+                                                            *protections]))
     setup = {"calibration": calib.label, "calib_sequences": int(calib.ids.shape[0]), "calib_prefill": calib_prefill,
              "calib_steps": calib_steps, "codecs": specs, "k_codecs": kspecs, "granularity": granularity,
              "sink": base_pol.sink, "recent": base_pol.recent, "codec_options": _codec_options(base_pol),
@@ -365,13 +375,17 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
                                          name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel,
-                                         speed=speed, solver=joint)
+                                         speed=speed, solver=joint, staged=staged)
     else:
         from tqbench.engine.allocate.solver import solve_allocation
 
         solve = joint or (speed.solve if speed is not None else solve_allocation)
         alloc = solve(table, engine.geometry, budget, context, base_pol, name or f"alloc-{budget:g}bit")
         measured, steps = None, []
+    if speed is not None and (gave := speed.gave_way.get(protection_key(alloc.policy))):
+        notes.append(f"min speed: the default rule (no slower than {speed.model.costs.reference}) gave way: keeping "
+                     f"it raised the additive KL from {gave[1]:.4f} to {gave[0]:.4f}, over {DEFAULT_RULE_KL}x; the "
+                     "allocation is kept no slower than the least-KL solution instead (--min-speed to insist)")
     if alloc.policy.calib and not _uses_calibrated(alloc.policy):  # the fit was offered, not chosen: no reference
         alloc = replace(alloc, policy=replace(alloc.policy, calib=""))
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))

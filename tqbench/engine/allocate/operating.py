@@ -92,7 +92,8 @@ def uniform_of_bytes(alloc, base: Policy, geometry, context: int) -> Policy | No
     """The uniform policy with the most bytes at ``context`` not above the allocation's (None: none fits)."""
     best, best_bytes = None, -1
     for spec in UNIFORM_CODECS:
-        pol = replace(base, k=spec, v=spec, sink=alloc.policy.sink, recent=alloc.policy.recent, protect="",
+        pol = replace(base, k=spec, v=spec, sink=alloc.policy.sink, recent=alloc.policy.recent,
+                      srecent=alloc.policy.srecent, protect="",
                       overrides=(), keep=1.0, name=f"uniform-{spec}")
         try:
             nbytes = estimate_kv(pol, geometry, context).total_bytes

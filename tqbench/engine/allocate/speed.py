@@ -54,6 +54,11 @@ from tqbench.engine.request import RequestError
 
 #: bisection steps of the speed penalty
 PENALTY_STEPS = 14
+#: the default rule (no slower than the reference) gives way where keeping it would raise the additive KL above
+#: this factor of the least-KL solution's: a preference, not a price in quality. On Gemma-3 270M at 2.5 bits
+#: (1,024 tokens, costs measured under load) the rule kept 1-bit keys everywhere for a predicted 5% of speed:
+#: verified KL 0.70 / 1.20 where the unconstrained solve verifies near 0.1 (docs/allocation.md)
+DEFAULT_RULE_KL = 1.25
 
 
 class SpeedUnreachable(RequestError):
@@ -156,21 +161,24 @@ class SpeedReport:
 # ---- the constrained solve ---------------------------------------------------------------------------------
 class SpeedConstraint:
     """``min_ratio`` (None: none, the prediction only) under ``model``: the solve and the exchange steps' test.
-    ``unconstrained``: per (sink, recent) solved, the least-KL solution's predicted ratio and whether the
+    ``unconstrained``: per (sink, recent, srecent) solved, the least-KL solution's predicted ratio and whether the
     constraint changed the solution. The default rule (``source`` ``"reference"``) gives way where the budget
-    cannot reach it: ``relaxed`` holds, per (sink, recent), the best reachable ratio it kept instead (a given
+    cannot reach it, or where keeping it would cost more than ``DEFAULT_RULE_KL`` times the least-KL solution's
+    additive KL (``gave_way``): ``relaxed`` holds, per (sink, recent, srecent), the ratio it kept instead (a given
     minimum never gives way: ``SpeedUnreachable``)."""
 
     def __init__(self, model: SpeedModel, min_ratio: float | None, source: str = "given") -> None:
         self.model = model
         self.min_ratio = min_ratio
         self.source = source
-        self.unconstrained: dict[tuple[int, int], tuple[float, bool]] = {}
-        self.relaxed: dict[tuple[int, int], float] = {}
+        self.unconstrained: dict[tuple[int, int, int], tuple[float, bool]] = {}
+        self.relaxed: dict[tuple[int, int, int], float] = {}
+        #: where the default rule gave way for quality: (the constrained additive KL, the least-KL one's)
+        self.gave_way: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     def limit(self, policy: Policy | None = None) -> float | None:
         """The minimum in force under ``policy``'s protection (the relaxed one where the default gave way)."""
-        key = (policy.sink, policy.recent) if policy is not None else None
+        key = protection_key(policy) if policy is not None else None
         return self.relaxed.get(key, self.min_ratio) if self.min_ratio is not None else None
 
     def admits(self, choice: dict, policy: Policy | None = None) -> bool:
@@ -182,11 +190,16 @@ class SpeedConstraint:
         return solve_with_speed(table, geometry, budget_bits, context, base, name, self)
 
     def report(self, alloc: Allocation, context: int, measured: dict | None = None) -> SpeedReport:
-        r0, changed = self.unconstrained.get((alloc.policy.sink, alloc.policy.recent), (None, False))
+        r0, changed = self.unconstrained.get(protection_key(alloc.policy), (None, False))
         ref = self.model.reference_ratio()
         return SpeedReport(context, self.model.ratio(alloc.choice), self.limit(alloc.policy), self.source,
                            self.model.costs.reference, ref, r0, changed, self.model.costs, measured,
-                           self.relaxed.get((alloc.policy.sink, alloc.policy.recent)))
+                           self.relaxed.get(protection_key(alloc.policy)))
+
+
+def protection_key(policy: Policy) -> tuple[int, int, int]:
+    """(sink, recent, srecent): what a protection option of the allocator sets."""
+    return policy.sink, policy.recent, policy.srecent
 
 
 def _penalized(table: SensitivityTable, model: SpeedModel, lam: float, kl_weight: float = 1.0) -> SensitivityTable:
@@ -201,7 +214,7 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
     model = constraint.model
     alloc = solve_allocation(table, geometry, budget_bits, context, base, name)
     r0 = model.ratio(alloc.choice)
-    key = (base.sink, base.recent)
+    key = protection_key(base)
     constraint.unconstrained[key] = (r0, False)
     if constraint.admits(alloc.choice, base):
         return alloc
@@ -233,6 +246,10 @@ def solve_with_speed(table: SensitivityTable, geometry, budget_bits: float, cont
                 found = real
         else:
             lo = mid
+    if constraint.source == "reference" and found.predicted_kl > DEFAULT_RULE_KL * alloc.predicted_kl:
+        constraint.relaxed[key] = min(r0, constraint.relaxed.get(key, r0))  # the default gives way: no slower
+        constraint.gave_way[key] = (found.predicted_kl, alloc.predicted_kl)  # than the least-KL solution
+        return alloc
     constraint.unconstrained[key] = (r0, True)
     return found
 

@@ -240,8 +240,9 @@ def map_policy(policy: Policy | str, engine: str, geometry, seq_len: int = 1024)
     if dense and not skip and len(dense) < len(plan) and tq is None:
         unmapped.append(f"fp16 layers {','.join(map(str, dense))}: {label} cannot leave single layers "
                         "unquantized; they get the uniform type")
-    if pol.sink or pol.recent:
-        unmapped.append(f"sink={pol.sink} / recent={pol.recent} full-precision tokens: {label} stores every "
+    if pol.sink or pol.recent or pol.srecent > 0:
+        windows = f" / srecent={pol.srecent}" if pol.srecent >= 0 else ""
+        unmapped.append(f"sink={pol.sink} / recent={pol.recent}{windows} full-precision tokens: {label} stores every "
                         "token in its cache type")
     if pol.evicts:
         unmapped.append(f"token eviction (keep={fmt_keep(pol.keep)}, score={pol.score}"

@@ -12,7 +12,7 @@ from tqbench.engine.policy.presets import PRESET_TEXT, shipped_policy_names
 from tqbench.engine.policy.spec import _ROLES, Policy
 
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
-_INT_KEYS = ("sink", "recent", "group", "kblock", "seed", "window", "chunk", "every")
+_INT_KEYS = ("sink", "recent", "srecent", "group", "kblock", "seed", "window", "chunk", "every")
 _STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score", "demote", "heads")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
 _FLOAT_KEYS = ("sparsev", "ada_floor")

@@ -91,6 +91,9 @@ class Policy:
     v: str = FULL_PRECISION
     sink: int = 0
     recent: int = 0
+    #: the fp16 recent rows of a compressed sliding-window layer (-1: ``recent``). On Gemma-3 270M the windows'
+    #: recent rows carry most of the window's value and the global layers' barely any (docs/allocation.md)
+    srecent: int = -1
     protect: str = ""  # layer selector whose layers keep fp16 K and V
     overrides: tuple[tuple[str, str, str], ...] = ()  # (role, selector, codec) applied in order
     bypass: str = "none"  # "global": keep full-attention layers dense in mixed sliding/full models
@@ -125,6 +128,9 @@ class Policy:
         for what, val in (("sink", self.sink), ("recent", self.recent)):
             if not isinstance(val, int) or val < 0:
                 raise ValueError(f"{what}={val!r} is invalid: use a whole number of tokens >= 0")
+        if not isinstance(self.srecent, int) or isinstance(self.srecent, bool) or self.srecent < -1:
+            raise ValueError(f"srecent={self.srecent!r} is invalid: the fp16 recent rows of sliding-window layers, a "
+                             "whole number >= 0 (or -1: as recent)")
         object.__setattr__(self, "keep", parse_keep(self.keep))
         if self.demote:
             check_demote(self.demote, "demote")
@@ -300,10 +306,16 @@ class Policy:
             if keeps[i] is not None and demote[i]:
                 check_demote_cheaper(k[i], v[i], demote[i], f"layer {i}: demote")
         return [
-            LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.recent, reason[i], window[i], sliding[i],
+            LayerPlan(i, k[i], v[i], 0 if sliding[i] else self.sink, self.sliding_recent if sliding[i] else self.recent,
+                      reason[i], window[i], sliding[i],
                       keeps[i], demote[i] if keeps[i] is not None else "")
             for i in range(num_layers)
         ]
+
+    @property
+    def sliding_recent(self) -> int:
+        """The fp16 recent rows of a compressed sliding-window layer (``srecent``, else ``recent``)."""
+        return self.recent if self.srecent < 0 else self.srecent
 
     @property
     def evicts(self) -> bool:
@@ -360,7 +372,7 @@ class Policy:
 
 #: the fields ``to_string`` writes when they differ from the default (every field but the codecs, the overrides and
 #: the name, which it writes its own way, and the provenance)
-_WRITTEN = ("sink", "recent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix", "group",
+_WRITTEN = ("sink", "recent", "srecent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix", "group",
             "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "chunk", "every", "demote", "heads",
             "ada_floor")
 
