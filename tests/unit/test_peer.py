@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import sys
 import types
 
@@ -15,6 +14,7 @@ from click.testing import CliRunner
 
 from tqbench.cli.group import main
 from tqbench.engine.tasks.peer import (
+    PRESSES,
     PeerError,
     PeerMissingError,
     check_presses,
@@ -130,6 +130,18 @@ def test_run_peer_failure_is_the_peers_own_line(tmp_path):
         run_peer(_request(), exe)
 
 
+def test_the_real_runner_without_kvpress_answers_an_error_line():
+    """The runner script itself, run by a Python without kvpress (this venv's): its error line becomes the one line
+    the client raises."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("kvpress") is not None:
+        pytest.skip("kvpress is importable here: the runner would load the model")
+    with pytest.raises(PeerError, match=r"failed: ModuleNotFoundError: No module named 'kvpress'$"):
+        run_peer(_request(), Path(sys.executable))
+
+
 def test_the_absent_peer_is_one_line_naming_the_command_that_creates_it(tmp_path, monkeypatch):
     monkeypatch.delenv("TQBENCH_KVPRESS_PYTHON", raising=False)
     with pytest.raises(PeerMissingError, match=r"^kvpress is not installed beside tqbench \(no .venv-kvpress with "
@@ -158,6 +170,11 @@ def test_cli_peer_absent_is_one_line_exit_2_before_the_model_loads(monkeypatch):
     assert r.exit_code == 2 and "--peer-ratios is needed" in r.output, r.output
     r = CliRunner().invoke(main, ["--headless", "tasks", "--peer", "kvpress", "--peer-presses", "snapkv,zip"])
     assert r.exit_code == 2 and "--peer-presses='snapkv,zip' is invalid: choose from snapkv, tova" in r.output
+
+
+def test_the_runner_knows_every_press_the_client_offers():
+    """Two lists (the runner cannot import tqbench): kept equal here."""
+    assert tuple(runner._press_factories(_fake_kvpress([]))) == PRESSES
 
 
 def test_press_and_ratio_lists():
@@ -285,4 +302,3 @@ def test_cli_peer_on_the_tiny_model_with_a_fake_peer(tmp_path, monkeypatch, tiny
         ("kvpress:snapkv", "agnostic", 0.5), ("kvpress:tova", "aware", 0.5), ("k=fp16,v=fp16,keep=0.5", "aware", 0.5)}
     assert (board / "leaderboard.csv").is_file() and (board / "score-vs-ratio.svg").is_file()
     assert "kvpress:snapkv" in r.output  # the side-by-side table
-    assert os.environ.get("TQBENCH_KVPRESS_PYTHON")

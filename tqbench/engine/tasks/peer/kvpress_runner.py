@@ -138,10 +138,10 @@ def versions() -> dict:
 def main() -> int:
     try:
         req = json.loads(sys.stdin.read())
+        import kvpress  # first: a Python without it answers in a moment
         import torch
 
         torch.set_num_threads(int(req.get("threads", 1)))
-        import kvpress
 
         result = run(req, kvpress, _load)
         result["versions"] = versions()
