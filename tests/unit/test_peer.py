@@ -236,6 +236,10 @@ def test_peer_rows_join_the_candidates_table_and_leaderboard():
         ("kvpress:snapkv", "agnostic", 0.5, 100.0), ("kvpress:snapkv", "aware", 0.5, 100.0),
         ("kvpress:knorm", "agnostic", 0.5, 25.0), ("kvpress:knorm", "aware", 0.5, 25.0)}
     assert d["peer"]["versions"] == {"kvpress": "0.5.5"} and len(d["peer_samples"]) == 12
+    # a saved session's result (to_dict -> from_dict) gives the same rows, the peer's included
+    back = TasksResult.from_dict(d)
+    assert back.protocols == ("agnostic", "aware") and back.tasks == ["niah_single", "niah_multivalue"]
+    assert json.loads(json.dumps(back.to_dict())) == d
 
 
 def test_leaderboard_folders_in_kvpress_schema_and_the_plots(tmp_path):

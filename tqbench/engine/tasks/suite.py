@@ -128,9 +128,13 @@ class TasksResult:
     @classmethod
     def from_dict(cls, d: dict) -> TasksResult:
         """The result ``to_dict`` wrote (a saved session's): its samples hold every score, so the rows are the same."""
+        protocols = tuple(d.get("protocols") or ("aware",))
+        tasks = list(dict.fromkeys(t["task"] for t in d["tasks"]))
+        sbs = d.get("side_by_side") or {}
+        ratio = next((r["ratio"] for r in sbs.get("rows", ()) if r["method"] == d["candidate"]), None)
         return cls(d["model"], int(d["context"]), int(d["seed"]), d["baseline"], d["candidate"], d["cache_mode"],
-                   int(d["samples_per_task"]), [t["task"] for t in d["tasks"]], list(d["samples"]),
-                   int(d.get("baseline_cached", 0)))
+                   int(d["samples_per_task"]), tasks, list(d["samples"]), int(d.get("baseline_cached", 0)),
+                   protocols, d.get("peer"), list(d.get("peer_samples", ())), ratio)
 
     def to_dict(self) -> dict:
         return {
