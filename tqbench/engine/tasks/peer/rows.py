@@ -105,7 +105,8 @@ def side_by_side(samples: list[dict], tasks: list[str], *, dataset: str = "", mo
 
 def side_by_side_from_files(results: list[dict], peer_lines: list[dict], peer: str = "kvpress") -> dict:
     """The benchmark's files merged: ``results`` (``TasksResult.to_dict()`` lines, each with its nominal ``ratio``)
-    and the peer runner's JSON lines (its ``answer`` events). Only samples every side answered are compared."""
+    and the peer runner's JSON lines (its ``answer`` events). Only the samples every row answered are compared
+    (a run cut short leaves some rows with more: those answers are left out, counted in ``answers_left_out``)."""
     if not results:
         return side_by_side([], [])
     refs: dict = {}
@@ -121,11 +122,19 @@ def side_by_side_from_files(results: list[dict], peer_lines: list[dict], peer: s
             samples.append(s)
     answers = {(a["sample"], a["press"], a["ratio"], a["protocol"]): a for a in peer_lines if a.get("event") == "answer"}
     samples += score_peer(list(answers.values()), refs, peer)
+    groups: dict[tuple, set] = {}
+    for s in samples:
+        groups.setdefault((s["library"], s["method"], s["ratio"], s["protocol"]), set()).add((s["task"], s["index"]))
+    common = set.intersection(*groups.values()) if groups else set()
+    dropped = len(samples)
+    samples = [s for s in samples if (s["task"], s["index"]) in common]  # every row on the same samples
+    dropped -= len(samples)
     versions = next((v.get("versions", {}) for v in reversed(peer_lines) if v.get("event") == "result"), {})
     first = results[0]
     out = side_by_side(samples, [t["task"] for t in first["tasks"] if t["protocol"] == first["protocols"][0]],
                        dataset=first["dataset"], model=first["model"])
-    out.update(context=first["context"], peer_versions=versions)
+    out.update(context=first["context"], peer_versions=versions, compared=sorted(f"{t}#{i}" for t, i in common),
+               answers_left_out=dropped)
     return out
 
 
