@@ -39,7 +39,7 @@ def check_presses(value) -> tuple[str, ...]:
     items = [p.strip().lower() for p in (value.split(",") if isinstance(value, str) else value) if p.strip()]
     bad = [p for p in items if p not in PRESSES]
     if bad or not items:
-        raise RequestError("--peer-presses", value, f"choose from {', '.join(PRESSES)}")
+        raise RequestError("peer_presses", value, f"choose from {', '.join(PRESSES)}")
     return tuple(dict.fromkeys(items))
 
 
@@ -51,7 +51,7 @@ def check_ratios(value) -> tuple[float, ...]:
     except ValueError:
         ratios = ()
     if not ratios or not all(0 < r < 1 for r in ratios):
-        raise RequestError("--peer-ratios", value, "give compression ratios 0 < r < 1 (the fraction removed, "
+        raise RequestError("peer_ratios", value, "give compression ratios 0 < r < 1 (the fraction removed, "
                                                   "e.g. 0.25,0.5,0.75,0.875)")
     return tuple(dict.fromkeys(ratios))
 
