@@ -3,7 +3,7 @@ tqbench (kvpress pins transformers < 5.3; tqbench runs a newer one). Standalone 
 torch, transformers and kvpress only, no tqbench import.
 
 Protocol: one JSON request on stdin; JSON lines on stdout, ``{"event": "progress", ...}`` before each answer,
-``{"event": "answer", ...}`` after it, and one
+``{"event": "answer", ...}`` after it (``{"event": "started", "versions": ...}`` first), and one
 ``{"event": "result", ...}`` (or ``{"event": "error", "message": ...}`` with exit status 1) at the end.
 
 Request: ``{"version": 1, "model": FOLDER, "dtype": "float32", "threads": 1, "presses": [NAME, ...],
@@ -142,6 +142,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(int(req.get("threads", 1)))
+        _emit({"event": "started", "version": VERSION, "versions": versions()})  # kept by a run cut short
 
         result = run(req, kvpress, _load)
         result["versions"] = versions()

@@ -129,7 +129,7 @@ def side_by_side_from_files(results: list[dict], peer_lines: list[dict], peer: s
     dropped = len(samples)
     samples = [s for s in samples if (s["task"], s["index"]) in common]  # every row on the same samples
     dropped -= len(samples)
-    versions = next((v.get("versions", {}) for v in reversed(peer_lines) if v.get("event") == "result"), {})
+    versions = next((v.get("versions", {}) for v in reversed(peer_lines) if v.get("event") in ("result", "started")), {})
     first = results[0]
     out = side_by_side(samples, [t["task"] for t in first["tasks"] if t["protocol"] == first["protocols"][0]],
                        dataset=first["dataset"], model=first["model"])
