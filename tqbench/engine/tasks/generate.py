@@ -217,6 +217,21 @@ def question_start(engine, sample: Sample) -> int:
     return cut
 
 
+def user_turn_end(engine, sample: Sample) -> int:
+    """The first token after ``sample``'s user text (the question included): what the template adds after the
+    user's turn (end of turn, the assistant's header) and the answer prefix start here. kvpress's query-aware runs
+    compress up to this point and append the rest (its pipeline splits the template on a separator the same way)."""
+    sep = "#" * 16  # no text of the suite ends in '#'; its tokens never merge with the template's
+    ids = engine.encode_prompt(sample.text + sep, True, fit_context=False)[0]
+    full = sample.ids[0]
+    n = min(len(ids), len(full))
+    same = (ids[:n] == full[:n]).tolist()
+    cut = same.index(False) if False in same else n
+    if cut < 1 or cut >= len(full):
+        raise ValueError(f"{sample.task} #{sample.index}: no user turn before the answer to compress")
+    return cut
+
+
 # ---- fitting a sample to the context -----------------------------------------------------------------------
 def make_sample(engine, task, context: int, index: int, n: int, seed: int) -> Sample:
     """Sample ``index`` of ``n`` of ``task`` (a ``spec.TaskSpec``) at ``context`` tokens: the filler budget is

@@ -58,6 +58,11 @@ class TasksResult:
     #: the candidate's protocols (``spec.PROTOCOLS``), each a row per task; the baseline answers aware (it keeps
     #: every row: the protocol changes nothing but where its prefill is cut)
     protocols: tuple[str, ...] = ("aware",)
+    #: a peer's run on the same samples (``tasks --peer kvpress``): ``{"name", "presses", "ratios", "versions"}``
+    #: and its answers as sample rows (``engine.tasks.peer.score_peer``); the candidate's nominal ratio (``1 - keep``)
+    peer: dict | None = None
+    peer_samples: list[dict] = field(default_factory=list)
+    candidate_ratio: float | None = None
 
     @property
     def dataset(self) -> str:
@@ -103,14 +108,33 @@ class TasksResult:
                                  "method": method, "compression_ratio": round(cr, 6),
                                  "score": round(r[f"{side}_score"], 4), "ci95": list(r[f"{side}_ci"]),
                                  "samples": r["samples"]})
+        if self.peer_samples:  # the peer's presses, each a method at its ratio (kvpress's compression_ratio)
+            rows += [{"dataset": self.dataset, "task": "overall", "protocol": r["protocol"], "model": self.model,
+                      "method": r["method"], "compression_ratio": r["ratio"], "score": round(r["score"], 4),
+                      "ci95": r["ci95"], "samples": r["samples"]}
+                     for r in self.side_by_side()["rows"] if r["library"] != "tqbench"]
         return rows
+
+    def side_by_side(self) -> dict:
+        """The candidate (at its nominal ratio), the baseline and the peer's presses as rows of one table
+        (``engine.tasks.peer.side_by_side``)."""
+        from tqbench.engine.tasks.peer.rows import side_by_side, tqbench_samples
+
+        mine = tqbench_samples({"samples": self.samples, "candidate": self.candidate, "baseline": self.baseline},
+                               self.candidate_ratio)
+        return side_by_side(mine + self.peer_samples, self.tasks, dataset=self.dataset, model=self.model) | {
+            "peer_versions": (self.peer or {}).get("versions", {}), "context": self.context}
 
     @classmethod
     def from_dict(cls, d: dict) -> TasksResult:
         """The result ``to_dict`` wrote (a saved session's): its samples hold every score, so the rows are the same."""
+        protocols = tuple(d.get("protocols") or ("aware",))
+        tasks = list(dict.fromkeys(t["task"] for t in d["tasks"]))
+        sbs = d.get("side_by_side") or {}
+        ratio = next((r["ratio"] for r in sbs.get("rows", ()) if r["method"] == d["candidate"]), None)
         return cls(d["model"], int(d["context"]), int(d["seed"]), d["baseline"], d["candidate"], d["cache_mode"],
-                   int(d["samples_per_task"]), [t["task"] for t in d["tasks"]], list(d["samples"]),
-                   int(d.get("baseline_cached", 0)))
+                   int(d["samples_per_task"]), tasks, list(d["samples"]), int(d.get("baseline_cached", 0)),
+                   protocols, d.get("peer"), list(d.get("peer_samples", ())), ratio)
 
     def to_dict(self) -> dict:
         return {
@@ -123,6 +147,9 @@ class TasksResult:
             "overall": self.task_row(None),
             "overall_by_protocol": {p: self.task_row(None, p) for p in self.protocols},
             "leaderboard": self.leaderboard(), "samples": self.samples,
+            **({"peer": self.peer, "peer_samples": self.peer_samples,
+                "side_by_side": {k: v for k, v in self.side_by_side().items() if k != "samples"}}
+               if self.peer is not None else {}),
         }
 
 
