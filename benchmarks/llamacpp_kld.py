@@ -34,6 +34,7 @@ from tqbench.engine.deploy.llamacpp_kld import (
     predict_llamacpp_kld,
     read_kld_base,
     verify_text,
+    with_bos,
 )
 from tqbench.engine.deploy.llamacpp_verify import model_gguf
 from tqbench.engine.engine import Engine
@@ -68,7 +69,7 @@ def main() -> None:
             base, measured = measure_llamacpp_kld(build.tool("llama-perplexity"), gguf, text, settings,
                                                   n_ctx=args.ctx, threads=args.threads, workdir=Path(tmp),
                                                   progress=lambda m: con.print(m, markup=False))
-            tokens = read_kld_base(base)[2]
+            tokens = with_bos(read_kld_base(base)[2], engine.tokenizer.bos_token_id)
             con.print(f"{name}: {tokens.shape[0]} chunks of {tokens.shape[1]} tokens; predicting", markup=False)
             full = predict_llamacpp_kld(engine, tokens, settings, gguf=gguf)
             abl = [s for s in settings if s[0] in args.ablation_types.split(",")]

@@ -166,3 +166,45 @@ def test_the_sliding_layers_recent_rows_are_named_among_what_is_not_mapped():
     s = map_policy(parse_policy("k=turbo2,v=turbo2,sink=4,srecent=32"), "llamacpp", default_geometry())
     assert "sink=4 / recent=0 / srecent=32 full-precision tokens: llama.cpp stores every token in its cache type" \
         in s.unmapped
+
+
+def test_llamacpp_chunks_start_with_the_bos_where_the_vocabulary_adds_one(monkeypatch):
+    """llama-perplexity replaces every chunk's first token by the BOS where its vocabulary adds one (Gemma-3; the
+    base file holds the text's own tokens): the prediction runs the chunks so. Where no BOS is added (SmolLM2),
+    the chunks are the text's tokens as they are."""
+    import torch
+
+    from tqbench.engine.deploy import llamacpp_verify
+    from tqbench.engine.deploy.llamacpp_kld import KldResult, with_bos
+
+    toks = torch.arange(12).reshape(3, 4) + 5
+    assert torch.equal(with_bos(toks, 9), toks) and torch.equal(with_bos(toks, None), toks)
+    toks[0, 0] = 2
+    assert with_bos(toks, 2)[:, 0].tolist() == [2, 2, 2] and toks[1, 0] == 9  # a copy: the input is kept
+    assert torch.equal(with_bos(toks, 2)[:, 1:], toks[:, 1:])
+
+    engine = Engine.load("tiny-llama")
+    plain = engine.tokenizer
+
+    class AddsBos:  # the tiny tokenizer, adding a BOS first as Gemma's does
+        bos_token_id = 1
+
+        def __call__(self, text, **kw):
+            out = plain(text, **kw)
+            out["input_ids"] = torch.cat([torch.tensor([[1]]), out["input_ids"]], 1)
+            return out
+
+    seen = []
+
+    def fake_predict(engine, tokens, settings, **kw):
+        seen.append(tokens)
+        return [KldResult("q8_0", "q8_0", 0.0, 0.0, 100.0, 1.0, 1.0, 31, "tqbench")]
+
+    monkeypatch.setattr(llamacpp_verify, "predict_llamacpp_kld", fake_predict)
+    monkeypatch.setattr(engine, "tokenizer", AddsBos())
+    llamacpp_verify.llamacpp_kld_report(engine, "q8_0", "q8_0", texts=("corpus:bread",), n_ctx=64, chunks=3)
+    monkeypatch.setattr(engine, "tokenizer", plain)
+    llamacpp_verify.llamacpp_kld_report(engine, "q8_0", "q8_0", texts=("corpus:bread",), n_ctx=64, chunks=3)
+    with_b, without = seen
+    assert with_b.shape == (3, 64) and with_b[:, 0].tolist() == [1, 1, 1]
+    assert without[:, 0].tolist() != [1, 1, 1] and 1 not in without[:, 0].tolist()

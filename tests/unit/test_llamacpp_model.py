@@ -143,6 +143,12 @@ def test_gemma3_as_llamacpp_computes_it():
             q8 = model(input_ids=ids, use_cache=False).logits
     assert torch.allclose(plain, modelled, atol=1e-5)  # a window ignored or a scale misplaced would break this
     assert not torch.allclose(plain, q8, atol=1e-5) and torch.allclose(plain, q8, atol=0.5)
+    # a float64 model keeps its dtype through the modelled attention (the scaled query is widened to fp32 only
+    # inside it; its output used to come back fp32 and o_proj refused it)
+    model64 = model.to(torch.float64)
+    with torch.inference_mode(), llamacpp_kv(model64, "q8_0", "q8_0"):
+        q8_64 = model64(input_ids=ids, use_cache=False).logits
+    assert q8_64.dtype == torch.float64 and torch.allclose(q8_64.float(), q8, atol=0.05)
 
 
 def test_gguf_architecture_names_and_refusal():

@@ -156,6 +156,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise ValueError("the llama.cpp attention model covers causal attention without sinks only (this model's "
                          "attention has sink logits)")
     b, h, t, dk = query.shape
+    dtype = query.dtype  # the model's: the output goes back to it (the query may be widened to fp32 below)
     if b != 1 or key.shape[2] != t:
         raise ValueError("the llama.cpp attention model runs one sequence in one forward, without a cache")
     rep = h // key.shape[1]
@@ -189,7 +190,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     out = probs @ vv
     if rot_v:
         out = _rot(out)  # the Hadamard matrix is its own inverse
-    return out.transpose(1, 2).contiguous().to(query.dtype), None
+    return out.transpose(1, 2).contiguous().to(dtype), None
 
 
 def attention_calls() -> int:

@@ -32,7 +32,7 @@ from tqbench.engine.deploy.llamacpp_matmul import llamacpp_matmuls
 from tqbench.engine.events import CancelFlag, OnEvent, Progress, emit, raise_if_cancelled
 
 __all__ = ["BASELINE", "KldResult", "PROTOCOL_DIFFERENCES", "VERIFY_TEXTS", "measure_llamacpp_kld",
-           "predict_llamacpp_kld", "predict_units", "read_kld_base", "verify_text"]
+           "predict_llamacpp_kld", "predict_units", "read_kld_base", "verify_text", "with_bos"]
 
 BASELINE = ("f16", "f16")
 #: two shipped texts of different kinds, long enough for two 1,024-token chunks each (llama-perplexity needs
@@ -85,6 +85,18 @@ def read_kld_base(path: Path) -> tuple[int, int, torch.Tensor]:
     return n_ctx, n_vocab, toks.reshape(n_chunk, n_ctx).to(torch.long)
 
 
+def with_bos(tokens: torch.Tensor, bos: int | None) -> torch.Tensor:
+    """The chunks ``tokens [n_chunk, n_ctx]`` (a base file's, which holds the text's own tokens) as llama-perplexity
+    runs them: where its vocabulary adds a BOS (the text's first token is the BOS: the tokenizer put it there) every
+    chunk's first token is replaced by the BOS (``perplexity.cpp``: "add BOS token for the first batch of each
+    chunk"). Only chunk 1 starts with one in the file; Gemma-3 without it is another model (its KLD 1.5-2x)."""
+    if bos is None or tokens.numel() == 0 or int(tokens[0, 0]) != bos:
+        return tokens
+    out = tokens.clone()
+    out[:, 0] = bos
+    return out
+
+
 def _log_probs(model, ids: torch.Tensor, k: str, v: str, first: int, gguf: Path | None) -> torch.Tensor:
     keep = ids.numel() - first
     with llamacpp_kv(model, k, v), (llamacpp_matmuls(model, gguf) if gguf else nullcontext()), \
@@ -105,7 +117,7 @@ def predict_llamacpp_kld(engine, tokens: torch.Tensor, settings: list[tuple[str,
                          cancel: CancelFlag | None = None, on_event: OnEvent | None = None,
                          units_done: int = 0, units_total: int | None = None) -> list[KldResult]:
     """tqbench's prediction of llama-perplexity's KLD for each ``(k, v)`` setting on ``tokens [n_chunk, n_ctx]``
-    (llama.cpp's chunks; the BOS substitution, where the model adds one, is already in them). ``gguf``: the file
+    (llama.cpp's chunks as it runs them: ``with_bos`` applied). ``gguf``: the file
     the model was loaded from, whose weight types set llama.cpp's activation quantization (``llamacpp_matmul``);
     None runs fp32 activations (and says so in each result's note). ``on_event`` gets a ``Progress(JOB, done,
 total)`` after each forward pass (one unit; ``units_done``/``units_total`` place this call inside a larger job:

@@ -26,6 +26,7 @@ from tqbench.engine.deploy.llamacpp_kld import (
     predict_units,
     read_kld_base,
     verify_text,
+    with_bos,
 )
 
 __all__ = ["DEFAULT_KLD_CHUNKS", "LlamaCppKldReport", "kld_plan", "llamacpp_kld_report", "model_gguf"]
@@ -89,6 +90,8 @@ def _machine(threads: int) -> str:
 
 
 def _chunks(engine, text: Path, n_ctx: int) -> torch.Tensor:
+    """``text`` by this model's tokenizer (a BOS first where it adds one, as llama-perplexity tokenizes it) in
+    ``n_ctx``-token chunks, as the base file would hold them (``with_bos`` makes them what llama.cpp runs)."""
     ids = engine.tokenizer(text.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
     n = ids.numel() // n_ctx
     if n < 2:
@@ -145,6 +148,7 @@ def llamacpp_kld_report(engine, k: str, v: str, *, texts: tuple[str, ...] = VERI
                 tokens = _chunks(engine, text, n_ctx)
                 rep.tokens_from = "tqbench's tokenizer"
                 rep.measured.append(None)
+            tokens = with_bos(tokens, getattr(engine.tokenizer, "bos_token_id", None))
             if chunks is not None:
                 tokens = tokens[:chunks]
             (pred,) = predict_llamacpp_kld(engine, tokens, [(k, v)], gguf=gguf, cancel=cancel, on_event=on_event,
