@@ -87,7 +87,7 @@ from tqbench.constants import ALLOCATE_CODECS
 @click.option("--probes", type=int, default=None,
               help="With the tokens axis, needle probes every keep cell is also priced on (the answer tokens' KL with "
                    "that layer evicting; filler from the calibration texts, held out from the task suite); 0: the "
-                   "calibration KL alone. Default 3.")
+                   "calibration KL alone (the default: opt-in, see docs/allocation.md).")
 @click.option("--probe-weight", type=float, default=None, help="Weight of the probes' price beside the calibration "
                                                                  "KL (default 1).")
 @click.option("--probe-protocols", default="agnostic,aware", show_default=True,

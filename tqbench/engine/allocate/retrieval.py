@@ -33,8 +33,8 @@ from tqbench.engine.request import RequestError
 
 PROTOCOLS = ("agnostic", "aware")
 KINDS = ("single", "chain", "multikey")
-#: probes, their weight beside the calibration KL, and the protocols priced, unless asked
-DEFAULT_PROBES = 3
+#: probes (none: opt-in, the measured suite scores did not show a gain: docs/allocation.md) and their weight
+DEFAULT_PROBES = 0
 DEFAULT_WEIGHT = 1.0
 FILLER = ("prose", "legal", "chat")
 #: the shortest probe (a needle in filler, the chat template, the question): the default probe context is at least this

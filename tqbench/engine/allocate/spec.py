@@ -17,7 +17,13 @@ from tqbench.engine.allocate.demote import check_demote_codecs
 from tqbench.engine.allocate.head_job import check_keep_granularity
 from tqbench.engine.allocate.keeps import DEFAULT_AXES, KEEP_CHOICES, parse_axes, parse_keeps, speed_rule
 from tqbench.engine.allocate.operating import ROTATION_CHOICES
-from tqbench.engine.allocate.retrieval import DEFAULT_WEIGHT, PROBE_MIN, PROTOCOLS, check_probes
+from tqbench.engine.allocate.retrieval import (
+    DEFAULT_PROBES,
+    DEFAULT_WEIGHT,
+    PROBE_MIN,
+    PROTOCOLS,
+    check_probes,
+)
 from tqbench.engine.allocate.texts import MIX, check_text_names
 from tqbench.engine.codecs import canonical_spec
 from tqbench.engine.policy.files import parse_policy
@@ -55,7 +61,7 @@ class AllocateSpec:
     ``calibrate`` phase). ``compare_uniform``: verify the uniform policy of no more bytes beside the allocation
     (a warning when the allocation is far worse: ``report.warnings``).
     ``probes``: with the tokens axis, every keep cell is also priced by the answer KL of this many needle probes
-    (``retrieval.py``; 0, the API's default: calibration KL alone; the CLI's default is 3), added ``probe_weight`` times, under ``probe_protocols``
+    (``retrieval.py``; 0, the default: calibration KL alone), added ``probe_weight`` times, under ``probe_protocols``
     (agnostic, aware or both), at ``probe_context`` tokens (None: ``calib_prefill``, at least ``retrieval.PROBE_MIN``).
 
     After ``__post_init__``: ``specs`` (the canonical codec choices), ``base_policy``, ``axes`` (a tuple),
@@ -90,7 +96,7 @@ class AllocateSpec:
     rotation: str = "auto"
     fit_transforms: bool = False
     compare_uniform: bool = True
-    probes: int = 0  # the CLI asks for retrieval.DEFAULT_PROBES with the tokens axis
+    probes: int = DEFAULT_PROBES
     probe_weight: float = DEFAULT_WEIGHT
     probe_protocols: str | tuple[str, ...] = PROTOCOLS
     probe_context: int | None = None
