@@ -84,6 +84,15 @@ from tqbench.constants import ALLOCATE_CODECS
 @click.option("--demote-codecs", default="none", show_default=True,
               help="With the tokens axis, codecs a layer's evicted rows may be kept at instead of dropped (the demote "
                    "tier, chosen per layer: demote@LAYERS=codec), e.g. turbo2,turbo1; none: always dropped.")
+@click.option("--probes", type=int, default=None,
+              help="With the tokens axis, needle probes every keep cell is also priced on (the answer tokens' KL with "
+                   "that layer evicting; filler from the calibration texts, held out from the task suite); 0: the "
+                   "calibration KL alone (the default: opt-in, see docs/allocation.md).")
+@click.option("--probe-weight", type=float, default=None, help="Weight of the probes' price beside the calibration "
+                                                                 "KL (default 1).")
+@click.option("--probe-protocols", default="agnostic,aware", show_default=True,
+              help="Where the probes evict: agnostic (before the question), aware (after it) or both (the mean).")
+@click.option("--probe-context", type=int, default=None, help="Probe length in tokens (default: --calib-prefill, at least 512).")
 @click.option("--rotation", type=click.Choice(["auto", "qr", "hadamard"]), default="auto", show_default=True,
               help="The turbo codecs' rotation: auto (the randomized Hadamard where a dense QR rotation's bytes weigh "
                    "in the budget, e.g. head_dim 256 at 1K tokens), qr or hadamard.")
@@ -97,7 +106,7 @@ from tqbench.constants import ALLOCATE_CODECS
 def allocate(model, device, dtype, threads, budget, context, calibration, calib_prefill, calib_steps, granularity,
              codecs, k_codecs, sink, recent, base, sinks, recents, max_measurements, verify_text, unseen_text,
              verify_prefill, verify_steps, name, out, resume, max_kl, min_speed, verify_speed, axes, keeps, keep_granularity, demote_codecs,
-             rotation, fit_transforms, compare_uniform, as_json):
+             probes, probe_weight, probe_protocols, probe_context, rotation, fit_transforms, compare_uniform, as_json):
     """The best per-layer (or per-KV-head) KV policy under --budget bits/element: measure, solve exactly, measure
     jointly, verify on two unseen texts, save (with --out)."""
     import json
@@ -111,6 +120,7 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
     from tqbench.cli.render.console import err, load_engine
     from tqbench.cli.render.progress import EventProgress
     from tqbench.engine.allocate.exchange import RECENT_GRID, SINK_GRID
+    from tqbench.engine.allocate.retrieval import DEFAULT_PROBES
     from tqbench.engine.allocate.spec import AllocateSpec
 
     try:
@@ -133,7 +143,8 @@ def allocate(model, device, dtype, threads, budget, context, calibration, calib_
         verify_steps=verify_steps, name=policy_name, partial_path=resume, min_speed=min_speed,
         verify_speed=verify_speed, axes=axes, keeps=keeps, keep_granularity=keep_granularity,
         demote_codecs=demote_codecs, rotation=rotation, fit_transforms=fit_transforms,
-        compare_uniform=compare_uniform)
+        compare_uniform=compare_uniform, probe_protocols=probe_protocols, probe_context=probe_context,
+        probes=DEFAULT_PROBES if probes is None else probes, **({} if probe_weight is None else {"probe_weight": probe_weight}))
     from tqbench.engine import Cancelled, allocate_policy, save_policy_artifact
 
     if not out:

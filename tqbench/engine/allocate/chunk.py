@@ -104,6 +104,8 @@ class ChunkRunner:
         self.prefill = prefill
         self.chunk = self.ids[:, prefill:]
         self.calls = 0
+        #: the chunk positions whose KL ``kl`` averages (all; a retrieval probe scores its answer tokens only)
+        self.scored = slice(None)
         dec, layers = _decoder_layers(self.model)
         self._decoder, self._layers = dec, layers
         self._start_hidden: torch.Tensor | None = None
@@ -281,7 +283,8 @@ class ChunkRunner:
         (``metrics.kl_from_logits``: the exact side's probabilities and log-normalizer computed once)."""
         with torch.inference_mode():
             logits = self._forward(keys, values, start)
-            return float(kl_from_logits(self._p, self._base_logits, self._base_lse, logits).mean())
+            at = (slice(None), self.scored)
+            return float(kl_from_logits(self._p[at], self._base_logits[at], self._base_lse[at], logits[at]).mean())
 
     def logprobs(self, keys: list, values: list, start: int = 0) -> torch.Tensor:
         with torch.inference_mode():

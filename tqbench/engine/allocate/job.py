@@ -156,6 +156,8 @@ class AllocationReport:
             alloc["axes"] = {k: self.axes[k] for k in ("axes", "keeps", "score", "window", "saved_by_codecs",
                                                         "saved_by_eviction", "keep_granularity", "demotes",
                                                         "demoted_bytes") if k in self.axes}
+            if "retrieval" in self.axes:  # how the keep cells were priced (the per-cell prices: the JSON report)
+                alloc["axes"]["retrieval"] = {k: v for k, v in self.axes["retrieval"].items() if k != "price"}
         tensors = {"sensitivity": self.table.as_tensor(),
                    "layers": torch.tensor(self.table.layers, dtype=torch.int64)}
         verified = self.verified.to_dict() if self.verified else {}
@@ -332,6 +334,13 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
             raise_if_cancelled(cancel, "allocate")
             persist(key, keep_cells.cell(layer, f, base_pol.sink, base_pol.recent))
         keep_kl[(layer, f)] = cells[key]
+    retrieval, calib_keep_kl = None, keep_kl
+    if "tokens" in axes and spec.probes and keep_kl:  # the answers of needle probes beside the calibration KL
+        from tqbench.engine.allocate.retrieval import PROBE_MIN, price_keeps
+
+        keep_kl, retrieval = price_keeps(engine, keep_kl, base_pol, probes=spec.probes, weight=spec.probe_weight,
+                                         protocols=spec.probe_protocols, context=spec.probe_context or max(calib_prefill, PROBE_MIN),
+                                         known=known, cells=cells, persist=persist, on_event=on_event, cancel=cancel)
     tier = DemoteTier(keep_cells) if keep_cells is not None and demotes else None
     demote_kl, demote_resumed = {}, 0
     tier_cells = [(layer, f, d) for layer in table.layers for f in keep_choices if f < 1 for d in demotes]
@@ -430,11 +439,13 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
         report.axes = {"axes": list(axes), "keeps": list(keep_choices), "score": base_pol.score,
                        "window": base_pol.window,  # keep cells: "L/f" per layer, "L.h/f" per KV head
                        "keep_cells": {".".join(map(str, key[:-1])) + f"/{key[-1]:g}": kl
-                                      for key, kl in keep_kl.items()},
+                                      for key, kl in calib_keep_kl.items()},  # (the calibration KL alone)
                        "demotes": list(demotes),
                        "demote_cells": {f"{layer}/{f:g}/{d}": kl for (layer, f, d), kl in demote_kl.items()},
                        **(head_axis_split(hk, engine.geometry, context) if per_head else
                           axis_split(alloc.policy, engine.geometry, context))}
+        if retrieval is not None:
+            report.axes["retrieval"] = retrieval  # the probes' price per cell; the solve read keep + weight * price
         if per_head:
             report.axes["keep_granularity"] = "head"
             report.axes["head_keeps"] = {str(layer): list(fs) for layer, fs in sorted(hk.head_keeps.items())}

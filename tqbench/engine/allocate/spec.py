@@ -17,6 +17,13 @@ from tqbench.engine.allocate.demote import check_demote_codecs
 from tqbench.engine.allocate.head_job import check_keep_granularity
 from tqbench.engine.allocate.keeps import DEFAULT_AXES, KEEP_CHOICES, parse_axes, parse_keeps, speed_rule
 from tqbench.engine.allocate.operating import ROTATION_CHOICES
+from tqbench.engine.allocate.retrieval import (
+    DEFAULT_PROBES,
+    DEFAULT_WEIGHT,
+    PROBE_MIN,
+    PROTOCOLS,
+    check_probes,
+)
 from tqbench.engine.allocate.texts import MIX, check_text_names
 from tqbench.engine.codecs import canonical_spec
 from tqbench.engine.policy.files import parse_policy
@@ -53,6 +60,9 @@ class AllocateSpec:
     ``qr`` or ``hadamard``. ``fit_transforms``: fit this model's calibrated key transforms when it has none (the
     ``calibrate`` phase). ``compare_uniform``: verify the uniform policy of no more bytes beside the allocation
     (a warning when the allocation is far worse: ``report.warnings``).
+    ``probes``: with the tokens axis, every keep cell is also priced by the answer KL of this many needle probes
+    (``retrieval.py``; 0, the default: calibration KL alone), added ``probe_weight`` times, under ``probe_protocols``
+    (agnostic, aware or both), at ``probe_context`` tokens (None: ``calib_prefill``, at least ``retrieval.PROBE_MIN``).
 
     After ``__post_init__``: ``specs`` (the canonical codec choices), ``base_policy``, ``axes`` (a tuple),
     ``keep_choices``, ``demotes``, ``min_speed`` (as the speed rule leaves it) and ``notes`` (what the rules said).
@@ -86,6 +96,10 @@ class AllocateSpec:
     rotation: str = "auto"
     fit_transforms: bool = False
     compare_uniform: bool = True
+    probes: int = DEFAULT_PROBES
+    probe_weight: float = DEFAULT_WEIGHT
+    probe_protocols: str | tuple[str, ...] = PROTOCOLS
+    probe_context: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -105,6 +119,10 @@ class AllocateSpec:
         if self.base_policy.evicts:
             raise RequestError("base", self.base_policy.to_string(), "its keep values are the allocation's to "
                                "choose: drop keep from the base and search the tokens axis")
+        self.probe_protocols = check_probes(self.probes, self.probe_weight, self.probe_protocols)
+        if self.probe_context is not None and self.probe_context < PROBE_MIN:
+            raise RequestError("probe_context", self.probe_context, f"give at least {PROBE_MIN} tokens (a needle in "
+                                                                    "filler, the question and the chat template)")
         self.min_speed, why = speed_rule(self.axes, self.min_speed)
         if why:
             self.notes.append(why)

@@ -132,7 +132,7 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
         return out
     if isinstance(key, EvictKV):  # a layer that evicts tokens: the model's own attention, then the queries
         check_unpadded(attention_mask, key.evict_point)
-        mask = attention_mask
+        mask = fit_causal_mask(attention_mask, query.shape[2], key.keys.shape[2])
         if key.lengths is not None:  # heads=ada: each KV head's padding masked
             mask = ragged_mask(attention_mask, key.lengths, query, key.keys.shape[2],
                                previous_implementation(getattr(module, "config", None)) == "eager")
@@ -155,7 +155,8 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
     if isinstance(key, DenseKV):  # a kernel-attended dense baseline (``cache.dense_kernel``)
         return dense_kernel_forward(module, query, key, attention_mask, *args, **kwargs)
     if not isinstance(key, FusedKV):  # plain tensors: exactly what the model did before fused was installed
-        return _previous_forward(module)(module, query, key, value, attention_mask, *args, **kwargs)
+        mask = fit_causal_mask(attention_mask, query.shape[2], key.shape[2])
+        return _previous_forward(module)(module, query, key, value, mask, *args, **kwargs)
     ragged = key.ragged is not None and any(kv.k_parts for kv in key.ragged)  # heads=ada with rows held
     if (not ragged and not key.k_parts and not key.v_parts and key.precision is None
             and key.tier is None):  # no history: exact attention
@@ -194,6 +195,31 @@ def dense_kernel_forward(module, query, key: DenseKV, attention_mask, *args, **k
                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux", kwargs.get("sinks")))
     key.layer.native_calls += 1
     return out.transpose(1, 2).contiguous(), None
+
+
+def fit_causal_mask(attention_mask, q: int, n: int):
+    """``attention_mask`` for a layer holding ``n`` rows. transformers builds one mask per layer type from the first
+    such layer's cache, so with per-layer keeps (``keep@L=f``) a call over several tokens after an eviction (the
+    query-agnostic protocol's question) hands every layer the first one's width. A mask that is the plain causal
+    tail (the call's ``q`` queries are the last ``q`` rows, nothing else hidden) is rebuilt at ``n`` columns; any
+    other mask of the wrong width (padding) is refused with the reason."""
+    if attention_mask is None or attention_mask.shape[-1] == n:
+        return attention_mask
+    m, dev = attention_mask.shape[-1], attention_mask.device
+
+    def causal(width: int) -> torch.Tensor:
+        return torch.arange(width, device=dev)[None, :] <= torch.arange(width - q, width, device=dev)[:, None]
+
+    is_bool = attention_mask.dtype == torch.bool
+    allowed = attention_mask if is_bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    if attention_mask.shape[-2] != q or not bool((allowed == causal(m)).all()):
+        raise ValueError(f"an attention mask of {m} columns (with padding) reached a layer holding {n} rows: layers "
+                         "that keep different fractions (keep@L=f) need unpadded calls; run each sequence alone")
+    fit = causal(n).expand(*attention_mask.shape[:-1], n)
+    if is_bool:
+        return fit
+    return torch.zeros(fit.shape, dtype=attention_mask.dtype, device=dev).masked_fill(
+        ~fit, torch.finfo(attention_mask.dtype).min)
 
 
 def check_unpadded(attention_mask, point: bool) -> None:
