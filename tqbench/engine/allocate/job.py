@@ -394,7 +394,7 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
     if speed is not None and (gave := speed.gave_way.get(protection_key(alloc.policy))):
         notes.append(f"min speed: the default rule (no slower than {speed.model.costs.reference}) gave way: keeping "
                      f"it raised the additive KL from {gave[1]:.4f} to {gave[0]:.4f}, over {DEFAULT_RULE_KL}x; the "
-                     "allocation is kept no slower than the least-KL solution instead (--min-speed to insist)")
+                     "allocation is kept no slower than the least-KL solution instead (a min_speed given explicitly never gives way)")
     if alloc.policy.calib and not _uses_calibrated(alloc.policy):  # the fit was offered, not chosen: no reference
         alloc = replace(alloc, policy=replace(alloc.policy, calib=""))
     emit(on_event, Progress("solve", 1, 1, f"{alloc.bits_per_element:.3f} bits/element"))
