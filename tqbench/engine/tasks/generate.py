@@ -208,12 +208,18 @@ def question_start(engine, sample: Sample) -> int:
     line (a token that spans the cut, such as a merged newline, goes to the question). The query-agnostic protocol
     compresses ``ids[:, :question_start]`` before the rest is appended."""
     ctx = engine.encode_prompt(sample.text[: sample.text.rfind("\n")], True, fit_context=False)[0]
+    return _shared_cut(ctx, sample, "context before the question")
+
+
+def _shared_cut(ids, sample: Sample, what: str) -> int:
+    """How many leading tokens ``ids`` shares with ``sample``'s prompt; a ``ValueError`` naming ``what`` when that
+    leaves nothing before the cut or nothing after it."""
     full = sample.ids[0]
-    n = min(len(ctx), len(full))
-    same = (ctx[:n] == full[:n]).tolist()
+    n = min(len(ids), len(full))
+    same = (ids[:n] == full[:n]).tolist()
     cut = same.index(False) if False in same else n
     if cut < 1 or cut >= len(full):
-        raise ValueError(f"{sample.task} #{sample.index}: no context before the question to compress")
+        raise ValueError(f"{sample.task} #{sample.index}: no {what} to compress")
     return cut
 
 
@@ -223,13 +229,7 @@ def user_turn_end(engine, sample: Sample) -> int:
     compress up to this point and append the rest (its pipeline splits the template on a separator the same way)."""
     sep = "#" * 16  # no text of the suite ends in '#'; its tokens never merge with the template's
     ids = engine.encode_prompt(sample.text + sep, True, fit_context=False)[0]
-    full = sample.ids[0]
-    n = min(len(ids), len(full))
-    same = (ids[:n] == full[:n]).tolist()
-    cut = same.index(False) if False in same else n
-    if cut < 1 or cut >= len(full):
-        raise ValueError(f"{sample.task} #{sample.index}: no user turn before the answer to compress")
-    return cut
+    return _shared_cut(ids, sample, "user turn before the answer")
 
 
 # ---- fitting a sample to the context -----------------------------------------------------------------------
