@@ -328,3 +328,10 @@ def test_evicting_policy_reserves_its_cache_from_the_prefix_it_reads(live, engin
     assert out["auto"]["tqbench"]["prefix_cache"]["hit"]
     assert out["auto"]["tqbench"]["cache_report"]["compressed_storage_bytes"] <= from_prefix
     assert worker.kv_reserved == 0  # every reservation was given back
+
+
+def test_a_bad_prefix_cache_size_names_the_option_and_a_valid_form():
+    from tqbench.server.prefix import PrefixCache
+
+    with pytest.raises(ValueError, match=r"prefix cache size 'lots' is invalid: use a size like 24GiB"):
+        PrefixCache("lots")

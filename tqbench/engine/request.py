@@ -167,9 +167,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
-def parse_bytes(text: str) -> int:
-    """``24GiB``, ``80GB``, ``512MiB``, ``1e9``: a byte count (GB = 10^9, GiB = 2^30)."""
+def parse_bytes(text: str, what: str = "memory budget") -> int:
+    """``24GiB``, ``80GB``, ``512MiB``, ``1e9``: a byte count (GB = 10^9, GiB = 2^30); ``what`` names it in the error."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory budget {text!r} is invalid: use a size like 24GiB, 80GB or 512MiB")
+        raise ValueError(f"{what} {text!r} is invalid: use a size like 24GiB, 80GB or 512MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

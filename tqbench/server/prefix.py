@@ -73,7 +73,7 @@ class PrefixCache:
     """Compressed prefixes under a byte cap, least recently used evicted first (``cap`` 0: off)."""
 
     def __init__(self, cap: int | str | None = DEFAULT_PREFIX_CACHE) -> None:
-        self.cap = parse_bytes(cap) if isinstance(cap, str) else int(cap or 0)
+        self.cap = parse_bytes(cap, "prefix cache size") if isinstance(cap, str) else int(cap or 0)
         if self.cap < 0:
             raise ValueError(f"prefix cache {self.cap} bytes is invalid: give a size like 256MiB, or 0 for off")
         self._entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()

@@ -142,10 +142,6 @@ class KVStore:
         t = x.shape[2]
         if t == 0 and not points:
             return [], [self.tail_start]
-        if points is None and self._mark is None:  # one point (a decode step): the loop below, for its one point
-            self._add(x, x.numel() * x.element_size())
-            self.last_evicted = self._evict() if self.window is not None else 0
-            return ([] if self.defer else self._flush(chunks)), [self.tail_start]
         points = [t] if points is None else points
         if not points or points[-1] != t or any(b <= a for a, b in zip([0, *points], points)):
             raise ValueError(f"points {points} must increase and end at the {t} rows appended")
