@@ -1,5 +1,7 @@
 """The workbench shows "fitted on another model" when a run uses a saved policy fitted elsewhere."""
 
+import re
+
 import pytest
 from textual.widgets import Input
 from tui_helpers import notes, wait_for
@@ -39,3 +41,32 @@ async def test_no_warning_for_a_preset(data_dir, steady_engine):
         await _run(app, pilot, "turbo4")
         assert app.run_pane.status == "done"
         assert not [m for m in notes(app) if "fitted on" in m]
+
+
+async def test_the_policies_list_marks_allocations_fitted_on_another_model(data_dir, steady_engine):
+    from textual.widgets import OptionList
+
+    app = WorkbenchApp(WorkbenchOptions(model="tiny"), engine=steady_engine)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        pane = app.policies_pane
+        ol = pane.query_one("#policy-list", OptionList)
+
+        def line(name: str) -> str:
+            return str(ol.get_option(f"p:{name}").prompt)
+
+        assert "fitted on" not in line("turbo4")  # a preset was fitted on nothing
+        # estimates for a named model's geometry (no weights: the geometry rule alone), either way round
+        bits = re.compile(r"\d\.\d\d b")
+        pane.query_one("#geometry-model", Input).value = "default"
+        pane.reload_list()
+        await pilot.pause()
+        assert "fitted on" not in line("smollm2-head-2.5bit") and bits.search(line("smollm2-head-2.5bit"))
+        # Gemma's 18-layer allocation has an estimate on SmolLM2's 30 layers, and is marked
+        assert "fitted on gemma" in line("gemma3-270m-head-2.5bit").lower() and bits.search(line("gemma3-270m-head-2.5bit"))
+        pane.query_one("#geometry-model", Input).value = "gemma3-270m"
+        pane.reload_list()
+        await pilot.pause()
+        assert "fitted on" not in line("gemma3-270m-head-2.5bit") and bits.search(line("gemma3-270m-head-2.5bit"))
+        assert "not for this model" in line("smollm2-head-2.5bit")  # 30 layers named, 18 here

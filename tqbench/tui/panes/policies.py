@@ -170,6 +170,9 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.policy import ENGINE_PRESETS, PRESET_TEXT, parse_policy, shipped_policy_names
 
         geo, ctx = self.geometry(), self.context()
+        engine = getattr(self.app, "engine", None)
+        fingerprint = engine.loaded.fingerprint if engine is not None and not self.query_one(
+            "#geometry-model", Input).value.strip() else None
         ol = self.query_one("#policy-list", OptionList)
         ol.clear_options()
         entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + \
@@ -178,8 +181,11 @@ class PoliciesPane(Horizontal):
         for name, text in entries:
             tag = " [i](kept)[/i]" if name in self.kept else ""
             try:
-                est = estimate_kv(parse_policy(text), geo, ctx)
+                pol = parse_policy(text)
+                est = estimate_kv(pol, geo, ctx)
                 bits = f"{est.bits_per_element:5.2f} b"
+                if pol.fitted_on is not None and pol.fitted_on.warning(fingerprint, geo):
+                    tag += f" [dim]fitted on {pol.fitted_on.name or 'another model'}[/dim]"
             except ValueError:  # e.g. an allocation or a calibrated fit made for another geometry
                 bits = "  n/a "
                 tag += " [dim]not for this model: highlight it for why[/dim]"
