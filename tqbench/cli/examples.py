@@ -36,7 +36,8 @@ COSTS: dict[str, str] = {
               "took 3 min 05 s (model load 28 s, teacher-forced 38 s, 4 KLD forward passes of ~27 s). --no-measure "
               "only maps.",
     "allocate": "Cost on a 2-core CPU, default model: a cold run of the defaults took over 10 min on a busy machine "
-                "(issue 42); --granularity head --budget 2.5: 376 CPU s at 1 thread (990 cells). Progress gives each "
+                "(issue 42); --granularity head --budget 2.5: 5 min 4 s at 2 threads on a quiet machine (1,350 cells, "
+                "542 CPU s). Progress gives each "
                 "phase's units and the time left; a rerun with the same --out (or --resume) reuses the measured "
                 "cells.",
     "tasks": "Cost of the defaults on a 2-core CPU (default model, 4096 tokens, 2 tasks x 3 samples, baseline and "
