@@ -143,7 +143,7 @@ def test_engine_runs_fused_without_triton():
     assert out.stdout.split("\n")[:3] == [
         "(False, 'triton is not installed (pip install triton)')",
         "['native-cpu']",
-        "['tqbench.kernels', 'tqbench.kernels.cpu', 'tqbench.kernels.cpu.attention', 'tqbench.kernels.packing', "
+        "['tqbench.kernels', 'tqbench.kernels.cpu', 'tqbench.kernels.cpu.attention', 'tqbench.kernels.layouts', 'tqbench.kernels.packing', "
         "'tqbench.kernels.pidlock', 'tqbench.kernels.reference']",
     ]
 

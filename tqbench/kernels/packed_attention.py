@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tqbench.kernels.reference import KINDS, PackedSide
+from tqbench.kernels.layouts import KINDS, layout_of
+from tqbench.kernels.reference import PackedSide
 
 _KIND_ID = {k: i for i, k in enumerate(KINDS)}  # turbo 0, affine-channel 1, affine-token 2, pcaq 3
 _NEG = -1.0e30  # finite running max: fully masked rows keep l = 0 instead of producing NaN
@@ -172,11 +173,11 @@ def _side_tensors(side: PackedSide, role: str, b: int, hkv: int, device: torch.d
     p = side.payload
     if side.kind == "pcaq":
         return _pcaq_tensors(side, role, b, hkv, device)
-    fields = ("idx", "norm") if side.kind == "turbo" else ("q", "scale", "zero")
+    fields = layout_of(side.kind).payload_fields
     missing = [f for f in fields if f not in p]
     if missing:
         raise ValueError(f"{role} ({side.kind}) payload lacks {', '.join(missing)}")
-    rows_per_unit = side.group if side.kind == "affine-channel" else 1
+    rows_per_unit = side.group if layout_of(side.kind).grouped_rows else 1
     units = -(-side.n_tokens // rows_per_unit)
     nbytes = (d * rows_per_unit * side.bits + 7) // 8
     codes = p[fields[0]]
@@ -260,7 +261,7 @@ def packed_attention(
         raise ValueError(f"head_dim mismatch: query {d}, keys {k.head_dim}, values {v.head_dim}")
     if k.n_tokens != v.n_tokens:
         raise ValueError(f"keys hold {k.n_tokens} packed rows, values {v.n_tokens}: pass the common range")
-    codes = k.payload.get("idx" if k.kind in ("turbo", "pcaq") else "q")
+    codes = k.payload.get(layout_of(k.kind).code_field)
     if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
         raise ValueError(f"k codes must be a 4-D [batch, kv_heads, units, bytes] tensor, got "
                          f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
@@ -285,7 +286,7 @@ def packed_attention(
     qf = q.to(torch.float32) * scale
     qk = qf
     qmu = None
-    if k.kind in ("turbo", "pcaq"):
+    if layout_of(k.kind).transformed:
         rot = k.rotation.to(device=dev, dtype=torch.float32)
         if q_rot is not None:
             qk = q_rot.to(torch.float32) * scale

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tqbench.kernels.layouts import KINDS, TRANSFORMED, layout_of
 from tqbench.kernels.packing import byte_table, lookup_packed, pack_bits, unpack_widths
 
-KINDS = ("turbo", "affine-channel", "affine-token", "pcaq")
-#: kinds whose rows live in a transformed domain (scored against the transformed query, summed there)
-TRANSFORMED = ("turbo", "pcaq")
+__all__ = ["KINDS", "TRANSFORMED", "PackedSide"]  # KINDS / TRANSFORMED: the layouts table's (kernels/layouts.py)
 
 
 @dataclass
@@ -50,8 +49,7 @@ class PackedSide:
     _tables: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown packed kind {self.kind!r}: valid kinds are {', '.join(KINDS)}")
+        layout_of(self.kind)  # an unknown kind is refused, naming the valid ones
         if not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be in 1..8, got {self.bits}")
 
@@ -112,7 +110,7 @@ def dequantize_side(side: PackedSide, dtype: torch.dtype) -> torch.Tensor:
         idx = torch.stack([unpack_widths(p["idx"][:, h], side.widths[h]) for h in range(side.widths.shape[0])], 1)
         lv = side.levels.to(dtype)[None, :, None].expand(*idx.shape, side.levels.shape[-1])
         return lv.gather(-1, idx[..., None]).squeeze(-1)
-    codes_per_row = d if side.kind == "affine-token" else side.group * d
+    codes_per_row = side.group * d if layout_of(side.kind).grouped_rows else d
     if side.bits == 8:
         codes = p["q"].to(dtype)
     else:
@@ -170,7 +168,7 @@ def packed_attention_partials(
     partials merged); rows with nothing to attend give ``out = 0`` and ``lse = -inf``.
     """
     b, hq, seq, d = q.shape
-    hkv = k.payload["idx" if k.kind in TRANSFORMED else "q"].shape[1]
+    hkv = k.payload[layout_of(k.kind).code_field].shape[1]
     g = hq // hkv
     dt = torch.promote_types(q.dtype, torch.float32)
     qk = (q.to(dt) * scale).reshape(b, hkv, g * seq, d)

@@ -10,9 +10,10 @@ from tqbench.engine.cache.geometry import dense_fp16_bytes, fp16_row_bytes, wind
 from tqbench.engine.cache.layer import TQLayer
 from tqbench.engine.cache.report import CacheReport, LayerBytes, ran_in_kernels
 from tqbench.engine.cache.store import APPEND_IN_PLACE
-from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, HeadSplitCodec, TurboCodec
+from tqbench.engine.codecs import HeadSplitCodec
 from tqbench.engine.policy.keep import fmt_keep
 from tqbench.engine.policy.spec import Policy
+from tqbench.kernels.layouts import layout_of
 
 __all__ = ["build_report", "fused_reference_peak_bytes"]
 
@@ -200,8 +201,8 @@ def _side_peak(store, dim: int, bh: int, elem: int) -> int:
     codec = store.codec
     if not store.n_packed:
         side = 0
-    elif type(codec) in (TurboCodec, AffineChannelCodec, AffineTokenCodec):
-        code_bytes = store.packed["idx" if type(codec) is TurboCodec else "q"].view().numel()
+    elif codec.layout is not None and layout_of(codec.layout).table_decoded:
+        code_bytes = store.packed[layout_of(codec.layout).code_field].view().numel()
         if codec.bits == 8:
             side = rows
         elif 8 % codec.bits == 0:

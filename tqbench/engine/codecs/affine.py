@@ -60,6 +60,8 @@ class AffineTokenCodec(Codec):
     last partial group is allowed.
     """
 
+    layout = "affine-token"
+
     tokens_per_unit = 1
 
     def __init__(self, bits: int = 8, group: int = 32) -> None:
@@ -67,6 +69,13 @@ class AffineTokenCodec(Codec):
         _check_size("group", group)
         self.bits, self.group = bits, group
         self.spec = f"int{bits}"
+
+    def packed_side(self, payload: dict, n: int, head_dim: int, dtype: torch.dtype, state: dict):
+        if head_dim % self.group:  # the kernels read whole groups of channels
+            return None
+        from tqbench.kernels.reference import PackedSide
+
+        return PackedSide(self.layout, self.bits, payload, n, head_dim, group=self.group)
 
     def _groups(self, head_dim: int) -> int:
         return -(-head_dim // self.group)
@@ -121,12 +130,19 @@ class AffineChannelCodec(Codec):
     ``[B, H, U, D]``. ``tokens_per_unit = block``.
     """
 
+    layout = "affine-channel"
+
     def __init__(self, bits: int = 8, block: int = 32) -> None:
         _check_bits(bits)
         _check_size("block", block)
         self.bits, self.block = bits, block
         self.tokens_per_unit = block
         self.spec = f"int{bits}"
+
+    def packed_side(self, payload: dict, n: int, head_dim: int, dtype: torch.dtype, state: dict):
+        from tqbench.kernels.reference import PackedSide
+
+        return PackedSide(self.layout, self.bits, payload, n, head_dim, group=self.block)
 
     def encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Encoded:
         self.check_input(x)

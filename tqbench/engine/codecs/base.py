@@ -41,6 +41,15 @@ class Codec(ABC):
     tokens_per_unit: int = 1
     #: True for codecs that store rows unchanged (dense)
     lossless: bool = False
+    #: the packed layout the kernels read (a row of ``tqbench/kernels/layouts.py``), None: no fused form
+    layout: str | None = None
+
+    # -- the fused form ------------------------------------------------------------------------
+    def packed_side(self, payload: dict, n: int, head_dim: int, dtype: torch.dtype, state: dict):
+        """The kernels' description of ``n`` packed rows of this codec (``tqbench.kernels.reference.PackedSide``,
+        its ``kind`` a row of the layouts table, ``tqbench/kernels/layouts.py``), or None: no fused form. A
+        codec whose rows the kernels read sets ``layout`` and overrides this; nothing switches on its type."""
+        return None
 
     # -- calibration -------------------------------------------------------------------------
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

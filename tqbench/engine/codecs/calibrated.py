@@ -39,6 +39,8 @@ _TABLES: dict[tuple, tuple] = {}
 class PcaKeyCodec(Codec):
     """``pcaq{b}`` for the keys of one layer (``layer``) under the transforms in ``calib`` ("" = shipped)."""
 
+    layout = "pcaq"
+
     def __init__(self, bits: float, layer: int | None = None, calib: str = "", role: str = "k",
                  heads: tuple[int, ...] | None = None) -> None:
         if role != "k":
@@ -136,6 +138,13 @@ class PcaKeyCodec(Codec):
                bounds.to(device, dtype))
         _TABLES[key] = out
         return out
+
+    def packed_side(self, payload: dict, n: int, head_dim: int, dtype: torch.dtype, state: dict):
+        from tqbench.kernels.reference import PackedSide
+
+        widths, transform, levels, maxw = self.fused_tables(head_dim, payload["idx"].device, dtype)
+        return PackedSide(self.layout, maxw, payload, n, head_dim, levels=levels, rotation=transform, mu=state.get("mu"),
+                          widths=widths)
 
     def fused_tables(self, head_dim: int, device, dtype: torch.dtype) -> tuple:
         """What the fused kernels read: ``(widths uint8 [H, D], transform [H, D, D], levels [H, D, 2**maxw], maxw)``

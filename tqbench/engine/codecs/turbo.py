@@ -85,6 +85,8 @@ class _Centered(Codec):
 class TurboCodec(_Centered):
     """TurboQuant-MSE at ``bits`` (1..4) bits per coordinate. Fields ``idx`` ``[B,H,T,ceil(D*b/8)]``, ``norm``."""
 
+    layout = "turbo"
+
     def __init__(
         self,
         bits: int = 4,
@@ -144,6 +146,13 @@ class TurboCodec(_Centered):
     ) -> torch.Tensor:
         """The sorted Lloyd-Max levels ``c`` ``[2**bits]`` for unit rows (scale by ``norm``)."""
         return self._tables(self._dim(head_dim), device, dtype)[1]
+
+    def packed_side(self, payload: dict, n: int, head_dim: int, dtype: torch.dtype, state: dict):
+        from tqbench.kernels.reference import PackedSide
+
+        dev = payload["idx"].device
+        return PackedSide(self.layout, self.bits, payload, n, head_dim, levels=self.codebook_tensor(dev, dtype, head_dim),
+                          rotation=self.rotation_tensor(dev, dtype, head_dim), mu=state.get("mu"))
 
     def unpack_indices(self, enc: Encoded, head_dim: int | None = None) -> torch.Tensor:
         """Codebook indices ``uint8 [B, H, T, D]``; ``D`` defaults to the packed width's (exact for encodable D)."""

@@ -21,18 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from tqbench.kernels.cpu import native_module
+from tqbench.kernels.layouts import layout_of
 from tqbench.kernels.reference import PackedSide
 
 __all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "KEY_INT_SCORING", "int_score_bound", "key_scoring", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
            "refresh_side", "simd_order"]
 
-#: per packed kind: the Side's fields that come from the packed payload (Side field, payload field)
-_PAYLOAD = {
-    "turbo": (("codes", "idx"), ("norms", "norm")),
-    "pcaq": (("codes", "idx"),),
-    "affine-token": (("codes", "q"), ("scales", "scale"), ("zeros", "zero")),
-    "affine-channel": (("codes", "q"), ("scales", "scale"), ("zeros", "zero")),
-}
 
 _RULES: list[dict] = []
 _MODULE: list = []  # the loaded extension, once native_module() has returned it (the per-call path skips its lock)
@@ -83,7 +77,7 @@ KEY_INT_SCORING = "score_int16"
 
 def key_scoring(side, dt: torch.dtype) -> bool:
     """Set a K side's integer scoring (``KEY_INT_SCORING``) where this build can score it so; whether it did."""
-    ok = (dt == torch.float32 and side.kind == "turbo" and side.bits in kernel_rules()["score_int8_bits"]
+    ok = (dt == torch.float32 and layout_of(side.kind).int_scoring and side.bits in kernel_rules()["score_int8_bits"]
           and side.head_dim % 64 == 0)
     setattr(side, KEY_INT_SCORING, ok)
     return ok
@@ -140,7 +134,7 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
     if packed is None:
         return side(head_dim=head_dim, dense=chunks), extra
     p = packed.payload
-    if packed.kind in ("turbo", "pcaq"):
+    if layout_of(packed.kind).transformed:
         lev, rot = packed.levels, packed.rotation
         if lev is not None and lev.dtype != dt:
             lev = lev.to(dt)
@@ -159,14 +153,14 @@ def kernel_side(packed: PackedSide | None, dense: Sequence[torch.Tensor], n_befo
 
 
 def _payload_fields(kind: str, payload: dict) -> dict:
-    return {attr: payload[name] for attr, name in _PAYLOAD[kind]}
+    return {attr: payload[name] for attr, name in layout_of(kind).fields}
 
 
 def refresh_side(side, payload: dict, n_packed: int, prefix: str = "") -> None:
     """Point a kept ``Side`` at its store's packed run after rows were packed into it (same codec and state: the
     codebook, rotation, widths and centring mean stand; only the payload tensors and the row count change).
     ``prefix``: the side's fields are ``payload[prefix + name]`` (a group of a per-head store's payload)."""
-    for attr, name in _PAYLOAD[side.kind]:
+    for attr, name in layout_of(side.kind).fields:
         setattr(side, attr, payload[prefix + name])
     side.n_packed = n_packed
 

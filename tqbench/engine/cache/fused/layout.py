@@ -13,29 +13,14 @@ import weakref
 
 import torch
 
-from tqbench.engine.codecs import AffineChannelCodec, AffineTokenCodec, PcaKeyCodec, TurboCodec
 from tqbench.kernels.cpu.attention import dense_chunks, kernel_side, key_scoring, refresh_side
 from tqbench.kernels.reference import PackedSide
 
 
 def packed_side(store, payload: dict, n: int, d: int, dt: torch.dtype) -> PackedSide | None:
-    """The fused description of a store's packed rows, or None when its codec has no fused form."""
-    codec = store.codec
-    state = store.state or {}
-    if type(codec) is TurboCodec:
-        return PackedSide(
-            "turbo", codec.bits, payload, n, d, levels=codec.codebook_tensor(payload["idx"].device, dt, d),
-            rotation=codec.rotation_tensor(payload["idx"].device, dt, d), mu=state.get("mu"),
-        )
-    if type(codec) is AffineChannelCodec:
-        return PackedSide("affine-channel", codec.bits, payload, n, d, group=codec.block)
-    if type(codec) is AffineTokenCodec and d % codec.group == 0:
-        return PackedSide("affine-token", codec.bits, payload, n, d, group=codec.group)
-    if type(codec) is PcaKeyCodec:
-        widths, transform, levels, maxw = codec.fused_tables(d, payload["idx"].device, dt)
-        return PackedSide("pcaq", maxw, payload, n, d, levels=levels, rotation=transform, mu=state.get("mu"),
-                          widths=widths)
-    return None
+    """The fused description of a store's packed rows, or None when its codec has no fused form (the codec says:
+    ``Codec.packed_side``, its layout a row of ``tqbench/kernels/layouts.py``)."""
+    return store.codec.packed_side(payload, n, d, dt, store.state or {})
 
 
 def layout(parts: tuple) -> tuple[list, tuple | None, list]:
