@@ -5,14 +5,16 @@ be stored, at real model shapes, beside the machine's copy bandwidth measured in
 
 Ways (``--ways``): ``fp16`` / ``bf16`` (the kernel over 16-bit rows as stored: ``dense-fp16-kernel``), ``turbo4``,
 ``turbo3``, ``turbo2`` (K centred, a norm per row, like the engine's turbo keys; V the same width),
-``turbo4-int8`` / ``turbo2-int8`` / ``turbo4-int16`` / ``turbo2-int16`` (the same, keys scored in integers:
+``turbo4-int8`` / ``turbo2-int8`` / ``turbo4-int16`` / ``turbo3-int16`` / ``turbo2-int16`` (the same, keys scored in
+integers:
 ``Side.score_int8`` / ``score_int16``), ``pcaq4``
 (calibrated keys, 4 bits per coordinate on average, widths and levels as the codec builds them from a fit
 (``pcaq_tables``), turbo4 values; keys scored in float), ``pcaq4-int16`` (the same keys scored in 16 bits, as the
 engine scores them) and ``per-head`` (a per-head
 layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call;
 its keys scored as the engine scores them, ``attention.key_scoring``). The engine's fused turbo4/turbo2
-layers are the ``-int16`` rows (``KEY_INT_SCORING``); ``turbo4`` / ``turbo2`` are the same keys scored in float.
+layers are the ``-int16`` rows (``KEY_INT_SCORING``); ``turbo4`` / ``turbo3`` / ``turbo2`` are the same keys scored
+in float.
 Shapes (``--shapes``): ``smollm2`` (3 KV heads x 64, 9 query heads), ``llama3-8b`` (8 x 128, 32), ``gemma3``
 (Gemma-3-1B: 1 x 256, 4).
 
@@ -43,7 +45,8 @@ from attention import last_level_cache_bytes
 #: Gemma-3-1B's attention (its config.json: 4 heads, 1 KV head, head_dim 256); tqbench ships no Gemma-3 config
 GEMMA3 = (1, 4, 256)
 SHAPE_NAMES = ("smollm2", "llama3-8b", "gemma3")
-WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "turbo4-int16", "turbo2-int16",
+WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "turbo4-int16", "turbo3-int16",
+        "turbo2-int16",
         "pcaq4", "pcaq4-int16", "per-head")
 BASE = "fp16"
 
@@ -271,9 +274,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: the native kernel cannot run here: {why}")
     mod = native_module()
     skipped = {}
-    if not kernel_rules()["score_int8_bits"]:
-        for w in [w for w in a.ways if w.endswith(("-int8", "-int16"))]:
-            skipped[w] = "this CPU's kernel build has no AVX-512 VNNI (keys are scored in float only)"
+    int_bits = kernel_rules()["score_int8_bits"]
+    for w in [w for w in a.ways if w.startswith("turbo") and w.endswith(("-int8", "-int16"))]:
+        if int(w[5]) not in int_bits:
+            skipped[w] = (f"this CPU's kernel build scores {w[5]}-bit turbo keys in float only (integer scoring: "
+                          f"{', '.join(map(str, int_bits)) or 'none'}-bit; needs AVX-512 VNNI, 3-bit VBMI too)")
             print(f"{w}: skipped, {skipped[w]}")
     if not kernel_rules()["score_int16_pcaq"] and "pcaq4-int16" in a.ways and "pcaq4-int16" not in skipped:
         skipped["pcaq4-int16"] = "this CPU's kernel build has no AVX-512 VBMI + VNNI (pcaq keys are scored in float)"

@@ -127,11 +127,11 @@ struct SideDesc {
 // stay below 2**31 in each int32 lane)
 constexpr int32_t Q16 = 4095;
 
-// Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes, head_dim a
-// multiple of 64, AVX-512 VNNI (both score_int8 and score_int16). The error this adds to each score is bounded
-// (docs/cache-modes.md; the bound is `int_score_bound` in attention.py, tested).
+// Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes (3-bit too where
+// the build has VBMI), head_dim a multiple of 64, AVX-512 VNNI (both score_int8 and score_int16). The error this
+// adds to each score is bounded (docs/cache-modes.md; the bound is `int_score_bound` in attention.py, tested).
 inline bool score_int8_ok(int64_t kind, int64_t bits, int64_t D, bool is_float) {
-  return TQ_VNNI && is_float && kind == TURBO && (bits == 4 || bits == 2) && D % 64 == 0;
+  return TQ_VNNI && is_float && kind == TURBO && (bits == 4 || bits == 2 || (bits == 3 && TQ_VBMI)) && D % 64 == 0;
 }
 
 // pcaq keys scored in 16 bits: one 64-coordinate chunk of a head's row (fa_pcaq_tiles.h): the byte its 64-byte

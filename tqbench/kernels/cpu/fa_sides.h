@@ -243,7 +243,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
     if (d.score_int8) {
       TORCH_CHECK(nm.rfind("k_sides", 0) == 0, nm, ".score_int8: only keys are scored (values are summed in float)");
       TORCH_CHECK(score_int8_ok(s.kind, bits, D, std::is_same<T, float>::value), nm,
-                  ".score_int8 needs float32 queries, 4- or 2-bit turbo codes and head_dim a multiple of 64 on a CPU "
+                  ".score_int8 needs float32 queries, 4- or 2-bit turbo codes (3-bit with AVX-512 VBMI) and head_dim a multiple of 64 on a CPU "
                   "with AVX-512 VNNI; this call: ", c10::toString(dt), ", ", bits, "-bit, head_dim ", D,
                   ", this build ", TQ_VNNI ? "has" : "lacks", " VNNI (leave score_int8 off to score in float)");
       float amax = 0;
@@ -259,7 +259,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
       TORCH_CHECK(!d.score_int8, nm, ": score_int8 and score_int16 are exclusive (pick one)");
       TORCH_CHECK(nm.rfind("k_sides", 0) == 0, nm, ".score_int16: only keys are scored (values are summed in float)");
       TORCH_CHECK(score_int8_ok(s.kind, bits, D, std::is_same<T, float>::value), nm,
-                  ".score_int16 needs float32 queries, 4- or 2-bit turbo codes and head_dim a multiple of 64 on a CPU "
+                  ".score_int16 needs float32 queries, 4- or 2-bit turbo codes (3-bit with AVX-512 VBMI) and head_dim a multiple of 64 on a CPU "
                   "with AVX-512 VNNI; this call: ", c10::toString(dt), ", ", bits, "-bit, head_dim ", D,
                   ", this build ", TQ_VNNI ? "has" : "lacks", " VNNI (leave score_int16 off to score in float)");
       float amax = 0;

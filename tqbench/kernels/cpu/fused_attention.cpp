@@ -173,7 +173,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["blocks_per_thread"] = BLOCKS_PER_THREAD;
     d["simd_dim_multiple"] = SIMD_DIM_MULTIPLE;
     d["simd_turbo_bits"] = simd_turbo_bits();
-    d["score_int8_bits"] = TQ_VNNI ? std::vector<int64_t>{4, 2} : std::vector<int64_t>{};
+    d["score_int8_bits"] = TQ_VNNI ? (TQ_VBMI ? std::vector<int64_t>{4, 3, 2} : std::vector<int64_t>{4, 2})
+                                   : std::vector<int64_t>{};
     d["score_int16_pcaq"] = static_cast<bool>(TQ_VBMI && TQ_VNNI);  // pcaq keys: float32, head_dim % 64, widths <= 7
     d["max_head_dim"] = MAX_HEAD_DIM;
     d["max_dense_chunks"] = MAX_DENSE_CHUNKS;
