@@ -5,12 +5,16 @@ be stored, at real model shapes, beside the machine's copy bandwidth measured in
 
 Ways (``--ways``): ``fp16`` / ``bf16`` (the kernel over 16-bit rows as stored: ``dense-fp16-kernel``), ``turbo4``,
 ``turbo3``, ``turbo2`` (K centred, a norm per row, like the engine's turbo keys; V the same width),
-``turbo4-int8`` / ``turbo2-int8`` / ``turbo4-int16`` / ``turbo2-int16`` (the same, keys scored in integers:
+``turbo4-int8`` / ``turbo2-int8`` / ``turbo4-int16`` / ``turbo3-int16`` / ``turbo2-int16`` (the same, keys scored in
+integers:
 ``Side.score_int8`` / ``score_int16``), ``pcaq4``
-(calibrated keys, 4 bits per coordinate on average over widths 2..6, turbo4 values) and ``per-head`` (a per-head
+(calibrated keys, 4 bits per coordinate on average, widths and levels as the codec builds them from a fit
+(``pcaq_tables``), turbo4 values; keys scored in float), ``pcaq4-int16`` (the same keys scored in 16 bits, as the
+engine scores them) and ``per-head`` (a per-head
 layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call;
-its turbo keys scored as the engine scores them, ``attention.key_scoring``). The engine's fused turbo4/turbo2
-layers are the ``-int16`` rows (``KEY_INT_SCORING``); ``turbo4`` / ``turbo2`` are the same keys scored in float.
+its keys scored as the engine scores them, ``attention.key_scoring``). The engine's fused turbo4/turbo2
+layers are the ``-int16`` rows (``KEY_INT_SCORING``); ``turbo4`` / ``turbo3`` / ``turbo2`` are the same keys scored
+in float.
 Shapes (``--shapes``): ``smollm2`` (3 KV heads x 64, 9 query heads), ``llama3-8b`` (8 x 128, 32), ``gemma3``
 (Gemma-3-1B: 1 x 256, 4).
 
@@ -41,8 +45,9 @@ from attention import last_level_cache_bytes
 #: Gemma-3-1B's attention (its config.json: 4 heads, 1 KV head, head_dim 256); tqbench ships no Gemma-3 config
 GEMMA3 = (1, 4, 256)
 SHAPE_NAMES = ("smollm2", "llama3-8b", "gemma3")
-WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "turbo4-int16", "turbo2-int16",
-        "pcaq4", "per-head")
+WAYS = ("fp16", "bf16", "turbo4", "turbo3", "turbo2", "turbo4-int8", "turbo2-int8", "turbo4-int16", "turbo3-int16",
+        "turbo2-int16",
+        "pcaq4", "pcaq4-int16", "per-head")
 BASE = "fp16"
 
 
@@ -88,15 +93,30 @@ def shape_of(name: str) -> tuple[int, int, int]:
     return s.kv_heads, s.q_heads, s.head_dim
 
 
-def pcaq_widths(h: int, d: int, mean_bits: int, gen):
-    """Per-head widths (uint8 [h, d]) averaging ``mean_bits`` over ``mean_bits - 2 .. mean_bits + 2`` (clipped to
-    0..6), a permutation per head: every head's row the same bytes, as the calibrated codec makes them."""
+def pcaq_tables(h: int, d: int, mean_bits: int, gen):
+    """(widths uint8 [h, d], levels float32 [h, d, 2**max width]) as the calibrated codec builds them: per head a
+    fit (``calibrated_fit.fit_head``) of random keys with a decaying spectrum, widths water-filled to
+    ``mean_bits`` per coordinate on average, each coordinate the Lloyd-Max levels of its group of ``GROUP`` at
+    its width (coordinates of one group and width share their levels, as in the codec's tables)."""
     import torch
 
-    pattern = torch.tensor([mean_bits + o for o in (-2, -1, 0, 0, 1, 2)]).clamp(0, 6)
-    pattern = pattern + (mean_bits - pattern.float().mean()).round().long()  # equal means after clipping
-    base = pattern.repeat(-(-d // len(pattern)))[:d]
-    return torch.stack([base[torch.randperm(d, generator=gen)] for _ in range(h)]).to(torch.uint8)
+    from tqbench.engine.codecs.calibrated_fit import GROUP, fit_head, level_offset, water_fill
+
+    widths, levels = [], []
+    for _ in range(h):
+        spectrum = torch.exp(-4.0 * torch.arange(d) / d).sqrt()
+        mix = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]
+        fit = fit_head((torch.randn(2048, d, generator=gen) * spectrum) @ mix, torch.randn(256, d, generator=gen))
+        w = water_fill(fit["var"], fit["mse"], mean_bits * d)
+        lv = torch.zeros(d, 1 << int(w.max()))
+        for j in range(d):
+            if int(w[j]):
+                lv[j, : 1 << int(w[j])] = fit["levels"][j // GROUP, level_offset(int(w[j])):][: 1 << int(w[j])].float()
+        widths.append(w)
+        levels.append(lv)
+    top = max(x.shape[-1] for x in levels)
+    levels = [torch.nn.functional.pad(x, (0, top - x.shape[-1])) for x in levels]
+    return torch.stack(widths).to(torch.uint8), torch.stack(levels).contiguous()
 
 
 class Builder:
@@ -104,6 +124,7 @@ class Builder:
 
     def __init__(self, mod, h: int, d: int, n: int, gen):
         self.mod, self.h, self.d, self.n, self.gen = mod, h, d, n, gen
+        self.tables: dict = {}  # pcaq widths and levels per (heads, mean bits): fitted once, every copy shares them
 
     def dense(self, dtype, heads):
         import torch
@@ -133,10 +154,12 @@ class Builder:
         import torch
 
         h, d, n = len(heads), self.d, self.n
-        widths = pcaq_widths(h, d, mean_bits, self.gen)
+        key = (tuple(heads), mean_bits)
+        if key not in self.tables:
+            self.tables[key] = pcaq_tables(h, d, mean_bits, self.gen)
+        widths, levels = self.tables[key]
         row = (int(widths[0].sum()) + 7) // 8
         codes = torch.randint(0, 256, (1, h, n, row), generator=self.gen, dtype=torch.uint8)
-        levels = torch.randn(h, d, 1 << int(widths.max()), generator=self.gen)
         transform = torch.linalg.qr(torch.randn(h, d, d, generator=self.gen))[0].contiguous()
         mu = (0.1 * torch.randn(1, h, 1, d, generator=self.gen)).half()
         side = self.mod.Side(kind="pcaq", bits=int(widths.max()), head_dim=d, n_before=0, n_packed=n, codes=codes,
@@ -161,8 +184,10 @@ class Builder:
             if "-" in name:  # keys scored in integers: Side.score_int8 / score_int16
                 setattr(k, f"score_{name.split('-')[1]}", True)
             return [k], [v], bk + bv, sk + sv
-        if name == "pcaq4":
+        if name.startswith("pcaq4"):
             (k, bk, sk), (v, bv, sv) = self.pcaq(4, all_heads), self.turbo(4, "v", all_heads)
+            if name == "pcaq4-int16":  # keys scored as the engine scores them (attention.key_scoring)
+                key_scoring(k, torch.float32)
             return [k], [v], bk + bv, sk + sv
         groups = [(all_heads[0::2], lambda hs: self.turbo(4, "k", hs), lambda hs: self.turbo(2, "v", hs)),
                   (all_heads[1::2], lambda hs: self.pcaq(3, hs), lambda hs: self.turbo(3, "v", hs))]
@@ -249,11 +274,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: the native kernel cannot run here: {why}")
     mod = native_module()
     skipped = {}
-    if not kernel_rules()["score_int8_bits"]:
-        for w in [w for w in a.ways if w.endswith(("-int8", "-int16"))]:
-            skipped[w] = "this CPU's kernel build has no AVX-512 VNNI (keys are scored in float only)"
+    int_bits = kernel_rules()["score_int8_bits"]
+    for w in [w for w in a.ways if w.startswith("turbo") and w.endswith(("-int8", "-int16"))]:
+        if int(w[5]) not in int_bits:
+            skipped[w] = (f"this CPU's kernel build scores {w[5]}-bit turbo keys in float only (integer scoring: "
+                          f"{', '.join(map(str, int_bits)) or 'none'}-bit; needs AVX-512 VNNI, 3-bit VBMI too)")
             print(f"{w}: skipped, {skipped[w]}")
-        a.ways = [w for w in a.ways if w not in skipped]
+    if not kernel_rules()["score_int16_pcaq"] and "pcaq4-int16" in a.ways and "pcaq4-int16" not in skipped:
+        skipped["pcaq4-int16"] = "this CPU's kernel build has no AVX-512 VBMI + VNNI (pcaq keys are scored in float)"
+        print(f"pcaq4-int16: skipped, {skipped['pcaq4-int16']}")
+    a.ways = [w for w in a.ways if w not in skipped]
     llc = last_level_cache_bytes("cpu")
     cold = min(4 * llc, a.cold_mib << 20)
     load0, t0 = os.getloadavg(), time.time()

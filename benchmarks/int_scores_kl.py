@@ -1,11 +1,12 @@
-"""Teacher-forced KL of turbo keys scored in integers (``Side.score_int8`` / ``score_int16``) against the same policy
+"""Teacher-forced KL of turbo and pcaq keys scored in integers (``Side.score_int8`` / ``score_int16``) against the same policy
 scored in float, both in fused mode on the native kernel, in one process: within 1% relative KL?
 
     python benchmarks/int_scores_kl.py --policy turbo4 --texts lighthouses,rivers --prefill 1024 --steps 128
 
 The engine scores eligible keys in 16 bits (``attention.KEY_INT_SCORING``); this script replaces that choice
 (``attention.key_scoring``) with float or ``--option`` for every key side the kernel can score in integers
-(4/2-bit turbo keys, float32, head_dim % 64 == 0) and says how many sides were scored each way. KL(fp baseline || candidate) per text, and the relative change.
+(turbo 4/3/2-bit keys, pcaq keys in 16 bits; float32, head_dim % 64 == 0) and says how many sides were scored
+each way. KL(fp baseline || candidate) per text, and the relative change.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--option", default="score_int8", choices=("score_int8", "score_int16"))
     ap.add_argument("--json", default="benchmarks/results/int-scores-kl.json")
     a = ap.parse_args(argv)
-    import torch
+
+    import importlib
 
     from tqbench.engine.cache.fused import native_glue
     from tqbench.engine.engine import Engine
@@ -38,16 +40,18 @@ def main(argv=None) -> int:
     if not kernel_rules()["score_int8_bits"]:
         raise SystemExit("error: this CPU's kernel build has no AVX-512 VNNI, so it cannot score keys in 8 bits")
     state = {"on": False, "int": 0, "float": 0}
+    engine_scoring = native_glue.native.key_scoring
 
     def scoring(side, dt):  # the engine's key_scoring, with the option forced on or off for this run
-        ok = (state["on"] and dt == torch.float32 and side.kind == "turbo"
-              and side.bits in kernel_rules()["score_int8_bits"] and side.head_dim % 64 == 0)
+        ok = state["on"] and engine_scoring(side, dt) and (a.option == "score_int16" or side.kind == "turbo")
         for option in ("score_int8", "score_int16"):
             setattr(side, option, ok and option == a.option)
         state["int" if ok else "float"] += 1
         return ok
 
     native_glue.native.key_scoring = scoring
+    # (the layout module holds its own reference; ``fused.layout`` is also the name of its function, hence by path)
+    importlib.import_module("tqbench.engine.cache.fused.layout").key_scoring = scoring
     engine = Engine.load(a.model, threads=a.threads)
     load0 = os.getloadavg()
     rows = []

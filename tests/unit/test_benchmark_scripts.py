@@ -297,6 +297,8 @@ def test_attention_roofline_gives_each_ways_ratio_to_the_fp16_kernel_and_its_ban
     assert cell["turbo4"]["time_vs_fp16"] > 0 and 0 < cell["turbo4"]["frac_copy_bw"]
     assert data["copy_bandwidth_gbs"]["1"] > 0 and data["loadavg_before"] and data["cpu"]
     assert ("smollm2", "turbo4-int8") in per_token or "turbo4-int8" in data["skipped_ways"]
+    # pcaq keys scored in 16 bits read the same bytes
+    assert per_token.get(("smollm2", "pcaq4-int16")) == 3 * 32 + 3 * (32 + 2) or "pcaq4-int16" in data["skipped_ways"]
 
 
 def test_step_cost_splits_a_fused_step_into_append_glue_kernel_and_the_rest(tmp_path):

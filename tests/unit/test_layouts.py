@@ -39,7 +39,7 @@ def test_the_table():
     assert TRANSFORMED == ("turbo", "pcaq")
     assert LAYOUTS["pcaq"].roles == ("k",) and not LAYOUTS["pcaq"].table_decoded
     assert LAYOUTS["affine-channel"].grouped_rows and not LAYOUTS["affine-token"].grouped_rows
-    assert [k for k, row in LAYOUTS.items() if row.int_scoring] == ["turbo"]
+    assert [k for k, row in LAYOUTS.items() if row.int_scoring] == ["turbo", "pcaq"]
     with pytest.raises(ValueError, match="unknown packed kind 'nf4': valid kinds are turbo, affine-channel"):
         layout_of("nf4")
     with pytest.raises(ValueError, match="unknown packed kind"):

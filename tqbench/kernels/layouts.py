@@ -52,7 +52,7 @@ _ROWS = (
     Layout("affine-token", (("codes", "q"), ("scales", "scale"), ("zeros", "zero")), transformed=False,
            grouped_rows=False, roles=("k", "v"), int_scoring=False, table_decoded=True,
            summary="codes per row, an fp16 scale and zero per group of channels"),
-    Layout("pcaq", (("codes", "idx"),), transformed=True, grouped_rows=False, roles=("k",), int_scoring=False,
+    Layout("pcaq", (("codes", "idx"),), transformed=True, grouped_rows=False, roles=("k",), int_scoring=True,
            table_decoded=False, summary="a width per coordinate in a per-head basis, no norm (calibrated keys)"),
 )
 

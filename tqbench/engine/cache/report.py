@@ -106,9 +106,7 @@ class CacheReport:
                 notes.append(f"fused: {ran}; the kernels read the packed codes in place and hold only split-K "
                              "partials (+ the call's full-precision rows), counted in resident")
                 if "native-cpu" in fused_impl and native_int_scoring():
-                    notes.append("native-cpu scores packed 4/2-bit turbo keys (float32, head_dim % 64 == 0) in "
-                                 "16-bit integers: each score within a stated bound of the float score "
-                                 "(tqbench.kernels.cpu.attention.int_score_bound)")
+                    notes.append(native_int_scoring_note())
             elif transient_layer_bytes:
                 notes.append(
                     f"fused: {ran}; the torch reference decodes one side of one layer (codes to rotated-domain "
@@ -172,4 +170,16 @@ def native_int_scoring() -> bool:
     from tqbench.kernels.cpu.attention import kernel_rules
 
     return bool(kernel_rules()["score_int8_bits"])
+
+
+def native_int_scoring_note() -> str:
+    """The report's note on the keys the loaded native kernel scores in 16-bit integers (from its rules)."""
+    from tqbench.kernels.cpu.attention import PCAQ_INT16_MAX_WIDTH, kernel_rules
+
+    rules = kernel_rules()
+    bits = "/".join(str(b) for b in rules["score_int8_bits"])
+    pcaq = (f" and calibrated pcaq keys (widths <= {PCAQ_INT16_MAX_WIDTH})" if rules.get("score_int16_pcaq") else "")
+    return (f"native-cpu scores packed {bits}-bit turbo keys{pcaq} (float32, head_dim % 64 == 0) in 16-bit "
+            "integers: each score within a stated bound of the float score (tqbench.kernels.cpu.attention."
+            "int_score_bound, pcaq_int_score_bound)")
 

@@ -24,7 +24,8 @@ from tqbench.kernels.cpu import native_module
 from tqbench.kernels.layouts import layout_of
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "KEY_INT_SCORING", "int_score_bound", "key_scoring", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
+__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "KEY_INT_SCORING", "PCAQ_INT16_MAX_WIDTH", "int_score_bound",
+           "pcaq_int_score_bound", "key_scoring", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
            "refresh_side", "simd_order"]
 
 
@@ -75,10 +76,22 @@ INT_SCORE_STEPS = {"score_int8": 127, "score_int16": 4095}
 KEY_INT_SCORING = "score_int16"
 
 
+#: the widest pcaq code the kernel's 16-bit pcaq scoring cuts (8 codes of a qword stay inside its 64 bits)
+PCAQ_INT16_MAX_WIDTH = 7
+
+
 def key_scoring(side, dt: torch.dtype) -> bool:
-    """Set a K side's integer scoring (``KEY_INT_SCORING``) where this build can score it so; whether it did."""
-    ok = (dt == torch.float32 and layout_of(side.kind).int_scoring and side.bits in kernel_rules()["score_int8_bits"]
-          and side.head_dim % 64 == 0)
+    """Set a K side's integer scoring (``KEY_INT_SCORING``) where this build can score it so; whether it did.
+    The layouts table says which layouts the kernel can score in integers (``Layout.int_scoring``); the build
+    says at which widths: turbo keys 4/3/2-bit codes (``score_int8_bits``); pcaq keys widths up to
+    ``PCAQ_INT16_MAX_WIDTH`` on a build with VBMI + VNNI (``score_int16_pcaq``); both float32 with head_dim % 64 == 0."""
+    rules = kernel_rules()
+    ok = dt == torch.float32 and side.head_dim % 64 == 0 and layout_of(side.kind).int_scoring
+    if ok and side.kind == "turbo":
+        ok = side.bits in rules["score_int8_bits"]
+    elif ok and side.kind == "pcaq":
+        ok = KEY_INT_SCORING == "score_int16" and rules.get("score_int16_pcaq", False) and \
+            side.widths is not None and int(side.widths.max()) <= PCAQ_INT16_MAX_WIDTH
     setattr(side, KEY_INT_SCORING, ok)
     return ok
 
@@ -98,6 +111,25 @@ def int_score_bound(qr: torch.Tensor, levels: torch.Tensor, norms: torch.Tensor,
     b = lmax / steps
     per_query = a / 2 * d * (lmax + b / 2) + b / 2 * qr.abs().sum(-1, keepdim=True)  # [..., M, 1]
     return per_query * norms.double()[..., None, :]
+
+
+def pcaq_int_score_bound(qr: torch.Tensor, levels: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """The most 16-bit pcaq key scoring (``Side.score_int16`` on a pcaq side) moves a score from the float score,
+    ``[..., M, 1]`` (the same for every row of the head).
+
+    ``qr`` ``[..., H, M, D]``: the scaled, transformed queries (``scale * transform_h q``); ``levels``
+    ``[H, D, 2**bits]``; ``widths`` ``[H, D]``. The kernel rounds each query in steps of ``a = max|qr| / Q16`` and
+    each head's levels in steps of ``b = max|used level| / Q16`` (half a step at most each), then sums exactly:
+    ``|s_int - s| <= a / 2 * sum_j (max_c |level_jc| + b / 2) + b / 2 * |qr|_1`` (the max over the codes ``c`` of
+    coordinate ``j``'s width)."""
+    steps = INT_SCORE_STEPS["score_int16"]
+    qr, lev = qr.double(), levels.double()
+    used = torch.arange(lev.shape[-1]) < (1 << widths.long())[..., None]  # [H, D, 2**bits]
+    lmax = torch.where(used, lev.abs(), torch.zeros_like(lev)).amax(-1)  # [H, D]
+    b = lmax.amax(-1) / steps  # [H]
+    a = qr.abs().amax(-1, keepdim=True) / steps  # [..., H, M, 1]
+    per_head = (lmax + b[:, None] / 2).sum(-1)  # [H]
+    return a / 2 * per_head[:, None, None] + b[:, None, None] / 2 * qr.abs().sum(-1, keepdim=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -7,6 +7,7 @@
 #include "fa_decode.h"
 #include "fa_tiles.h"
 #include "fa_turbo_tiles.h"
+#include "fa_pcaq_tiles.h"
 #include "fa_sides.h"
 #include "fa_stores.h"
 
@@ -88,13 +89,15 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
           c.q8step[bh * M + m] = step * k.cb8_scale;
           c.q8sum[bh * M + m] = sum;
         }
-        if (k.s16) {  // int16 query: round(r / step), step = max |r| / Q16
+        if (k.s16) {  // int16 query: round(r / step), step = max |r| / Q16 (pcaq: in the order its tiles read)
           float amax = 0;
           for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(r[i])));
           const float step = amax > 0 ? amax / static_cast<float>(Q16) : 1.0f;
           int16_t* o = c.q16.data() + (bh * M + m) * D;
-          for (int64_t i = 0; i < D; ++i) o[i] = static_cast<int16_t>(std::nearbyint(static_cast<float>(r[i]) / step));
-          c.q16step[bh * M + m] = step * k.cb16_scale;
+          const bool pq = k.kind == PCAQ;
+          for (int64_t i = 0; i < D; ++i)
+            o[i] = static_cast<int16_t>(std::nearbyint(static_cast<float>(r[pq ? k.pq_pos[i] : i]) / step));
+          c.q16step[bh * M + m] = step * (pq ? k.pq_scale[lh] : k.cb16_scale);
         }
       }
     }
@@ -124,7 +127,10 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
   const T* qmb = (c.qmu.empty() || !Ks.mu) ? nullptr : c.qmu.data() + bh * M;
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {
     const int64_t nt = std::min(TILE, n - i0);
-    if (Ks.s16 && turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb,
+    if (Ks.s16 && Ks.kind == PCAQ && pcaq_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D,
+                                                 c.q16step.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
+      continue;
+    if (Ks.s16 && Ks.kind == TURBO && turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb,
                                M, w.sbuf.data() + i0, blk))
       continue;
     if (Ks.s8 && turbo_tile8(Ks, b, h, t0 + i0, nt, c.q8.data() + bh * M * c.D, c.q8step.data() + bh * M,
@@ -320,7 +326,8 @@ int64_t workspace_bytes(const Call<T>& c, int64_t part_size, int64_t counts, int
     for (const auto& s : *sides)
       ws += static_cast<int64_t>(sizeof(Side<T>) + (s.btab.size() + s.plev.size()) * sizeof(T) +
                                  (s.order.size() + s.pbyte.size() + s.pshift.size() + s.pmask.size() +
-                                  s.plev_at.size()) * sizeof(int32_t));
+                                  s.plev_at.size() + s.pq_pos.size() + s.pq_scale.size()) * sizeof(int32_t) +
+                                 s.pq.size() * sizeof(PqChunk) + s.pq_tab.size() + s.pq_wmask.size() * sizeof(uint64_t));
   return ws;
 }
 

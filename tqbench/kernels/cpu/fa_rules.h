@@ -127,12 +127,23 @@ struct SideDesc {
 // stay below 2**31 in each int32 lane)
 constexpr int32_t Q16 = 4095;
 
-// Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes, head_dim a
-// multiple of 64, AVX-512 VNNI (both score_int8 and score_int16). The error this adds to each score is bounded
-// (docs/cache-modes.md; the bound is `int_score_bound` in attention.py, tested).
+// Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes (3-bit too where
+// the build has VBMI), head_dim a multiple of 64, AVX-512 VNNI (both score_int8 and score_int16). The error this
+// adds to each score is bounded (docs/cache-modes.md; the bound is `int_score_bound` in attention.py, tested).
 inline bool score_int8_ok(int64_t kind, int64_t bits, int64_t D, bool is_float) {
-  return TQ_VNNI && is_float && kind == TURBO && (bits == 4 || bits == 2) && D % 64 == 0;
+  return TQ_VNNI && is_float && kind == TURBO && (bits == 4 || bits == 2 || (bits == 3 && TQ_VBMI)) && D % 64 == 0;
 }
+
+// pcaq keys scored in 16 bits: one 64-coordinate chunk of a head's row (fa_pcaq_tiles.h): the byte its 64-byte
+// load starts at, per byte lane the permute / multishift / mask / window-base bytes, and its level windows
+// (Side::pq_tab from window win0 on, nwin of them).
+struct PqChunk {
+  int32_t load = 0, win0 = 0, nwin = 0;
+  alignas(64) uint8_t perm[64] = {0};
+  alignas(64) uint8_t shift[64] = {0};
+  alignas(64) uint8_t mask[64] = {0};
+  alignas(64) uint8_t base[64] = {0};
+};
 
 // The checked, pointer form the kernel reads.
 template <typename T>
@@ -177,6 +188,16 @@ struct Side {
   bool s16 = false;
   alignas(64) int16_t cb16[32] = {0};
   float cb16_scale = 0;
+  // pcaq keys in 16 bits (s16 on a PCAQ side): per (head, chunk) the plan, every window's 128 low then 128 high
+  // level bytes and its lanes, each head's level step, the query's order (pq_pos[i]: the coordinate position i
+  // holds), the most bytes a row's chunk loads reach, and the codes' end (rows nearer it are read from a copy)
+  std::vector<PqChunk> pq;
+  std::vector<uint8_t> pq_tab;
+  std::vector<uint64_t> pq_wmask;
+  std::vector<float> pq_scale;
+  std::vector<int32_t> pq_pos;
+  int64_t pq_reach = 0;
+  const uint8_t* codes_end = nullptr;
 };
 
 inline void half_to(const at::Half* src, int64_t n, float* out) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "fa_rules.h"
+#include "fa_pcaq_tiles.h"
 
 namespace {
 
@@ -124,6 +125,19 @@ Side<T> build_pcaq(Side<T>& s, const SideDesc& d, const std::string& nm, int64_t
   s.rot = r.data_ptr<T>();
   s.rot_h = D * D;
   take_mu(s, d, nm, H, Bs);
+  TORCH_CHECK(!d.score_int8, nm, ".score_int8: pcaq keys are scored in 16 bits (score_int16) or in float");
+  if (d.score_int16) {
+    int64_t maxw = 0;
+    for (int64_t i = 0; i < H * D; ++i) maxw = std::max<int64_t>(maxw, wp[i]);
+    const std::string why = pcaq_int16_refusal(D, std::is_same<T, float>::value, maxw);
+    TORCH_CHECK(why.empty(), nm, ".score_int16 cannot score these pcaq keys: ", why, "; this call: ",
+                c10::toString(dt), ", head_dim ", D, ", widths up to ", maxw,
+                " (leave score_int16 off to score in float)");
+    int64_t extent = 1;  // one past the codes' last byte
+    for (int64_t i = 0; i < codes.dim(); ++i) extent += (codes.size(i) - 1) * codes.stride(i);
+    s.codes_end = s.codes + extent;
+    build_pcaq_plan(s, wp, H);
+  }
   return s;
 }
 
@@ -229,7 +243,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
     if (d.score_int8) {
       TORCH_CHECK(nm.rfind("k_sides", 0) == 0, nm, ".score_int8: only keys are scored (values are summed in float)");
       TORCH_CHECK(score_int8_ok(s.kind, bits, D, std::is_same<T, float>::value), nm,
-                  ".score_int8 needs float32 queries, 4- or 2-bit turbo codes and head_dim a multiple of 64 on a CPU "
+                  ".score_int8 needs float32 queries, 4- or 2-bit turbo codes (3-bit with AVX-512 VBMI) and head_dim a multiple of 64 on a CPU "
                   "with AVX-512 VNNI; this call: ", c10::toString(dt), ", ", bits, "-bit, head_dim ", D,
                   ", this build ", TQ_VNNI ? "has" : "lacks", " VNNI (leave score_int8 off to score in float)");
       float amax = 0;
@@ -245,7 +259,7 @@ Side<T> build_side(const SideDesc& d, const std::string& nm, int64_t H, int64_t 
       TORCH_CHECK(!d.score_int8, nm, ": score_int8 and score_int16 are exclusive (pick one)");
       TORCH_CHECK(nm.rfind("k_sides", 0) == 0, nm, ".score_int16: only keys are scored (values are summed in float)");
       TORCH_CHECK(score_int8_ok(s.kind, bits, D, std::is_same<T, float>::value), nm,
-                  ".score_int16 needs float32 queries, 4- or 2-bit turbo codes and head_dim a multiple of 64 on a CPU "
+                  ".score_int16 needs float32 queries, 4- or 2-bit turbo codes (3-bit with AVX-512 VBMI) and head_dim a multiple of 64 on a CPU "
                   "with AVX-512 VNNI; this call: ", c10::toString(dt), ", ", bits, "-bit, head_dim ", D,
                   ", this build ", TQ_VNNI ? "has" : "lacks", " VNNI (leave score_int16 off to score in float)");
       float amax = 0;

@@ -216,8 +216,28 @@ inline bool turbo_tile16(const Side<T>&, int64_t, int64_t, int64_t, int64_t, con
 }
 
 #if TQ_VNNI
+#if TQ_VBMI
+// 3 bits: the 64 codes of group g as bytes in their natural order (the SIMD order of 3-bit rows with VBMI): bytes
+// 3L..3L+2 of the group into 64-bit lane L, one multishift cuts the lane's 8 codes
+TQ_INLINE __m512i turbo_codes3(const uint8_t* p, int64_t g) {
+  const uint8_t* q = p + 24 * g;
+  const __m512i raw = _mm512_castsi256_si512(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16)), 1));
+  const __m512i idx = _mm512_set_epi64(0x1717171717171615LL, 0x1414141414141312LL, 0x111111111111100FLL,
+                                       0x0E0E0E0E0E0E0D0CLL, 0x0B0B0B0B0B0B0A09LL, 0x0808080808080706LL,
+                                       0x0505050505050403LL, 0x0202020202020100LL);
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x15120F0C09060300LL),
+                                                        _mm512_permutexvar_epi8(idx, raw)),
+                          _mm512_set1_epi8(7));
+}
+#endif
+
 template <int BITS>
 TQ_INLINE __m512i turbo_codes64(const uint8_t* p, int64_t g) {
+#if TQ_VBMI
+  if (BITS == 3) return turbo_codes3(p, g);
+#endif
   if (BITS == 4) {  // positions 0..31: low nibbles of the group's 32 bytes; 32..63: their high nibbles
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g));
     const __m256i m = _mm256_set1_epi8(15);
@@ -281,6 +301,14 @@ void turbo_scores8(const uint8_t* const* rp, const float* norm, int64_t nt, cons
 // query multiplies them with the int16 query and sums each pair in int32, exactly.
 template <int BITS>
 TQ_INLINE void turbo_codes64w(const uint8_t* p, int64_t g, __m512i& lo, __m512i& hi) {
+#if TQ_VBMI
+  if (BITS == 3) {  // natural order: lo = positions 0..31, hi = 32..63, widened to words
+    const __m512i x = turbo_codes3(p, g);
+    lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(x));
+    hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(x, 1));
+    return;
+  }
+#endif
   if (BITS == 4) {  // words 0..31: the group's 32 bytes; lo = their low nibbles (positions 0..31), hi = high
     const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g)));
     lo = _mm512_and_si512(x, _mm512_set1_epi16(15));
@@ -365,6 +393,9 @@ inline bool turbo_tile8<float>(const Side<float>& s, int64_t b, int64_t h, int64
   }
   const __m512i tab = _mm512_load_si512(s.cb8);
   if (s.bits == 4) turbo_scores8<4>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
+#if TQ_VBMI
+  else if (s.bits == 3) turbo_scores8<3>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
+#endif
   else turbo_scores8<2>(rp, norm, nt, q8, step, qsum, qmu, M, s.D, tab, out, ld);
   return true;
 }
@@ -389,6 +420,9 @@ inline bool turbo_tile16<float>(const Side<float>& s, int64_t b, int64_t h, int6
   }
   const __m512i tab = _mm512_load_si512(s.cb16);
   if (s.bits == 4) turbo_scores16<4>(rp, norm, nt, q16, step, qmu, M, s.D, tab, out, ld);
+#if TQ_VBMI
+  else if (s.bits == 3) turbo_scores16<3>(rp, norm, nt, q16, step, qmu, M, s.D, tab, out, ld);
+#endif
   else turbo_scores16<2>(rp, norm, nt, q16, step, qmu, M, s.D, tab, out, ld);
   return true;
 }

@@ -47,6 +47,7 @@
 //
 // Files (one translation unit; the headers are internal): fa_rules.h (ISA, rules, side types), fa_decode.h
 // (unpack and fetch rows), fa_tiles.h (tile scores / values), fa_turbo_tiles.h (packed turbo tiles),
+// fa_pcaq_tiles.h (pcaq keys scored in 16 bits),
 // fa_sides.h (the checked boundary), fa_stores.h (stores and their groups of heads), fa_attend.h (attend),
 // fa_encode.h (turbo, pcaq and per-head-layer encode).
 
@@ -54,6 +55,7 @@
 #include "fa_decode.h"
 #include "fa_tiles.h"
 #include "fa_turbo_tiles.h"
+#include "fa_pcaq_tiles.h"
 #include "fa_sides.h"
 #include "fa_stores.h"
 #include "fa_attend.h"
@@ -171,7 +173,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["blocks_per_thread"] = BLOCKS_PER_THREAD;
     d["simd_dim_multiple"] = SIMD_DIM_MULTIPLE;
     d["simd_turbo_bits"] = simd_turbo_bits();
-    d["score_int8_bits"] = TQ_VNNI ? std::vector<int64_t>{4, 2} : std::vector<int64_t>{};
+    d["score_int8_bits"] = TQ_VNNI ? (TQ_VBMI ? std::vector<int64_t>{4, 3, 2} : std::vector<int64_t>{4, 2})
+                                   : std::vector<int64_t>{};
+    d["score_int16_pcaq"] = static_cast<bool>(TQ_VBMI && TQ_VNNI);  // pcaq keys: float32, head_dim % 64, widths <= 7
     d["max_head_dim"] = MAX_HEAD_DIM;
     d["max_dense_chunks"] = MAX_DENSE_CHUNKS;
     return d;
