@@ -432,4 +432,59 @@ struct HeadsEncoder {
   }
 };
 
+// One decode step's append for several stores (a layer's K and V stores) in one call: for store i, the step's rows
+// `xs[i]` ([B, H, t, D], any strides) are copied into its full-precision row buffer `tails[i]` ([B, H, capacity, D],
+// unit last stride, the rows' dtype) at row `tail_at[i]`, then rows [starts[i], starts[i] + ns[i]) of that buffer are
+// quantized + packed by `encoders[i]` into its packed buffers `dsts[i]` at `offsets[i]` (`encode_into`: the same
+// arithmetic, the same bytes). Every copy is checked before any row is written; `KVStore.append_step` is the caller.
+void append_rows(const std::vector<const HeadsEncoder*>& encoders, const std::vector<torch::Tensor>& xs,
+                 const std::vector<torch::Tensor>& tails, const std::vector<int64_t>& tail_at,
+                 const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                 const std::vector<std::vector<torch::Tensor>>& dsts,
+                 const std::vector<std::vector<int64_t>>& offsets) {
+  const size_t m = xs.size();
+  TORCH_CHECK(encoders.size() == m && tails.size() == m && tail_at.size() == m && starts.size() == m &&
+                  ns.size() == m && dsts.size() == m && offsets.size() == m,
+              "append_rows takes one encoder, rows, tail buffer, tail offset, start, count, dsts and offsets per store; "
+              "got ", encoders.size(), ", ", m, ", ", tails.size(), ", ", tail_at.size(), ", ", starts.size(), ", ",
+              ns.size(), ", ", dsts.size(), " and ", offsets.size());
+  for (size_t i = 0; i < m; ++i) {
+    const auto& x = xs[i];
+    const auto& tb = tails[i];
+    const std::string nm = "store " + std::to_string(i);
+    TORCH_CHECK(encoders[i] != nullptr, nm, ": no encoder (None)");
+    TORCH_CHECK(x.device().is_cpu() && tb.device().is_cpu(), nm, ": rows and tail buffer must be CPU tensors");
+    TORCH_CHECK(x.dim() == 4 && tb.dim() == 4, nm, ": rows and tail buffer must be 4-D, got ", x.sizes(), " and ",
+                tb.sizes());
+    TORCH_CHECK(x.scalar_type() == tb.scalar_type(), nm, ": rows are ", c10::toString(x.scalar_type()),
+                ", the tail buffer holds ", c10::toString(tb.scalar_type()));
+    TORCH_CHECK(x.size(0) == tb.size(0) && x.size(1) == tb.size(1) && x.size(3) == tb.size(3), nm, ": rows ",
+                x.sizes(), " do not match the tail buffer ", tb.sizes(), " (batch, kv heads, head_dim)");
+    TORCH_CHECK(tb.stride(3) == 1, nm, ": the tail buffer's rows must be contiguous, got strides ", tb.strides());
+    TORCH_CHECK(tail_at[i] >= 0 && tail_at[i] + x.size(2) <= tb.size(2), nm, ": rows [", tail_at[i], ", ",
+                tail_at[i] + x.size(2), ") do not fit the tail buffer's ", tb.size(2), " rows");
+  }
+  for (size_t i = 0; i < m; ++i) {
+    const auto& x = xs[i];
+    const auto& tb = tails[i];
+    const int64_t B = x.size(0), H = x.size(1), t = x.size(2), D = x.size(3);
+    const size_t es = x.element_size();
+    const char* sp = static_cast<const char*>(x.data_ptr());
+    char* dp = static_cast<char*>(tb.data_ptr());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < t; ++r) {
+          char* out = dp + (b * tb.stride(0) + h * tb.stride(1) + (tail_at[i] + r) * tb.stride(2)) * es;
+          const char* in = sp + (b * x.stride(0) + h * x.stride(1) + r * x.stride(2)) * es;
+          if (x.stride(3) == 1) {
+            std::memcpy(out, in, D * es);
+          } else {
+            for (int64_t j = 0; j < D; ++j) std::memcpy(out + j * es, in + j * x.stride(3) * es, es);
+          }
+        }
+  }
+  for (size_t i = 0; i < m; ++i)
+    if (ns[i] > 0) encoders[i]->encode_into(tails[i], starts[i], ns[i], dsts[i], offsets[i]);
+}
+
 }  // namespace

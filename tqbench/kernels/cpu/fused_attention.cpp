@@ -30,7 +30,8 @@
 // dense row chunk may hold every KV head of the store (the layer's rows as the cache holds them: read at the group's
 // heads, no per-group copy or view). `heads_encode` quantizes + packs a per-head layer's new rows for all its groups
 // in one call, each group reading its heads by index; `HeadsEncoder.encode_into` writes them straight into a store's
-// packed buffers (the decode step's append path; a whole-layer turbo or pcaq codec is one group of every head).
+// packed buffers (the decode step's append path; a whole-layer turbo or pcaq codec is one group of every head), and
+// `append_rows` does a layer's K and V step in one call (rows into each tail buffer, then packed).
 //
 // Work is split over (sequence, kv head, token block) with at::parallel_for (torch's own thread pool); every
 // block keeps an online-softmax partial (max, sum, accumulators) that is merged at the end (split-K), so
@@ -161,6 +162,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("encode_into", &HeadsEncoder::encode_into, py::arg("src"), py::arg("start"), py::arg("n"),
            py::arg("dsts"), py::arg("offsets"),
            "rows [start, start + n) of src quantized + packed into each field's buffer at its row offset");
+  m.def("append_rows", &append_rows,
+        "a decode step's rows of several stores copied into their tail buffers and packed, in one call (CPU)",
+        py::arg("encoders"), py::arg("xs"), py::arg("tails"), py::arg("tail_at"), py::arg("starts"), py::arg("ns"),
+        py::arg("dsts"), py::arg("offsets"));
   m.def("simd_turbo_bits", &simd_turbo_bits, "turbo widths decoded in SIMD order when head_dim % 64 == 0 (fp32)");
   m.def("simd_order", &simd_order, "the coordinate each position holds when a turbo row decodes in SIMD order");
   m.def("rules", []() {
