@@ -142,12 +142,7 @@ def fused_step(layer, k: torch.Tensor, v: torch.Tensor):
     for store, x, bufs in stores:
         tail, head = store.tail, store.head
         tn = tail.n
-        before = tail.alloc_bytes()
         at = tail.reserve(x.shape[2])
-        after = tail.alloc_bytes()
-        held = x.numel() * x.element_size() + head.alloc_bytes() + after + (before if after != before else 0)
-        if held > store.peak_dense_bytes:
-            store.peak_dense_bytes = held
         if tail.data is not store._appender[1]:  # (the row buffer grew: same dtype and shape, the encoder stands)
             store._appender = (store._appender[0], tail.data, store._appender[2])
         tpu = store.codec.tokens_per_unit
@@ -161,6 +156,12 @@ def fused_step(layer, k: torch.Tensor, v: torch.Tensor):
             *(b.data for b in stores[1][2]))
     try:
         if plan.native is None or any(a is not b for a, b in zip(data, plan.data)):
+            # the dense bytes held (``KVStore._add``'s rule): they change only when a buffer does, so counted here
+            for (store, x, _), (tail_state, _) in zip(stores, saved):
+                before = _nbytes(tail_state[0])
+                after = store.tail.alloc_bytes()
+                held = _nbytes(x) + store.head.alloc_bytes() + after + (before if after != before else 0)
+                store.peak_dense_bytes = max(store.peak_dense_bytes, held)
             _bind(plan, data, dt)
         extra, views = plan.native.step(k, v, ints)
     except BaseException:
@@ -185,6 +186,10 @@ def fused_step(layer, k: torch.Tensor, v: torch.Tensor):
     kv = FusedKV(ks, vs, k, v, parts[0], parts[1], layer)
     kv.sides = (*plan.sides, k.shape[2] + sum(p[1] for p in parts[0]), extra, dt)
     return kv
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _bind(plan: _Plan, data: tuple, dt: torch.dtype) -> None:
