@@ -90,6 +90,9 @@ class FusedKV(_Handle):
     #: the demote tier (``policy.demote``): the evicted rows' K and V stores at the cheaper codec and their parts
     #: as of this call (``Tier``), attended before the held rows in the same softmax; None when there is none
     tier: Tier | None = None
+    #: a plain layer's decode step (``step.fused_step``): ``(k_sides, v_sides, total_rows, extra_bytes, compute
+    #: dtype)``, the kernel sides already pointed at this call's rows (``native_glue.store_sides`` hands them on)
+    sides: tuple | None = None
 
     @property
     def shape(self) -> torch.Size:  # what code that inspects key.shape expects (the tier's rows included)

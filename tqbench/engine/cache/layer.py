@@ -21,6 +21,7 @@ from tqbench.engine.cache.evict.state import EVICT_NO_CROP, Evictor
 from tqbench.engine.cache.geometry import window_rows
 from tqbench.engine.cache.handles import EvictKV, FusedKV, PrecisionKV, Tier, snapshot
 from tqbench.engine.cache.precision import plan_precision, quantized_rows, rows_in_parts, set_rows
+from tqbench.engine.cache.step import append_step, fused_step
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.spec import LayerPlan, Policy
 
@@ -93,6 +94,9 @@ class TQLayer(CacheLayerMixin):
         else:
             self.k_store = KVStore(self.k_codec, self.plan.sink, self.plan.recent, self.window, self.align)
             self.v_store = KVStore(self.v_codec, self.plan.sink, self.plan.recent, self.window, self.align)
+        #: a fused layer with no eviction and packed codecs: its calls take ``_fused_step`` (unless recording the past)
+        self._plain_fused = self.mode == "fused" and self.evictor is None and not self.lossless
+        self._step = None  # its kept step (``step.fused_step``: the kernel sides and the native step over the buffers)
         self._sim = {"k": None, "v": None}  # simulate: dense rows attention reads, from position _sim_start
         self._sim_start = {"k": 0, "v": 0}
         self._sim_pending: dict[str, list] = {}
@@ -133,6 +137,8 @@ class TQLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self._plain_fused and not self.record_past:  # a fused call of a plain layer: the step's path
+            return self._fused_step(key_states, value_states)
         mode = "compressed" if (self.lossless and self.mode != "dense-shadow") else self.mode
         if self.ragged and mode == "simulate":  # the same rows as compressed: a ragged layer keeps no dense buffer
             mode = "compressed"
@@ -217,6 +223,23 @@ class TQLayer(CacheLayerMixin):
             out = (handle, handle)
         self.cumulative_length += t
         return out
+
+    def _fused_step(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """``update`` of a fused call on a plain layer (no eviction, not lossless, no past recording): one native call
+        where the stores allow it (``step.fused_step``: the kernel sides pointed at the rows as of the call, the rows
+        appended); else the stores' parts as of the call, then this call's rows appended to both stores by one native
+        call (``step.append_step``) or store by store. The same handle, the same stores, as the general branch."""
+        handle = fused_step(self, key_states, value_states)
+        if handle is not None:
+            self.cumulative_length += key_states.shape[2]
+            return handle, handle
+        ks, vs = self.k_store, self.v_store
+        handle = FusedKV(ks, vs, key_states, value_states, snapshot(ks), snapshot(vs), self)
+        if not append_step((ks, vs), (key_states, value_states)):
+            ks.append_points(key_states, None, False)
+            vs.append_points(value_states, None, False)
+        self.cumulative_length += key_states.shape[2]
+        return handle, handle
 
     def after_attention(self, query: torch.Tensor, scaling: float, point: bool) -> None:
         """Token eviction: this call's queries (tqbench's attention function calls this after the call's

@@ -223,15 +223,13 @@ class KVStore:
             enc = {name: buf.data[:, :, at : at + n] for name, buf, at in placed}
         return [(start, enc)]
 
-    def _encode_in_place(self, n: int) -> list | None:
-        """The decode step's append path: the tail's first ``n`` rows quantized + packed by one native call straight
-        into the packed buffers (``codecs.appender``); ``(name, buffer, offset)`` per field, or None when the codec's
-        ``encode`` must run instead (no packed buffers yet, or no native encoder: ``append_path`` says why)."""
+    def _encoder(self):
+        """``(field names, HeadsEncoder)`` of this store's state and row buffer, or ``str``: why none (``append_path``)."""
         data = self.tail.data
         hit = self._appender  # (kept while the state and the row buffer stand: its dtype, batch, heads, head_dim)
         if hit is None or hit[0] != self.state_version or hit[1] is not data:
             if data.device.type != "cpu":
-                return None
+                return "rows on " + data.device.type
             from tqbench.engine.codecs.appender import heads_encoder, native_append_codec
 
             made = heads_encoder(self.codec, self.state, data.dtype, data.shape[3], data.shape[0], data.shape[1])
@@ -241,7 +239,13 @@ class KVStore:
             else:
                 self.append_path = APPEND_IN_PLACE
             hit = self._appender = (self.state_version, data, made)
-        made = hit[2]
+        return hit[2]
+
+    def _encode_in_place(self, n: int) -> list | None:
+        """The decode step's append path: the tail's first ``n`` rows quantized + packed by one native call straight
+        into the packed buffers (``codecs.appender``); ``(name, buffer, offset)`` per field, or None when the codec's
+        ``encode`` must run instead (no packed buffers yet, or no native encoder: ``append_path`` says why)."""
+        made = self._encoder()
         if isinstance(made, str):
             return None
         names, encoder = made
@@ -249,8 +253,33 @@ class KVStore:
         if any(buf is None for _, buf in bufs):  # the first packed rows make the buffers (their shapes, dtypes)
             return None
         placed = [(name, buf, buf.reserve(n)) for name, buf in bufs]
-        encoder.encode_into(data, self.tail.start, n, [buf.data for _, buf, _ in placed], [at for *_, at in placed])
+        encoder.encode_into(self.tail.data, self.tail.start, n, [buf.data for _, buf, _ in placed],
+                            [at for *_, at in placed])
         return placed
+
+    def _step_plan(self, x: torch.Tensor):
+        """``step.append_step``'s plan for this store and rows ``x``, or None where the general path must run: a decode
+        step's rows (at least one) go to the tail (the sinks are full, no window, no mark, no deferral) and the rows to pack are
+        packed by the store's native encoder into packed buffers that exist."""
+        tail = self.tail
+        data = tail.data
+        if (self._mark is not None or self.defer or self.window is not None or self.state is None or data is None
+                or self.head.n != self.sink or x.dtype != data.dtype or x.shape[0] != data.shape[0]
+                or x.shape[1] != data.shape[1] or x.shape[3] != data.shape[3] or x.device.type != "cpu"
+                or not x.shape[2]):
+            return None
+        hit = self._appender
+        if hit is None or hit[0] != self.state_version or hit[1] is not data or isinstance(hit[2], str):
+            return None
+        names, encoder = hit[2]
+        bufs = []
+        for group in names:
+            for name in group:
+                buf = self.packed.get(name)
+                if buf is None:
+                    return None
+                bufs.append(buf)
+        return encoder, bufs
 
     # -- rollback -----------------------------------------------------------------------------
     def mark(self) -> None:
@@ -363,3 +392,4 @@ class KVStore:
             self.state = {k: (t.repeat_interleave(repeats, 0) if t.dim() >= 1 and t.shape[0] > 1 else t)
                           for k, t in self.state.items()}
             self.state_version = next(_STATE_VERSIONS)
+

@@ -432,4 +432,158 @@ struct HeadsEncoder {
   }
 };
 
+// One decode step's append for several stores (a layer's K and V stores) in one call: for store i, the step's rows
+// `xs[i]` ([B, H, t, D], any strides) are copied into its full-precision row buffer `tails[i]` ([B, H, capacity, D],
+// unit last stride, the rows' dtype) at row `tail_at[i]`, then rows [starts[i], starts[i] + ns[i]) of that buffer are
+// quantized + packed by `encoders[i]` into its packed buffers `dsts[i]` at `offsets[i]` (`encode_into`: the same
+// arithmetic, the same bytes). Every copy is checked before any row is written; `KVStore.append_step` is the caller.
+void append_rows(const std::vector<const HeadsEncoder*>& encoders, const std::vector<torch::Tensor>& xs,
+                 const std::vector<torch::Tensor>& tails, const std::vector<int64_t>& tail_at,
+                 const std::vector<int64_t>& starts, const std::vector<int64_t>& ns,
+                 const std::vector<std::vector<torch::Tensor>>& dsts,
+                 const std::vector<std::vector<int64_t>>& offsets) {
+  const size_t m = xs.size();
+  TORCH_CHECK(encoders.size() == m && tails.size() == m && tail_at.size() == m && starts.size() == m &&
+                  ns.size() == m && dsts.size() == m && offsets.size() == m,
+              "append_rows takes one encoder, rows, tail buffer, tail offset, start, count, dsts and offsets per store; "
+              "got ", encoders.size(), ", ", m, ", ", tails.size(), ", ", tail_at.size(), ", ", starts.size(), ", ",
+              ns.size(), ", ", dsts.size(), " and ", offsets.size());
+  for (size_t i = 0; i < m; ++i) {
+    const auto& x = xs[i];
+    const auto& tb = tails[i];
+    const std::string nm = "store " + std::to_string(i);
+    TORCH_CHECK(encoders[i] != nullptr, nm, ": no encoder (None)");
+    TORCH_CHECK(x.device().is_cpu() && tb.device().is_cpu(), nm, ": rows and tail buffer must be CPU tensors");
+    TORCH_CHECK(x.dim() == 4 && tb.dim() == 4, nm, ": rows and tail buffer must be 4-D, got ", x.sizes(), " and ",
+                tb.sizes());
+    TORCH_CHECK(x.scalar_type() == tb.scalar_type(), nm, ": rows are ", c10::toString(x.scalar_type()),
+                ", the tail buffer holds ", c10::toString(tb.scalar_type()));
+    TORCH_CHECK(x.size(0) == tb.size(0) && x.size(1) == tb.size(1) && x.size(3) == tb.size(3), nm, ": rows ",
+                x.sizes(), " do not match the tail buffer ", tb.sizes(), " (batch, kv heads, head_dim)");
+    TORCH_CHECK(tb.stride(3) == 1, nm, ": the tail buffer's rows must be contiguous, got strides ", tb.strides());
+    TORCH_CHECK(tail_at[i] >= 0 && tail_at[i] + x.size(2) <= tb.size(2), nm, ": rows [", tail_at[i], ", ",
+                tail_at[i] + x.size(2), ") do not fit the tail buffer's ", tb.size(2), " rows");
+  }
+  for (size_t i = 0; i < m; ++i) {
+    const auto& x = xs[i];
+    const auto& tb = tails[i];
+    const int64_t B = x.size(0), H = x.size(1), t = x.size(2), D = x.size(3);
+    const size_t es = x.element_size();
+    const char* sp = static_cast<const char*>(x.data_ptr());
+    char* dp = static_cast<char*>(tb.data_ptr());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < t; ++r) {
+          char* out = dp + (b * tb.stride(0) + h * tb.stride(1) + (tail_at[i] + r) * tb.stride(2)) * es;
+          const char* in = sp + (b * x.stride(0) + h * x.stride(1) + r * x.stride(2)) * es;
+          if (x.stride(3) == 1) {
+            std::memcpy(out, in, D * es);
+          } else {
+            for (int64_t j = 0; j < D; ++j) std::memcpy(out + j * es, in + j * x.stride(3) * es, es);
+          }
+        }
+  }
+  for (size_t i = 0; i < m; ++i)
+    if (ns[i] > 0) encoders[i]->encode_into(tails[i], starts[i], ns[i], dsts[i], offsets[i]);
+}
+
+// One fused decode step of a plain layer (K store = 0, V store = 1), held across steps: each store's kernel sides
+// (the Side objects its groups of heads are read through, in the encoder's group order), its sink / tail row buffers,
+// its packed buffers (the encoder's field order) and its encoder. `step(k, v, ints)` does in one call what the Python
+// glue did per layer and step: point every side at the store's rows as of the call (packed run, sinks, tail, then
+// the call's own rows: views, no copy; chunks in the compute dtype), then append the call's rows (`append_rows`: into
+// the tail buffer, the rows the policy packs now packed in place). `ints` per store: sink rows, sink start, tail
+// start, tail rows (before the call), row offset of the call's rows in the tail buffer, rows to pack, packed rows
+// (before the call), then per packed buffer its start and the offset the packed rows go to. Every index is checked.
+// Returns (the bytes of converted chunks, per store (sinks view | None, tail view | None, [packed views])).
+struct LayerStep {
+  std::array<std::vector<py::object>, 2> sides;
+  std::array<std::vector<torch::Tensor>, 2> bufs;
+  std::array<std::optional<torch::Tensor>, 2> head;
+  std::array<torch::Tensor, 2> tail;
+  std::array<py::object, 2> enc;
+  at::ScalarType dt = at::kFloat;
+
+  py::tuple step(const torch::Tensor& k, const torch::Tensor& v, const std::vector<int64_t>& ints) {
+    const std::array<const torch::Tensor*, 2> xs{&k, &v};
+    size_t need = 0;
+    for (int s = 0; s < 2; ++s) need += 7 + 2 * bufs[s].size();
+    TORCH_CHECK(ints.size() == need, "step takes ", need, " integers (7 per store + 2 per packed buffer), got ",
+                ints.size());
+    // every index checked before anything is written
+    size_t p = 0;
+    for (int s = 0; s < 2; ++s) {
+      const torch::Tensor& x = *xs[s];
+      const torch::Tensor& tb = tail[s];
+      const std::string nm = s == 0 ? "K store" : "V store";
+      TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.scalar_type() == tb.scalar_type() &&
+                      x.size(0) == tb.size(0) && x.size(1) == tb.size(1) && x.size(3) == tb.size(3),
+                  nm, ": rows ", x.sizes(), " (", c10::toString(x.scalar_type()), ") do not match the tail buffer ",
+                  tb.sizes(), " (", c10::toString(tb.scalar_type()), ")");
+      const int64_t hn = ints[p], hs = ints[p + 1], ts = ints[p + 2], tn = ints[p + 3], at = ints[p + 4],
+                    n = ints[p + 5], np0 = ints[p + 6];
+      TORCH_CHECK(hn == 0 || (head[s].has_value() && hs >= 0 && hs + hn <= head[s]->size(2)), nm, ": sink rows [",
+                  hs, ", ", hs + hn, ") outside its sink buffer");
+      TORCH_CHECK(ts >= 0 && tn >= 0 && ts + tn <= at && at + x.size(2) <= tb.size(2) && n >= 0 &&
+                      ts + n <= at + x.size(2),
+                  nm, ": tail rows [", ts, ", ", ts + tn, "), the call's at ", at, ", ", n,
+                  " to pack: outside its tail buffer's ", tb.size(2), " rows");
+      TORCH_CHECK(np0 >= 0, nm, ": packed rows must be >= 0, got ", np0);
+      for (size_t i = 0; i < bufs[s].size(); ++i) {
+        const int64_t bs = ints[p + 7 + 2 * i], off = ints[p + 8 + 2 * i];
+        TORCH_CHECK(bs >= 0 && bs + np0 <= bufs[s][i].size(2) && off >= bs + np0 && off + n <= bufs[s][i].size(2),
+                    nm, ": packed buffer ", i, ": rows [", bs, ", ", bs + np0, ") and [", off, ", ", off + n,
+                    ") outside its ", bufs[s][i].size(2), " rows");
+      }
+      p += 7 + 2 * bufs[s].size();
+    }
+    int64_t extra = 0;
+    py::list out;
+    p = 0;
+    for (int s = 0; s < 2; ++s) {
+      const torch::Tensor& x = *xs[s];
+      const int64_t hn = ints[p], hs = ints[p + 1], ts = ints[p + 2], tn = ints[p + 3], at = ints[p + 4],
+                    n = ints[p + 5], np0 = ints[p + 6];
+      std::vector<torch::Tensor> views;
+      std::vector<int64_t> offs;
+      for (size_t i = 0; i < bufs[s].size(); ++i) {
+        views.push_back(bufs[s][i].narrow(2, ints[p + 7 + 2 * i], np0));
+        offs.push_back(ints[p + 8 + 2 * i]);
+      }
+      std::optional<torch::Tensor> hv, tv;
+      std::vector<torch::Tensor> chunks;
+      auto add = [&](const torch::Tensor& c) {
+        if (c.scalar_type() == dt) {
+          chunks.push_back(c);
+        } else {
+          chunks.push_back(c.to(dt));
+          extra += chunks.back().numel() * chunks.back().element_size();
+        }
+      };
+      if (hn) add(*(hv = head[s]->narrow(2, hs, hn)));
+      if (tn) add(*(tv = tail[s].narrow(2, ts, tn)));
+      add(x);
+      size_t f = 0;
+      for (auto& obj : sides[s]) {
+        SideDesc& d = obj.cast<SideDesc&>();
+        const size_t nf = d.kind == "turbo" ? 2 : 1;
+        TORCH_CHECK(f + nf <= views.size(), "side of ", s == 0 ? "K" : "V", " store: more fields than packed buffers");
+        d.n_before = hn;
+        d.n_packed = np0;
+        d.codes = views[f];
+        if (nf == 2) d.norms = views[f + 1];
+        d.dense = chunks;
+        f += nf;
+      }
+      TORCH_CHECK(f == views.size(), s == 0 ? "K" : "V", " store: its sides read ", f, " of its ", views.size(),
+                  " packed buffers");
+      append_rows({&enc[s].cast<const HeadsEncoder&>()}, {x}, {tail[s]}, {at}, {ts}, {n}, {bufs[s]}, {offs});
+      out.append(py::make_tuple(hv.has_value() ? py::cast(*hv) : py::none(), tv.has_value() ? py::cast(*tv) : py::none(),
+                                py::cast(views)));
+      p += 7 + 2 * bufs[s].size();
+    }
+    return py::make_tuple(extra, out);
+  }
+};
+
 }  // namespace

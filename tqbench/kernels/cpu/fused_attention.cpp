@@ -30,7 +30,9 @@
 // dense row chunk may hold every KV head of the store (the layer's rows as the cache holds them: read at the group's
 // heads, no per-group copy or view). `heads_encode` quantizes + packs a per-head layer's new rows for all its groups
 // in one call, each group reading its heads by index; `HeadsEncoder.encode_into` writes them straight into a store's
-// packed buffers (the decode step's append path; a whole-layer turbo or pcaq codec is one group of every head).
+// packed buffers (the decode step's append path; a whole-layer turbo or pcaq codec is one group of every head), and
+// `append_rows` does a layer's K and V step in one call (rows into each tail buffer, then packed); `LayerStep` also
+// points the layer's kernel sides at the rows as of the call, so a plain layer's decode step is one call before attend.
 //
 // Work is split over (sequence, kv head, token block) with at::parallel_for (torch's own thread pool); every
 // block keeps an online-softmax partial (max, sum, accumulators) that is merged at the end (split-K), so
@@ -163,6 +165,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("encode_into", &HeadsEncoder::encode_into, py::arg("src"), py::arg("start"), py::arg("n"),
            py::arg("dsts"), py::arg("offsets"),
            "rows [start, start + n) of src quantized + packed into each field's buffer at its row offset");
+  m.def("append_rows", &append_rows,
+        "a decode step's rows of several stores copied into their tail buffers and packed, in one call (CPU)",
+        py::arg("encoders"), py::arg("xs"), py::arg("tails"), py::arg("tail_at"), py::arg("starts"), py::arg("ns"),
+        py::arg("dsts"), py::arg("offsets"));
+  py::class_<LayerStep>(m, "LayerStep", "a plain layer's fused decode step: sides pointed at the rows, rows appended")
+      .def(py::init([](std::vector<py::object> k_sides, std::vector<py::object> v_sides,
+                       std::vector<torch::Tensor> k_bufs, std::vector<torch::Tensor> v_bufs, OptT k_head, OptT v_head,
+                       torch::Tensor k_tail, torch::Tensor v_tail, py::object k_enc, py::object v_enc,
+                       torch::Tensor like) {
+             for (auto* e : {&k_enc, &v_enc}) (void)e->cast<const HeadsEncoder&>();  // (an encoder, or a TypeError)
+             for (auto* ss : {&k_sides, &v_sides})
+               for (auto& o : *ss) (void)o.cast<SideDesc&>();
+             LayerStep st;
+             st.sides = {std::move(k_sides), std::move(v_sides)};
+             st.bufs = {std::move(k_bufs), std::move(v_bufs)};
+             st.head = {std::move(k_head), std::move(v_head)};
+             st.tail = {std::move(k_tail), std::move(v_tail)};
+             st.enc = {std::move(k_enc), std::move(v_enc)};
+             st.dt = like.scalar_type();
+             return st;
+           }),
+           py::arg("k_sides"), py::arg("v_sides"), py::arg("k_bufs"), py::arg("v_bufs"), py::arg("k_head"),
+           py::arg("v_head"), py::arg("k_tail"), py::arg("v_tail"), py::arg("k_encoder"), py::arg("v_encoder"),
+           py::arg("compute_like"))
+      .def("step", &LayerStep::step, py::arg("k"), py::arg("v"), py::arg("ints"));
   m.def("simd_turbo_bits", &simd_turbo_bits, "turbo widths decoded in SIMD order when head_dim % 64 == 0 (fp32)");
   m.def("simd_order", &simd_order, "the coordinate each position holds when a turbo row decodes in SIMD order");
   m.def("rules", []() {

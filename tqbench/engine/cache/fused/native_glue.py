@@ -43,6 +43,8 @@ def store_sides(kv, d: int, dt: torch.dtype):
     side per side of a plain layer; one per group of heads of a per-head layer, each naming its KV heads (the
     kernel takes a store's groups the way it takes a batch's sequences: each its own codec description). Packed
     turbo keys the kernel can score in integers are scored so (``attention.key_scoring``)."""
+    if kv.sides is not None and kv.sides[4] == dt and kv.extra_k is None:  # a decode step's sides (``step``)
+        return kv.sides[:4]
     if not is_per_head(kv):  # (the K side's scoring is set when it is built: layout.store_side)
         sides = kernel_sides(kv, d, dt, score=True)
         if isinstance(sides, str):
