@@ -16,7 +16,14 @@ from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.evict import scores
 from tqbench.engine.cache.evict.bookkeeping import MASS_DTYPE, POSITION_DTYPE
 from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
-from tqbench.engine.cache.evict.ragged import PAD_POSITION, HeadRows, RaggedStore, cost_groups, select_ada
+from tqbench.engine.cache.evict.ragged import (
+    PAD_POSITION,
+    HeadRows,
+    RaggedStore,
+    cost_groups,
+    pad_rows,
+    select_ada,
+)
 from tqbench.engine.cache.store import KVStore
 from tqbench.engine.policy.keep import head_keeps, kept_rows, protected_rows
 
@@ -73,7 +80,10 @@ class Evictor:
         if self.head_keep is not None and kv_heads is not None:
             head_keeps(self.head_keep, kv_heads, plan.layer)
         self.layer_index = plan.layer
+        self.kv_heads = kv_heads
         self.ada_floor = policy.ada_floor
+        #: budget=global: the cache-wide choice of each head's row count (``global_budget.GlobalBudget``), else None
+        self.shared = None
         self.positions = GrowBuffer()  # [B, H, held]: each held row's token position (ragged: ``HeadRows``)
         self.mass = GrowBuffer()  # h2o: [B, H, held] attention mass received
         self.queries: torch.Tensor | None = None  # the last ``window`` queries [B, Hq, <=window, D]
@@ -231,7 +241,11 @@ class Evictor:
         ``select_ada``; with a per-head keep list each head keeps its own ``kept_rows``, its best-scored."""
         ks, vs = layer.k_store, layer.v_store
         held = ks.rows
-        if self.head_keep is None:
+        if self.shared is not None:  # budget=global: each head's count chosen over every layer and head
+            targets = self.shared.targets(self, seen, t)
+            if all(n <= m for n, m in zip(held, targets)):
+                return
+        elif self.head_keep is None:
             if sum(held) <= len(held) * target:
                 return
         else:
@@ -242,7 +256,7 @@ class Evictor:
         if keys is None:
             keys = ks.dense(query.dtype)
         score = self._score(query, keys, vs, scaling, seen)
-        if self.head_keep is None:
+        if self.head_keep is None and self.shared is None:
             # (with demote every head demotes a row: each head's demote store holds its codec state, as counted)
             # (rows move only between heads whose codecs cost the same per row: the bytes stay the estimate's)
             groups = cost_groups(ks, vs, keys.shape[-1], layer.v_dim)
@@ -275,6 +289,36 @@ class Evictor:
         if self.ragged:
             s = s.float().masked_fill(self.held_positions() == PAD_POSITION, float("-inf"))
         return s
+
+    # -- budget=global (``global_budget``) ------------------------------------------------------------------
+    def positions_after(self, seen: int, t: int) -> torch.Tensor:
+        """``[B, H, T]`` the positions each KV head holds once the call of ``t`` rows ending at ``seen`` is appended
+        (padded with ``PAD_POSITION``): the held ones, plus the call's when this layer has not appended it yet."""
+        if isinstance(self.positions, HeadRows):
+            heads = self.positions.heads()
+        elif self.positions.data is not None:
+            v = self.positions.view()
+            heads = [v[:, h : h + 1] for h in range(v.shape[1])]
+        else:
+            heads = []
+        if not heads or heads[0].shape[2] == 0 or int(heads[0][0, 0, -1]) < seen - t:
+            b = self.rows.shape[0] if self.rows is not None else (heads[0].shape[0] if heads else 1)
+            n = len(heads) or self.kv_heads or (self.rows.shape[1] if self.rows is not None else 1)
+            dev = heads[0].device if heads else (self.rows.device if self.rows is not None else None)
+            new = torch.arange(seen - t, seen, dtype=POSITION_DTYPE, device=dev).view(1, 1, t).expand(b, 1, t)
+            heads = [torch.cat([x, new], dim=2) for x in heads] if heads else [new] * n
+        return pad_rows(heads, PAD_POSITION)
+
+    @staticmethod
+    def held_counts(positions: torch.Tensor) -> list[int]:
+        """Rows each KV head holds in a padded ``[B, H, T]`` positions tensor (sequence 0)."""
+        return (positions[0] != PAD_POSITION).sum(-1).tolist()
+
+    def rank_positions(self, positions: torch.Tensor, seen: int) -> torch.Tensor:
+        """``[B, H, T]`` this layer's ranking of the rows at ``positions`` (a context-pass score reads no query or
+        key: ``keep.CONTEXT_PASS_SCORES``); padding -inf."""
+        x = scores.ScoreInput(None, None, None, 0.0, seen, positions, True, None, None, self.rows)
+        return self.ranker(x).float().masked_fill(positions == PAD_POSITION, float("-inf"))
 
     # -- batch ----------------------------------------------------------------------------------
     def map_batch(self, fn) -> None:
