@@ -167,3 +167,28 @@ def test_round_trip():
     pol = parse_policy("turbo4,keep=0.25,score=kvzip,budget=global")
     assert pol.budget == "global" and parse_policy(pol.to_string()) == pol
     assert Policy.from_dict(pol.to_dict()) == pol
+
+
+def test_compress_once_with_a_global_budget_then_many_questions(tiny_engine64):
+    """``Engine.compress`` (the agnostic protocol, the serve prefix cache): the context scored, evicted once over
+    every layer together, in prefill chunks too; questions appended to copies leave it as compressed; bytes are the
+    estimate's."""
+    e = tiny_engine64
+    ids = e.encode_prompt(PROMPT, chat=False)
+    ctx_ids, q1, q2 = ids[:, :150], ids[:, 150:160], ids[:, 160:]
+    pol = "turbo4,keep=0.5,score=kvzip,budget=global"
+    ctx = e.compress(ctx_ids, pol, "fused")
+    chunked = e.compress(ctx_ids, pol, "compressed", prefill_chunk=64)
+    rep = ctx.report()
+    est = estimate_kv(pol, KVGeometry.from_config(e.config), 150)
+    assert rep.compressed_storage_bytes == est.total_bytes == chunked.report().compressed_storage_bytes
+    assert len({t for r in rep.layers for t in r.head_tokens}) > 1 and ctx.context_pass_seconds > 0
+    a = ctx.generate(q1, max_new_tokens=6, stop_at_eos=False)
+    b = ctx.generate(q2, max_new_tokens=6, stop_at_eos=False)
+    assert a.token_ids == ctx.generate(q1, max_new_tokens=6, stop_at_eos=False).token_ids != b.token_ids
+    assert [r.head_tokens for r in ctx.report().layers] == [r.head_tokens for r in rep.layers]  # untouched
+    assert [[t - h for t, h in zip(r.head_tokens, c.head_tokens)] for r, c in
+            zip(a.cache_report.layers, rep.layers)] == [[15] * len(r.head_tokens) for r in rep.layers]
+    assert a.cache_report.fused_impl == {"native-cpu": a.cache_report.fused_calls}
+    for la in chunked.cache.layers:  # an eviction at the end of each prefill call, each over every layer
+        assert la.evictor.points == 3

@@ -32,7 +32,8 @@ EVICTION_HELP = ("Eviction: keep=F keeps a fraction 0<F<=1 of the evictable rows
                  "kvpress compression_ratio=r is keep=1-r), keep=512rows a row count per KV head (a bare keep=512 "
                  "is refused as ambiguous), keep=0.5|1|0.25 one fraction per KV head; chunk=8 keeps or evicts rows "
                  "in chunks of 8 positions (kvpress ChunkKVPress(chunk_length=8)); demote=turbo2 keeps the evicted "
-                 "rows at a cheaper codec instead of dropping them.")
+                 "rows at a cheaper codec instead of dropping them; budget=global (with score=kvzip) ranks the rows of "
+                 "every layer and KV head together, as kvpress KVzipPress's default (layerwise=False).")
 #: separates a per-head keep list's entries (as a per-KV-head codec list's: ``codecs.HEAD_SEP``)
 KEEP_SEP = "|"
 #: the unit a row count is written with (``keep=512rows``): a bare whole number above 1 is refused as ambiguous
