@@ -190,5 +190,8 @@ def test_compress_once_with_a_global_budget_then_many_questions(tiny_engine64):
     assert [[t - h for t, h in zip(r.head_tokens, c.head_tokens)] for r, c in
             zip(a.cache_report.layers, rep.layers)] == [[15] * len(r.head_tokens) for r in rep.layers]
     assert a.cache_report.fused_impl == {"native-cpu": a.cache_report.fused_calls}
+    # the compressed mode reads the same rows: each layer's mask fitted to its own width (the layers' spans differ)
+    assert e.compress(ctx_ids, pol, "compressed").generate(q1, max_new_tokens=6, stop_at_eos=False).token_ids == \
+        a.token_ids
     for la in chunked.cache.layers:  # an eviction at the end of each prefill call, each over every layer
         assert la.evictor.points == 3

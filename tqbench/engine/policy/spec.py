@@ -22,8 +22,8 @@ from tqbench.engine.policy.fitted import FittedOn
 from tqbench.engine.policy.keep import (
     ADA_FLOOR,
     SCORES,
-    check_budget,
     Rows,
+    check_budget,
     check_heads,
     check_keep_rows,
     evicts,
