@@ -82,7 +82,7 @@ def test_a_list_mixed_with_key_values_is_refused_not_split():
     one_line_error(run("kv-estimate", "--kv-policy", "fp16,turbo4,sink=4"),
                    "policy part 'turbo4' is not key=value (several policies? put ';' between them): valid keys are "
                    "k, v, kv, sink, recent, srecent, group, kblock, seed, window, chunk, every, sparsev, ada_floor, protect, "
-                   "bypass, sliding, rotation, name, calib, score, demote, heads, center, vcenter, normfix, keep, "
+                   "bypass, sliding, rotation, name, calib, score, demote, heads, budget, center, vcenter, normfix, keep, "
                    "k@<layers>, v@<layers>, kv@<layers>, keep@<layers>, demote@<layers>")
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tqbench.engine.policy import Policy, parse_policy
 from tqbench.engine.policy.grammar import parse_compact
-from tqbench.engine.policy.keep import HEAD_BUDGETS, SCORES, Rows
+from tqbench.engine.policy.keep import BUDGETS, HEAD_BUDGETS, SCORES, Rows
 from tqbench.engine.policy.spec import _WRITTEN, BYPASS_CHOICES, ROTATION_CHOICES, SLIDING_CHOICES
 
 KEPT = ["fp16", "bf16", "fp32", "int8", "int4", "turbo3", "turbo4", "turbo2.5", "turbo3.5", "turbo4-qjl", "q8_0",
@@ -43,7 +43,8 @@ FIELDS = {
     "calib": st.sampled_from(["", "fits/smollm2.safetensors"]), "keep": keeps, "score": st.sampled_from(SCORES),
     "window": st.integers(1, 64), "chunk": st.integers(1, 16), "every": st.integers(0, 128),
     "demote": st.sampled_from(DEMOTES), "heads": st.sampled_from(HEAD_BUDGETS),
-    "ada_floor": st.floats(0, 1, allow_nan=False), "name": st.none(), "fitted_on": st.none(),
+    "ada_floor": st.floats(0, 1, allow_nan=False), "budget": st.sampled_from(BUDGETS), "name": st.none(),
+    "fitted_on": st.none(),
 }
 
 

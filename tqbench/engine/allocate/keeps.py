@@ -6,7 +6,7 @@
   head, chosen by the policy's prefill score (``score=``, default snapkv; the same ``cache.evict.scores`` object
   the store's ``Evictor`` ranks with, chunked the same way) from the exact prefill's queries (the last
   ``window`` of each layer, recorded once through transformers' attention interface) and keys, the way the
-  store's ``Evictor`` chooses (``cache.evict.state.select_kept``; ``policy.keep.kept_rows`` says how many). The
+  store's ``Evictor`` chooses (``cache.evict.budgets.select_kept``; ``policy.keep.kept_rows`` says how many). The
   chunk forwards then attend over the kept rows only: every layer keeps its ``prefill`` rows in the cache (so
   positions and transformers' masks are the exact run's) and the evicted ones are masked out per KV head, which
   is the same softmax as attending over the gathered kept rows. The kept rows are quantized as a store holding
@@ -28,8 +28,8 @@ import torch
 
 from tqbench.engine.allocate.chunk import quantized_rows
 from tqbench.engine.cache.evict import scores
+from tqbench.engine.cache.evict.budgets import select_kept
 from tqbench.engine.cache.evict.compact import _take
-from tqbench.engine.cache.evict.state import select_kept
 from tqbench.engine.policy.keep import check_keep, evicts, kept_rows, protected_rows
 from tqbench.engine.policy.spec import Policy
 from tqbench.engine.request import RequestError

@@ -79,9 +79,14 @@ class TQLayer(CacheLayerMixin):
         self.native_workspace = 0  # largest transient bytes of one native call (partials + full-precision rows)
         self.sparse_v_rows = [0, 0]  # Sparse-V: value rows skipped, value rows with weight (native kernel)
 
+    shared_budget = None  # budget=global: the cache's ``evict.global_budget.GlobalBudget`` (``TQCache`` sets it)
+
     def _new_stores(self) -> None:
         #: token eviction (``policy.keep``) on this layer, else None
         self.evictor = Evictor(self.plan, self.policy, self.mode, self.kv_heads) if self.plan.evicts else None
+        if self.evictor is not None and self.shared_budget is not None:  # budget=global (set by the cache)
+            self.evictor.shared = self.shared_budget
+            self.shared_budget.clear()
         if self.evictor is not None and self.evictor.ragged:  # one store per KV head (its own codec), ragged rows
             pol, plan = self.policy, self.plan
             for h in range(self.kv_heads or 0):  # (checked here when the heads are known; else at the first rows)

@@ -134,7 +134,12 @@ def build_report(cache) -> CacheReport:
             f"rows per KV head, summed over layers ({pre} evicted at prefill, {dec} while decoding"
             + (f"; {tier}" if tier else "") + "); sinks and the "
             "last max(window, recent) rows are never evicted")
-        if any(la.ragged and la.policy.heads != "ada" for la in evicting):
+        if pol.budget == "global":
+            rep.notes.append(
+                "budget=global (kvpress KVzipPress layerwise=False): the rows of every evicting layer and KV head "
+                "ranked together, the same total kept as keep= per layer; each holds its own rows (head_tokens per "
+                "layer); layer_bytes differ from the estimate's per-layer shares, the total is exact")
+        elif any(la.ragged and la.policy.heads != "ada" for la in evicting):
             rep.notes.append(
                 "per-head keep lists: each KV head of those layers keeps its own fraction, in its own store "
                 "(head_tokens per layer; tokens is their mean); compressed and simulate read the same rows (no "

@@ -72,6 +72,13 @@ class TQCache(Cache):
             else:
                 layers.append(TQLayer(plan, self.mode, self.policy, geo.sliding_window, geo.kv_heads))
         super().__init__(layers=layers)
+        if self.policy.budget == "global":  # one budget over every evicting layer and KV head
+            from tqbench.engine.cache.evict.global_budget import GlobalBudget
+
+            members = [la for la in layers if isinstance(la, TQLayer) and la.evictor is not None]
+            shared = GlobalBudget(members, geo.head_dim, geo.v_dim)
+            for la in members:
+                la.shared_budget = la.evictor.shared = shared
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not self._shape_checked:  # bytes are counted from the config's geometry: it must be the model's

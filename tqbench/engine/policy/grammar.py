@@ -13,7 +13,7 @@ from tqbench.engine.policy.spec import _ROLES, Policy
 
 _BOOL = {"on": True, "true": True, "1": True, "yes": True, "off": False, "false": False, "0": False, "no": False}
 _INT_KEYS = ("sink", "recent", "srecent", "group", "kblock", "seed", "window", "chunk", "every")
-_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score", "demote", "heads")
+_STR_KEYS = ("protect", "bypass", "sliding", "rotation", "name", "calib", "score", "demote", "heads", "budget")
 _BOOL_KEYS = ("center", "vcenter", "normfix")
 _FLOAT_KEYS = ("sparsev", "ada_floor")
 _VALID_KEYS = ("k", "v", "kv", *_INT_KEYS, *_FLOAT_KEYS, *_STR_KEYS, *_BOOL_KEYS, "keep", "k@<layers>", "v@<layers>",

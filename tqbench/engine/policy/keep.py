@@ -15,6 +15,13 @@ NO_EVICTION = 1.0
 #: (AdaKV: the heads' scores ranked together, the layer keeps ``heads * kept_rows`` rows, each head at least
 #: ``ada_floor`` of the uniform share of the rows between its sinks and its protected tail)
 HEAD_BUDGETS = ("uniform", "ada")
+#: where a keep fraction is a budget: ``layer`` (every evicting layer keeps ``kept_rows`` per KV head, shared by
+#: ``heads``), ``global`` (kvpress ``KVzipPress(layerwise=False)``: the middle rows of every evicting layer and KV
+#: head ranked together, the same total kept, each layer and head its own count: ``evict.global_budget``)
+BUDGETS = ("layer", "global")
+#: scores whose values exist for every layer before the prefill (a context pass): the ones ``budget=global`` can rank
+#: across layers (``scores.Score.context_pass``; a test checks the two agree)
+CONTEXT_PASS_SCORES = ("kvzip",)
 ADA_FLOOR = 0.2  # kvpress AdaKVPress's alpha_safeguard default
 
 _KEEP_HELP = ("use a fraction 0 < f <= 1 of the evictable rows (e.g. 0.5; 1 keeps every row), a row count per KV "
@@ -25,7 +32,8 @@ EVICTION_HELP = ("Eviction: keep=F keeps a fraction 0<F<=1 of the evictable rows
                  "kvpress compression_ratio=r is keep=1-r), keep=512rows a row count per KV head (a bare keep=512 "
                  "is refused as ambiguous), keep=0.5|1|0.25 one fraction per KV head; chunk=8 keeps or evicts rows "
                  "in chunks of 8 positions (kvpress ChunkKVPress(chunk_length=8)); demote=turbo2 keeps the evicted "
-                 "rows at a cheaper codec instead of dropping them.")
+                 "rows at a cheaper codec instead of dropping them; budget=global (with score=kvzip) ranks the rows of "
+                 "every layer and KV head together, as kvpress KVzipPress's default (layerwise=False).")
 #: separates a per-head keep list's entries (as a per-KV-head codec list's: ``codecs.HEAD_SEP``)
 KEEP_SEP = "|"
 #: the unit a row count is written with (``keep=512rows``): a bare whole number above 1 is refused as ambiguous
@@ -205,6 +213,32 @@ def check_heads(heads, ada_floor) -> None:
     if isinstance(ada_floor, bool) or not isinstance(ada_floor, (int, float)) or not 0 <= ada_floor <= 1:
         raise ValueError(f"ada_floor={ada_floor!r} is invalid: use a fraction 0 <= f <= 1 of the uniform share "
                          f"each KV head keeps at least (default {ADA_FLOOR})")
+
+
+def check_budget(budget, score: str, heads: str, keeps: tuple, every: int, demote, evicting: bool) -> None:
+    """``budget`` checked against the policy's other eviction keys (``keeps``: its keep values, ``keep@`` ones
+    included; ``demote``: whether any layer demotes); a one-line error that says what to use."""
+    if budget not in BUDGETS:
+        raise ValueError(f"budget={budget!r} is invalid: use layer (every layer keeps keep=F of its rows per KV head) "
+                         "or global (the rows of every layer and KV head ranked together, kvpress KVzipPress)")
+    if budget == "layer":
+        return
+    why = None
+    if not evicting:
+        why = "but this policy evicts nothing: set keep below 1 (e.g. keep=0.5)"
+    elif score not in CONTEXT_PASS_SCORES:
+        why = (f"which needs every layer's scores at once, before any layer evicts: score={score} scores a layer "
+               f"while the prefill passes it; use score={'|'.join(CONTEXT_PASS_SCORES)}")
+    elif heads != "uniform":
+        why = "which already shares the rows between the heads: drop heads=ada"
+    elif any(is_head_keeps(k) for k in keeps):
+        why = "so it takes one keep value (a per-layer keep@ is fine), not a per-head keep list"
+    elif every:
+        why = "at the prefill's eviction point: drop every= (decoded rows are not ranked again)"
+    elif demote:
+        why = "and the demote tier does not follow it yet: drop demote= or use budget=layer"
+    if why:
+        raise ValueError(f"budget=global ranks the rows of every layer and KV head together, {why}")
 
 
 def ada_floor_rows(target: int, head: int, tail: int, ada_floor: float) -> int:

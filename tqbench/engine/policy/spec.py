@@ -23,6 +23,7 @@ from tqbench.engine.policy.keep import (
     ADA_FLOOR,
     SCORES,
     Rows,
+    check_budget,
     check_heads,
     check_keep_rows,
     evicts,
@@ -117,6 +118,7 @@ class Policy:
     demote: str = ""  # evicted rows kept at this (cheaper) codec instead of dropped ("" = dropped)
     heads: str = "uniform"  # kept rows shared between a layer's KV heads: uniform, or ada (see keep.HEAD_BUDGETS)
     ada_floor: float = ADA_FLOOR  # heads=ada: the fraction of the uniform share every KV head keeps at least
+    budget: str = "layer"  # keep=F per layer and KV head, or global: ranked over every layer (keep.BUDGETS)
     name: str | None = field(default=None, compare=False)
     #: the model a saved policy file was fitted on (its ``[model]`` table); None for presets and compact text.
     #: Provenance, not part of the policy's value: not compared, not in ``to_string``/``to_dict``
@@ -195,6 +197,10 @@ class Policy:
                              "one keep value per layer, not a per-head keep list: drop heads=ada (each head then "
                              "keeps its own fraction) or give one keep value")
         check_keep_rows(self.keep, self.sink, self.window, self.recent)
+        check_budget(self.budget, self.score, self.heads, (self.keep, *(parse_keep(c) for r, _, c in self.overrides
+                                                                        if r == "keep")), self.every,
+                     bool(self.demote) or any(r == "demote" and c != NO_DEMOTE for r, _, c in self.overrides),
+                     self.evicts)
         demotes = (f"demote={self.demote}" if self.demote else
                    next((f"demote@{s}={c}" for r, s, c in self.overrides if r == "demote" and c != NO_DEMOTE), ""))
         if demotes and not self.evicts:
@@ -361,8 +367,8 @@ class Policy:
 
     def ragged(self, plan: LayerPlan) -> bool:
         """True when ``plan``'s layer keeps one store per KV head, each its own rows: it evicts and its heads
-        keep different counts (``heads=ada``, or a per-head keep list)."""
-        return plan.evicts and (self.heads == "ada" or plan.head_keeps)
+        keep different counts (``heads=ada``, a per-head keep list, or ``budget=global``)."""
+        return plan.evicts and (self.heads == "ada" or plan.head_keeps or self.budget == "global")
 
     @property
     def per_head(self) -> bool:
@@ -374,7 +380,7 @@ class Policy:
 #: the name, which it writes its own way, and the provenance)
 _WRITTEN = ("sink", "recent", "srecent", "protect", "bypass", "sliding", "rotation", "center", "vcenter", "normfix", "group",
             "kblock", "seed", "sparsev", "calib", "keep", "score", "window", "chunk", "every", "demote", "heads",
-            "ada_floor")
+            "ada_floor", "budget")
 
 
 def _differs(val, default) -> bool:

@@ -3,9 +3,12 @@
 Eviction points: the end of every call of more than one row (a prefill, or a prefill chunk), and with
 ``every`` > 0 every ``every`` decoded tokens after the last prefill call. At a point the layer's stores defer
 packing (``KVStore.defer``): the call's rows are scored and cut while still exact, after the call's attention
-(the scores read its queries, in tqbench's attention function), then the stores pack as usual. Each KV head
-keeps ``kept_rows`` rows (the sinks and the last max(window, recent) rows always), its own, chosen by the
-score; kept rows keep their positions (cached keys carry their rotary phase; nothing is re-rotated).
+(the scores read its queries, in tqbench's attention function), then the stores pack as usual. Three objects,
+each over the others' choices: the ranking (``scores``: any score, ``chunk=N`` wrapped), the head budget
+(``budgets``: how many rows each KV head keeps, ``kept_rows`` per head or shared by AdaKV, a per-head list or
+``budget=global``) and the demote tier (``demote``: where the evicted rows go). Sinks and the last max(window,
+recent) rows are always kept; kept rows keep their positions (cached keys carry their rotary phase; nothing is
+re-rotated).
 """
 
 from __future__ import annotations
@@ -15,36 +18,19 @@ import torch
 from tqbench.engine.cache.buffer import GrowBuffer
 from tqbench.engine.cache.evict import scores
 from tqbench.engine.cache.evict.bookkeeping import MASS_DTYPE, POSITION_DTYPE
+from tqbench.engine.cache.evict.budgets import head_budget, select_kept
 from tqbench.engine.cache.evict.compact import EvictionError, _take, compact_store
-from tqbench.engine.cache.evict.ragged import PAD_POSITION, HeadRows, RaggedStore, cost_groups, select_ada
-from tqbench.engine.cache.store import KVStore
-from tqbench.engine.policy.keep import head_keeps, kept_rows, protected_rows
+from tqbench.engine.cache.evict.demote import DemoteTier
+from tqbench.engine.cache.evict.ragged import PAD_POSITION, HeadRows, pad_rows
+from tqbench.engine.policy.keep import head_keeps, protected_rows
 
-__all__ = ["EVICT_NO_CROP", "EvictionError", "Evictor"]
+__all__ = ["EVICT_NO_CROP", "EvictionError", "Evictor", "select_kept"]
 
 #: why a layer that evicts tokens cannot be cropped (speculative decoding's rejected drafts)
 EVICT_NO_CROP = ("speculative decoding cannot run with token eviction (keep): a crop after a rejected draft must "
                  "restore the rows an eviction dropped, and they are gone; decode without speculation, or use a "
                  "policy without keep")
 
-
-
-def select_kept(score: torch.Tensor, held: int, target: int, head: int, tail: int) -> torch.Tensor:
-    """Ordinals [B, H, target] (sorted) of the rows each KV head keeps out of ``held``: the first ``head`` and the
-    last ``tail`` always, the best-scored (``score`` [B, H, held], higher: keep) of the rows between them."""
-    sel = score[..., head : held - tail].topk(target - head - tail, dim=-1).indices.sort(dim=-1).values + head
-    b, h = sel.shape[:2]
-    dev = sel.device
-    return torch.cat([torch.arange(head, device=dev).expand(b, h, head), sel,
-                      torch.arange(held - tail, held, device=dev).expand(b, h, tail)], dim=2)
-
-
-def _gone(idx: torch.Tensor, held: int) -> torch.Tensor:
-    """The sorted ordinals ``[B, 1, held - n]`` of the rows ``idx`` ``[B, 1, n]`` does not keep."""
-    b = idx.shape[0]
-    gone = torch.ones(b, 1, held, dtype=torch.bool, device=idx.device)
-    gone.scatter_(2, idx, False)
-    return gone.nonzero()[:, 2].view(b, 1, held - idx.shape[2])
 
 
 class Evictor:
@@ -73,7 +59,10 @@ class Evictor:
         if self.head_keep is not None and kv_heads is not None:
             head_keeps(self.head_keep, kv_heads, plan.layer)
         self.layer_index = plan.layer
+        self.kv_heads = kv_heads
         self.ada_floor = policy.ada_floor
+        #: budget=global: the cache-wide choice of each head's row count (``global_budget.GlobalBudget``), else None
+        self.shared = None
         self.positions = GrowBuffer()  # [B, H, held]: each held row's token position (ragged: ``HeadRows``)
         self.mass = GrowBuffer()  # h2o: [B, H, held] attention mass received
         self.queries: torch.Tensor | None = None  # the last ``window`` queries [B, Hq, <=window, D]
@@ -81,17 +70,12 @@ class Evictor:
         self.evicted_prefill = 0  # rows each KV head dropped at prefill points
         self.evicted_decode = 0  # ... at decode points (every)
         self.points = 0
-        #: demote: the evicted rows of K and V, kept at the layer's cheaper codec (``plan.demote``: ``policy.demote``
-        #: or a ``demote@`` override), else None
-        self.demoted: tuple[KVStore, KVStore] | None = None
-        if plan.demote and self.ragged:  # each head's evicted rows in its own store (its codec state its own)
-            self.demoted = tuple(RaggedStore(
-                policy.build_codec(plan.demote, role, layer=plan.layer), 0, 0, role=role,
-                head_codec=lambda h, role=role: policy.build_codec(plan.demote, role, layer=plan.layer, heads=(h,)))
-                for role in ("k", "v"))
-        elif plan.demote:
-            self.demoted = tuple(KVStore(policy.build_codec(plan.demote, role, layer=plan.layer), 0, 0)
-                                 for role in ("k", "v"))
+        #: how the kept rows are shared between the KV heads (``budgets``: uniform, ada, a per-head list, global)
+        self.budget = head_budget(self, policy, plan)
+        #: demote: the evicted rows kept at the layer's cheaper codec (``plan.demote``: ``policy.demote`` or a
+        #: ``demote@`` override; ``demote.DemoteTier``), else None; ``demoted``: its K and V stores
+        self.tier = DemoteTier(plan, policy, self.ragged) if plan.demote else None
+        self.demoted = self.tier.stores if self.tier is not None else None
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of the held rows' positions and mass as held now (``evict.bookkeeping``'s rule)."""
@@ -109,12 +93,7 @@ class Evictor:
     @property
     def n_demoted(self) -> int:
         """Demoted rows per KV head (a ragged layer: the mean over its heads)."""
-        if not self.demoted:
-            return 0
-        if self.ragged:
-            rows = self.demoted[0].rows
-            return sum(rows) // len(rows) if rows else 0
-        return self.demoted[0].n_tokens
+        return self.tier.rows if self.tier is not None else 0
 
     def head_spans(self, k_store) -> list[int]:
         """A ragged layer: the rows each KV head's attention reads before the call's (demoted, then held)."""
@@ -131,14 +110,11 @@ class Evictor:
 
     def demoted_dense(self, role: str, dtype) -> torch.Tensor | None:
         """The demoted rows of K (``role`` "k") or V, dequantized (attention reads them before the held rows)."""
-        return self.demoted[0 if role == "k" else 1].dense(dtype) if self.demoted else None
+        return self.tier.dense(role, dtype) if self.tier is not None else None
 
     def demoted_heads(self, role: str, dtype, heads: int) -> list:
         """A ragged layer's demoted rows per KV head (``[B, 1, n_h, D]`` or None), dequantized."""
-        store = self.demoted[0 if role == "k" else 1] if self.demoted else None
-        if store is None or not store.stores:
-            return [None] * heads
-        return [s.dense(dtype) for s in store.stores]
+        return self.tier.heads(role, dtype, heads) if self.tier is not None else [None] * heads
 
     def begin(self, n0: int, t: int, batch: int, heads: int, device) -> bool:
         """A call of ``t`` rows after ``n0`` tokens: record the positions; True when it ends at an eviction point."""
@@ -190,33 +166,33 @@ class Evictor:
             self._evict(layer, query, scaling, seen, t, keys)
 
     def _evict(self, layer, query, scaling, seen: int, t: int, keys) -> None:
+        """Score the held rows, keep what the head budget selects (the rest to the demote tier, or dropped)."""
         ks, vs = layer.k_store, layer.v_store
-        held = ks.n_tokens
-        target = None if self.head_keep is not None else kept_rows(seen, self.keep, self.sink, self.window,
-                                                                     self.recent)
+        held = ks.rows if self.ragged else ks.n_tokens
         self.points += 1
-        if self.ragged:
-            self._evict_ragged(layer, query, scaling, seen, t, keys, target)
-        elif target < held:
+        if self.budget.evicts(held, seen, t):
             head, tail = protected_rows(seen, self.sink, self.window, self.recent)
             if keys is None:
                 keys = ks.dense(query.dtype)
-            idx = select_kept(self._score(query, keys, vs, scaling, seen), held, target, head, tail)
-            b, h = idx.shape[:2]
-            dev = idx.device
-            if self.demoted:  # the evicted rows, from the rows as attention read them, to the cheaper codec
-                gone = torch.ones(b, h, held, dtype=torch.bool, device=dev)
-                gone.scatter_(2, idx, False)
-                gone_idx = gone.nonzero()[:, 2].view(b, h, held - idx.shape[2])
-                for store, rows in zip(self.demoted, (keys, vs.dense(query.dtype))):
-                    store.append(_take(rows, gone_idx.to(rows.device)))
-            dropped = compact_store(ks, idx)
-            compact_store(vs, idx)
-            for buf in (self.positions, self.mass):
-                if buf.data is not None:
-                    data = _take(buf.view(), idx.to(buf.data.device))
-                    buf.data, buf.n, buf.start = None, 0, 0
-                    buf.append(data)
+            score = self._score(query, keys, vs, scaling, seen)
+            idx = self.budget.select(score, held, seen, t, head, tail, layer, keys.shape[-1],
+                                     drop_one=self.tier is not None)
+            if self.tier is not None:  # the evicted rows, as attention read them, to the cheaper codec
+                self.tier.take(keys, vs.dense(query.dtype), idx, held)
+            if self.ragged:
+                dropped = ks.compact(idx) // len(held)  # the mean over the heads
+                vs.compact(idx)
+                for buf in (self.positions, self.mass):
+                    if isinstance(buf, HeadRows):
+                        buf.take(idx)
+            else:
+                dropped = compact_store(ks, idx)
+                compact_store(vs, idx)
+                for buf in (self.positions, self.mass):
+                    if buf.data is not None:
+                        data = _take(buf.view(), idx.to(buf.data.device))
+                        buf.data, buf.n, buf.start = None, 0, 0
+                        buf.append(data)
             if t > 1:
                 self.evicted_prefill += dropped
             else:
@@ -225,46 +201,6 @@ class Evictor:
             self.queries = None
         ks.release()
         vs.release()
-
-    def _evict_ragged(self, layer, query, scaling, seen: int, t: int, keys, target: int | None) -> None:
-        """A ragged layer: with heads=ada the layer keeps ``heads * target`` rows, shared between its heads by
-        ``select_ada``; with a per-head keep list each head keeps its own ``kept_rows``, its best-scored."""
-        ks, vs = layer.k_store, layer.v_store
-        held = ks.rows
-        if self.head_keep is None:
-            if sum(held) <= len(held) * target:
-                return
-        else:
-            targets = [kept_rows(seen, k, self.sink, self.window, self.recent) for k in self.head_keep]
-            if all(n <= m for n, m in zip(held, targets)):
-                return
-        head, tail = protected_rows(seen, self.sink, self.window, self.recent)
-        if keys is None:
-            keys = ks.dense(query.dtype)
-        score = self._score(query, keys, vs, scaling, seen)
-        if self.head_keep is None:
-            # (with demote every head demotes a row: each head's demote store holds its codec state, as counted)
-            # (rows move only between heads whose codecs cost the same per row: the bytes stay the estimate's)
-            groups = cost_groups(ks, vs, keys.shape[-1], layer.v_dim)
-            idx = select_ada(score, held, target, head, tail, self.ada_floor, drop_one=self.demoted is not None,
-                             groups=groups)
-        else:
-            b, dev = score.shape[0], score.device
-            idx = [select_kept(score[:, h : h + 1, :n], n, m, head, tail) if m < n
-                   else torch.arange(n, device=dev).expand(b, 1, n) for h, (n, m) in enumerate(zip(held, targets))]
-        if self.demoted:  # each head's evicted rows, as attention read them, to its own demote store
-            for store, rows in zip(self.demoted, (keys, vs.dense(query.dtype))):
-                store.append_heads([_take(rows[:, h : h + 1, :n], _gone(i, n).to(rows.device))
-                                    for h, (i, n) in enumerate(zip(idx, held))])
-        dropped = ks.compact(idx) // len(held)  # the mean over the heads
-        vs.compact(idx)
-        for buf in (self.positions, self.mass):
-            if isinstance(buf, HeadRows):
-                buf.take(idx)
-        if t > 1:
-            self.evicted_prefill += dropped
-        else:
-            self.evicted_decode += dropped
 
     def _score(self, query, keys, v_store, scaling, seen) -> torch.Tensor:
         """[B, H, held] scores (ragged: padding scored -inf, and masked out of every softmax by its position)."""
@@ -275,6 +211,36 @@ class Evictor:
         if self.ragged:
             s = s.float().masked_fill(self.held_positions() == PAD_POSITION, float("-inf"))
         return s
+
+    # -- budget=global (``global_budget``) ------------------------------------------------------------------
+    def positions_after(self, seen: int, t: int) -> torch.Tensor:
+        """``[B, H, T]`` the positions each KV head holds once the call of ``t`` rows ending at ``seen`` is appended
+        (padded with ``PAD_POSITION``): the held ones, plus the call's when this layer has not appended it yet."""
+        if isinstance(self.positions, HeadRows):
+            heads = self.positions.heads()
+        elif self.positions.data is not None:
+            v = self.positions.view()
+            heads = [v[:, h : h + 1] for h in range(v.shape[1])]
+        else:
+            heads = []
+        if not heads or heads[0].shape[2] == 0 or int(heads[0][0, 0, -1]) < seen - t:
+            b = self.rows.shape[0] if self.rows is not None else (heads[0].shape[0] if heads else 1)
+            n = len(heads) or self.kv_heads or (self.rows.shape[1] if self.rows is not None else 1)
+            dev = heads[0].device if heads else (self.rows.device if self.rows is not None else None)
+            new = torch.arange(seen - t, seen, dtype=POSITION_DTYPE, device=dev).view(1, 1, t).expand(b, 1, t)
+            heads = [torch.cat([x, new], dim=2) for x in heads] if heads else [new] * n
+        return pad_rows(heads, PAD_POSITION)
+
+    @staticmethod
+    def held_counts(positions: torch.Tensor) -> list[int]:
+        """Rows each KV head holds in a padded ``[B, H, T]`` positions tensor (sequence 0)."""
+        return (positions[0] != PAD_POSITION).sum(-1).tolist()
+
+    def rank_positions(self, positions: torch.Tensor, seen: int) -> torch.Tensor:
+        """``[B, H, T]`` this layer's ranking of the rows at ``positions`` (a context-pass score reads no query or
+        key: ``keep.CONTEXT_PASS_SCORES``); padding -inf."""
+        x = scores.ScoreInput(None, None, None, 0.0, seen, positions, True, None, None, self.rows)
+        return self.ranker(x).float().masked_fill(positions == PAD_POSITION, float("-inf"))
 
     # -- batch ----------------------------------------------------------------------------------
     def map_batch(self, fn) -> None:

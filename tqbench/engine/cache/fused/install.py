@@ -134,7 +134,7 @@ def fused_attention_forward(module, query, key, value, attention_mask, *args, **
         check_unpadded(attention_mask, key.evict_point)
         mask = fit_causal_mask(attention_mask, query.shape[2], key.keys.shape[2])
         if key.lengths is not None:  # heads=ada: each KV head's padding masked
-            mask = ragged_mask(attention_mask, key.lengths, query, key.keys.shape[2],
+            mask = ragged_mask(mask, key.lengths, query, key.keys.shape[2],
                                previous_implementation(getattr(module, "config", None)) == "eager")
         out = _previous_forward(module)(module, query, key.keys, key.values, mask, *args, **kwargs)
         if key.evict_point is not None:

@@ -27,7 +27,7 @@ class KVzip(Score):
     def score(self, x: ScoreInput) -> torch.Tensor:
         if x.rows is None:
             raise EvictionError(NO_PASS)
-        rows = x.rows.to(x.keys.device).float()
+        rows = x.rows.to(x.positions.device).float()
         n = rows.shape[-1]
         pos = x.positions.long()
         # a row past the scored context (the question, decoded tokens) ranks above every context row

@@ -4,8 +4,8 @@ averaged over the held rows of each aligned chunk of N positions, so rows are ke
 ranks (the same order for full chunks; a chunk that lost rows to an earlier eviction is not penalized for it),
 and the kept indices are not shared between layers.
 
-(Per-head budgets, ``heads=ada``, and the demote tier act on the ranking any score gives: ``Evictor`` selects
-with ``ragged.select_ada`` and demotes the rows it drops, whatever the score.)"""
+(Per-head budgets, ``heads=ada``, a per-head keep list and ``budget=global``, act on the ranking any score gives:
+``evict.budgets``; the demote tier takes whatever rows a budget drops: ``evict.demote.DemoteTier``.)"""
 
 from __future__ import annotations
 
