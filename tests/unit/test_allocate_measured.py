@@ -235,3 +235,40 @@ def test_staged_order_ends_with_the_sliding_layers_recent_rows_at_the_best_prote
     assert list(_protection_order(opts, False, lambda: None)) == opts
     with pytest.raises(ValueError, match="give \\(sink, recent\\) or \\(sink, recent, srecent\\)"):
         as_protection((4,))
+
+
+def test_a_close_srecent_option_is_solved_again_on_its_own_cells_and_wins_when_it_measures_better():
+    """``reprice``: an srecent option whose first (base-cell) solve measures within ``REPRICE_WITHIN`` of the best is
+    solved again on the cells ``reprice`` gives, measured again, and kept when better (its table then prices the
+    exchange steps); one measuring further off, and options without srecent, are not re-measured."""
+    from tqbench.engine.allocate.exchange import REPRICE_WITHIN
+    from tqbench.engine.allocate.solver import solve_allocation
+
+    geo, base, table = KVGeometry(3, 2, 64), parse_policy("sink=4,recent=16"), _table()
+    own = _table()
+    for la in range(3):  # re-measured: layer 0 barely cares about its codec, so its bits go elsewhere
+        own.kl[(la, "k")] = {c: (0.001 if la == 0 else 10.0) * kl for c, kl in own.kl[(la, "k")].items()}
+    own_choice = solve_allocation(own, geo, 3.0, 2048, parse_policy("sink=4,recent=16,srecent=32")).choice
+    assert own_choice != solve_allocation(table, geo, 3.0, 2048, base).choice
+    asked = []
+
+    def reprice(pol):
+        asked.append(pol.srecent)
+        return own
+
+    def measure(choice, pol):
+        if pol.srecent == 0:
+            return 10.0 * REPRICE_WITHIN  # far off: not re-measured
+        return 0.5 if choice == own_choice else 1.0
+
+    opts = [(4, 16, -1), (4, 16, 32), (4, 16, 0)]
+    alloc, measured, steps = improve(table, geo, 3.0, 2048, base, measure, protections=opts, max_measurements=4,
+                                     reprice=reprice)
+    assert asked == [32]
+    assert [(s.srecent, s.measured_kl, s.accepted) for s in steps] == [
+        (-1, 1.0, True), (32, 1.0, False), (32, 0.5, True), (0, 10.0 * REPRICE_WITHIN, False)]
+    assert steps[2].move == "solve at sink=4,recent=16,srecent=32 (cells re-measured there)"
+    assert alloc.choice == own_choice and measured == 0.5 and alloc.policy.srecent == 32
+    asked.clear()
+    improve(table, geo, 3.0, 2048, base, measure, protections=opts, max_measurements=4)  # no reprice: as before
+    assert asked == []

@@ -473,3 +473,37 @@ def test_srecent_gives_the_sliding_layers_their_own_recent_rows_to_the_byte():
     assert est.total_bytes > estimate_kv(same, g, PREFILL).total_bytes  # 3 more fp16 rows per sliding layer
     with pytest.raises(ValueError, match="srecent=-2 is invalid"):
         replace(pol, srecent=-2)
+
+
+def test_sliding_repricer_re_measures_the_sliding_layers_cells_at_an_srecent_option_only():
+    """On a model mixing sliding and full layers: the sliding layers' cells at the option's own recent rows (as
+    ``measure_sensitivity`` measures them there), the full layers' kept; stored under ``@sr<rows>`` keys, so a
+    second call measures nothing; None at the base's rows and on a model without sliding layers."""
+    from tqbench.engine.allocate.sensitivity import measure_sensitivity, sliding_repricer
+
+    base = parse_policy(BASE)
+    r = runner("gemma3_text")
+    codecs = ["turbo1", "turbo2"]
+    table = measure_sensitivity(engine("gemma3_text"), r.ids, PREFILL, codecs, base, runner=r)
+    known, stored = {}, []
+    reprice = sliding_repricer(engine("gemma3_text"), r, table, base, codecs, None, "layer", known,
+                               lambda k, kl: stored.append(k))
+    assert reprice(replace(base, srecent=2)) is None  # the base's rows (recent=2)
+    opt = replace(base, srecent=6)
+    own = reprice(opt)
+    slides = [layer for layer in table.layers if r.windows[layer] is not None]
+    full = [layer for layer in table.layers if r.windows[layer] is None]
+    assert slides and full
+    for layer in full:
+        assert own.kl[(layer, "k")] == table.kl[(layer, "k")] and own.kl[(layer, "v")] == table.kl[(layer, "v")]
+    direct = measure_sensitivity(engine("gemma3_text"), r.ids, PREFILL, codecs, opt, runner=r)
+    for layer in slides:
+        assert own.kl[(layer, "k")] == direct.kl[(layer, "k")]
+        assert own.kl[(layer, "k")] != table.kl[(layer, "k")]
+    assert sorted(stored) == sorted(f"{layer}/{role}/{c}@sr6" for layer in slides for role in "kv" for c in codecs)
+    assert reprice.measured == len(stored)
+    again = reprice(opt)
+    assert again.kl == own.kl and reprice.measured == len(stored)  # all resumed from known
+    llama = runner("llama")
+    t2 = measure_sensitivity(engine("llama"), llama.ids, PREFILL, codecs, base, runner=llama)
+    assert sliding_repricer(engine("llama"), llama, t2, base, codecs, None, "layer", {}) is None

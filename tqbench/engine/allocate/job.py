@@ -38,6 +38,7 @@ from tqbench.engine.allocate.exchange import (
     ExchangeStep,
     JointMeasure,
     as_protection,
+    REPRICE_WITHIN,
     improve,
     protection_grid,
 )
@@ -56,7 +57,13 @@ from tqbench.engine.allocate.operating import (
     uniform_of_bytes,
     uniform_warning,
 )
-from tqbench.engine.allocate.sensitivity import BOUNDED, EXACT, SensitivityTable, measure_sensitivity
+from tqbench.engine.allocate.sensitivity import (
+    BOUNDED,
+    EXACT,
+    SensitivityTable,
+    measure_sensitivity,
+    sliding_repricer,
+)
 from tqbench.engine.allocate.solver import Allocation
 from tqbench.engine.allocate.spec import DEFAULT_CODECS, DEFAULT_MEASUREMENTS, GRANULARITIES, AllocateSpec  # noqa: F401
 from tqbench.engine.allocate.speed import (
@@ -381,10 +388,17 @@ def allocate_policy(engine, budget: float, *, on_event: OnEvent | None = None, c
                                                  bool(max_measurements and keep_cells is not None))
         notes.append(HEAD_NOTE)
     elif max_measurements and measure is not None:
+        reprice = sliding_repricer(engine, runner, table, base_pol, specs, kspecs, granularity, cells, persist,
+                                   cancel) if "tokens" not in axes else None
+        c_rep = time.process_time()
         alloc, measured, steps = improve(table, engine.geometry, budget, context, base_pol, measure,
                                          protections=options, max_measurements=max_measurements,
                                          name=name or f"alloc-{budget:g}bit", on_event=on_event, cancel=cancel,
-                                         speed=speed, solver=joint, staged=staged)
+                                         speed=speed, solver=joint, staged=staged, reprice=reprice)
+        if reprice is not None and any("re-measured" in s.move for s in steps):
+            notes.append(f"srecent options within {REPRICE_WITHIN}x of the best re-solved on their own cells: "
+                         f"{reprice.measured} sliding-layer cells re-measured (solve_and_measure phase; "
+                         f"{time.process_time() - c_rep:.0f} s CPU with its joint measurements)")
     else:
         from tqbench.engine.allocate.solver import solve_allocation
 

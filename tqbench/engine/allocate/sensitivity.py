@@ -37,7 +37,7 @@ EXACT = ("fp16", "fp32")
 BOUNDED = {"q8_0": ("turbo4", 1e-3)}
 
 __all__ = ["ROLES", "SensitivityTable", "allocatable_layers", "cell_key", "measure_sensitivity", "quantized_rows",
-           "rank_correlation"]
+           "rank_correlation", "sliding_repricer"]
 
 
 def allocatable_layers(policy: Policy, geometry) -> list[int]:
@@ -198,3 +198,42 @@ def rank_correlation(xs: list[float], ys: list[float]) -> float:
     sx = sum((a - mx) ** 2 for a in rx) ** 0.5
     sy = sum((b - my) ** 2 for b in ry) ** 0.5
     return cov / (sx * sy) if sx and sy else 0.0
+
+
+def sliding_repricer(engine, runner: ChunkRunner, table: SensitivityTable, base: Policy, codecs: list[str],
+                     k_codecs: list[str] | None, granularity: str, known: dict[str, float],
+                     on_cell: Callable[[str, float], None] | None = None, cancel: CancelFlag | None = None):
+    """``exchange.improve``'s ``reprice`` on a model whose allocation mixes compressed sliding-window layers and
+    full-attention layers (else None): ``reprice(policy)`` is ``table`` with the sliding layers' cells re-measured
+    at ``policy``'s sliding recent rows (``srecent``; the full-attention layers' cells kept), or None when those
+    rows are the base's. Re-measured cells are stored under ``cell_key + "@sr<rows>"`` (``known`` read first, so a
+    resumed run measures none again; ``on_cell`` after each new one); ``reprice.measured`` counts the new ones."""
+    windows = runner.windows
+    sliding = [layer for layer in table.layers if windows[layer] is not None]
+    if not sliding or len(sliding) == len(table.layers):
+        return None
+
+    def reprice(policy: Policy) -> SensitivityTable | None:
+        if policy.sliding_recent == base.sliding_recent:
+            return None
+        tag = f"@sr{policy.sliding_recent}"
+        given = {}
+        for unit, row in table.kl.items():
+            for codec, kl in row.items():
+                key = cell_key(unit[0], unit[1], codec, *unit[2:])
+                if windows[unit[0]] is None:
+                    given[key] = kl
+                elif key + tag in known:
+                    given[key] = known[key + tag]
+
+        def stored(key: str, kl: float) -> None:
+            reprice.measured += 1
+            known[key + tag] = kl
+            if on_cell is not None:
+                on_cell(key + tag, kl)
+
+        return measure_sensitivity(engine, runner.ids, runner.prefill, codecs, policy, known=given, on_cell=stored,
+                                   cancel=cancel, granularity=granularity, k_codecs=k_codecs, runner=runner)
+
+    reprice.measured = 0
+    return reprice
