@@ -161,7 +161,7 @@ def estimate_kv(policy: Policy | str, geometry: KVGeometry, seq_len: int, batch:
         elif plan.evicts:  # token eviction (policy.keep): the rows each KV head still holds
             keeps = head_keeps(plan.keep, g.kv_heads, plan.layer)
             heads_held = [held_rows(seq_len, prefill, k, plan.sink, pol.window, plan.recent, pol.every) for k in keeps]
-            held = sum(heads_held) // g.kv_heads  # (ragged: the mean; heads=ada: every head's share)
+            held = sum(heads_held) // g.kv_heads  # (ragged: the mean; heads=ada, budget=global: every head's share)
             if plan.head_keeps:
                 head_rows[-1] = tuple(heads_held)
         ragged = pol.ragged(plan)
