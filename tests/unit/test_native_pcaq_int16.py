@@ -151,12 +151,14 @@ def test_dense_rows_beside_int16_pcaq_rows_are_scored_in_float():
     (64, 8, torch.float32, "widths <= 7"),
     (64, 4, torch.float64, "float32 queries"),
 ])
-def test_pcaq_int16_is_refused_where_it_cannot_run_with_the_reason(d, maxw, dt, what):
+def test_pcaq_int16_is_refused_where_it_cannot_run_with_the_reason(d, maxw, dt, what, monkeypatch):
+    from tqbench.kernels.cpu import attention
+
     gen = torch.Generator().manual_seed(0)
     ks, _ = random_pcaq_side(1, 2, 8, d, maxw, dt, gen)
     a, _ = kernel_side(ks, [], 0, d, dt)
     c, _ = kernel_side(None, [torch.randn(1, 2, 8, d, dtype=dt)], 0, d, dt)
-    a.score_int16 = True
+    monkeypatch.setattr(attention, "PCAQ_KEY_INT_SCORING", True)
     assert key_scoring(a, dt) is False and a.score_int16 is False  # the engine never asks for it here
     a.score_int16 = True
     msg = what if kernel_rules()["score_int16_pcaq"] else "VBMI"
@@ -174,9 +176,16 @@ def test_pcaq_keys_are_never_scored_in_8_bits():
         native_attention_batch(torch.randn(1, 4, 1, 64), [a], [c], 0.1)
 
 
-def test_the_engine_scores_pcaq_keys_in_16_bits_where_the_kernel_can():
+def test_the_engine_scores_pcaq_keys_in_16_bits_only_if_switched_on(monkeypatch):
+    """Off by default (``PCAQ_KEY_INT_SCORING``: its measured KL change is outside 1%); on, exactly where the kernel
+    can."""
+    from tqbench.kernels.cpu import attention
+
     gen = torch.Generator().manual_seed(0)
     ks, _ = random_pcaq_side(1, 2, 8, 128, 6, torch.float32, gen)
     a, _ = kernel_side(ks, [], 0, 128, torch.float32)
+    assert attention.PCAQ_KEY_INT_SCORING is False
+    assert key_scoring(a, torch.float32) is False and a.score_int16 is False
+    monkeypatch.setattr(attention, "PCAQ_KEY_INT_SCORING", True)
     assert key_scoring(a, torch.float32) is bool(kernel_rules()["score_int16_pcaq"])
     assert a.score_int16 is bool(kernel_rules()["score_int16_pcaq"]) and a.score_int8 is False
