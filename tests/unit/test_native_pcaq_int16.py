@@ -74,9 +74,12 @@ def _scores(q, ks, dims):
     qmu = qs @ ks.mu.double().transpose(-1, -2)
     exact = torch.einsum("bhgj,bhnj->bhgn", qr, per_row) + qmu
     used = torch.arange(lev.shape[-1]) < (1 << ks.widths.long())[..., None]
-    beta = (torch.where(used, lev.abs(), torch.zeros_like(lev)).amax((-1, -2)).float() / steps).double()  # [h]
-    step = (qr.abs().amax(-1, keepdim=True).float() / steps).double()
-    q_int = torch.round(qr.float() / step.float()).double()
+    lsteps, split = kernel_rules()["pcaq_level_steps"], kernel_rules()["pcaq_lo_split"]
+    beta = (torch.where(used, lev.abs(), torch.zeros_like(lev)).amax((-1, -2)).float() / lsteps).double()  # [h]
+    step = qr.abs().amax(-1, keepdim=True).float() / steps
+    hi = torch.round(qr.float() / step)
+    lo = torch.round((qr.float() - hi * step) / (step / split))  # the remainder, split times finer
+    q_int, step = hi.double() + lo.double() / split, step.double()
     l_int = torch.round(ks.levels.float() / beta.float()[:, None, None]).double()
     rows_int = l_int[heads, coords, idx]
     emulated = step * beta[:, None, None] * torch.einsum("bhgj,bhnj->bhgn", q_int, rows_int) + qmu

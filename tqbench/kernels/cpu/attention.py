@@ -85,10 +85,7 @@ KEY_INT_SCORING = "score_int16"
 
 #: the widest pcaq code the kernel's 16-bit pcaq scoring cuts (8 codes of a qword stay inside its 64 bits)
 PCAQ_INT16_MAX_WIDTH = 7
-#: whether the engine scores pcaq keys in 16 bits: no. Teacher-forced KL on the default model (k=pcaq4,v=turbo4,
-#: 512 + 64 tokens) moved -2.0% / -2.8% against float scoring, outside the 1% the turbo keys meet: the transformed
-#: query's one int16 step (set by its largest, highest-variance coordinate) and the levels' one step per head
-#: leave score errors ~1e-3 (docs/measured.md). ``Side.score_int16`` on a pcaq side stays a kernel option.
+#: whether the engine scores pcaq keys in 16 bits (``Side.score_int16`` on a pcaq side; docs/measured.md)
 PCAQ_KEY_INT_SCORING = False
 
 
@@ -131,18 +128,20 @@ def pcaq_int_score_bound(qr: torch.Tensor, levels: torch.Tensor, widths: torch.T
     ``[..., M, 1]`` (the same for every row of the head).
 
     ``qr`` ``[..., H, M, D]``: the scaled, transformed queries (``scale * transform_h q``); ``levels``
-    ``[H, D, 2**bits]``; ``widths`` ``[H, D]``. The kernel rounds each query in steps of ``a = max|qr| / Q16`` and
-    each head's levels in steps of ``b = max|used level| / Q16`` (half a step at most each), then sums exactly:
-    ``|s_int - s| <= a / 2 * sum_j (max_c |level_jc| + b / 2) + b / 2 * |qr|_1`` (the max over the codes ``c`` of
-    coordinate ``j``'s width)."""
-    steps = INT_SCORE_STEPS["score_int16"]
+    ``[H, D, 2**bits]``; ``widths`` ``[H, D]``. The kernel rounds each head's levels in steps of
+    ``b = max|used level| / L`` (``L``: the rules' ``pcaq_level_steps``) and each query in two int16 parts, steps of
+    ``a = max|qr| / Q16`` and the remainder in steps ``S`` times finer (``pcaq_lo_split``), then sums exactly:
+    ``|s_int - s| <= a / (2 S) * sum_j (max_c |level_jc| + b / 2) + b / 2 * |qr|_1`` (the max over the codes ``c``
+    of coordinate ``j``'s width)."""
+    rules = kernel_rules()
+    split, lsteps = rules["pcaq_lo_split"], rules["pcaq_level_steps"]
     qr, lev = qr.double(), levels.double()
     used = torch.arange(lev.shape[-1]) < (1 << widths.long())[..., None]  # [H, D, 2**bits]
     lmax = torch.where(used, lev.abs(), torch.zeros_like(lev)).amax(-1)  # [H, D]
-    b = lmax.amax(-1) / steps  # [H]
-    a = qr.abs().amax(-1, keepdim=True) / steps  # [..., H, M, 1]
+    b = lmax.amax(-1) / lsteps  # [H]
+    a = qr.abs().amax(-1, keepdim=True) / INT_SCORE_STEPS["score_int16"]  # [..., H, M, 1]
     per_head = (lmax + b[:, None] / 2).sum(-1)  # [H]
-    return a / 2 * per_head[:, None, None] + b[:, None, None] / 2 * qr.abs().sum(-1, keepdim=True)
+    return a / (2 * split) * per_head[:, None, None] + b[:, None, None] / 2 * qr.abs().sum(-1, keepdim=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:

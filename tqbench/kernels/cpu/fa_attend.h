@@ -49,8 +49,10 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
     any_s8 = any_s8 || k.s8;
     any_s16 = any_s16 || k.s16;
   }
+  bool any_pq16 = false;  // pcaq keys in 16 bits: their query's lo parts after every hi part (q16[NQ + ...])
+  for (const auto& k : c.K) any_pq16 = any_pq16 || (k.s16 && k.kind == PCAQ);
   if (any_s16) {
-    c.q16.assign(B * H * M * D, 0);
+    c.q16.assign((any_pq16 ? 2 : 1) * B * H * M * D, 0);
     c.q16step.assign(B * H * M, 0.f);
   }
   if (any_s8) {
@@ -97,6 +99,14 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
           const bool pq = k.kind == PCAQ;
           for (int64_t i = 0; i < D; ++i)
             o[i] = static_cast<int16_t>(std::nearbyint(static_cast<float>(r[pq ? k.pq_pos[i] : i]) / step));
+          if (pq) {  // lo: the remainder in steps PQ_LO_SPLIT times finer (|lo| <= PQ_LO_SPLIT / 2 + rounding)
+            int16_t* ol = o + B * H * M * D;
+            const float fine = step / static_cast<float>(PQ_LO_SPLIT);
+            for (int64_t i = 0; i < D; ++i) {
+              const float rem = static_cast<float>(r[k.pq_pos[i]]) - static_cast<float>(o[i]) * step;
+              ol[i] = static_cast<int16_t>(std::max(-Q16, std::min(Q16, static_cast<int32_t>(std::nearbyint(rem / fine)))));
+            }
+          }
           c.q16step[bh * M + m] = step * (pq ? k.pq_scale[lh] : k.cb16_scale);
         }
       }
@@ -127,8 +137,9 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
   const T* qmb = (c.qmu.empty() || !Ks.mu) ? nullptr : c.qmu.data() + bh * M;
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {
     const int64_t nt = std::min(TILE, n - i0);
-    if (Ks.s16 && Ks.kind == PCAQ && pcaq_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D,
-                                                 c.q16step.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
+    if (Ks.s16 && Ks.kind == PCAQ &&
+        pcaq_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16.data() + (c.NS * c.H + bh) * M * c.D,
+                    c.q16step.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
       continue;
     if (Ks.s16 && Ks.kind == TURBO && turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb,
                                M, w.sbuf.data() + i0, blk))
