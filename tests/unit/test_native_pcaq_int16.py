@@ -192,3 +192,19 @@ def test_the_engine_scores_pcaq_keys_in_16_bits_only_if_switched_on(monkeypatch)
     monkeypatch.setattr(attention, "PCAQ_KEY_INT_SCORING", True)
     assert key_scoring(a, torch.float32) is bool(kernel_rules()["score_int16_pcaq"])
     assert a.score_int16 is bool(kernel_rules()["score_int16_pcaq"]) and a.score_int8 is False
+
+
+@needs_int16
+def test_the_call_counts_the_plan_and_the_integer_query_in_its_workspace():
+    q, ks, v, dims = _case(128, 6, True, seed=4)
+    b, h, g, d = dims
+    ws = {}
+    for on in (False, True):
+        a, _ = kernel_side(ks, [], 0, d, torch.float32)
+        c, _ = kernel_side(None, [v], 0, d, torch.float32)
+        a.score_int16 = on
+        ws[on] = native_attention_batch(q, [a], [c], SCALE)[1].workspace_bytes
+    query = 2 * (b * h * g * d) * 2 + b * h * g * 4  # hi and lo int16 parts, one float step per query row
+    chunks = h * (d // 64)
+    plan = chunks * (4 * 64 + 256 + 8)  # per chunk: its four 64-byte vectors, at least one window and its lanes
+    assert ws[True] - ws[False] >= query + plan

@@ -326,6 +326,8 @@ int64_t workspace_bytes(const Call<T>& c, int64_t part_size, int64_t counts, int
   const int64_t used_bh = std::min(c.threads, c.NS * c.H);  // threads of the query pass and of the merge
   const int64_t tld = std::max(c.D, c.Dv);
   int64_t ws = static_cast<int64_t>(c.qs.size() + c.qr.size() + c.qmu.size() + part_size) * sizeof(T);
+  ws += static_cast<int64_t>(c.q16.size() * sizeof(int16_t) + c.q8.size() +  // integer-scored keys' queries
+                             (c.q16step.size() + c.q8step.size() + c.q8sum.size()) * 4);
   ws += (counts + first_size) * static_cast<int64_t>(sizeof(int64_t));
   ws += nitems * static_cast<int64_t>(sizeof(Item)) + c.NS * static_cast<int64_t>(sizeof(Seq));
   for (const auto& st : c.stores)
