@@ -9,9 +9,9 @@
 //           starts <= 7 + 7 * 7 = 56 bits in, so its field never wraps);
 //   mask, base : one VPTERNLOG makes (field & (2**w - 1)) | base, the code's index in its window of 128 entries;
 // and the windows: each a 128-entry table of the low bytes and one of the high bytes of the head's int16 levels
-// (levels rounded in steps of max|level| / PQ_LEVEL_STEPS per head; coordinates whose levels are equal share one table, as
-// a calibrated codec's coordinates of one group and width do; tables packed largest first, so each sits aligned
-// to its size). One VPERMI2B per window and byte half turns 64 indices into level bytes (a lane outside the
+// (levels rounded in steps of max|level| / PQ_LEVEL_STEPS per head; coordinates whose levels are equal share one
+// table, as a calibrated codec's coordinates of one group and width do; tables packed largest first, so each sits
+// aligned to its size). One VPERMI2B per window and byte half turns 64 indices into level bytes (a lane outside the
 // window keeps its index: the windows chain), two byte unpacks make 2 x 32 int16 levels, and per query four
 // VPDPWSSD multiply them with the query's two int16 parts (hi, and lo: the remainder PQ_LO_SPLIT times finer; a
 // transformed query's coordinates span orders of magnitude, one int16 step is too coarse for its small ones) in
