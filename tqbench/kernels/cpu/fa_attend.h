@@ -104,7 +104,8 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
             const float fine = step / static_cast<float>(PQ_LO_SPLIT);
             for (int64_t i = 0; i < D; ++i) {
               const float rem = static_cast<float>(r[k.pq_pos[i]]) - static_cast<float>(o[i]) * step;
-              ol[i] = static_cast<int16_t>(std::max(-Q16, std::min(Q16, static_cast<int32_t>(std::nearbyint(rem / fine)))));
+              const int32_t v = static_cast<int32_t>(std::nearbyint(rem / fine));
+              ol[i] = static_cast<int16_t>(std::max(-Q16, std::min(Q16, v)));
             }
           }
           c.q16step[bh * M + m] = step * (pq ? k.pq_scale[lh] : k.cb16_scale);
@@ -141,8 +142,9 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
         pcaq_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16.data() + (c.NS * c.H + bh) * M * c.D,
                     c.q16step.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
       continue;
-    if (Ks.s16 && Ks.kind == TURBO && turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb,
-                               M, w.sbuf.data() + i0, blk))
+    if (Ks.s16 && Ks.kind == TURBO &&
+        turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb, M,
+                     w.sbuf.data() + i0, blk))
       continue;
     if (Ks.s8 && turbo_tile8(Ks, b, h, t0 + i0, nt, c.q8.data() + bh * M * c.D, c.q8step.data() + bh * M,
                              c.q8sum.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
