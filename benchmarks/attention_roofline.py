@@ -9,8 +9,9 @@ Ways (``--ways``): ``fp16`` / ``bf16`` (the kernel over 16-bit rows as stored: `
 integers:
 ``Side.score_int8`` / ``score_int16``), ``pcaq4``
 (calibrated keys, 4 bits per coordinate on average, widths and levels as the codec builds them from a fit
-(``pcaq_tables``), turbo4 values; keys scored in float), ``pcaq4-int16`` (the same keys scored in 16 bits, as the
-engine scores them) and ``per-head`` (a per-head
+(``pcaq_tables``), turbo4 values; keys scored in float, as the engine scores them), ``pcaq4-int16`` (the same
+keys scored in 16 bits, ``Side.score_int16``: a kernel option, see ``attention.PCAQ_KEY_INT_SCORING``) and
+``per-head`` (a per-head
 layer: the even KV heads k=turbo4 v=turbo2, the odd ones k=pcaq3 v=turbo3, each group its own side, one call;
 its keys scored as the engine scores them, ``attention.key_scoring``). The engine's fused turbo4/turbo2
 layers are the ``-int16`` rows (``KEY_INT_SCORING``); ``turbo4`` / ``turbo3`` / ``turbo2`` are the same keys scored
@@ -186,8 +187,8 @@ class Builder:
             return [k], [v], bk + bv, sk + sv
         if name.startswith("pcaq4"):
             (k, bk, sk), (v, bv, sv) = self.pcaq(4, all_heads), self.turbo(4, "v", all_heads)
-            if name == "pcaq4-int16":  # keys scored as the engine scores them (attention.key_scoring)
-                key_scoring(k, torch.float32)
+            if name == "pcaq4-int16":  # keys scored in 16 bits (a kernel option: PCAQ_KEY_INT_SCORING)
+                k.score_int16 = True
             return [k], [v], bk + bv, sk + sv
         groups = [(all_heads[0::2], lambda hs: self.turbo(4, "k", hs), lambda hs: self.turbo(2, "v", hs)),
                   (all_heads[1::2], lambda hs: self.pcaq(3, hs), lambda hs: self.turbo(3, "v", hs))]

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
         raise SystemExit("error: this CPU's kernel build has no AVX-512 VNNI, so it cannot score keys in 8 bits")
     state = {"on": False, "int": 0, "float": 0}
     engine_scoring = native_glue.native.key_scoring
+    native_glue.native.PCAQ_KEY_INT_SCORING = True  # measured here although the engine leaves pcaq keys in float
 
     def scoring(side, dt):  # the engine's key_scoring, with the option forced on or off for this run
         ok = state["on"] and engine_scoring(side, dt) and (a.option == "score_int16" or side.kind == "turbo")

@@ -74,9 +74,12 @@ def _scores(q, ks, dims):
     qmu = qs @ ks.mu.double().transpose(-1, -2)
     exact = torch.einsum("bhgj,bhnj->bhgn", qr, per_row) + qmu
     used = torch.arange(lev.shape[-1]) < (1 << ks.widths.long())[..., None]
-    beta = (torch.where(used, lev.abs(), torch.zeros_like(lev)).amax((-1, -2)).float() / steps).double()  # [h]
-    step = (qr.abs().amax(-1, keepdim=True).float() / steps).double()
-    q_int = torch.round(qr.float() / step.float()).double()
+    lsteps, split = kernel_rules()["pcaq_level_steps"], kernel_rules()["pcaq_lo_split"]
+    beta = (torch.where(used, lev.abs(), torch.zeros_like(lev)).amax((-1, -2)).float() / lsteps).double()  # [h]
+    step = qr.abs().amax(-1, keepdim=True).float() / steps
+    hi = torch.round(qr.float() / step)
+    lo = torch.round((qr.float() - hi * step) / (step / split))  # the remainder, split times finer
+    q_int, step = hi.double() + lo.double() / split, step.double()
     l_int = torch.round(ks.levels.float() / beta.float()[:, None, None]).double()
     rows_int = l_int[heads, coords, idx]
     emulated = step * beta[:, None, None] * torch.einsum("bhgj,bhnj->bhgn", q_int, rows_int) + qmu
@@ -151,12 +154,14 @@ def test_dense_rows_beside_int16_pcaq_rows_are_scored_in_float():
     (64, 8, torch.float32, "widths <= 7"),
     (64, 4, torch.float64, "float32 queries"),
 ])
-def test_pcaq_int16_is_refused_where_it_cannot_run_with_the_reason(d, maxw, dt, what):
+def test_pcaq_int16_is_refused_where_it_cannot_run_with_the_reason(d, maxw, dt, what, monkeypatch):
+    from tqbench.kernels.cpu import attention
+
     gen = torch.Generator().manual_seed(0)
     ks, _ = random_pcaq_side(1, 2, 8, d, maxw, dt, gen)
     a, _ = kernel_side(ks, [], 0, d, dt)
     c, _ = kernel_side(None, [torch.randn(1, 2, 8, d, dtype=dt)], 0, d, dt)
-    a.score_int16 = True
+    monkeypatch.setattr(attention, "PCAQ_KEY_INT_SCORING", True)
     assert key_scoring(a, dt) is False and a.score_int16 is False  # the engine never asks for it here
     a.score_int16 = True
     msg = what if kernel_rules()["score_int16_pcaq"] else "VBMI"
@@ -174,9 +179,32 @@ def test_pcaq_keys_are_never_scored_in_8_bits():
         native_attention_batch(torch.randn(1, 4, 1, 64), [a], [c], 0.1)
 
 
-def test_the_engine_scores_pcaq_keys_in_16_bits_where_the_kernel_can():
+def test_the_engine_scores_pcaq_keys_in_16_bits_only_if_switched_on(monkeypatch):
+    """Off by default (``PCAQ_KEY_INT_SCORING``: its measured KL change is outside 1%); on, exactly where the kernel
+    can."""
+    from tqbench.kernels.cpu import attention
+
     gen = torch.Generator().manual_seed(0)
     ks, _ = random_pcaq_side(1, 2, 8, 128, 6, torch.float32, gen)
     a, _ = kernel_side(ks, [], 0, 128, torch.float32)
+    assert attention.PCAQ_KEY_INT_SCORING is False
+    assert key_scoring(a, torch.float32) is False and a.score_int16 is False
+    monkeypatch.setattr(attention, "PCAQ_KEY_INT_SCORING", True)
     assert key_scoring(a, torch.float32) is bool(kernel_rules()["score_int16_pcaq"])
     assert a.score_int16 is bool(kernel_rules()["score_int16_pcaq"]) and a.score_int8 is False
+
+
+@needs_int16
+def test_the_call_counts_the_plan_and_the_integer_query_in_its_workspace():
+    q, ks, v, dims = _case(128, 6, True, seed=4)
+    b, h, g, d = dims
+    ws = {}
+    for on in (False, True):
+        a, _ = kernel_side(ks, [], 0, d, torch.float32)
+        c, _ = kernel_side(None, [v], 0, d, torch.float32)
+        a.score_int16 = on
+        ws[on] = native_attention_batch(q, [a], [c], SCALE)[1].workspace_bytes
+    query = 2 * (b * h * g * d) * 2 + b * h * g * 4  # hi and lo int16 parts, one float step per query row
+    chunks = h * (d // 64)
+    plan = chunks * (4 * 64 + 256 + 8)  # per chunk: its four 64-byte vectors, at least one window and its lanes
+    assert ws[True] - ws[False] >= query + plan

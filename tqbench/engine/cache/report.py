@@ -174,11 +174,12 @@ def native_int_scoring() -> bool:
 
 def native_int_scoring_note() -> str:
     """The report's note on the keys the loaded native kernel scores in 16-bit integers (from its rules)."""
-    from tqbench.kernels.cpu.attention import PCAQ_INT16_MAX_WIDTH, kernel_rules
+    from tqbench.kernels.cpu import attention
 
-    rules = kernel_rules()
+    rules = attention.kernel_rules()
     bits = "/".join(str(b) for b in rules["score_int8_bits"])
-    pcaq = (f" and calibrated pcaq keys (widths <= {PCAQ_INT16_MAX_WIDTH})" if rules.get("score_int16_pcaq") else "")
+    pcaq = (f" and calibrated pcaq keys (widths <= {attention.PCAQ_INT16_MAX_WIDTH})"
+            if rules.get("score_int16_pcaq") and attention.PCAQ_KEY_INT_SCORING else "")
     return (f"native-cpu scores packed {bits}-bit turbo keys{pcaq} (float32, head_dim % 64 == 0) in 16-bit "
             "integers: each score within a stated bound of the float score (tqbench.kernels.cpu.attention."
             "int_score_bound, pcaq_int_score_bound)")

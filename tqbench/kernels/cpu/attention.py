@@ -24,7 +24,8 @@ from tqbench.kernels.cpu import native_module
 from tqbench.kernels.layouts import layout_of
 from tqbench.kernels.reference import PackedSide
 
-__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "KEY_INT_SCORING", "PCAQ_INT16_MAX_WIDTH", "int_score_bound",
+__all__ = ["NativeCall", "dense_chunks", "dense_side", "INT_SCORE_STEPS", "KEY_INT_SCORING", "PCAQ_INT16_MAX_WIDTH", "PCAQ_KEY_INT_SCORING",
+           "int_score_bound",
            "pcaq_int_score_bound", "key_scoring", "kernel_rules", "kernel_side", "native_attention", "native_attention_batch",
            "refresh_side", "simd_order"]
 
@@ -78,19 +79,22 @@ KEY_INT_SCORING = "score_int16"
 
 #: the widest pcaq code the kernel's 16-bit pcaq scoring cuts (8 codes of a qword stay inside its 64 bits)
 PCAQ_INT16_MAX_WIDTH = 7
+#: whether the engine scores pcaq keys in 16 bits (``Side.score_int16`` on a pcaq side; docs/measured.md)
+PCAQ_KEY_INT_SCORING = False
 
 
 def key_scoring(side, dt: torch.dtype) -> bool:
     """Set a K side's integer scoring (``KEY_INT_SCORING``) where this build can score it so; whether it did.
     The layouts table says which layouts the kernel can score in integers (``Layout.int_scoring``); the build
     says at which widths: turbo keys 4/3/2-bit codes (``score_int8_bits``); pcaq keys widths up to
-    ``PCAQ_INT16_MAX_WIDTH`` on a build with VBMI + VNNI (``score_int16_pcaq``); both float32 with head_dim % 64 == 0."""
+    ``PCAQ_INT16_MAX_WIDTH`` on a build with VBMI + VNNI (``score_int16_pcaq``), where the engine chooses it
+    (``PCAQ_KEY_INT_SCORING``: off, its KL moved by more than 1%); both float32 with head_dim % 64 == 0."""
     rules = kernel_rules()
     ok = dt == torch.float32 and side.head_dim % 64 == 0 and layout_of(side.kind).int_scoring
     if ok and side.kind == "turbo":
         ok = side.bits in rules["score_int8_bits"]
     elif ok and side.kind == "pcaq":
-        ok = KEY_INT_SCORING == "score_int16" and rules.get("score_int16_pcaq", False) and \
+        ok = PCAQ_KEY_INT_SCORING and rules.get("score_int16_pcaq", False) and \
             side.widths is not None and int(side.widths.max()) <= PCAQ_INT16_MAX_WIDTH
     setattr(side, KEY_INT_SCORING, ok)
     return ok
@@ -118,18 +122,20 @@ def pcaq_int_score_bound(qr: torch.Tensor, levels: torch.Tensor, widths: torch.T
     ``[..., M, 1]`` (the same for every row of the head).
 
     ``qr`` ``[..., H, M, D]``: the scaled, transformed queries (``scale * transform_h q``); ``levels``
-    ``[H, D, 2**bits]``; ``widths`` ``[H, D]``. The kernel rounds each query in steps of ``a = max|qr| / Q16`` and
-    each head's levels in steps of ``b = max|used level| / Q16`` (half a step at most each), then sums exactly:
-    ``|s_int - s| <= a / 2 * sum_j (max_c |level_jc| + b / 2) + b / 2 * |qr|_1`` (the max over the codes ``c`` of
-    coordinate ``j``'s width)."""
-    steps = INT_SCORE_STEPS["score_int16"]
+    ``[H, D, 2**bits]``; ``widths`` ``[H, D]``. The kernel rounds each head's levels in steps of
+    ``b = max|used level| / L`` (``L``: the rules' ``pcaq_level_steps``) and each query in two int16 parts, steps of
+    ``a = max|qr| / Q16`` and the remainder in steps ``S`` times finer (``pcaq_lo_split``), then sums exactly:
+    ``|s_int - s| <= a / (2 S) * sum_j (max_c |level_jc| + b / 2) + b / 2 * |qr|_1`` (the max over the codes ``c``
+    of coordinate ``j``'s width)."""
+    rules = kernel_rules()
+    split, lsteps = rules["pcaq_lo_split"], rules["pcaq_level_steps"]
     qr, lev = qr.double(), levels.double()
     used = torch.arange(lev.shape[-1]) < (1 << widths.long())[..., None]  # [H, D, 2**bits]
     lmax = torch.where(used, lev.abs(), torch.zeros_like(lev)).amax(-1)  # [H, D]
-    b = lmax.amax(-1) / steps  # [H]
-    a = qr.abs().amax(-1, keepdim=True) / steps  # [..., H, M, 1]
+    b = lmax.amax(-1) / lsteps  # [H]
+    a = qr.abs().amax(-1, keepdim=True) / INT_SCORE_STEPS["score_int16"]  # [..., H, M, 1]
     per_head = (lmax + b[:, None] / 2).sum(-1)  # [H]
-    return a / 2 * per_head[:, None, None] + b[:, None, None] / 2 * qr.abs().sum(-1, keepdim=True)
+    return a / (2 * split) * per_head[:, None, None] + b[:, None, None] / 2 * qr.abs().sum(-1, keepdim=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -49,8 +49,10 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
     any_s8 = any_s8 || k.s8;
     any_s16 = any_s16 || k.s16;
   }
+  bool any_pq16 = false;  // pcaq keys in 16 bits: their query's lo parts after every hi part (q16[NQ + ...])
+  for (const auto& k : c.K) any_pq16 = any_pq16 || (k.s16 && k.kind == PCAQ);
   if (any_s16) {
-    c.q16.assign(B * H * M * D, 0);
+    c.q16.assign((any_pq16 ? 2 : 1) * B * H * M * D, 0);
     c.q16step.assign(B * H * M, 0.f);
   }
   if (any_s8) {
@@ -97,6 +99,15 @@ void prepare_queries(Call<T>& c, const torch::Tensor& query, double qscale) {
           const bool pq = k.kind == PCAQ;
           for (int64_t i = 0; i < D; ++i)
             o[i] = static_cast<int16_t>(std::nearbyint(static_cast<float>(r[pq ? k.pq_pos[i] : i]) / step));
+          if (pq) {  // lo: the remainder in steps PQ_LO_SPLIT times finer (|lo| <= PQ_LO_SPLIT / 2 + rounding)
+            int16_t* ol = o + B * H * M * D;
+            const float fine = step / static_cast<float>(PQ_LO_SPLIT);
+            for (int64_t i = 0; i < D; ++i) {
+              const float rem = static_cast<float>(r[k.pq_pos[i]]) - static_cast<float>(o[i]) * step;
+              const int32_t v = static_cast<int32_t>(std::nearbyint(rem / fine));
+              ol[i] = static_cast<int16_t>(std::max(-Q16, std::min(Q16, v)));
+            }
+          }
           c.q16step[bh * M + m] = step * (pq ? k.pq_scale[lh] : k.cb16_scale);
         }
       }
@@ -127,11 +138,13 @@ void item_scores(const Call<T>& c, const Item& I, Scratch<T>& w, int64_t n) {
   const T* qmb = (c.qmu.empty() || !Ks.mu) ? nullptr : c.qmu.data() + bh * M;
   for (int64_t i0 = 0; i0 < n; i0 += TILE) {
     const int64_t nt = std::min(TILE, n - i0);
-    if (Ks.s16 && Ks.kind == PCAQ && pcaq_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D,
-                                                 c.q16step.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
+    if (Ks.s16 && Ks.kind == PCAQ &&
+        pcaq_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16.data() + (c.NS * c.H + bh) * M * c.D,
+                    c.q16step.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
       continue;
-    if (Ks.s16 && Ks.kind == TURBO && turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb,
-                               M, w.sbuf.data() + i0, blk))
+    if (Ks.s16 && Ks.kind == TURBO &&
+        turbo_tile16(Ks, b, h, t0 + i0, nt, c.q16.data() + bh * M * c.D, c.q16step.data() + bh * M, qmb, M,
+                     w.sbuf.data() + i0, blk))
       continue;
     if (Ks.s8 && turbo_tile8(Ks, b, h, t0 + i0, nt, c.q8.data() + bh * M * c.D, c.q8step.data() + bh * M,
                              c.q8sum.data() + bh * M, qmb, M, w.sbuf.data() + i0, blk))
@@ -315,6 +328,8 @@ int64_t workspace_bytes(const Call<T>& c, int64_t part_size, int64_t counts, int
   const int64_t used_bh = std::min(c.threads, c.NS * c.H);  // threads of the query pass and of the merge
   const int64_t tld = std::max(c.D, c.Dv);
   int64_t ws = static_cast<int64_t>(c.qs.size() + c.qr.size() + c.qmu.size() + part_size) * sizeof(T);
+  ws += static_cast<int64_t>(c.q16.size() * sizeof(int16_t) + c.q8.size() +  // integer-scored keys' queries
+                             (c.q16step.size() + c.q8step.size() + c.q8sum.size()) * 4);
   ws += (counts + first_size) * static_cast<int64_t>(sizeof(int64_t));
   ws += nitems * static_cast<int64_t>(sizeof(Item)) + c.NS * static_cast<int64_t>(sizeof(Seq));
   for (const auto& st : c.stores)

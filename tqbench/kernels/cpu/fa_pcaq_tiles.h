@@ -9,13 +9,15 @@
 //           starts <= 7 + 7 * 7 = 56 bits in, so its field never wraps);
 //   mask, base : one VPTERNLOG makes (field & (2**w - 1)) | base, the code's index in its window of 128 entries;
 // and the windows: each a 128-entry table of the low bytes and one of the high bytes of the head's int16 levels
-// (levels rounded in steps of max|level| / Q16 per head; coordinates whose levels are equal share one table, as
-// a calibrated codec's coordinates of one group and width do; tables packed largest first, so each sits aligned
-// to its size). One VPERMI2B per window and byte half turns 64 indices into level bytes (a lane outside the
-// window keeps its index: the windows chain), two byte unpacks make 2 x 32 int16 levels, and per query two
-// VPDPWSSD multiply them with the int16 query in the unpack's order (`pq_pos`) and sum pairs exactly in int32.
-// score_j = step_m * sum + q.mu_m, step_m = query step * the head's level step: within `pcaq_int_score_bound`
-// (attention.py) of the float score.
+// (levels rounded in steps of max|level| / PQ_LEVEL_STEPS per head; coordinates whose levels are equal share one
+// table, as a calibrated codec's coordinates of one group and width do; tables packed largest first, so each sits
+// aligned to its size). One VPERMI2B per window and byte half turns 64 indices into level bytes (a lane outside the
+// window keeps its index: the windows chain), two byte unpacks make 2 x 32 int16 levels, and per query four
+// VPDPWSSD multiply them with the query's two int16 parts (hi, and lo: the remainder PQ_LO_SPLIT times finer; a
+// transformed query's coordinates span orders of magnitude, one int16 step is too coarse for its small ones) in
+// the unpack's order (`pq_pos`) and sum pairs exactly in int32.
+// score_j = step_m * (sum_hi + sum_lo / PQ_LO_SPLIT) + q.mu_m, step_m = query step * the head's level step:
+// within `pcaq_int_score_bound` (attention.py) of the float score.
 
 #pragma once
 
@@ -56,7 +58,7 @@ void build_pcaq_plan(Side<T>& s, const uint8_t* widths, int64_t H) {
     for (int64_t j = 0; j < D; ++j)
       for (int64_t c = 0; c < (int64_t(1) << widths[h * D + j]); ++c)
         amax = std::max(amax, std::abs(static_cast<float>(s.plev[(h * D + j) * nlev + c])));
-    const float step = amax > 0 ? amax / static_cast<float>(Q16) : 1.0f;
+    const float step = amax > 0 ? amax / static_cast<float>(PQ_LEVEL_STEPS) : 1.0f;
     s.pq_scale[h] = step;
     std::vector<int64_t> off(D + 1, 0);  // each coordinate's first bit in the row's stream
     for (int64_t j = 0; j < D; ++j) off[j + 1] = off[j] + widths[h * D + j];
@@ -152,53 +154,58 @@ TQ_INLINE void pcaq_levels(const PqChunk& k, const uint8_t* t0, const uint64_t* 
   w1 = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// acc[4 m + r] += <levels of row r's chunk k, query m's int16 chunk> for 4 rows (a missing row repeats row 0)
+// hi[2 m + r] / lo[2 m + r] += <levels of row r's chunk k, query m's hi / lo int16 chunk> for 2 rows (a missing
+// row repeats row 0)
 template <int MB, int NW>
-TQ_INLINE void pcaq_chunk4(const PqChunk& k, const uint8_t* tab, const uint64_t* wm, const uint8_t* const* r4,
-                           const int16_t* q, int64_t D, __m512i* acc) {
+TQ_INLINE void pcaq_chunk2(const PqChunk& k, const uint8_t* tab, const uint64_t* wm, const uint8_t* const* r2,
+                           const int16_t* qh, const int16_t* ql, int64_t D, __m512i* hi, __m512i* lo) {
   const __m512i perm = _mm512_load_si512(k.perm), shift = _mm512_load_si512(k.shift);
   const __m512i mask = _mm512_load_si512(k.mask), base = _mm512_load_si512(k.base);
   const uint8_t* t0 = tab + 256 * static_cast<int64_t>(k.win0);
   const uint64_t* m0 = wm + k.win0;
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < 2; ++r) {
     __m512i w0, w1;
-    pcaq_levels<NW>(k, t0, m0, r4[r], perm, shift, mask, base, w0, w1);
+    pcaq_levels<NW>(k, t0, m0, r2[r], perm, shift, mask, base, w0, w1);
     for (int m = 0; m < MB; ++m) {
-      acc[4 * m + r] = _mm512_dpwssd_epi32(acc[4 * m + r], w0, _mm512_loadu_si512(q + m * D));
-      acc[4 * m + r] = _mm512_dpwssd_epi32(acc[4 * m + r], w1, _mm512_loadu_si512(q + m * D + 32));
+      hi[2 * m + r] = _mm512_dpwssd_epi32(hi[2 * m + r], w0, _mm512_loadu_si512(qh + m * D));
+      hi[2 * m + r] = _mm512_dpwssd_epi32(hi[2 * m + r], w1, _mm512_loadu_si512(qh + m * D + 32));
+      lo[2 * m + r] = _mm512_dpwssd_epi32(lo[2 * m + r], w0, _mm512_loadu_si512(ql + m * D));
+      lo[2 * m + r] = _mm512_dpwssd_epi32(lo[2 * m + r], w1, _mm512_loadu_si512(ql + m * D + 32));
     }
   }
 }
 
 template <int MB>
 TQ_INLINE void pcaq_scores16_mb(const Side<float>& s, const PqChunk* ch, const uint8_t* const* rp, int64_t nt,
-                                const int16_t* q16, const float* step, const float* qmu, float* out, int64_t ld) {
+                                const int16_t* qh, const int16_t* ql, const float* step, const float* qmu,
+                                float* out, int64_t ld) {
   const int64_t D = s.D, NC = D / 64;
   const uint8_t* tab = s.pq_tab.data();
   const uint64_t* wm = s.pq_wmask.data();
-  for (int64_t j0 = 0; j0 < nt; j0 += 4) {
-    __m512i acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
-    const int64_t nj = std::min<int64_t>(4, nt - j0);
-    const uint8_t* r4[4];
-    for (int r = 0; r < 4; ++r) r4[r] = rp[j0 + (r < nj ? r : 0)];
+  const __m512 split = _mm512_set1_ps(1.0f / static_cast<float>(PQ_LO_SPLIT));
+  for (int64_t j0 = 0; j0 < nt; j0 += 2) {
+    __m512i hi[8], lo[8];
+    for (int i = 0; i < 8; ++i) hi[i] = lo[i] = _mm512_setzero_si512();
+    const int64_t nj = std::min<int64_t>(2, nt - j0);
+    const uint8_t* r2[2] = {rp[j0], rp[j0 + (nj > 1 ? 1 : 0)]};
     for (int64_t c = 0; c < NC; ++c) {
       const PqChunk& k = ch[c];
-      const int16_t* q = q16 + 64 * c;
+      const int16_t *h = qh + 64 * c, *l = ql + 64 * c;
       switch (k.nwin) {
-        case 1: pcaq_chunk4<MB, 1>(k, tab, wm, r4, q, D, acc); break;
-        case 2: pcaq_chunk4<MB, 2>(k, tab, wm, r4, q, D, acc); break;
-        case 3: pcaq_chunk4<MB, 3>(k, tab, wm, r4, q, D, acc); break;
-        case 4: pcaq_chunk4<MB, 4>(k, tab, wm, r4, q, D, acc); break;
-        default: pcaq_chunk4<MB, 0>(k, tab, wm, r4, q, D, acc); break;
+        case 1: pcaq_chunk2<MB, 1>(k, tab, wm, r2, h, l, D, hi, lo); break;
+        case 2: pcaq_chunk2<MB, 2>(k, tab, wm, r2, h, l, D, hi, lo); break;
+        case 3: pcaq_chunk2<MB, 3>(k, tab, wm, r2, h, l, D, hi, lo); break;
+        case 4: pcaq_chunk2<MB, 4>(k, tab, wm, r2, h, l, D, hi, lo); break;
+        default: pcaq_chunk2<MB, 0>(k, tab, wm, r2, h, l, D, hi, lo); break;
       }
     }
-    __m512 f[16];
-    for (int i = 0; i < 16; ++i) f[i] = _mm512_cvtepi32_ps(acc[i]);
+    __m512 f[16];  // f[2m + r] = hi + lo / PQ_LO_SPLIT (each part exact in int32, then in float)
+    for (int i = 0; i < 8; ++i) f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[i]), split, _mm512_cvtepi32_ps(hi[i]));
+    for (int i = 8; i < 16; ++i) f[i] = _mm512_setzero_ps();
     alignas(64) float r[16];
     _mm512_store_ps(r, reduce16(f));
     for (int m = 0; m < MB; ++m)
-      for (int64_t jj = 0; jj < nj; ++jj) out[m * ld + j0 + jj] = step[m] * r[4 * m + jj] + (qmu ? qmu[m] : 0.f);
+      for (int64_t jj = 0; jj < nj; ++jj) out[m * ld + j0 + jj] = step[m] * r[2 * m + jj] + (qmu ? qmu[m] : 0.f);
   }
 }
 #endif
@@ -206,15 +213,16 @@ TQ_INLINE void pcaq_scores16_mb(const Side<float>& s, const PqChunk* ch, const u
 // A tile of packed pcaq rows scored in 16 bits; false when the tile does not qualify (rows outside the packed run:
 // the float path scores them).
 template <typename T>
-inline bool pcaq_tile16(const Side<T>&, int64_t, int64_t, int64_t, int64_t, const int16_t*, const float*, const T*,
-                        int64_t, T*, int64_t) {
+inline bool pcaq_tile16(const Side<T>&, int64_t, int64_t, int64_t, int64_t, const int16_t*, const int16_t*,
+                        const float*, const T*, int64_t, T*, int64_t) {
   return false;
 }
 
 #if TQ_VBMI && TQ_VNNI
 template <>
 inline bool pcaq_tile16<float>(const Side<float>& s, int64_t b, int64_t h, int64_t t, int64_t nt, const int16_t* q16,
-                               const float* step, const float* qmu, int64_t M, float* out, int64_t ld) {
+                               const int16_t* q16lo, const float* step, const float* qmu, int64_t M, float* out,
+                               int64_t ld) {
   if (s.kind != PCAQ || !s.s16 || t < s.nb || t + nt > s.nb + s.np) return false;
   const int64_t n = t - s.nb;
   const uint8_t* base = s.codes + b * s.c_b + h * s.c_h + n * s.c_r;
@@ -236,15 +244,15 @@ inline bool pcaq_tile16<float>(const Side<float>& s, int64_t b, int64_t h, int64
   }
   const PqChunk* ch = s.pq.data() + h * (s.D / 64);
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int16_t* q = q16 + m0 * s.D;
+    const int16_t *q = q16 + m0 * s.D, *ql = q16lo + m0 * s.D;
     const float* st = step + m0;
     const float* mu = qmu ? qmu + m0 : nullptr;
     float* o = out + m0 * ld;
     switch (std::min<int64_t>(4, M - m0)) {
-      case 4: pcaq_scores16_mb<4>(s, ch, rp, nt, q, st, mu, o, ld); break;
-      case 3: pcaq_scores16_mb<3>(s, ch, rp, nt, q, st, mu, o, ld); break;
-      case 2: pcaq_scores16_mb<2>(s, ch, rp, nt, q, st, mu, o, ld); break;
-      default: pcaq_scores16_mb<1>(s, ch, rp, nt, q, st, mu, o, ld); break;
+      case 4: pcaq_scores16_mb<4>(s, ch, rp, nt, q, ql, st, mu, o, ld); break;
+      case 3: pcaq_scores16_mb<3>(s, ch, rp, nt, q, ql, st, mu, o, ld); break;
+      case 2: pcaq_scores16_mb<2>(s, ch, rp, nt, q, ql, st, mu, o, ld); break;
+      default: pcaq_scores16_mb<1>(s, ch, rp, nt, q, ql, st, mu, o, ld); break;
     }
   }
   return true;

@@ -126,6 +126,11 @@ struct SideDesc {
 // 16-bit scoring's steps: query and codebook each rounded to integers within +-Q16 (sums of D <= 512 products
 // stay below 2**31 in each int32 lane)
 constexpr int32_t Q16 = 4095;
+// 16-bit pcaq scoring: the levels in +-PQ_LEVEL_STEPS steps per head, the query as hi + lo / PQ_LO_SPLIT (two int16
+// parts: hi in +-Q16 steps, lo the remainder in steps PQ_LO_SPLIT times finer): D / 16 products of at most
+// Q16 * PQ_LEVEL_STEPS per int32 lane stay below 2**31 for D <= 512
+constexpr int32_t PQ_LEVEL_STEPS = 16383;
+constexpr int32_t PQ_LO_SPLIT = 4096;
 
 // Whether a side's keys can be scored in 8 bits by this build: float32, turbo 4- or 2-bit codes (3-bit too where
 // the build has VBMI), head_dim a multiple of 64, AVX-512 VNNI (both score_int8 and score_int16). The error this

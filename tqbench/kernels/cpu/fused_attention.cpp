@@ -203,6 +203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["score_int8_bits"] = TQ_VNNI ? (TQ_VBMI ? std::vector<int64_t>{4, 3, 2} : std::vector<int64_t>{4, 2})
                                    : std::vector<int64_t>{};
     d["score_int16_pcaq"] = static_cast<bool>(TQ_VBMI && TQ_VNNI);  // pcaq keys: float32, head_dim % 64, widths <= 7
+    d["pcaq_level_steps"] = PQ_LEVEL_STEPS;  // pcaq 16-bit scoring: level steps each side of zero per head
+    d["pcaq_lo_split"] = PQ_LO_SPLIT;        // and how much finer the query's lo part is than its hi part
     d["max_head_dim"] = MAX_HEAD_DIM;
     d["max_dense_chunks"] = MAX_DENSE_CHUNKS;
     return d;
