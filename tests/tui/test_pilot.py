@@ -364,7 +364,7 @@ async def test_highlighting_a_per_head_policy_loads_it_into_the_builder(data_dir
         ol.highlighted = next(i for i in range(ol.option_count) if ol.get_option_at_index(i).id == "p:smollm2-head-2.5bit")
         await pilot.pause()
         pol = parse_policy("smollm2-head-2.5bit")
-        assert "|" in pol.k and pane.current == pol.to_string()
+        assert "|" in pol.k + pol.v and pane.current == pol.to_string()
         est = estimate_kv(pol, words_engine.geometry, 1024)
         assert pane.estimate.total_bytes == est.total_bytes
         assert f"{est.bits_per_element:.2f} bits/element" in plain(pane.query_one("#estimate"))

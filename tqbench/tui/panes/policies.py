@@ -58,6 +58,9 @@ class PoliciesPane(Horizontal):
         self.kept: dict[str, str] = {}
         self.current: str = ""
         self.estimate = None
+        #: the policy last loaded into the builder: the keys the builder has no field for (srecent, budget, kblock
+        #: ...) are carried from it into the built policy, so loading a policy and running it loses nothing
+        self.loaded = None
 
     def compose(self) -> ComposeResult:
         from tqbench.engine.codecs import CODEC_SPECS
@@ -170,14 +173,13 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.policy import ENGINE_PRESETS, PRESET_TEXT, parse_policy, shipped_policy_names
 
         geo, ctx = self.geometry(), self.context()
-        engine = getattr(self.app, "engine", None)
-        fingerprint = engine.loaded.fingerprint if engine is not None and not self.query_one(
-            "#geometry-model", Input).value.strip() else None
+        fingerprint = self._fingerprint()
         ol = self.query_one("#policy-list", OptionList)
         ol.clear_options()
         entries = [(name, PRESET_TEXT[name][0]) for name in PRESET_TEXT] + \
             [(name, name) for name in shipped_policy_names()] + [(name, name) for name in ENGINE_PRESETS] + \
             list(self.kept.items())
+        marked = False
         for name, text in entries:
             tag = " [i](kept)[/i]" if name in self.kept else ""
             try:
@@ -185,12 +187,14 @@ class PoliciesPane(Horizontal):
                 est = estimate_kv(pol, geo, ctx)
                 bits = f"{est.bits_per_element:5.2f} b"
                 if pol.fitted_on is not None and pol.fitted_on.warning(fingerprint, geo):
-                    tag += f" [dim]fitted on {pol.fitted_on.name or 'another model'}[/dim]"
+                    tag += " [dim]*[/dim]"  # fitted on another model (the border says; highlighting says which)
+                    marked = True
             except ValueError:  # e.g. an allocation or a calibrated fit made for another geometry
                 bits = "  n/a "
                 tag += " [dim]not for this model: highlight it for why[/dim]"
             ol.add_option(Option(f"{name:<26} {bits}{tag}", id=f"p:{name}"))
         ol.border_title = f"presets · bits/element at {ctx} tokens"
+        ol.border_subtitle = "* fitted on another model" if marked else ""
 
     def policy_text(self, name: str) -> str:
         from tqbench.engine.policy import PRESET_TEXT
@@ -213,6 +217,7 @@ class PoliciesPane(Horizontal):
         from tqbench.engine.policy import parse_policy
 
         pol = parse_policy(self.policy_text(name))
+        self.loaded = pol
         with self.prevent(Input.Changed, Select.Changed, Checkbox.Changed):
             _set_codec(self.query_one("#k-codec", Select), pol.k)
             _set_codec(self.query_one("#v-codec", Select), pol.v)
@@ -253,6 +258,19 @@ class PoliciesPane(Horizontal):
             return KVGeometry.from_config(engine.config)
         return default_geometry()
 
+    def _fingerprint(self) -> str | None:
+        """The loaded model's fingerprint where estimates are for it (no "geometry of" named), else None."""
+        engine = getattr(self.app, "engine", None)
+        if engine is None or self.query_one("#geometry-model", Input).value.strip():
+            return None
+        return engine.loaded.fingerprint
+
+    def _fitted_line(self, geo) -> str:
+        """The loaded policy's "fitted on another model" warning (``FittedOn.warning``, the one rule), or ""."""
+        fitted = getattr(self.loaded, "fitted_on", None)
+        warning = fitted.warning(self._fingerprint(), geo) if fitted is not None else None
+        return f"[b yellow]{warning}[/]\n" if warning else ""
+
     def _context_warning(self, tokens: int) -> str:
         """The line kv-estimate's note gives when the context is beyond the model's (empty when it is not)."""
         from tqbench.engine.cache import model_geometry
@@ -276,7 +294,10 @@ class PoliciesPane(Horizontal):
 
     def built_policy(self):
         """The builder's fields as the engine's ``Policy`` (its checks; bad fields raise ``ValueError`` naming the
-        field). Overrides are read by the compact grammar, the one reader of ``ROLE@LAYERS=VALUE``."""
+        field) over the last loaded policy (the keys the builder has no field for are carried from it). Overrides
+        are read by the compact grammar, the one reader of ``ROLE@LAYERS=VALUE``."""
+        from dataclasses import replace
+
         from tqbench.engine.policy import Policy, parse_policy
         from tqbench.engine.policy.keep import parse_keep
 
@@ -295,7 +316,8 @@ class PoliciesPane(Horizontal):
         overrides = " ".join(o for o in val("overrides").replace(",", " ").split() if o)
         # (parsed over an evicting scratch policy: a demote@ override needs one; only the overrides are kept)
         parsed = parse_policy(",".join(["k=fp16,keep=0.5", *overrides.split()])).overrides if overrides else ()
-        return Policy(
+        return replace(
+            self.loaded if self.loaded is not None else Policy(), name=None, fitted_on=None,
             k=str(self.query_one("#k-codec", Select).value), v=str(self.query_one("#v-codec", Select).value),
             sink=whole("sink", "sink tokens"), recent=whole("recent", "recent window"), protect=val("protect"),
             rotation=str(self.query_one("#rotation", Select).value), center=self.query_one("#center", Checkbox).value,
@@ -371,6 +393,7 @@ class PoliciesPane(Horizontal):
             f"[b]{_mib(est.total_bytes)}[/b] vs fp16 {_mib(est.dense_fp16_bytes)} "
             f"([b green]{est.saved_pct:.1f}% saved[/]) · shared {est.shared_bytes} B\n"
             f"{self._context_warning(est.seq_len)}"
+            f"{self._fitted_line(g)}"
             f"{_eviction_line(pol, g, est.seq_len)}"
             f"[dim]geometry: {g.num_layers} layers{sliding} × {g.kv_heads} KV heads × head_dim {g.head_dim}"
             f"{f' (V {g.v_dim})' if g.v_dim != g.head_dim else ''}; every byte "
