@@ -35,10 +35,10 @@ from tqbench.engine.allocate.demote import (
     tier_options,
 )
 from tqbench.engine.allocate.exchange import (
+    REPRICE_WITHIN,
     ExchangeStep,
     JointMeasure,
     as_protection,
-    REPRICE_WITHIN,
     improve,
     protection_grid,
 )
