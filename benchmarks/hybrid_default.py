@@ -43,7 +43,7 @@ CANDIDATES = {  # in the order they were added (issue 39: each round chose the n
     "windows q8_0, globals K turbo4 + V q8_0": "turbo4,sliding=compress,kv@sliding=q8_0,v@global=q8_0",
     "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@global=q8_0",
     "turbo4 everywhere (hadamard)": "turbo4,sliding=compress,rotation=hadamard",
-    # round e-h (hadamard rotations: 524,288 B fewer than QR's at head_dim 256, the room for the levers below)
+    # rounds e-i (hadamard rotations: 524,288 B fewer than QR's at head_dim 256, the room for the levers below)
     "H, windows' last 128 rows fp16": "turbo4,sliding=compress,rotation=hadamard,srecent=128",
     "H, windows' last 64 rows fp16": "turbo4,sliding=compress,rotation=hadamard,srecent=64",
     "H, globals K pcaq4 (Gemma fit)": "turbo4,sliding=compress,rotation=hadamard,k@global=pcaq4,calib={calib}",
@@ -58,6 +58,14 @@ CANDIDATES = {  # in the order they were added (issue 39: each round chose the n
         "turbo4,sliding=compress,k@global=int4,v@global=turbo3,srecent=64",
     "H, windows' last 128 rows fp16, globals K int4 + V turbo3":
         "turbo4,sliding=compress,rotation=hadamard,k@global=int4,v@global=turbo3,srecent=128",
+    "H, windows' last 48 rows fp16, globals K int4": "turbo4,sliding=compress,rotation=hadamard,k@global=int4,srecent=48",
+    "H, windows' last 32 rows fp16, globals K int4": "turbo4,sliding=compress,rotation=hadamard,k@global=int4,srecent=32",
+    "H, windows' last 64 rows fp16, globals K int4 (64-row blocks)":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,kblock=64,srecent=64",
+    "H, windows' last 48 rows fp16, globals K int4 (64-row blocks): the default":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,kblock=64,srecent=48",
+    "H, windows' last 32 rows fp16, globals K int4 (64-row blocks)":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,kblock=64,srecent=32",
 }
 #: texts neither model was fitted on (the shipped transforms were fitted on tqbench/data/calibration/): prose,
 #: a maintenance manual, code. "tail:" takes the LAST n tokens, so the scored steps read the last text's kind.
