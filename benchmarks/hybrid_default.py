@@ -43,6 +43,29 @@ CANDIDATES = {  # in the order they were added (issue 39: each round chose the n
     "windows q8_0, globals K turbo4 + V q8_0": "turbo4,sliding=compress,kv@sliding=q8_0,v@global=q8_0",
     "turbo4 windows, globals q8_0": "turbo4,sliding=compress,kv@global=q8_0",
     "turbo4 everywhere (hadamard)": "turbo4,sliding=compress,rotation=hadamard",
+    # rounds e-i (hadamard rotations: 524,288 B fewer than QR's at head_dim 256, the room for the levers below)
+    "H, windows' last 128 rows fp16": "turbo4,sliding=compress,rotation=hadamard,srecent=128",
+    "H, windows' last 64 rows fp16": "turbo4,sliding=compress,rotation=hadamard,srecent=64",
+    "H, globals K pcaq4 (Gemma fit)": "turbo4,sliding=compress,rotation=hadamard,k@global=pcaq4,calib={calib}",
+    "H, globals K pcaq5 (Gemma fit)": "turbo4,sliding=compress,rotation=hadamard,k@global=pcaq5,calib={calib}",
+    "H, globals K q5_0": "turbo4,sliding=compress,rotation=hadamard,k@global=q5_0",
+    "H, globals K q5_0 + V turbo3": "turbo4,sliding=compress,rotation=hadamard,k@global=q5_0,v@global=turbo3",
+    "H, windows q5_0, globals K q5_0 + V turbo3":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=q5_0,v@global=turbo3,kv@sliding=q5_0",
+    "H, globals K int4 per-channel": "turbo4,sliding=compress,rotation=hadamard,k@global=int4",
+    "H, globals K int8 per-channel": "turbo4,sliding=compress,rotation=hadamard,k@global=int8",
+    "windows' last 64 rows fp16, globals K int4 + V turbo3":
+        "turbo4,sliding=compress,k@global=int4,v@global=turbo3,srecent=64",
+    "H, windows' last 128 rows fp16, globals K int4 + V turbo3":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,v@global=turbo3,srecent=128",
+    "H, windows' last 48 rows fp16, globals K int4": "turbo4,sliding=compress,rotation=hadamard,k@global=int4,srecent=48",
+    "H, windows' last 32 rows fp16, globals K int4": "turbo4,sliding=compress,rotation=hadamard,k@global=int4,srecent=32",
+    "H, windows' last 64 rows fp16, globals K int4 (64-row blocks)":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,kblock=64,srecent=64",
+    "H, windows' last 48 rows fp16, globals K int4 (64-row blocks): the default":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,kblock=64,srecent=48",
+    "H, windows' last 32 rows fp16, globals K int4 (64-row blocks)":
+        "turbo4,sliding=compress,rotation=hadamard,k@global=int4,kblock=64,srecent=32",
 }
 #: texts neither model was fitted on (the shipped transforms were fitted on tqbench/data/calibration/): prose,
 #: a maintenance manual, code. "tail:" takes the LAST n tokens, so the scored steps read the last text's kind.
@@ -68,6 +91,8 @@ def main() -> None:
     ap.add_argument("--mode", default="simulate")
     ap.add_argument("--lengths", default="1024,8192,32768")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calib", default=None, help="a transforms file for the candidates with calib={calib} "
+                    "(calibrated keys fitted on this model: tqbench calibrate / allocate --fit-transforms)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     con = Console()
@@ -81,6 +106,11 @@ def main() -> None:
     skipped: dict[str, str] = {}
     for name in names:
         text = CANDIDATES.get(name, name)
+        if "{calib}" in text:
+            if not args.calib:
+                skipped[name] = "calibrated keys: give --calib FILE (transforms fitted on this model)"
+                continue
+            text = text.replace("{calib}", args.calib)
         if any(w in text for w in ("@sliding", "@global", "sliding=dense")) and not hybrid:
             skipped[name] = "the model has no sliding-window layers: the same as turbo4 everywhere"
             continue

@@ -48,15 +48,35 @@ def test_the_default_is_turbo4_without_sliding_layers_and_the_measured_mix_on_a_
 
     smol = model_geometry("default").geometry
     assert default_policy(smol.layer_types) == parse_policy("turbo4") and DEFAULT_POLICY == "turbo4"
-    # the hybrid default stores exactly turbo4's bytes on a model without sliding layers
-    for n in (1, 1024, 8192):
-        assert estimate_kv(HYBRID_DEFAULT_POLICY, smol, n).total_bytes == estimate_kv("turbo4", smol, n).total_bytes
+    # the measured hybrid default (docs/gemma3-270m.md): a change of string or bytes must be a deliberate one
+    assert HYBRID_DEFAULT_POLICY == "turbo4,rotation=hadamard,k@global=int4,kblock=64,srecent=48"
     pol = default_policy(GEMMA.layer_types)
     assert pol == parse_policy(HYBRID_DEFAULT_POLICY)
     plans = pol.plan(GEMMA.num_layers, list(GEMMA.layer_types))
-    assert {(p.k, p.v) for p in plans if p.sliding} == {("q8_0", "q8_0")}
-    assert [(p.layer, p.k, p.v) for p in plans if not p.sliding] == [(i, "q8_0", "turbo4") for i in (5, 11, 17)]
-    assert [estimate_kv(pol, GEMMA, n).total_bytes for n in USAGE_LENGTHS] == [5819432, 14464040, 44102696]
+    assert {(p.k, p.v, p.sink, p.recent) for p in plans if p.sliding} == {("turbo4", "turbo4", 0, 48)}
+    assert [(p.layer, p.k, p.v, p.sink, p.recent) for p in plans if not p.sliding] == [
+        (i, "int4", "turbo4", 4, 16) for i in (5, 11, 17)]
+    # >= 70% of the model's own fp16 cache saved at 8K (issue 39), every byte counted
+    est = [estimate_kv(pol, GEMMA, n) for n in USAGE_LENGTHS]
+    assert [e.total_bytes for e in est] == [3486092, 9378188, 29579660]
+    assert [round(e.saved_pct, 1) for e in est] == [68.3, 71.6, 72.7]
+
+
+def test_the_hybrid_default_on_a_tiny_gemma3_stores_the_estimated_bytes_in_every_mode():
+    import torch
+
+    from tqbench.engine import Engine
+    from tqbench.engine.policy import HYBRID_DEFAULT_POLICY
+
+    eng = Engine.load("tiny-gemma3_text")  # window 8: srecent=48 keeps the whole window fp16 here
+    ids = torch.randint(5, 300, (1, 70), generator=torch.Generator().manual_seed(0))  # past one 64-row key block
+    runs = {m: eng.generate(ids, HYBRID_DEFAULT_POLICY, m, max_new_tokens=6, stop_at_eos=False, prefill_chunk=0)
+            for m in ("simulate", "compressed", "fused")}
+    assert runs["simulate"].token_ids == runs["compressed"].token_ids == runs["fused"].token_ids
+    assert runs["fused"].cache_report.fused_impl == {"native-cpu": runs["fused"].cache_report.fused_calls}
+    want = estimate_kv(HYBRID_DEFAULT_POLICY, eng.geometry, 75, prefill=70).total_bytes
+    assert want == 31932  # 26300 with 32-row key blocks
+    assert {m: r.cache_report.compressed_storage_bytes for m, r in runs.items()} == dict.fromkeys(runs, want)
 
 
 def test_validate_without_a_candidate_runs_the_models_default():
