@@ -193,3 +193,24 @@ def test_append_step_packs_what_append_points_packs(dtype):
         pa, pb = a.packed_view(), b.packed_view()
         assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
         assert torch.equal(a.tail.view(), b.tail.view())
+
+
+def test_a_copied_layer_makes_its_own_step_and_both_decode_alike():
+    """A compressed context is forked by ``copy.deepcopy`` (``context.fork``): the kept step (native, over the
+    original's buffers) is left out of the copy, which builds its own; both then append the same rows alike."""
+    import copy
+
+    layer = _layer()
+    twin = copy.deepcopy(layer)
+    assert layer._step is not None and twin._step is None
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for _ in range(4):
+            k, v = torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)
+            layer.update(k, v)
+            twin.update(k, v)
+    assert twin._step is not None and twin._step.native is not layer._step.native
+    for a, b in ((layer.k_store, twin.k_store), (layer.v_store, twin.v_store)):
+        pa, pb = a.packed_view(), b.packed_view()
+        assert a.n_packed == b.n_packed and all(torch.equal(pa[n], pb[n]) for n in pa)
+        assert torch.equal(a.tail.view(), b.tail.view())

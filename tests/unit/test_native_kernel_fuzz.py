@@ -362,9 +362,10 @@ def test_packed_side_descriptions_live_and_die_with_their_stores(tiny_engine):
     assert cache.report().fused_impl == {"native-cpu": cache.report().fused_calls}
     layers = len(cache.layers)
     assert len(_SIDES) == before + 2 * layers  # one K and one V description per layer's store
-    n_packed = [key[0] for store, (key, _) in list(_SIDES.items()) if id(store) not in old]
+    # (a decode step refreshes the kept description in place: ``cache.step``'s LayerStep points it at each call's rows)
+    n_packed = [side.n_packed for store, (_, side) in list(_SIDES.items()) if id(store) not in old]
     assert len(n_packed) == 2 * layers
-    assert min(n_packed) > 36  # rebuilt after the flushes (the prefill packed 36 rows)
+    assert min(n_packed) > 36  # refreshed after the flushes (the prefill packed 36 rows)
     del cache
     gc.collect()
     assert len(_SIDES) == before

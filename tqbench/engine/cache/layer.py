@@ -106,6 +106,13 @@ class TQLayer(CacheLayerMixin):
         self._sim_start = {"k": 0, "v": 0}
         self._sim_pending: dict[str, list] = {}
 
+    def __getstate__(self) -> dict:
+        """Copies (``copy.deepcopy``: a compressed context forked per question) and pickles leave out the kept decode
+        step (native, not copyable; its sides and buffers are the original's): the copy makes its own."""
+        state = self.__dict__.copy()
+        state["_step"] = None
+        return state
+
     @property
     def ragged(self) -> bool:
         """heads=ada or a per-head keep list: each KV head holds its own rows (``evict.ragged``)."""
