@@ -52,3 +52,14 @@ def fused_as_reference(engine, policy, monkeypatch, impl: str = "triton"):
     got = engine.generate(ids, policy, "fused", max_new_tokens=4, stop_at_eos=False)
     assert got.token_ids == ref.token_ids
     return ref, got
+
+
+def runs_in_every_mode(engine, ids, policy, max_new_tokens: int = 8) -> dict:
+    """``policy`` generated in simulate, compressed and fused: the same tokens in all three, the fused calls all in
+    the native kernel; the runs by mode."""
+    runs = {m: engine.generate(ids, policy, m, max_new_tokens=max_new_tokens, stop_at_eos=False)
+            for m in ("simulate", "compressed", "fused")}
+    assert runs["fused"].token_ids == runs["compressed"].token_ids == runs["simulate"].token_ids
+    rep = runs["fused"].cache_report
+    assert rep.fused_impl == {"native-cpu": rep.fused_calls} and rep.fused_calls > 0
+    return runs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.cache_helpers import runs_in_every_mode
 from tqbench.engine.cache import TQCache
 from tqbench.engine.cache.estimate import KVGeometry, estimate_kv
 from tqbench.engine.cache.evict import scores
@@ -83,11 +84,8 @@ def test_rows_kept_are_kvpress_kvzip_layerwise_false(tiny_engine):
                                     "turbo4,keep=0.5,score=kvzip,budget=global,protect=last1"])
 def test_every_mode_fused_natively_bytes_are_the_estimate(tiny_engine64, policy):
     ids = tiny_engine64.encode_prompt(PROMPT, chat=False)
-    runs = {m: tiny_engine64.generate(ids, policy, m, max_new_tokens=8, stop_at_eos=False)
-            for m in ("simulate", "compressed", "fused")}
-    assert runs["fused"].token_ids == runs["compressed"].token_ids == runs["simulate"].token_ids
+    runs = runs_in_every_mode(tiny_engine64, ids, policy)
     rep = runs["fused"].cache_report
-    assert rep.fused_impl == {"native-cpu": rep.fused_calls} and rep.fused_calls > 0
     n = ids.shape[1] + 7  # (the last token is generated, never fed)
     est = estimate_kv(policy, KVGeometry.from_config(tiny_engine64.model.config), n, prefill=ids.shape[1])
     uni = tiny_engine64.generate(ids, policy.replace(",budget=global", ""), "compressed", max_new_tokens=8,
