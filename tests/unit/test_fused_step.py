@@ -45,7 +45,8 @@ def _same(a, b) -> None:
         assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
         assert (ta is None and tb is None) or torch.equal(ta, tb)
     assert a[2].fused_impl == b[2].fused_impl
-    assert a[2].notes == b[2].notes
+    step = "decode step not in one native call"  # (said only where the one-call path was tried: the fast run)
+    assert [n for n in a[2].notes if step not in n] == [n for n in b[2].notes if step not in n]
 
 
 POLICIES = ["turbo4,recent=2", "k=turbo4|turbo2,v=turbo2|turbo3,sink=2,recent=3", "turbo3,sink=0,recent=0",
@@ -214,3 +215,13 @@ def test_a_copied_layer_makes_its_own_step_and_both_decode_alike():
         pa, pb = a.packed_view(), b.packed_view()
         assert a.n_packed == b.n_packed and all(torch.equal(pa[n], pb[n]) for n in pa)
         assert torch.equal(a.tail.view(), b.tail.view())
+
+
+def test_the_report_says_why_a_decode_step_is_not_one_native_call(tiny_engine64):
+    ids = torch.randint(5, 200, (1, 40))
+    notes = tiny_engine64.generate(ids, "k=turbo4,v=int4", "fused", max_new_tokens=4,
+                                   stop_at_eos=False).cache_report.notes
+    assert ("decode step not in one native call (the V store: no native encoder for int4): the stores appended "
+            "one by one") in notes
+    notes = tiny_engine64.generate(ids, "turbo4", "fused", max_new_tokens=4, stop_at_eos=False).cache_report.notes
+    assert not [n for n in notes if "decode step not in one native call" in n]

@@ -108,6 +108,8 @@ def build_report(cache) -> CacheReport:
     rep.notes.extend(slow)  # the append path's fast path did not run: say so, and why
     rep.notes.extend(sorted({why for la in layers for s in (la.k_store, la.v_store)
                              if (why := getattr(s, "append_path", None)) and why != APPEND_IN_PLACE}))
+    rep.notes.extend(sorted({f"decode step not in one native call ({why}): the stores appended one by one"
+                             for la in layers if (why := getattr(getattr(la, "_step", None), "why", None))}))
     if windowed:
         rep.notes.append(
             f"{len(windowed)} sliding-window layers hold only their window ({window_rows(cache.sliding_window)} tokens, "

@@ -16,7 +16,7 @@ import torch
 from tqbench.engine.cache.handles import FusedKV
 from tqbench.engine.cache.store import KVStore
 
-__all__ = ["append_step"]
+__all__ = ["append_step", "fused_step"]
 
 _MODULE: list = []  # the native extension, once asked (the per-step call skips the loader's lock)
 
@@ -38,9 +38,7 @@ def append_step(stores: Sequence[KVStore], xs: Sequence[torch.Tensor]) -> bool:
         tail, t = store.tail, x.shape[2]
         before = tail.alloc_bytes()
         at = tail.reserve(t)
-        after = tail.alloc_bytes()
-        held = x.numel() * x.element_size() + store.head.alloc_bytes() + after + (before if after != before else 0)
-        store.peak_dense_bytes = max(store.peak_dense_bytes, held)
+        store.note_dense_bytes(_nbytes(x), before)
         if tail.data is not store._appender[1]:  # (the row buffer grew: same dtype and shape, the encoder stands)
             store._appender = (store._appender[0], tail.data, store._appender[2])
         tpu = store.codec.tokens_per_unit
@@ -101,7 +99,15 @@ def _new_plan(layer, ks: KVStore, vs: KVStore, k: torch.Tensor, v: torch.Tensor,
     plan = _Plan(key, (ks.packed, vs.packed))
     kp, vp = ks._step_plan(k), vs._step_plan(v)
     if kp is None or vp is None:
-        plan.why = "a store needs the general path"
+        store = ks if kp is None else vs
+        hit = store._appender
+        if hit is not None and isinstance(hit[2], str):
+            reason = hit[2]
+        elif hit is None:
+            reason = f"{store.codec.spec} rows have no native in-place encoder"
+        else:
+            reason = "its rows take the general append path (a window, sinks filling or a mark)"
+        plan.why = f"the {'K' if kp is None else 'V'} store: {reason}"
         return plan
     sides = store_sides(FusedKV(ks, vs, k, v, snapshot(ks), snapshot(vs), layer), k.shape[3], dt)
     if isinstance(sides, str):
@@ -158,10 +164,7 @@ def fused_step(layer, k: torch.Tensor, v: torch.Tensor):
         if plan.native is None or any(a is not b for a, b in zip(data, plan.data)):
             # the dense bytes held (``KVStore._add``'s rule): they change only when a buffer does, so counted here
             for (store, x, _), (tail_state, _) in zip(stores, saved):
-                before = _nbytes(tail_state[0])
-                after = store.tail.alloc_bytes()
-                held = _nbytes(x) + store.head.alloc_bytes() + after + (before if after != before else 0)
-                store.peak_dense_bytes = max(store.peak_dense_bytes, held)
+                store.note_dense_bytes(_nbytes(x), _nbytes(tail_state[0]))
             _bind(plan, data, dt)
         extra, views = plan.native.step(k, v, ints)
     except BaseException:

@@ -167,8 +167,13 @@ class KVStore:
             x = x[:, :, free:]
         before = self.tail.alloc_bytes()
         self.tail.append(x)
+        self.note_dense_bytes(incoming, before)
+
+    def note_dense_bytes(self, incoming: int, tail_before: int) -> None:
+        """``peak_dense_bytes``'s one rule, after rows went to the tail: the caller's incoming rows + the sink and tail
+        buffers' capacity + the old tail buffer (``tail_before`` bytes) while it grew."""
         after = self.tail.alloc_bytes()
-        held = incoming + self.head.alloc_bytes() + after + (before if after != before else 0)
+        held = incoming + self.head.alloc_bytes() + after + (tail_before if after != tail_before else 0)
         self.peak_dense_bytes = max(self.peak_dense_bytes, held)
 
     def _evict(self) -> int:
@@ -392,4 +397,3 @@ class KVStore:
             self.state = {k: (t.repeat_interleave(repeats, 0) if t.dim() >= 1 and t.shape[0] > 1 else t)
                           for k, t in self.state.items()}
             self.state_version = next(_STATE_VERSIONS)
-
